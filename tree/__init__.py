@@ -1,0 +1,22 @@
+"""Model-free draft-tree data and algorithms (flat tensors, pure functions)."""
+from .tree import (  # noqa: F401
+    SOURCE_DRAFT,
+    SOURCE_NAMES,
+    SOURCE_RETRIEVED,
+    SOURCE_ROOT,
+    Tree,
+    TreeError,
+    accept_length,
+    ancestor_mask,
+    attention_mask,
+    chain,
+    from_paths,
+    make_tree,
+    merge,
+    paths_to_leaves,
+    position_ids,
+    root_only,
+    validate,
+    walk,
+    with_sources,
+)

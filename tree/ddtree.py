@@ -1,0 +1,66 @@
+"""DDTree: the best-first heap that picks the ``budget`` highest-probability prefixes of a block's per-position
+marginals (product of marginals = the surrogate joint). Pure function of top-K tensors; nodes come out in pop
+order, which is topological."""
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from .tree import SOURCE_DRAFT, Tree, make_tree
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[L, V] raw draft logits -> (ids [L, K], log-probs [L, K]) with K = min(k, V); log-softmax over the full
+    vocabulary in fp32 (no temperature), on the CPU."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    vals, ids = lp.topk(min(int(k), lp.shape[-1]), dim=-1)
+    return ids.cpu(), vals.cpu()
+
+
+def ddtree(root_token: int, top_ids: torch.Tensor, top_logprobs: torch.Tensor, budget: int) -> Tree:
+    """Top-``budget`` prefixes by summed log-prob, depth <= L (rows of ``top_ids``).
+
+    Each rank tuple has one generator (its previous sibling, or its parent for a first child), so the heap never
+    produces a duplicate; ties are broken by the rank tuple, as in the reference.
+    """
+    L, K = top_ids.shape
+    ids = top_ids.tolist()
+    lps = top_logprobs.double().tolist()
+    tokens, parents, scores = [int(root_token)], [-1], [0.0]
+    if L == 0 or K == 0 or budget < 1:
+        return make_tree(tokens, parents, scores, SOURCE_DRAFT)
+    # heap item: (-score, rank tuple, parent node, depth (1-based), rank)
+    heap = [(-lps[0][0], (0,), 0, 1, 0)]
+    while heap and len(tokens) - 1 < budget:
+        neg, ranks, parent, depth, rank = heapq.heappop(heap)
+        score = -neg
+        node = len(tokens)
+        tokens.append(ids[depth - 1][rank])
+        parents.append(parent)
+        scores.append(score)
+        if rank + 1 < K:  # next sibling
+            s = score - lps[depth - 1][rank] + lps[depth - 1][rank + 1]
+            heapq.heappush(heap, (-s, ranks[:-1] + (rank + 1,), parent, depth, rank + 1))
+        if depth < L:  # first child
+            heapq.heappush(heap, (-(score + lps[depth][0]), ranks + (0,), node, depth + 1, 0))
+    return make_tree(tokens, parents, scores, SOURCE_DRAFT)
+
+
+def brute_force_top_prefixes(top_ids: torch.Tensor, top_logprobs: torch.Tensor, budget: int) -> set[tuple]:
+    """Reference for tests: enumerate every prefix (rank paths) and keep the ``budget`` best token paths."""
+    L, K = top_ids.shape
+    items = []
+
+    def rec(depth, ranks, score):
+        if depth == L:
+            return
+        for r in range(K):
+            s = score + float(top_logprobs[depth, r])
+            rk = ranks + (r,)
+            items.append((-s, rk))
+            rec(depth + 1, rk, s)
+
+    rec(0, (), 0.0)
+    items.sort()
+    return {tuple(int(top_ids[d, r]) for d, r in enumerate(rk)) for _, rk in items[:budget]}
