@@ -1,0 +1,32 @@
+import os
+
+# Triton kernels only launch on CPU in interpreter mode, which must be chosen before any @triton.jit runs.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded target (SmolLM2-135M-Instruct, fp32, CPU). Converted once, then cached."""
+    from graft_block.target import load_target
+
+    return load_target("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    from graft_block.testing import tiny_target
+
+    return tiny_target("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    from graft_block.testing import tiny_target
+
+    return tiny_target("qwen3")
