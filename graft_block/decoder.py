@@ -159,6 +159,7 @@ class SpeculativeDecoder:
         self.graft = graft
         self.round_hooks = list(round_hooks)
         self.check_trees = check_trees
+        self._cuda = target.device.type == "cuda"
         layers = tuple(getattr(drafter, "feature_layers", ()) or ())
         target.set_feature_layers(layers)
 
@@ -171,10 +172,10 @@ class SpeculativeDecoder:
         return None
 
     def _sync(self):
-        if self.target.device.type == "cuda":
+        if self._cuda:
             torch.cuda.synchronize(self.target.device)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def generate(
         self,
         prompt,

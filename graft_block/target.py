@@ -44,6 +44,9 @@ class Target:
         self.hidden_size = int(text_cfg.hidden_size)
         self.max_positions = int(getattr(text_cfg, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        # Read once: the model must already sit on its final device/dtype when wrapped (looked up every round).
+        emb = model.get_input_embeddings().weight
+        self._device, self._dtype = emb.device, emb.dtype
         self.cache = None
         self.feature_layers: tuple[int, ...] = ()
         self._hooks = []
@@ -52,11 +55,11 @@ class Target:
     # ---- properties -------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        return self._device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.get_input_embeddings().weight.dtype
+        return self._dtype
 
     @property
     def cache_len(self) -> int:
@@ -125,7 +128,7 @@ class Target:
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompt into a fresh cache. Returns (last-position logits [V], features [L, F] or None)."""
         ids = ids.to(self.device).view(1, -1)
@@ -138,7 +141,7 @@ class Target:
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1], self._take_features()
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def verify(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over every tree node at positions ``cache_len + depth`` with the ancestor-only mask.
         Returns (logits [n, V], features [n, F] or None). The n new KV entries are appended; call ``compact``."""
@@ -150,6 +153,7 @@ class Target:
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache, use_cache=True)
         return out.logits[0], self._take_features()
 
+    @torch.no_grad()
     def compact(self, n_new: int, keep: torch.Tensor) -> None:
         """Keep, of the ``n_new`` entries the last ``verify`` appended, those at ``keep`` (path order), contiguously."""
         keep = keep.to(self.device)

@@ -30,3 +30,53 @@ def tiny_target(arch: str = "llama", vocab_size: int = 128, hidden_size: int = 6
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return Target(model, None, name=f"tiny-{arch}")
+
+
+def chi_square_test(counts: dict, probs: dict, min_expected: float = 5.0) -> tuple[float, int, float]:
+    """Pearson chi-square of observed ``counts`` (outcome -> n) against exact ``probs`` (outcome -> p).
+
+    Outcomes with expected count < ``min_expected`` are pooled into one cell (so rare outcomes still count).
+    Returns (statistic, degrees of freedom, p-value via the Wilson-Hilferty approximation).
+    An outcome observed but with probability 0 gives p-value 0: the sampler emitted something impossible."""
+    import math
+
+    n = sum(counts.values())
+    if any(c > 0 and probs.get(k, 0.0) <= 0.0 for k, c in counts.items()):
+        return float("inf"), 1, 0.0
+    cells, pool_obs, pool_exp = [], 0.0, 0.0
+    for k, p in probs.items():
+        e = p * n
+        o = counts.get(k, 0)
+        if e < min_expected:
+            pool_obs += o
+            pool_exp += e
+        else:
+            cells.append((o, e))
+    if pool_exp > 0:
+        cells.append((pool_obs, pool_exp))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    dof = max(1, len(cells) - 1)
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    pval = 0.5 * math.erfc(z / math.sqrt(2))
+    return stat, dof, pval
+
+
+@torch.no_grad()
+def exact_sequence_probs(target: Target, prompt: list[int], length: int, sampling) -> dict:
+    """Exact probability of every ``length``-token continuation under the target's sampling rule (small vocab).
+
+    Enumerates the prefix tree level by level with batched forwards; fine for vocab**length up to ~1e4."""
+    from .sampling import target_probs
+
+    probs = {(): 1.0}
+    for _ in range(length):
+        prefixes = [p for p in probs if probs[p] > 0]
+        ids = torch.tensor([prompt + list(p) for p in prefixes], device=target.device)
+        logits = target.model(input_ids=ids).logits[:, -1]
+        dist = target_probs(logits, sampling).cpu().double()
+        nxt = {}
+        for row, p in enumerate(prefixes):
+            for tok in torch.nonzero(dist[row] > 0).flatten().tolist():
+                nxt[p + (tok,)] = probs[p] * float(dist[row, tok])
+        probs = nxt
+    return probs

@@ -1,0 +1,401 @@
+"""Multi-Future Drafting (MFD): a DFlash drafter with K learned mode embeddings, all K modes drafted in one forward,
+proposals merged into a mixed DDTree (``tree.mixed``) ranked by best-mode log-probability.
+
+Model (``MFDModel``, a ``DFlashModel`` subclass; nothing else is new):
+  - ``mode_embed`` [K, H] is *added* to the block input embeddings (every block row by default, or only the MASK
+    rows with ``mode_rows="mask"``): mode k's block is ``e([bonus, MASK...]) + m_k``;
+  - ``mode_gate`` (Linear H -> 1, no bias; "K + 1 vectors" = K modes + 1 gate vector) scores each mode from its
+    pooled final block state. It is a training-time mixture prior only; inference ignores it except for the
+    ``mixture_gated`` ablation score;
+  - one draft forward over K x B rows: mode-replicated block rows share the context K/V, get identical positions
+    and a block-diagonal mask across modes (non-causal inside each block). With K = 1 no mask is passed, so K = 1
+    with ``mode_embed = 0`` is bit-for-bit the DFlash drafter.
+Checkpoint: the z-lab DFlash format (``drafters.dflash.save_checkpoint``) plus the tensors ``mode_embed`` and
+``mode_gate.weight``; config.json adds ``"type": "mfd"`` and ``"mfd_config": {"num_modes", "score", "mode_rows"}``.
+
+Training (the shared loop, ``python -m drafters.train --type mfd --init drafters/checkpoints/dflash-smollm2``):
+DFlash's anchors, blocks, position weights and soft labels, with every block replicated over the K modes. Per block
+and mode the weighted block NLL ``L_k = sum_i w_i l_{k,i}`` (l = DFlash's hard/soft row loss); the loss is
+  - ``mixture`` (default): ``-log sum_k pi_k exp(-L_k)`` summed over blocks / sum of weights (EM-style: each mode
+    is trained on the blocks it explains, in proportion to its posterior responsibility r_k); pi = softmax of the
+    gate over modes (the gate reads detached states, so it cannot bend the drafter);
+  - ``wta``: relaxed winner-take-all, (1 - eps) L_win + eps/(K-1) sum of the others, plus gate CE on the winner;
+  plus ``balance`` x KL(mean_r || uniform), a load-balancing term against dead modes. Symmetry breaking: mode
+vectors start as random orthogonal directions with norm ``mode_init_scale`` x ||e(MASK)||. With K = 1 the mode
+vector is frozen at 0, so the K = 1 control is plain DFlash training with the same data, steps and loss.
+Logged: per-mode win rate, pairwise argmax-block disagreement, responsibility entropy, teacher-forced accepted
+length of mode 0 and of the best mode per block (oracle).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graft_block.drafter import register
+from graft_block.errors import ConfigError
+from tree import Tree
+from tree.ddtree import topk_logprobs
+from tree.mixed import SCORES, mixed_ddtree
+
+from . import dflash as D
+
+MODE_ROWS = ("all", "mask")
+
+
+class MFDModel(D.DFlashModel):
+    """DFlash + ``mode_embed`` [K, H] at the block input + a training-only ``mode_gate``."""
+
+    def __init__(self, *args, num_modes: int = 4, mode_rows: str = "all", **kw):
+        super().__init__(*args, **kw)
+        if not isinstance(num_modes, int) or num_modes < 1:
+            raise ConfigError(f"num_modes must be an int >= 1, got {num_modes!r}")
+        if mode_rows not in MODE_ROWS:
+            raise ConfigError(f"mode_rows must be one of {MODE_ROWS}, got {mode_rows!r}")
+        H = self.config.hidden_size
+        self.num_modes, self.mode_rows = num_modes, mode_rows
+        self.mode_embed = nn.Parameter(torch.zeros(num_modes, H))
+        self.mode_gate = nn.Linear(H, 1, bias=False)
+        nn.init.zeros_(self.mode_gate.weight)
+
+    @classmethod
+    def from_dflash(cls, base: D.DFlashModel, num_modes: int = 4, mode_rows: str = "all") -> "MFDModel":
+        """Same weights as ``base``; zero mode vectors and gate (call ``break_symmetry`` before training K > 1)."""
+        model = cls(base.config, base.block_size, base.target_layer_ids, base.mask_token_id, base.num_target_layers,
+                    base.draft_vocab, num_modes=num_modes, mode_rows=mode_rows)
+        missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+        if unexpected or set(missing) - {"mode_embed", "mode_gate.weight"}:
+            raise ConfigError(f"cannot build MFD from this DFlash model: missing {missing}, unexpected {unexpected}")
+        p = next(base.parameters())
+        return model.to(device=p.device, dtype=p.dtype)
+
+    @torch.no_grad()
+    def break_symmetry(self, mask_embedding: torch.Tensor, scale: float = 0.5, seed: int = 0) -> None:
+        """Mode vectors = random orthonormal directions x ``scale`` x ||e(MASK)|| (K = 1 stays at zero)."""
+        K, H = self.mode_embed.shape
+        if K == 1:
+            self.mode_embed.zero_()
+            return
+        g = torch.Generator().manual_seed(seed)
+        q, _ = torch.linalg.qr(torch.randn(H, K, generator=g, dtype=torch.float64))
+        norm = float(mask_embedding.float().norm()) * scale
+        self.mode_embed.copy_((q.T * norm).to(self.mode_embed))
+
+    def mode_inputs(self, block_embeds: torch.Tensor, modes: int | None = None) -> torch.Tensor:
+        """[.., B, H] block embeddings -> [.., K, B, H] with mode k's vector added (all rows, or rows 1.. only)."""
+        K = self.num_modes if modes is None else modes
+        m = self.mode_embed[:K].to(block_embeds.dtype)  # [K, H]
+        B = block_embeds.shape[-2]
+        rows = torch.ones(B, 1, dtype=block_embeds.dtype, device=block_embeds.device)
+        if self.mode_rows == "mask":
+            rows[0] = 0  # the bonus/anchor row keeps its clean embedding
+        return block_embeds.unsqueeze(-3) + m.view(K, 1, -1) * rows  # [.., K, B, H]
+
+    def gate_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[.., K, B, H] final block states -> [.., K] gate logits (mean-pooled over rows, detached: the gate is a
+        training-time prior and must not shape the drafter)."""
+        return self.mode_gate(hidden.detach().mean(-2).to(self.mode_gate.weight.dtype)).squeeze(-1)
+
+
+def mode_block_mask(K: int, B: int, ctx_len: int, dtype, device) -> torch.Tensor | None:
+    """Additive mask [K*B, ctx_len + K*B]: all context visible; block rows see their own mode's block only.
+    None for K = 1 (DFlash's unmasked non-causal block, which keeps K = 1 bit-identical to DFlash)."""
+    if K == 1:
+        return None
+    blk = torch.arange(K, device=device).repeat_interleave(B)
+    ok = torch.cat([torch.ones(K * B, ctx_len, dtype=torch.bool, device=device), blk.view(-1, 1) == blk.view(1, -1)], 1)
+    return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill(~ok, torch.finfo(dtype).min)
+
+
+# ---- checkpoint IO -----------------------------------------------------------------------------------------
+def mfd_config(model: MFDModel, score: str = "best_mode") -> dict:
+    return {"num_modes": model.num_modes, "score": score, "mode_rows": model.mode_rows}
+
+
+def save_checkpoint(model: MFDModel, folder, score: str = "best_mode", dtype=torch.float16, extra=None) -> Path:
+    """z-lab DFlash format + ``mode_embed`` / ``mode_gate.weight``; config.json carries type "mfd" and K, score."""
+    return D.save_checkpoint(model, folder, dtype=dtype,
+                             extra={"type": "mfd", "mfd_config": mfd_config(model, score), **(extra or {})})
+
+
+def load_checkpoint(folder, device=None, dtype=None) -> tuple[MFDModel, dict]:
+    """An MFD checkpoint -> (model, mfd_config). A plain DFlash checkpoint loads as K = 1 with a zero mode vector."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    raw = D.read_config(folder)
+    mcfg = dict(raw.get("mfd_config") or {})
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    if not tensors:
+        raise ConfigError(f"MFD checkpoint {folder} has no *.safetensors weights")
+    if "mode_embed" not in tensors:
+        if raw.get("type") == "mfd":
+            raise ConfigError(f"MFD checkpoint {folder} has no 'mode_embed' tensor: re-save it with drafters.mfd")
+        base = D.load_checkpoint(folder, device=device, dtype=dtype)
+        return MFDModel.from_dflash(base, num_modes=1), {"num_modes": 1, "score": "best_mode", "mode_rows": "all"}
+    K = int(tensors["mode_embed"].shape[0])
+    if mcfg.get("num_modes", K) != K:
+        raise ConfigError(f"{folder}: mfd_config.num_modes {mcfg['num_modes']} != mode_embed rows {K}")
+    vocab = tensors.pop("draft_vocab", None)
+    base = D.model_from_config(raw, vocab)
+    model = MFDModel(base.config, base.block_size, base.target_layer_ids, base.mask_token_id, base.num_target_layers,
+                     vocab, num_modes=K, mode_rows=mcfg.get("mode_rows", "all"))
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    bad = [k for k in set(expected) & set(tensors) if tuple(expected[k].shape) != tuple(tensors[k].shape)]
+    if missing or unexpected or bad:
+        raise ConfigError(f"MFD checkpoint {folder} does not match its config.json: missing {missing[:8]}, "
+                          f"unexpected {unexpected[:8]}, wrong shapes {bad[:8]}")
+    model.load_state_dict(tensors, strict=True)
+    dtype = dtype or tensors["fc.weight"].dtype
+    mcfg.setdefault("num_modes", K)
+    mcfg.setdefault("score", "best_mode")
+    mcfg.setdefault("mode_rows", model.mode_rows)
+    return model.to(device=device or "cpu", dtype=dtype), mcfg
+
+
+# ---- the drafter -------------------------------------------------------------------------------------------
+@register("mfd")
+class MFDDrafter(D.DFlashDrafter):
+    """Config keys: ``checkpoint`` (MFD or DFlash folder), ``budget``, ``score`` ("best_mode" | "mixture_uniform"
+    | "mixture_gated"), ``use_modes`` (draft with the first n modes only; default all), ``block_size``,
+    ``marginal_topk`` (per-mode candidates per position; the tree uses max(marginal_topk, budget)).
+    Random-init keys (tests): ``num_modes``, ``mode_rows``, ``mode_init_scale``, plus DFlash's ``num_layers``,
+    ``target_layer_ids``, ``mask_token_id``, ``seed``, ``num_features``."""
+
+    def __init__(self, target, model: MFDModel, budget: int | None = None, block_size: int | None = None,
+                 marginal_topk: int = 8, checkpoint: str | None = None, score: str = "best_mode",
+                 use_modes: int | None = None):
+        if not isinstance(model, MFDModel):
+            raise ConfigError("MFDDrafter needs an MFDModel (MFDModel.from_dflash(dflash_model, num_modes))")
+        super().__init__(target, model, proposal="ddtree", budget=budget, block_size=block_size, denoise_steps=1,
+                         marginal_topk=marginal_topk, checkpoint=checkpoint)
+        if score not in SCORES:
+            raise ConfigError(f"score must be one of {SCORES}, got {score!r}")
+        use = model.num_modes if use_modes is None else use_modes
+        if not isinstance(use, int) or not 1 <= use <= model.num_modes:
+            raise ConfigError(f"use_modes must be an int in 1..{model.num_modes} (the checkpoint's modes), got {use!r}")
+        self.proposal, self.score, self.use_modes = "mixed", score, use
+        self.last_gate: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, cfg: dict, target=None) -> "MFDDrafter":
+        if target is None:
+            raise ConfigError("the mfd drafter needs the target: Drafter.from_config(cfg, target=target)")
+        cfg = dict(cfg)
+        cfg.pop("mfd_config", None)
+        opts = {k: cfg.pop(k) for k in ("budget", "block_size", "marginal_topk", "score", "use_modes") if k in cfg}
+        ckpt = cfg.pop("checkpoint", None)
+        if ckpt is not None:
+            model, mcfg = load_checkpoint(ckpt, device=target.device, dtype=target.dtype)
+            opts.setdefault("score", mcfg.get("score", "best_mode"))
+            return cls(target, model, checkpoint=str(ckpt), **opts)
+        mode_keys = {k: cfg.pop(k) for k in ("num_modes", "mode_rows") if k in cfg}
+        scale = float(cfg.pop("mode_init_scale", 0.5))
+        init = {k: cfg.pop(k) for k in ("num_layers", "target_layer_ids", "mask_token_id", "seed", "num_features")
+                if k in cfg}
+        if cfg:
+            raise ConfigError(f"unknown mfd config keys {sorted(cfg)}")
+        base = D.new_model(target, block_size=opts.get("block_size", 16), **init)
+        model = MFDModel.from_dflash(base, **mode_keys)
+        with torch.no_grad():
+            mask_e = target.embed(torch.tensor([model.mask_token_id], device=target.device))[0]
+        model.break_symmetry(mask_e, scale, seed=int(init.get("seed", 0)))
+        return cls(target, model, **opts)
+
+    # ---- drafting ---------------------------------------------------------------------------------------
+    def mode_logits(self, state, modes: int | None = None) -> torch.Tensor:
+        """One draft forward for ``modes`` modes -> logits [K, B-1, V'] (V' = draft vocab or full)."""
+        K = self.use_modes if modes is None else modes
+        B, dev = self.block_size, self.target.device
+        ids = torch.full((B,), self.model.mask_token_id, dtype=torch.long, device=dev)
+        ids[0] = state.root_token
+        rows = self.model.mode_inputs(self.target.embed(ids), K).reshape(K * B, -1)
+        start = state.cache_len
+        pos = torch.arange(start, start + B, device=dev).repeat(K)  # every mode at the same positions
+        mask = mode_block_mask(K, B, self.ctx_len, rows.dtype, dev)
+        hidden = self.block_hidden(state, ids, block_embeds=rows, positions=pos, mask=mask).view(K, B, -1)
+        self.last_gate = torch.softmax(self.model.gate_logits(hidden).float(), -1)
+        return self.model.logits(hidden[:, 1:], self._lm_w, self._lm_b)
+
+    @torch.inference_mode()
+    def propose(self, state) -> Tree:
+        logits = self.mode_logits(state)  # [K, L, V']
+        K, L, _ = logits.shape
+        k = max(self.marginal_topk, self.budget)
+        cols, lps = topk_logprobs(logits.reshape(K * L, -1), k)
+        ids = self.model.to_vocab_ids(cols.to(self.target.device)).cpu().view(K, L, -1)
+        lps = lps.view(K, L, -1)
+        self.last_block_logprobs = (ids, lps)  # per-mode top-k marginals [K, L, k]
+        with state.section("tree"):
+            weights = self.last_gate.cpu() if self.score == "mixture_gated" else None
+            return mixed_ddtree(state.root_token, ids, lps, self.budget, self.score, weights)
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d.update({"num_modes": self.model.num_modes, "use_modes": self.use_modes, "score": self.score,
+                  "mode_rows": self.model.mode_rows})
+        return d
+
+    # ---- training plug-in (graft_block.training) --------------------------------------------------------
+    @classmethod
+    def training_model(cls, target, cfg: dict, init: str | None = None) -> MFDModel:
+        return training_model(target, cfg, init)
+
+    @classmethod
+    def training_loss(cls, model, target, batch):
+        return training_loss(model, target, batch)
+
+    @classmethod
+    def save_trained(cls, model, out_dir, cfg: dict) -> None:
+        save_checkpoint(model, out_dir, score=cfg.get("score", "best_mode"))
+
+
+# ---- training ----------------------------------------------------------------------------------------------
+MFD_TRAIN_DEFAULTS = {"num_modes": 4, "mode_rows": "all", "mode_init_scale": 0.5, "mix_loss": "mixture",
+                      "wta_eps": 0.05, "balance": 0.05, "seed": 0}
+
+
+def training_model(target, cfg: dict, init: str | None = None) -> MFDModel:
+    """``init``: a DFlash checkpoint (the trained default: modes start from it), an MFD checkpoint (continue), or
+    None/"random"/"target" (DFlash's fresh inits). DFlash's training options (num_anchors, gamma, soft_weight ...)
+    apply unchanged; MFD adds ``MFD_TRAIN_DEFAULTS``."""
+    opts = {**MFD_TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in MFD_TRAIN_DEFAULTS}}
+    if opts["mix_loss"] not in ("mixture", "wta"):
+        raise ConfigError(f"mix_loss must be 'mixture' or 'wta', got {opts['mix_loss']!r}")
+    is_mfd = init not in (None, "random", "target") and D.read_config(init).get("type") == "mfd"
+    if is_mfd:
+        model, _ = load_checkpoint(init, device=target.device, dtype=torch.float32)
+        train_opts = None
+    else:
+        base = D.training_model(target, {k: v for k, v in cfg.items() if k not in MFD_TRAIN_DEFAULTS}, init)
+        train_opts = base.train_opts
+        model = MFDModel.from_dflash(base, int(opts["num_modes"]), opts["mode_rows"])
+        with torch.no_grad():
+            mask_e = target.embed(torch.tensor([model.mask_token_id], device=target.device))[0]
+        model.break_symmetry(mask_e, float(opts["mode_init_scale"]), int(opts["seed"]))
+    if train_opts is None:  # continuing an MFD checkpoint: DFlash's defaults for the block loss
+        dopts = {**D.TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in D.TRAIN_DEFAULTS}}
+        train_opts = {"num_anchors": int(dopts["num_anchors"]), "soft_weight": float(dopts["soft_weight"]),
+                      "gamma": dopts["gamma"] or {16: 7.0, 10: 5.0, 8: 4.0}.get(model.block_size, model.block_size / 2.3)}
+    D.check_compatible(model, target)
+    model.mode_embed.requires_grad_(model.num_modes > 1)  # K = 1 control: exactly DFlash + the same extra training
+    model.train_opts = {**train_opts, "mix_loss": opts["mix_loss"], "wta_eps": float(opts["wta_eps"]),
+                        "balance": float(opts["balance"])}
+    return model.to(target.device)
+
+
+def _row_losses(model: MFDModel, target, logits: torch.Tensor, lab: torch.Tensor, batch: dict, src: torch.Tensor,
+                soft_w: float) -> torch.Tensor:
+    """DFlash's row loss (hard CE mixed with soft CE against the target's top-k) for rows with labels ``lab`` whose
+    target distribution sits at data rows ``src`` [N] of sequence ``seq`` (packed as src = seq * L + row)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    dv = model.draft_vocab
+    if dv is not None:
+        col = torch.searchsorted(dv, lab).clamp(max=dv.numel() - 1)
+        in_vocab = dv[col] == lab
+    else:
+        col, in_vocab = lab, torch.ones_like(lab, dtype=torch.bool)
+    hard = -logp.gather(1, col.view(-1, 1)).squeeze(1) * in_vocab
+    if soft_w <= 0 or "top_ids" not in batch:
+        return hard
+    k = batch["top_ids"].shape[-1]
+    tid = batch["top_ids"].reshape(-1, k)[src]
+    tlp = batch["top_logp"].reshape(-1, k)[src].float()
+    if dv is not None:
+        tcol = torch.searchsorted(dv, tid).clamp(max=dv.numel() - 1)
+        tin = dv[tcol] == tid
+    else:
+        tcol, tin = tid, torch.ones_like(tid, dtype=torch.bool)
+    p = torch.softmax(tlp.masked_fill(~tin, float("-inf")), -1).nan_to_num(0.0)
+    soft = -(p * logp.gather(1, tcol)).sum(-1)
+    return (1 - soft_w) * hard + soft_w * soft
+
+
+def training_loss(model: MFDModel, target, batch: dict):
+    """Mixture (or relaxed-WTA) NLL over whole blocks, K modes per anchor in one forward (see module doc)."""
+    opts = model.train_opts
+    K = model.num_modes
+    ids, lengths, plen = batch["ids"], batch["lengths"], batch["prompt_len"]
+    dev = model.fc.weight.device
+    b, L = ids.shape
+    B, n = model.block_size, opts["num_anchors"]
+    anchors, seq_ok = D.sample_anchors(plen.cpu(), lengths.cpu(), n, batch.get("generator"))
+    anchors, seq_ok = anchors.to(dev), seq_ok.to(dev)
+    k = torch.arange(B, device=dev)
+    pos = anchors.unsqueeze(-1) + k  # [b, n, B]
+    blk_ids = torch.full((b, n, B), model.mask_token_id, dtype=torch.long, device=dev)
+    blk_ids[:, :, 0] = ids.gather(1, anchors)
+    lab_pos = pos[:, :, 1:]
+    valid = (lab_pos < lengths.view(-1, 1, 1)) & seq_ok.view(-1, 1, 1)  # [b, n, B-1]
+    labels = ids.gather(1, lab_pos.clamp(max=L - 1).view(b, -1)).view(b, n, B - 1)
+
+    ctx = model.fuse(batch["feats"])
+    ctx_kv = model.context_kv(ctx, torch.arange(L, device=dev).expand(b, L))
+    # K replicas of every block (anchor-major): same anchor, same positions, own rows only.
+    mask = D.block_attention_mask(anchors.repeat_interleave(K, dim=1), L, B, ctx.dtype)
+    with torch.no_grad():
+        emb = target.embed(blk_ids).float()  # [b, n, B, H]
+    rows = model.mode_inputs(emb).reshape(b, n * K * B, -1)
+    hidden = model(rows, pos.repeat_interleave(K, dim=1).reshape(b, -1), ctx_kv, mask).view(b, n, K, B, -1)
+    valid_k = valid.unsqueeze(2).expand(b, n, K, B - 1)
+    h = hidden[:, :, :, 1:][valid_k]  # [N, H], rows ordered (b, n, K, i)
+    lm = target.model.get_output_embeddings()
+    logits = model.logits(h, lm.weight.float(), None if getattr(lm, "bias", None) is None else lm.bias.float())
+    lab = labels.unsqueeze(2).expand(b, n, K, B - 1)[valid_k]
+    seq = torch.arange(b, device=dev).view(b, 1, 1, 1).expand(b, n, K, B - 1)
+    src = (seq * L + (lab_pos - 1).clamp(max=L - 1).unsqueeze(2).expand(b, n, K, B - 1))[valid_k]
+    row_loss = _row_losses(model, target, logits, lab, batch, src, float(opts["soft_weight"]))
+    w = torch.exp(-(k[1:].float() - 1) / opts["gamma"]).view(1, 1, 1, -1)
+    dense = torch.zeros(b, n, K, B - 1, device=dev)
+    dense[valid_k] = row_loss
+    block_nll = (dense * w).sum(-1)  # [b, n, K]: L_k of every block
+    live = valid.any(-1)  # blocks with at least one label
+    norm = (w.view(1, 1, -1) * valid).sum().clamp(min=1e-6)  # one weight set per block, as DFlash normalises
+    log_pi = torch.log_softmax(model.gate_logits(hidden).float(), -1)  # [b, n, K]
+    post = torch.log_softmax(log_pi - block_nll, -1)  # log responsibilities
+    resp = post.exp()
+    if opts["mix_loss"] == "mixture":
+        per_block = -torch.logsumexp(log_pi - block_nll, -1)
+        loss = per_block[live].sum() / norm
+    else:  # relaxed WTA; the gate learns to predict the winner
+        win = block_nll.argmin(-1)
+        eps = opts["wta_eps"] if K > 1 else 0.0
+        wts = torch.full_like(block_nll, eps / max(1, K - 1)).scatter(-1, win.unsqueeze(-1), 1 - eps)
+        loss = (wts * block_nll).sum(-1)[live].sum() / norm
+        loss = loss + F.cross_entropy(log_pi[live], win[live]) * 0.1
+    if K > 1 and opts["balance"] > 0 and bool(live.any()):
+        mean_r = resp[live].mean(0)
+        loss = loss + opts["balance"] * (mean_r * (mean_r * K).clamp(min=1e-9).log()).sum()
+
+    with torch.no_grad():
+        pred = model.to_vocab_ids(logits.argmax(-1))
+        correct = torch.zeros(b, n, K, B - 1, device=dev)
+        correct[valid_k] = (pred == lab).float()
+        accept = correct.cumprod(-1).sum(-1)  # [b, n, K] leading correct rows per block and mode
+        argmax = torch.full((b, n, K, B - 1), -1, dtype=torch.long, device=dev)
+        argmax[valid_k] = pred
+        m = {"loss": float(loss), "block_nll": float(block_nll[live].min(-1).values.sum() / norm) if bool(live.any())
+             else 0.0, "rows": int(lab.numel())}
+        if bool(live.any()):
+            acc = accept[live]
+            m["accept_len"] = float(acc[:, 0].mean())  # mode 0 (== DFlash's metric for K = 1)
+            m["accept_best"] = float(acc.max(-1).values.mean())  # oracle over modes
+            m["tau_tf"] = 1.0 + m["accept_len"]
+            wins = block_nll[live].argmin(-1)
+            for j in range(K):
+                m[f"win{j}"] = float((wins == j).float().mean())
+            ent = -(resp[live] * post[live]).sum(-1).mean()
+            m["resp_entropy"] = float(ent)
+            if K > 1:
+                am, vm = argmax[live], valid[live]  # [N, K, B-1], [N, B-1]
+                dis = [float(((am[:, i] != am[:, j]) & vm).sum() / vm.sum().clamp(min=1))
+                       for i in range(K) for j in range(i + 1, K)]
+                m["disagree"] = sum(dis) / len(dis)
+    return loss, m

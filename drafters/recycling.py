@@ -1,0 +1,125 @@
+"""Retrieval-only drafters: no draft model, only the adjacency matrix.
+
+- ``recycling``: Token Recycling: expand a static template from the root token through the matrix; after each
+  verification every verified node's row is overwritten with the target's top-k there.
+- ``pld_matrix``: the prompt-lookup chain, plus matrix retrieval from the root filling the rest of the budget.
+
+Both share one ``AdjacencyMatrix`` object across prompts (pass ``matrix=`` to share it with a Graft or another
+drafter). ``warmup_rounds`` > 0 fills a fresh matrix from the target on ShareGPT *calibration* prompts once.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from graft_block.adjacency import AdjacencyMatrix
+from graft_block.drafter import Drafter, check_budget, register
+from graft_block.errors import ConfigError
+from tree import SOURCE_RETRIEVED, Tree, chain, merge
+from tree.templates import TR80_TEMPLATE, asymmetric_template, compile_template, expand_template, extend_template
+
+from .pld import prompt_lookup
+
+
+def build_template(template, budget: int, depth: int, width: int, fill: bool):
+    """``"tr80"`` (Token Recycling's 80-node shape, reconstructed), ``"asymmetric"`` (Graft's generator) or an explicit
+    list of rank paths; with ``fill``, spare asymmetric paths follow so de-duplicated slots are refilled."""
+    if template is None:
+        template = "tr80" if budget == 80 else "asymmetric"
+    if template == "tr80":
+        base = TR80_TEMPLATE
+    elif template == "asymmetric":
+        base = asymmetric_template(budget, depth, width)
+    elif isinstance(template, (list, tuple)):
+        base = [list(p) for p in template]
+    else:
+        raise ConfigError(f"template must be 'tr80', 'asymmetric' or a list of rank paths, got {template!r}")
+    if fill:
+        capacity = sum(width ** d for d in range(1, depth + 1))
+        base = extend_template(base, min(capacity, budget + budget // 2 + 8), depth, width)
+    return compile_template(base)
+
+
+@register("recycling")
+class RecyclingDrafter(Drafter):
+    def __init__(self, target=None, budget: int = 80, k: int = 8, warmup_rounds: int = 5, warmup_tokens: int = 64,
+                 template=None, depth: int = 6, width: int = 8, matrix=None, dtype: str = "int32",
+                 fill: bool = True, warmup_prompts=None):
+        self.budget = check_budget(budget)
+        if not isinstance(warmup_rounds, int) or warmup_rounds < 0:
+            raise ConfigError(f"warmup_rounds must be an int >= 0, got {warmup_rounds!r}")
+        self.k, self.dtype = int(k), dtype
+        self.warmup_rounds, self.warmup_tokens = warmup_rounds, int(warmup_tokens)
+        self.warmup_prompts = warmup_prompts
+        self.template_name = template if isinstance(template, str) or template is None else "custom"
+        self.template = build_template(template, self.budget, int(depth), int(width), bool(fill))
+        if isinstance(matrix, (str, Path)):
+            matrix = AdjacencyMatrix.load(matrix)
+        if matrix is not None and not isinstance(matrix, AdjacencyMatrix):
+            raise ConfigError(f"matrix must be an AdjacencyMatrix or a saved matrix path, got {type(matrix).__name__}")
+        if matrix is not None and matrix.k < self.k:
+            raise ConfigError(f"shared matrix has k={matrix.k} < drafter k={self.k}: build the matrix with k >= {self.k}")
+        self.matrix = matrix
+        self.stats = {"rounds": 0, "retrieved_nodes": 0, "retrieved_accepted": 0, "rounds_with_retrieved_hit": 0}
+        if target is not None:
+            self.ensure_matrix(target)
+
+    def ensure_matrix(self, target) -> AdjacencyMatrix:
+        """Create the matrix on the target's device (once) and warm it up if it has never been written."""
+        if self.matrix is None:
+            self.matrix = AdjacencyMatrix(target.vocab_size, self.k, self.dtype, target.device)
+        elif self.matrix.vocab_size < target.vocab_size:
+            raise ConfigError(f"adjacency matrix vocab {self.matrix.vocab_size} < target vocab {target.vocab_size}")
+        if self.warmup_rounds and self.matrix.updates == 0:
+            self.matrix.warmup(target, self.warmup_prompts, rounds=self.warmup_rounds, new_tokens=self.warmup_tokens)
+        return self.matrix
+
+    def prefill(self, state) -> None:
+        self.ensure_matrix(state.target)
+
+    def retrieve(self, root_token: int) -> Tree:
+        return expand_template(root_token, self.template, self.matrix, budget=self.budget)
+
+    def propose(self, state) -> Tree:
+        with state.section("tree"):
+            return self.retrieve(state.root_token)
+
+    def commit(self, state, verified) -> None:
+        self.matrix.update(verified.tree.tokens, verified.logits)
+        hits = int((verified.tree.sources[verified.path] == SOURCE_RETRIEVED).sum())
+        s = self.stats
+        s["rounds"] += 1
+        s["retrieved_nodes"] += verified.tree.num_retrieved
+        s["retrieved_accepted"] += hits
+        s["rounds_with_retrieved_hit"] += int(hits > 0)
+
+    def describe(self) -> dict:
+        return {"type": self.type_name, "budget": self.budget, "k": self.k, "warmup_rounds": self.warmup_rounds,
+                "template": self.template_name, "template_nodes": self.template.size,
+                "matrix_bytes": None if self.matrix is None else self.matrix.nbytes}
+
+
+@register("pld_matrix")
+class PLDMatrixDrafter(RecyclingDrafter):
+    """Prompt-lookup chain first (its tokens are drafts), matrix retrieval under the root for the remaining slots."""
+
+    def __init__(self, target=None, budget: int = 60, pld_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1,
+                 **kw):
+        super().__init__(target=target, budget=budget, **kw)
+        if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= max_ngram):
+            raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.pld_tokens = max(0, min(int(pld_tokens), self.budget))
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, state) -> Tree:
+        toks = torch.tensor(state.tokens, dtype=torch.long)
+        cont = prompt_lookup(toks, self.pld_tokens, self.max_ngram, self.min_ngram) if self.pld_tokens else toks[:0]
+        with state.section("tree"):
+            base = chain(state.root_token, cont)
+            return merge(base, self.retrieve(state.root_token), budget=self.budget)
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d.update(pld_tokens=self.pld_tokens, max_ngram=self.max_ngram)
+        return d

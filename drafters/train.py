@@ -1,0 +1,75 @@
+"""Train a drafter on target-regenerated data: ``python -m drafters.train --type dflash ...``.
+
+Two steps, both resumable: ``--generate`` caches target greedy answers to ShareGPT train prompts with features and
+top-k soft labels (graft_block.training.generate_data); then training runs the drafter's ``training_model`` /
+``training_loss`` through the shared loop and writes its public checkpoint to ``--out``. Works under torchrun.
+
+Example (the bundled default, on 2 CPU cores):
+    python -m drafters.train --generate --data smollm2-sharegpt --gen-minutes 13
+    python -m drafters.train --type dflash --data smollm2-sharegpt --init target --epochs 6 \\
+        --out drafters/checkpoints/dflash-smollm2 --run runs/dflash-smollm2 --draft-vocab 16384
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--data", default="smollm2-sharegpt", help="data name under .cache/train-data or a folder")
+    ap.add_argument("--generate", action="store_true", help="(re)generate/extend the data cache, then exit")
+    ap.add_argument("--num-prompts", type=int, default=4000)
+    ap.add_argument("--gen-minutes", type=float, default=None)
+    ap.add_argument("--max-new", type=int, default=160)
+    ap.add_argument("--gen-batch", type=int, default=48)
+    ap.add_argument("--layers", default="2,15,27", help="HF hidden_states indices to cache")
+    ap.add_argument("--type", default="dflash")
+    ap.add_argument("--config", default="{}", help="JSON dict of drafter training options (e.g. num_layers)")
+    ap.add_argument("--init", default=None, help="random | target | <checkpoint folder>")
+    ap.add_argument("--out", default=None, help="public checkpoint folder")
+    ap.add_argument("--run", default=None, help="run folder (state.pt, log.jsonl)")
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--epochs", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--warmup", type=float, default=0.04)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--holdout", type=int, default=24)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--minutes", type=float, default=None, help="training wall-clock limit")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="restrict the draft softmax to N frequent ids")
+    ap.add_argument("--limit", type=int, default=None, help="use at most N cached sequences")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from graft_block.target import load_target
+    from graft_block.training import generate_data, train
+
+    target = load_target(args.target, device=args.device)
+    if args.generate:
+        generate_data(target, args.data, num_prompts=args.num_prompts, max_new=args.max_new,
+                      batch_size=args.gen_batch, layers=[int(x) for x in args.layers.split(",")],
+                      time_limit_s=None if args.gen_minutes is None else args.gen_minutes * 60,
+                      log=lambda s: print(s, flush=True))
+        return
+    if not args.out or not args.run:
+        ap.error("--out and --run are required for training")
+    res = train(args.type, target, args.data, args.out, args.run, cfg=json.loads(args.config), init=args.init,
+                epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size,
+                holdout=args.holdout, eval_every=args.eval_every,
+                time_limit_s=None if args.minutes is None else args.minutes * 60, resume=args.resume,
+                seed=args.seed, draft_vocab_size=args.draft_vocab, limit=args.limit,
+                log=lambda s: print(s, flush=True))
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

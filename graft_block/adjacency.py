@@ -1,0 +1,143 @@
+"""The adjacency matrix of Token Recycling / Graft: row ``v`` holds the target's top-k next tokens, ranked, observed
+after token ``v`` the last time ``v`` sat at a verified tree node. It lives on the target's device, is updated from
+every verified node (accepted or rejected) and persists across prompts (reuse the object: a "hot start").
+
+Rows never written hold -1 ("unknown"); template expansion drops such nodes instead of proposing token 0.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .errors import ConfigError
+
+_DTYPES = {"int32": torch.int32, "int64": torch.int64, torch.int32: torch.int32, torch.int64: torch.int64}
+
+
+class AdjacencyMatrix:
+    def __init__(self, vocab_size: int, k: int = 8, dtype: torch.dtype | str = torch.int32, device="cpu"):
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ConfigError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+        if not isinstance(k, int) or not 1 <= k <= vocab_size:
+            raise ConfigError(f"k (successors per row) must be an int in 1..vocab_size={vocab_size}, got {k!r}")
+        if dtype not in _DTYPES:
+            raise ConfigError(f"adjacency dtype must be int32 or int64, got {dtype!r}")
+        if _DTYPES[dtype] == torch.int32 and vocab_size > 2**31 - 1:
+            raise ConfigError(f"vocab_size {vocab_size} does not fit int32 ids: use dtype=int64")
+        self.vocab_size, self.k = vocab_size, k
+        self.table = torch.full((vocab_size, k), -1, dtype=_DTYPES[dtype], device=device)
+        self.updates = 0  # verified nodes written so far (warm-up included)
+
+    # ---- facts ------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.numel() * self.table.element_size()
+
+    @property
+    def filled_rows(self) -> int:
+        return int((self.table[:, 0] >= 0).sum())
+
+    def rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[m] token ids -> [m, k] ranked successors (long, -1 = unknown)."""
+        return self.table[tokens.to(self.device, torch.long)].to(torch.long)
+
+    def __repr__(self) -> str:
+        return (f"AdjacencyMatrix(vocab={self.vocab_size}, k={self.k}, dtype={self.table.dtype}, "
+                f"device={self.device}, filled={self.filled_rows}, {self.nbytes} bytes)")
+
+    # ---- updates ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """Row ``tokens[i]`` := top-k of ``logits[i]`` for every i. A token repeated among ``tokens`` keeps the
+        LAST occurrence's top-k (later positions are the more recent context), deterministically on any device."""
+        tokens = torch.as_tensor(tokens).reshape(-1).to(self.device, torch.long)
+        if logits.dim() != 2 or logits.shape[0] != tokens.numel():
+            raise ConfigError(f"update needs logits [n, V] for n={tokens.numel()} tokens, got {tuple(logits.shape)}")
+        if logits.shape[1] < self.k:
+            raise ConfigError(f"logits have {logits.shape[1]} entries per row, fewer than k={self.k}")
+        if tokens.numel() == 0:
+            return
+        if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:
+            raise ConfigError(f"token id out of range 0..{self.vocab_size - 1} for this adjacency matrix "
+                              "(was it built for a different vocabulary?)")
+        top = logits.to(self.device).topk(self.k, dim=-1).indices.to(self.table.dtype)  # [n, k]
+        # Scatter with repeated indices has no defined winner, so pick the last occurrence of each token explicitly.
+        uniq, inv = tokens.unique(return_inverse=True)
+        pos = torch.arange(tokens.numel(), device=self.device)
+        last = torch.full((uniq.numel(),), -1, dtype=torch.long, device=self.device)
+        last.scatter_reduce_(0, inv, pos, reduce="amax")
+        self.table[uniq] = top[last]
+        self.updates += int(tokens.numel())
+
+    def observe(self, verified, state=None) -> None:
+        """Decoder adapter: update from every node of the verified tree with the logits of that same forward."""
+        self.update(verified.tree.tokens, verified.logits)
+
+    def reset(self) -> None:
+        self.table.fill_(-1)
+        self.updates = 0
+
+    @torch.inference_mode()
+    def warmup(self, target, prompts=None, rounds: int = 5, new_tokens: int = 64) -> int:
+        """Fill the matrix from the target's own distributions: for each of ``rounds`` prompts (default: the
+        ShareGPT *calibration* split, never an evaluation set) greedily generate ``new_tokens`` tokens, then write
+        every position's top-k (prompt and reply) in order. Returns the number of prompts used."""
+        if not isinstance(rounds, int) or rounds < 0:
+            raise ConfigError(f"warm-up rounds must be an int >= 0, got {rounds!r}")
+        if rounds == 0:
+            return 0
+        if target.vocab_size > self.vocab_size:
+            raise ConfigError(f"target vocab {target.vocab_size} > adjacency vocab {self.vocab_size}: rebuild the matrix")
+        if prompts is None:
+            from .data import sharegpt
+
+            prompts = sharegpt("calibration", limit=rounds)
+        used = 0
+        for rec in list(prompts)[:rounds]:
+            text = rec["turns"][0] if isinstance(rec, dict) else rec
+            msg = [{"role": "user", "content": text}] if isinstance(text, str) and target.tokenizer is not None else text
+            ids = target.encode(msg).to(target.device).view(1, -1)
+            budget = max(0, min(new_tokens, target.max_positions - ids.shape[1] - 1))
+            if budget:
+                ids = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
+                                            do_sample=False, pad_token_id=target.model.generation_config.pad_token_id)
+            logits = target.model(input_ids=ids, use_cache=False).logits[0]
+            self.update(ids[0], logits)
+            used += 1
+        target._captured.clear()  # feature hooks fired during warm-up; drop what they held
+        return used
+
+    # ---- persistence ------------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file({"table": self.table.cpu().contiguous()}, str(path),
+                  metadata={"vocab_size": str(self.vocab_size), "k": str(self.k), "updates": str(self.updates)})
+
+    @classmethod
+    def load(cls, path: str | Path, device="cpu") -> "AdjacencyMatrix":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as fh:
+            table = fh.get_tensor("table")
+            meta = fh.metadata() or {}
+        if table.dim() != 2:
+            raise ConfigError(f"{path} does not hold a [vocab, k] adjacency table")
+        m = cls(int(table.shape[0]), int(table.shape[1]), table.dtype, device)
+        m.table.copy_(table.to(device))
+        m.updates = int(meta.get("updates", 0))
+        return m
+
+
+def slow_update_reference(table: torch.Tensor, tokens, logits: torch.Tensor) -> torch.Tensor:
+    """Per-node Python reference for tests: in node order, row tokens[i] := topk(logits[i]) (last write wins)."""
+    out = table.clone()
+    k = table.shape[1]
+    for i, t in enumerate(torch.as_tensor(tokens).reshape(-1).tolist()):
+        out[t] = logits[i].topk(k).indices.to(table.dtype)
+    return out

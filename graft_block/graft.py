@@ -1,0 +1,256 @@
+"""Graft: prune the draft tree where it is unconfident, spend the freed slots on retrieved candidates from the
+adjacency matrix, keep the total verification budget. Also the ablations (pruning only, fixed split, retrieval
+only), Graft-TAIL for chain/block drafters and the static in-place variant for fixed-shape (CUDA-graph) serving.
+
+``Graft(...)`` is a decoder graft object: ``apply(tree, state) -> Tree``, ``observe(verified, state)``, ``budget``.
+
+Modes:
+- ``"graft"``: calibrated pruning (pruning.py) picks a stage; keep that stage's draft allowance (the best A draft
+  nodes, ancestor-closed) and fill the rest of the budget with a retrieval tree rooted at the current token,
+  trie-merged (duplicates of draft nodes are not re-added, their retrieved children hang under the draft node).
+- ``"prune"``: the same pruning, no retrieval (the tree shrinks).
+- ``"fixed"``: a fixed draft/retrieval split every round (no adaptive pruning).
+- ``"retrieve_only"``: ignore the draft; the whole budget is retrieval (Token Recycling on top of any drafter).
+- ``"tail"``: Graft-TAIL: keep the confident prefix of a chain/block (per-node confidence >= ``tail_threshold``)
+  and replace the tail with retrieval rooted at the last kept token.
+- ``"static"``: node count fixed at the incoming tree's size; draft nodes whose path confidence is below
+  ``static_threshold`` are swapped for retrieved ones.
+If retrieval yields fewer nodes than its allowance (unknown rows, de-duplication), the next best draft nodes fill
+the gap (``refill``), so no slot is wasted and the grafted tree still contains every node pruning kept.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+from tree import SOURCE_RETRIEVED, Tree, merge, root_only
+from tree.templates import asymmetric_template, compile_template, expand_template
+
+from .adjacency import AdjacencyMatrix
+from .errors import ConfigError
+from .pruning import (CHECKPOINTS, SIGNALS, fired_stage, normalize_thresholds, path_min_scores, ranked_nodes,
+                      reorder, top_nodes, tree_signals)
+
+MODES = ("graft", "prune", "fixed", "tail", "static", "retrieve_only")
+ATTACH = ("root", "frontier", "both")
+# Draft nodes kept per fired stage at Graft's 60-slot budget (seed article); scaled linearly to other budgets.
+DEFAULT_DRAFT_ALLOWANCES = {0: 8, 1: 24, 5: 40}
+REFERENCE_BUDGET = 60
+
+
+class Graft:
+    def __init__(self, budget: int = 60, matrix: AdjacencyMatrix | None = None, mode: str = "graft",
+                 checkpoints=CHECKPOINTS, thresholds: dict | None = None, signal: str = "mass",
+                 draft_allowances: dict | None = None, reference_budget: int = REFERENCE_BUDGET,
+                 fixed_draft_fraction: float = 0.5, template_depth: int = 8, template_width: int = 8,
+                 templates: dict | None = None, attach: str = "root", frontier_share: float = 0.5,
+                 tail_threshold: float = 0.3, tail_confidence: str = "marginal",
+                 static_threshold: float = math.log(0.05), refill: bool = True, update_matrix: bool = True,
+                 record_signals: bool = False):
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise ConfigError(f"Graft budget must be an int >= 1 (non-root nodes per round), got {budget!r}")
+        if mode not in MODES:
+            raise ConfigError(f"unknown Graft mode {mode!r}; choose one of {MODES}")
+        if signal not in SIGNALS:
+            raise ConfigError(f"unknown pruning signal {signal!r}; choose one of {SIGNALS}")
+        if attach not in ATTACH:
+            raise ConfigError(f"attach must be one of {ATTACH}, got {attach!r}")
+        if tail_confidence not in ("marginal", "cumulative"):
+            raise ConfigError(f"tail_confidence must be 'marginal' or 'cumulative', got {tail_confidence!r}")
+        if not 0.0 <= fixed_draft_fraction <= 1.0 or not 0.0 <= frontier_share <= 1.0:
+            raise ConfigError("fixed_draft_fraction and frontier_share must lie in [0, 1]")
+        if matrix is None and mode != "prune":
+            raise ConfigError(f"Graft mode {mode!r} retrieves candidates: pass matrix=AdjacencyMatrix(...) "
+                              "(only mode='prune' works without one)")
+        self.budget, self.matrix, self.mode = budget, matrix, mode
+        self.checkpoints = tuple(sorted(int(c) for c in checkpoints))
+        self.signal = signal
+        self.thresholds = normalize_thresholds(thresholds, self.checkpoints, signal)
+        allow = {int(k): int(v) for k, v in (draft_allowances or DEFAULT_DRAFT_ALLOWANCES).items()}
+        missing = [c for c in self.checkpoints if c not in allow]
+        if missing:
+            raise ConfigError(f"draft_allowances lacks checkpoints {missing}; give one allowance per checkpoint")
+        self.draft_allowances = allow
+        self.reference_budget = int(reference_budget)
+        self.fixed_draft_fraction = float(fixed_draft_fraction)
+        self.template_depth, self.template_width = int(template_depth), int(template_width)
+        self.attach, self.frontier_share = attach, float(frontier_share)
+        self.tail_threshold, self.tail_confidence = float(tail_threshold), tail_confidence
+        self.static_threshold = float(static_threshold)
+        self.refill, self.update_matrix = bool(refill), bool(update_matrix)
+        # One best-first list serves every stage: a stage with retrieval allowance B uses its first B paths, and
+        # the rest are spares for slots freed by de-duplication.
+        spare = budget + budget // 2 + 8
+        default = asymmetric_template(min(spare, self._capacity()), self.template_depth, self.template_width)
+        self.templates = {"default": compile_template(default)}
+        for key, tmpl in (templates or {}).items():
+            self.templates[key if key in ("default", "fixed", "tail", "static", "retrieve_only") else int(key)] = \
+                compile_template(tmpl)
+        self.record_signals = bool(record_signals)
+        self.signal_log: dict[int, list[float]] = {c: [] for c in self.checkpoints}
+        self.stats = {"rounds": 0, "stage_counts": Counter(), "draft_nodes": 0, "retrieved_nodes": 0,
+                      "retrieved_accepted": 0, "rounds_with_retrieved_hit": 0, "accepted": 0}
+        self._last: dict | None = None
+
+    def _capacity(self) -> int:
+        return sum(self.template_width ** d for d in range(1, self.template_depth + 1))
+
+    # ---- allowances ---------------------------------------------------------------------------------------
+    def draft_allowance(self, stage) -> int:
+        """Draft nodes kept when pruning fired at ``stage`` (None = never fired = the full budget)."""
+        if stage is None:
+            return self.budget
+        if stage == "fixed":
+            return int(round(self.fixed_draft_fraction * self.budget))
+        a = self.draft_allowances[int(stage)] * self.budget / self.reference_budget
+        return max(0, min(self.budget, int(round(a))))
+
+    def template_for(self, stage):
+        return self.templates.get(stage, self.templates["default"])
+
+    # ---- the policy ---------------------------------------------------------------------------------------
+    def stage_of(self, tree: Tree):
+        sig = tree_signals(tree, self.checkpoints, self.signal)
+        if self.record_signals:
+            for c, v in sig.items():
+                self.signal_log[c].append(v)
+        return fired_stage(sig, self.thresholds)
+
+    @torch.no_grad()
+    def apply(self, tree: Tree, state=None) -> Tree:
+        root = int(tree.tokens[0]) if state is None else int(state.root_token)
+        if int(tree.tokens[0]) != root:
+            raise ConfigError(f"draft tree root {int(tree.tokens[0])} != state.root_token {root}")
+        mode = self.mode
+        if mode == "retrieve_only":
+            stage, out = "retrieve_only", self.hybrid(root_only(root), tree, "retrieve_only", self.budget)
+        elif mode in ("graft", "prune"):
+            stage = self.stage_of(tree)
+            kept = tree.subset(top_nodes(tree, self.draft_allowance(stage)))
+            out = kept if (mode == "prune" or stage is None) else self.hybrid(kept, tree, stage, self.budget)
+        elif mode == "fixed":
+            stage = "fixed"
+            kept = tree.subset(top_nodes(tree, self.draft_allowance("fixed")))
+            out = self.hybrid(kept, tree, stage, self.budget)
+        elif mode == "tail":
+            stage, out = self._tail(tree, root)
+        else:  # static
+            stage, out = self._static(tree)
+        self._last = {"stage": stage, "draft": out.num_drafted, "retrieved": out.num_retrieved}
+        return out
+
+    def hybrid(self, kept: Tree, draft: Tree, stage, budget: int, attach_node: int | None = None) -> Tree:
+        """``kept`` plus retrieved candidates up to ``budget`` nodes, then (refill) the next best draft nodes."""
+        tmpl = self.template_for(stage)
+        out = kept
+        attach = self.attach if attach_node is None else "frontier"
+        if attach in ("frontier", "both"):
+            node = best_path_end(kept) if attach_node is None else attach_node
+            # Frontier-only (or nothing kept to continue) takes every free slot; "both" leaves the rest to the root.
+            share = budget if (attach == "frontier" or node == 0) else kept.size - 1 + int(round(
+                self.frontier_share * (budget - kept.size + 1)))
+            ret = expand_template(int(kept.tokens[node]), tmpl, self.matrix)
+            out = merge(out, ret, budget=share, attach=node)
+        if attach in ("root", "both"):
+            out = merge(out, expand_template(int(kept.tokens[0]), tmpl, self.matrix), budget=budget)
+        if self.refill and out.size - 1 < budget and draft.size > 1:
+            out = merge(out, reorder(draft, ranked_nodes(draft)), budget=budget)
+        return out
+
+    def _tail(self, tree: Tree, root: int):
+        """Graft-TAIL: keep nodes whose confidence (and every ancestor's) passes; retrieve from the last kept token."""
+        if self.tail_confidence == "marginal":
+            par = tree.parents.clamp(min=0)
+            conf = torch.exp(tree.scores.double() - tree.scores.double()[par])
+        else:
+            conf = torch.exp(tree.scores.double())
+        ok = (conf >= self.tail_threshold).tolist()
+        pars = tree.parents.tolist()
+        keep = [True] + [False] * (tree.size - 1)
+        for i in range(1, tree.size):
+            keep[i] = ok[i] and keep[pars[i]]
+        idx = torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long)
+        kept = tree.subset(idx[: self.budget + 1])
+        if kept.size - 1 >= self.budget:
+            return "tail_none", kept
+        end = best_path_end(kept)
+        return f"tail@{int(kept.depths[end])}", self.hybrid(kept, tree, "tail", self.budget, attach_node=end)
+
+    def _static(self, tree: Tree):
+        """Same node count as the incoming tree; low-confidence draft nodes are replaced by retrieved ones."""
+        n = min(tree.size - 1, self.budget)
+        eff = path_min_scores(tree)
+        confident = int((eff[1:] >= self.static_threshold).sum())
+        kept = tree.subset(top_nodes(tree, min(confident, n)))
+        if kept.size - 1 >= n:
+            return "static_none", kept
+        return "static", self.hybrid(kept, tree, "static", n)
+
+    # ---- after verification -------------------------------------------------------------------------------
+    def observe(self, verified, state=None) -> None:
+        if self.matrix is not None and self.update_matrix:
+            self.matrix.update(verified.tree.tokens, verified.logits)
+        last, self._last = self._last, None
+        s = self.stats
+        s["rounds"] += 1
+        s["accepted"] += verified.accepted
+        if last is not None:
+            s["stage_counts"][str(last["stage"])] += 1
+            s["draft_nodes"] += last["draft"]
+            s["retrieved_nodes"] += last["retrieved"]
+        hits = int((verified.tree.sources[verified.path] == SOURCE_RETRIEVED).sum())
+        s["retrieved_accepted"] += hits
+        s["rounds_with_retrieved_hit"] += int(hits > 0)
+
+    def summary(self) -> dict:
+        """Per-round statistics: which stage fired, nodes drafted/retrieved, retrieval hit rates."""
+        s = self.stats
+        r = max(s["rounds"], 1)
+        return {"mode": self.mode, "rounds": s["rounds"], "stage_counts": dict(s["stage_counts"]),
+                "mean_draft_nodes": s["draft_nodes"] / r, "mean_retrieved_nodes": s["retrieved_nodes"] / r,
+                "retrieved_accepted_per_round": s["retrieved_accepted"] / r,
+                "retrieved_hit_rate_per_node": s["retrieved_accepted"] / max(s["retrieved_nodes"], 1),
+                "rounds_with_retrieved_hit": s["rounds_with_retrieved_hit"] / r}
+
+    def reset_stats(self) -> None:
+        self.stats = {"rounds": 0, "stage_counts": Counter(), "draft_nodes": 0, "retrieved_nodes": 0,
+                      "retrieved_accepted": 0, "rounds_with_retrieved_hit": 0, "accepted": 0}
+
+    def describe(self) -> dict:
+        """JSON-able config (store it next to the drafter config; thresholds are log-probabilities)."""
+        return {"budget": self.budget, "mode": self.mode, "signal": self.signal,
+                "checkpoints": list(self.checkpoints), "thresholds": {str(k): v for k, v in self.thresholds.items()},
+                "draft_allowances": {str(k): v for k, v in self.draft_allowances.items()},
+                "reference_budget": self.reference_budget, "fixed_draft_fraction": self.fixed_draft_fraction,
+                "template_depth": self.template_depth, "template_width": self.template_width, "attach": self.attach,
+                "tail_threshold": self.tail_threshold, "tail_confidence": self.tail_confidence,
+                "static_threshold": self.static_threshold, "refill": self.refill}
+
+    @classmethod
+    def from_config(cls, cfg: dict, matrix: AdjacencyMatrix | None = None) -> "Graft":
+        """From ``describe()`` output or a drafter config's ``"graft"`` entry (calibration keys are accepted)."""
+        cfg = {k: v for k, v in dict(cfg).items() if k not in ("quantile", "rule", "prompts", "prompt_source",
+                                                                   "grid", "max_new_tokens")}
+        try:
+            return cls(matrix=matrix, **cfg)
+        except TypeError as exc:
+            raise ConfigError(f"bad Graft config: {exc}") from exc
+
+
+def best_path_end(tree: Tree) -> int:
+    """Follow the highest-scoring child from the root to a leaf; the node where retrieval can continue a chain."""
+    n = tree.size
+    if n == 1:
+        return 0
+    pars, scores = tree.parents.tolist(), tree.scores.tolist()
+    best_child: dict[int, int] = {}
+    for i in range(1, n):
+        b = best_child.get(pars[i])
+        if b is None or scores[i] > scores[b]:
+            best_child[pars[i]] = i
+    cur = 0
+    while cur in best_child:
+        cur = best_child[cur]
+    return cur

@@ -1,0 +1,184 @@
+"""Calibrated pruning: confidence signals of a draft tree at a few depth checkpoints, the stage that fires, the best
+``A`` draft nodes to keep, and the warm-up that calibrates per-checkpoint thresholds.
+
+Signal (our reading of Graft's "cumulative confidence of the current best path"; the paper's exact form is not
+available): after the draft expanded depth ``d`` its frontier is the set of draft nodes at depth ``d + 1``;
+``"best"`` = max cumulative log-prob over the frontier (the best path's confidence), ``"mass"`` = logsumexp over the
+frontier (DDD's ``H_d``, the probability mass the tree still covers). A missing frontier (the tree never reached
+depth d + 1) has signal -inf, i.e. zero confidence. Stage ``d`` fires when signal_d < threshold_d; checkpoints are
+tested shallow first and the first one that fires wins.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from tree import SOURCE_DRAFT, Tree
+
+from .errors import ConfigError
+
+CHECKPOINTS = (0, 1, 5)
+SIGNALS = ("mass", "best")
+# Uncalibrated placeholders (log-probabilities); run ``calibrate`` to replace them for a drafter/target pair.
+DEFAULT_THRESHOLDS = {"mass": {0: math.log(0.5), 1: math.log(0.35), 5: math.log(0.15)},
+                      "best": {0: math.log(0.4), 1: math.log(0.25), 5: math.log(0.1)}}
+
+
+def checkpoint_signal(tree: Tree, checkpoint: int, kind: str = "mass") -> float:
+    """Confidence after expanding depth ``checkpoint`` (see module doc); -inf if no draft node at depth + 1."""
+    sel = (tree.depths == checkpoint + 1) & (tree.sources == SOURCE_DRAFT)
+    if not bool(sel.any()):
+        return float("-inf")
+    s = tree.scores[sel].double()
+    if kind == "mass":
+        return float(torch.logsumexp(s, 0))
+    if kind == "best":
+        return float(s.max())
+    raise ConfigError(f"unknown pruning signal {kind!r}; choose one of {SIGNALS}")
+
+
+def tree_signals(tree: Tree, checkpoints: Sequence[int] = CHECKPOINTS, kind: str = "mass") -> dict[int, float]:
+    return {int(c): checkpoint_signal(tree, int(c), kind) for c in checkpoints}
+
+
+def fired_stage(signals: dict[int, float], thresholds: dict[int, float]) -> int | None:
+    """The shallowest checkpoint whose signal is below its threshold, or None (keep the full draft)."""
+    for c in sorted(signals):
+        if signals[c] < thresholds[c]:
+            return c
+    return None
+
+
+def normalize_thresholds(thresholds, checkpoints: Sequence[int], kind: str) -> dict[int, float]:
+    """Accept {int|str: float} (JSON keys are strings); fill missing checkpoints from the placeholders."""
+    out = {}
+    given = {int(k): float(v) for k, v in (thresholds or {}).items()}
+    unknown = set(given) - set(int(c) for c in checkpoints)
+    if unknown:
+        raise ConfigError(f"thresholds given for checkpoints {sorted(unknown)} that are not in checkpoints "
+                          f"{list(checkpoints)}")
+    for c in checkpoints:
+        c = int(c)
+        if c in given:
+            out[c] = given[c]
+        elif c in DEFAULT_THRESHOLDS[kind]:
+            out[c] = DEFAULT_THRESHOLDS[kind][c]
+        else:
+            raise ConfigError(f"no threshold for checkpoint depth {c}: pass thresholds={{{c}: <log-prob>}} or calibrate")
+    return out
+
+
+def path_min_scores(tree: Tree) -> torch.Tensor:
+    """Score of each node's weakest ancestor-or-self: non-increasing along every path even when raw scores are not."""
+    eff = tree.scores.clone().double()
+    eff[0] = float("inf")
+    pars = tree.parents.tolist()
+    vals = eff.tolist()
+    for i in range(1, len(vals)):
+        vals[i] = min(vals[i], vals[pars[i]])
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+def ranked_nodes(tree: Tree) -> torch.Tensor:
+    """All node indices, root first, best path-min score first, ties by index: every prefix is ancestor-closed
+    (a parent's path-min is >= its child's and its index is smaller)."""
+    eff = path_min_scores(tree)
+    order = torch.sort(-eff, stable=True).indices
+    return order
+
+
+def top_nodes(tree: Tree, n: int) -> torch.Tensor:
+    """Sorted indices of the root plus the ``n`` best non-root nodes (ancestor-closed)."""
+    return ranked_nodes(tree)[: n + 1].sort().values
+
+
+def reorder(tree: Tree, order: torch.Tensor) -> Tree:
+    """The same nodes listed in ``order`` (a topological permutation starting with the root)."""
+    order = order.to(torch.long)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel())
+    parents = tree.parents[order]
+    new_parents = torch.where(parents >= 0, inv[parents.clamp(min=0)], parents)
+    if bool((new_parents[1:] >= torch.arange(1, order.numel())).any()):
+        raise ConfigError("reorder needs a topological order (every parent before its children)")
+    return Tree(tree.tokens[order], new_parents, tree.depths[order], tree.scores[order], tree.sources[order],
+                None if tree.modes is None else tree.modes[order])
+
+
+# ---- calibration ---------------------------------------------------------------------------------------------
+def _prompt_messages(rec, target):
+    text = rec["turns"][0] if isinstance(rec, dict) else rec
+    if isinstance(text, str) and target.tokenizer is not None:
+        return [{"role": "user", "content": text}]
+    return text
+
+
+def calibrate(target, drafter, matrix=None, prompts=None, n_prompts: int = 5, max_new_tokens: int = 64,
+              quantiles: Sequence[float] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5), kind: str = "mass",
+              checkpoints: Sequence[int] = CHECKPOINTS, graft_kwargs: dict | None = None) -> dict:
+    """Pick per-checkpoint thresholds by measurement on ShareGPT *calibration* prompts (never evaluation sets).
+
+    1. Run the drafter with a non-pruning Graft and record every round's signal at each checkpoint.
+    2. For each quantile q of the grid, threshold_d = q-quantile of the recorded signals at checkpoint d (so
+       roughly a fraction q of rounds fire at each stage; q = 0 never fires = no pruning), decode the same
+       prompts with Graft and measure decode tokens/s.
+    3. Keep the q with the best tokens/s (ties: higher tau). Returns a JSON-able dict for the drafter config.
+    """
+    from .decoder import SpeculativeDecoder
+    from .graft import Graft
+
+    if prompts is None:
+        from .data import sharegpt
+
+        prompts = sharegpt("calibration", limit=n_prompts)
+    prompts = list(prompts)[:n_prompts]
+    if not prompts:
+        raise ConfigError("calibration needs at least one prompt")
+    kw = dict(graft_kwargs or {})
+    kw.setdefault("budget", int(drafter.budget))
+    never = {int(c): float("-inf") for c in checkpoints}
+    recorder = Graft(matrix=matrix, mode="graft", checkpoints=checkpoints, thresholds=never, signal=kind,
+                     record_signals=True, **kw)
+    dec = SpeculativeDecoder(target, drafter, recorder)
+    for rec in prompts:
+        dec.generate(_prompt_messages(rec, target), max_new_tokens=max_new_tokens)
+    recorded = {c: torch.tensor(v, dtype=torch.float64) for c, v in recorder.signal_log.items()}
+    grid = []
+    for q in quantiles:
+        if not 0.0 <= q < 1.0:
+            raise ConfigError(f"quantiles must lie in [0, 1), got {q}")
+        thr = {}
+        for c, vals in recorded.items():
+            finite = vals[torch.isfinite(vals)]
+            if q == 0.0 or finite.numel() == 0:
+                thr[c] = float("-inf")  # never fires: nothing is below -inf
+            else:
+                thr[c] = float(torch.quantile(finite, q))
+        g = Graft(matrix=matrix, mode="graft", checkpoints=checkpoints, thresholds=thr, signal=kind, **kw)
+        dec = SpeculativeDecoder(target, drafter, g)
+        committed, secs, rounds = 0, 0.0, 0
+        for rec in prompts:
+            res = dec.generate(_prompt_messages(rec, target), max_new_tokens=max_new_tokens)
+            committed += res.stats.committed_in_rounds
+            secs += res.stats.decode_s
+            rounds += res.stats.rounds
+        grid.append({"quantile": float(q), "thresholds": {str(c): v for c, v in thr.items()},
+                     "tok_s": committed / secs if secs > 0 else 0.0, "tau": committed / max(rounds, 1),
+                     "stages": {str(k): v for k, v in g.stats["stage_counts"].items()}})
+    best = max(grid, key=lambda r: (r["tok_s"], r["tau"]))
+    return {"signal": kind, "checkpoints": [int(c) for c in checkpoints], "thresholds": best["thresholds"],
+            "quantile": best["quantile"], "rule": "argmax measured decode tok/s over per-checkpoint signal quantiles",
+            "prompts": len(prompts), "prompt_source": "sharegpt/calibration", "max_new_tokens": max_new_tokens,
+            "grid": grid}
+
+
+def save_calibration(config_path: str | Path, calibration: dict) -> None:
+    """Store the calibration under the ``"graft"`` key of a drafter config.json (other keys untouched)."""
+    path = Path(config_path)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data["graft"] = {k: calibration[k] for k in ("signal", "checkpoints", "thresholds", "quantile", "rule")}
+    path.write_text(json.dumps(data, indent=2) + "\n")

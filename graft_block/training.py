@@ -1,0 +1,439 @@
+"""Drafter training shared by every drafter: target-regenerated data (cached) and one generic training loop.
+
+Data (``generate_data``): first-turn ShareGPT *train* prompts (chat template), answered greedily by the target with
+a batched greedy loop that keeps its own KV cache (left padding; ~2x HF ``generate`` on CPU). While generating, the
+loop captures for free, through forward hooks, everything a drafter trainer needs, and caches it under
+``.cache/train-data/<name>/`` as ``shard_XXXX.pt`` files plus ``meta.json``:
+  - ``ids`` [L] int32: prompt + response (the response ends with EOS when the target stopped);
+  - ``prompt_len``: loss is on response tokens only (assistant-only loss mask);
+  - ``feats`` [L, n_layers * H] fp16: target hidden states for the layers in ``meta["feature_layers"]`` (HF
+    ``hidden_states`` indices, concatenated in that order); the last row is zero (the last token never entered
+    the target);
+  - ``top_ids`` [L, k] int32 / ``top_logp`` [L, k] fp16: the target's top-k next-token log-probs at every response
+    position t >= prompt_len - 1 (row t = distribution of token t + 1), rows before that are zero.
+Design choice: features are cached (not recomputed) because on 2 CPU cores the target forward (~300-450 tok/s)
+would cost more than the drafter step itself. The default layer list is the union that both block drafters need:
+DFlash ``target_layer_ids`` [1, 14, 26] = hidden_states [2, 15, 27] = EAGLE3's "layers 2, N//2, N-3" for SmolLM2.
+A trainer asking for other layers gets a clear error naming the cached layers (regenerate with ``--layers``).
+
+Loop (``train``): a drafter class plugs in with ``training_model(target, cfg, init)``, ``training_loss(model, target,
+batch)`` and ``save_trained(model, out_dir, cfg)``. The loop does AdamW + warmup + cosine + grad clip, logging
+(every metric the loss returns, e.g. DFlash's teacher-forced accepted length per block), checkpoint/resume
+(``state.pt`` in the run folder) and torchrun DDP (sequences sharded by rank, gradients all-reduced, rank 0 saves).
+The same code runs on CPU and GPU; batches are built on the CPU and moved to the target's device.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .errors import ConfigError
+
+DEFAULT_LAYERS = (2, 15, 27)
+
+
+def data_root() -> Path:
+    return Path(os.environ.get("GRAFT_BLOCK_DATA", Path(__file__).resolve().parent.parent / ".cache" / "train-data"))
+
+
+# ---- data generation ---------------------------------------------------------------------------------------
+def _chat_ids(target, text: str) -> list[int]:
+    return target.encode([{"role": "user", "content": text}]).tolist()
+
+
+def _layer_modules(model, layers: Sequence[int]):
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    n = len(base.layers)
+    mods = []
+    for i in layers:
+        if not 0 <= i <= n:
+            raise ConfigError(f"feature layer {i} outside 0..{n}")
+        mods.append(base.embed_tokens if i == 0 else base.norm if i == n else base.layers[i - 1])
+    return mods
+
+
+@torch.inference_mode()
+def greedy_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], layers: Sequence[int], topk: int,
+                 pad_id: int = 0):
+    """Greedy answers for a batch of prompts with one left-padded KV cache. Returns one record per prompt with the
+    cached features (``layers``) and top-k next-token log-probs of every response position."""
+    from transformers import DynamicCache
+
+    dev = model.get_input_embeddings().weight.device
+    b = len(prompts)
+    plen = [len(p) for p in prompts]
+    P = max(plen)
+    ids = torch.full((b, P), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, P), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, P - len(p):] = torch.tensor(p)
+        mask[r, P - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    captured: dict[int, torch.Tensor] = {}
+
+    def make_hook(j):
+        def hook(_m, _i, out):
+            captured[j] = (out[0] if isinstance(out, tuple) else out).detach()
+        return hook
+
+    hooks = [m.register_forward_hook(make_hook(j)) for j, m in enumerate(_layer_modules(model, layers))]
+    try:
+        cache = DynamicCache(config=model.config)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                    logits_to_keep=1)
+        feats_steps = [torch.cat([captured[j] for j in range(len(layers))], -1).half().cpu()]  # [b, P, F]
+        logp = torch.log_softmax(out.logits[:, -1].float(), -1)
+        tv, ti = logp.topk(topk, -1)
+        top_steps = [(ti.int().cpu(), tv.half().cpu())]
+        nxt = logp.argmax(-1)
+        gen = [nxt.cpu()]
+        done = torch.tensor([int(t) in eos for t in nxt.tolist()])
+        last_pos = pos[:, -1]
+        for _ in range(max_new - 1):
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], -1)
+            last_pos = last_pos + 1
+            out = model(input_ids=nxt.view(b, 1), attention_mask=mask, position_ids=last_pos.view(b, 1),
+                        cache=cache, use_cache=True)
+            feats_steps.append(torch.cat([captured[j] for j in range(len(layers))], -1).half().cpu())
+            logp = torch.log_softmax(out.logits[:, -1].float(), -1)
+            tv, ti = logp.topk(topk, -1)
+            top_steps.append((ti.int().cpu(), tv.half().cpu()))
+            nxt = logp.argmax(-1)
+            gen.append(nxt.cpu())
+            done |= torch.tensor([int(t) in eos for t in nxt.tolist()])
+    finally:
+        for h in hooks:
+            h.remove()
+    gen_t = torch.stack(gen, 1)  # [b, S]
+    feats = torch.cat(feats_steps, 1)  # [b, P + S - 1, F]
+    top_i = torch.stack([t[0] for t in top_steps], 1)  # [b, S, k]: step s = distribution of generated token s
+    top_v = torch.stack([t[1] for t in top_steps], 1)
+    recs = []
+    for r in range(b):
+        g = gen_t[r].tolist()
+        n = len(g)
+        for j, t in enumerate(g):
+            if t in eos:
+                n = j + 1
+                break
+        L = plen[r] + n
+        f = torch.zeros((L, feats.shape[-1]), dtype=torch.float16)
+        f[: L - 1] = feats[r, P - plen[r]: P - plen[r] + L - 1]
+        ti = torch.zeros((L, topk), dtype=torch.int32)
+        tv = torch.zeros((L, topk), dtype=torch.float16)
+        ti[plen[r] - 1: L - 1] = top_i[r, :n]
+        tv[plen[r] - 1: L - 1] = top_v[r, :n]
+        recs.append({"ids": torch.tensor(prompts[r] + g[:n], dtype=torch.int32), "prompt_len": plen[r],
+                     "feats": f, "top_ids": ti, "top_logp": tv})
+    return recs
+
+
+def generate_data(target, name: str, num_prompts: int = 2000, max_prompt_tokens: int = 320, max_new: int = 160,
+                  batch_size: int = 48, layers: Sequence[int] = DEFAULT_LAYERS, topk: int = 8,
+                  time_limit_s: float | None = None, log=print, prompts: list[list[int]] | None = None,
+                  folder: str | Path | None = None) -> Path:
+    """Regenerate responses to ShareGPT *train* prompts (or the given token-id ``prompts``) with the target;
+    resumable (existing shards are kept). ``folder`` overrides ``data_root() / name``."""
+    from .data import sharegpt
+
+    out = Path(folder) if folder is not None else data_root() / name
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path = out / "meta.json"
+    meta = {"feature_layers": list(layers), "topk": topk, "max_new": max_new, "max_prompt_tokens": max_prompt_tokens,
+            "target": target.name, "hidden_size": target.hidden_size, "source": "sharegpt train split, first turn, "
+            "chat template, target greedy", "shards": []}
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        if old["feature_layers"] != list(layers) or old["topk"] != topk:
+            raise ConfigError(f"{out} holds data for layers {old['feature_layers']}; use another name")
+        meta = old
+    if prompts is None:
+        prompts = []
+        for rec in sharegpt("train", limit=num_prompts):
+            ids = _chat_ids(target, rec["turns"][0])
+            if len(ids) <= max_prompt_tokens:
+                prompts.append(ids)
+    else:
+        meta["source"] = "given prompts, target greedy"
+        prompts = [list(map(int, p)) for p in prompts]
+    prompts.sort(key=len)  # similar lengths per batch: less padding
+    batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+    rng = random.Random(0)
+    order = list(range(len(batches)))
+    rng.shuffle(order)  # a time-limited run still covers short and long prompts
+    eos = target.eos_token_ids
+    t0 = time.time()
+    done_shards = {s["batch"] for s in meta["shards"]}
+    for bi in order:
+        if bi in done_shards:
+            continue
+        if time_limit_s is not None and time.time() - t0 > time_limit_s:
+            log(f"time limit reached after {len(meta['shards'])} shards")
+            break
+        t1 = time.time()
+        recs = greedy_batch(target.model, batches[bi], max_new, eos, layers, topk)
+        fname = f"shard_{bi:04d}.pt"
+        torch.save(recs, out / fname)
+        gen_tok = sum(len(r["ids"]) - r["prompt_len"] for r in recs)
+        all_tok = sum(len(r["ids"]) for r in recs)
+        meta["shards"].append({"batch": bi, "file": fname, "sequences": len(recs), "response_tokens": gen_tok,
+                               "tokens": all_tok, "seconds": time.time() - t1})
+        meta_path.write_text(json.dumps(meta, indent=1))
+        dt = time.time() - t1
+        log(f"shard {bi}: {len(recs)} seqs, {gen_tok} response tok in {dt:.0f}s ({gen_tok / dt:.0f} tok/s), "
+            f"total {sum(s['response_tokens'] for s in meta['shards'])} response tok, {time.time() - t0:.0f}s")
+    return out
+
+
+# ---- dataset -----------------------------------------------------------------------------------------------
+def load_records(name_or_path: str | Path, feature_layers: Sequence[int] | None = None, limit: int | None = None):
+    """Cached sequences; ``feats`` reduced to ``feature_layers`` (HF hidden_states indices, in that order)."""
+    folder = Path(name_or_path)
+    if not folder.exists():
+        folder = data_root() / str(name_or_path)
+    meta_path = folder / "meta.json"
+    if not meta_path.exists():
+        raise ConfigError(f"no training data at {folder}: generate it first (python -m drafters.train --generate)")
+    meta = json.loads(meta_path.read_text())
+    cached = list(meta["feature_layers"])
+    H = int(meta["hidden_size"])
+    cols = None
+    if feature_layers is not None:
+        missing = [i for i in feature_layers if i not in cached]
+        if missing:
+            raise ConfigError(f"training data {folder} caches hidden_states {cached}; the drafter needs {missing} "
+                              "too: regenerate with --layers covering them")
+        cols = torch.cat([torch.arange(cached.index(i) * H, (cached.index(i) + 1) * H) for i in feature_layers])
+    recs = []
+    for shard in sorted(meta["shards"], key=lambda s: s["batch"]):
+        for r in torch.load(folder / shard["file"]):
+            if cols is not None and not torch.equal(cols, torch.arange(len(cached) * H)):
+                r["feats"] = r["feats"][:, cols].contiguous()
+            recs.append(r)
+            if limit and len(recs) >= limit:
+                return recs, meta
+    return recs, meta
+
+
+def draft_vocab_from_data(recs, size: int) -> torch.Tensor:
+    """The ``size`` most frequent ids among response tokens and the target's top-k candidates (sorted)."""
+    counts: dict[int, int] = {}
+    for r in recs:
+        resp = r["ids"][r["prompt_len"]:].tolist()
+        top = r["top_ids"][r["prompt_len"] - 1: len(r["ids"]) - 1].reshape(-1).tolist()
+        for t in resp:
+            counts[t] = counts.get(t, 0) + 4  # real labels weigh more than alternatives
+        for t in top:
+            counts[t] = counts.get(t, 0) + 1
+    ids = sorted(counts, key=lambda t: -counts[t])[:size]
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def collate(recs, device) -> dict:
+    b = len(recs)
+    L = max(len(r["ids"]) for r in recs)
+    F_ = recs[0]["feats"].shape[-1]
+    k = recs[0]["top_ids"].shape[-1]
+    ids = torch.zeros((b, L), dtype=torch.long)
+    feats = torch.zeros((b, L, F_), dtype=torch.float32)
+    top_ids = torch.zeros((b, L, k), dtype=torch.long)
+    top_logp = torch.zeros((b, L, k), dtype=torch.float32)
+    for i, r in enumerate(recs):
+        n = len(r["ids"])
+        ids[i, :n] = r["ids"].long()
+        feats[i, :n] = r["feats"].float()
+        top_ids[i, :n] = r["top_ids"].long()
+        top_logp[i, :n] = r["top_logp"].float()
+    return {"ids": ids.to(device), "feats": feats.to(device), "top_ids": top_ids.to(device),
+            "top_logp": top_logp.to(device), "lengths": torch.tensor([len(r["ids"]) for r in recs], device=device),
+            "prompt_len": torch.tensor([r["prompt_len"] for r in recs], device=device)}
+
+
+def epoch_batches(n: int, batch_size: int, epoch: int, seed: int, rank: int = 0, world: int = 1, lengths=None):
+    """Shuffled, length-bucketed batches of indices; rank r takes every world-th batch (DistributedSampler-style)."""
+    g = random.Random(seed * 1000 + epoch)
+    idx = list(range(n))
+    g.shuffle(idx)
+    if lengths is not None:  # sort within chunks so a batch pads little
+        chunk = batch_size * 16
+        idx = [i for c in range(0, n, chunk) for i in sorted(idx[c: c + chunk], key=lambda j: lengths[j])]
+    batches = [idx[i: i + batch_size] for i in range(0, n, batch_size)]
+    g.shuffle(batches)
+    usable = len(batches) - len(batches) % world if world > 1 else len(batches)
+    return batches[rank:usable:world]
+
+
+def lr_at(step: int, total: int, lr: float, warmup: float, min_ratio: float = 0.1) -> float:
+    w = max(1, int(total * warmup))
+    if step < w:
+        return lr * (step + 1) / w
+    t = min(1.0, (step - w) / max(1, total - w))
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+# ---- the loop ----------------------------------------------------------------------------------------------
+def _dist():
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend)
+    rank = torch.distributed.get_rank() if world > 1 else 0
+    return rank, world
+
+
+@torch.no_grad()
+def evaluate(klass, model, target, recs, batch_size: int, seed: int = 1234) -> dict:
+    """Mean metrics over held-out sequences with fixed anchors (same every call)."""
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    tot: dict[str, float] = {}
+    n = 0
+    for i in range(0, len(recs), batch_size):
+        batch = collate(recs[i: i + batch_size], target.device)
+        batch["generator"] = g
+        _, m = klass.training_loss(model, target, batch)
+        for k, v in m.items():
+            tot[k] = tot.get(k, 0.0) + v
+        n += 1
+    model.train()
+    return {k: v / max(1, n) for k, v in tot.items()}
+
+
+def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: str | Path, cfg: dict | None = None,
+          init: str | None = None, epochs: float = 1.0, lr: float = 6e-4, warmup: float = 0.04, clip: float = 1.0,
+          weight_decay: float = 0.0, batch_size: int = 4, holdout: int = 24, eval_every: int = 100,
+          log_every: int = 10, time_limit_s: float | None = None, resume: bool = False, seed: int = 0,
+          draft_vocab_size: int | None = None, limit: int | None = None, log=print) -> dict:
+    """Train ``drafter_type``'s ``training_model`` on cached data; save its public checkpoint to ``out_dir`` and
+    the resumable state (``state.pt``) and ``log.jsonl`` to ``run_dir``. Returns the final eval metrics."""
+    from .drafter import _REGISTRY, _import_builtin_drafters
+
+    _import_builtin_drafters()
+    if drafter_type not in _REGISTRY:
+        raise ConfigError(f"unknown drafter type {drafter_type!r}")
+    klass = _REGISTRY[drafter_type]
+    for hook in ("training_model", "training_loss", "save_trained"):
+        if not hasattr(klass, hook):
+            raise ConfigError(f"drafter {drafter_type!r} does not implement {hook}; it cannot be trained here")
+    rank, world = _dist()
+    cfg = dict(cfg or {})
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed + rank)
+    state_path = run_dir / "state.pt"
+    state = torch.load(state_path, weights_only=False) if resume and state_path.exists() else None
+    if state is not None:
+        cfg = {**state["cfg"], **cfg}
+    recs, meta = load_records(data, None, limit)
+    if draft_vocab_size and cfg.get("draft_vocab") is None:
+        cfg["draft_vocab"] = draft_vocab_from_data(recs[holdout:], draft_vocab_size).tolist()
+    model = klass.training_model(target, cfg, init if state is None else None)
+    layers = list(getattr(model, "feature_layers", ()) or ())
+    H = int(meta["hidden_size"])
+    cached = list(meta["feature_layers"])
+    if any(i not in cached for i in layers):
+        raise ConfigError(f"training data caches hidden_states {cached}; the drafter needs {layers}: regenerate "
+                          "the data with --layers covering them")
+    if layers != cached:
+        cols = torch.cat([torch.arange(cached.index(i) * H, (cached.index(i) + 1) * H) for i in layers])
+        for r in recs:
+            r["feats"] = r["feats"][:, cols].contiguous()
+    eval_recs, train_recs = recs[:holdout], recs[holdout:]
+    lengths = [len(r["ids"]) for r in train_recs]
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    step, epoch0, elapsed0 = 0, 0, 0.0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, epoch0, elapsed0 = state["step"], state["epoch"], state.get("elapsed", 0.0)
+    steps_per_epoch = len(epoch_batches(len(train_recs), batch_size, 0, seed, rank, world))
+    total = max(1, int(math.ceil(epochs * steps_per_epoch)))
+    n_params = sum(p.numel() for p in params)
+    log(f"[train] {drafter_type}: {n_params / 1e6:.2f} M trainable params, {len(train_recs)} train / "
+        f"{len(eval_recs)} held-out sequences, {steps_per_epoch} steps/epoch, {total} steps total, world {world}")
+    logf = open(run_dir / "log.jsonl", "a") if rank == 0 else None
+
+    def save():
+        if rank != 0:
+            return
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
+                    "elapsed": elapsed0 + time.time() - t0, "cfg": cfg}, state_path)
+        klass.save_trained(model, out_dir, cfg)
+
+    def write(rec):
+        if logf is not None:
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+
+    if rank == 0 and step == 0 and holdout:
+        ev = evaluate(klass, model, target, eval_recs, batch_size)
+        write({"step": 0, "minutes": elapsed0 / 60, "eval": ev})
+        log(f"[eval] step 0: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+    t0 = time.time()
+    model.train()
+    ema: dict[str, float] = {}
+    epoch = epoch0
+    stop = False
+    rows = 0
+    while step < total and not stop:
+        batches = epoch_batches(len(train_recs), batch_size, epoch, seed, rank, world, lengths)
+        skip = step - epoch * steps_per_epoch if state is not None and epoch == epoch0 else 0
+        for bi in batches[max(0, skip):]:
+            if step >= total:
+                break
+            batch = collate([train_recs[i] for i in bi], target.device)
+            cur_lr = lr_at(step, total, lr, warmup)
+            for gr in opt.param_groups:
+                gr["lr"] = cur_lr
+            loss, m = klass.training_loss(model, target, batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if world > 1:
+                for p in params:
+                    if p.grad is not None:
+                        torch.distributed.all_reduce(p.grad)
+                        p.grad /= world
+            gn = torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+            step += 1
+            rows += int(m.get("rows", 0))
+            for k, v in m.items():
+                ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
+            minutes = (elapsed0 + time.time() - t0) / 60
+            if rank == 0 and step % log_every == 0:
+                write({"step": step, "epoch": epoch, "minutes": minutes, "lr": cur_lr, "grad_norm": float(gn),
+                       "rows_per_s": rows / max(1e-6, time.time() - t0), **{f"train_{k}": v for k, v in ema.items()}})
+                log(f"[train] step {step}/{total} ep {epoch} {minutes:.1f} min lr {cur_lr:.2e} " +
+                    " ".join(f"{k} {v:.4g}" for k, v in ema.items() if k != "rows") +
+                    f" ({rows / max(1e-6, time.time() - t0):.0f} rows/s)")
+            if rank == 0 and holdout and eval_every and step % eval_every == 0:
+                ev = evaluate(klass, model, target, eval_recs, batch_size)
+                write({"step": step, "minutes": minutes, "eval": ev})
+                log(f"[eval] step {step}: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+                save()
+            if time_limit_s is not None and time.time() - t0 > time_limit_s:
+                log(f"[train] time limit reached at step {step}")
+                stop = True
+                break
+        else:
+            epoch += 1
+    ev = evaluate(klass, model, target, eval_recs, batch_size) if rank == 0 and holdout else {}
+    minutes = (elapsed0 + time.time() - t0) / 60
+    write({"step": step, "minutes": minutes, "eval": ev, "final": True})
+    if ev:
+        log(f"[eval] final step {step} ({minutes:.1f} min): " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+    save()
+    if logf is not None:
+        logf.close()
+    return {"step": step, "minutes": minutes, **ev}

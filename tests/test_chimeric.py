@@ -1,0 +1,173 @@
+"""Chimeric-prefix analysis: hand-built cases with known answers, the 2^m - 2 construction, and the round hooks."""
+import math
+
+import pytest
+import torch
+
+from tree import SOURCE_RETRIEVED, from_paths, make_tree, merge, with_sources
+from tree.chimeric import (
+    futures_recorder,
+    label_proxy,
+    label_sampled,
+    proxy_hook,
+    proxy_shares,
+    sample_futures,
+    sampled_shares,
+    temperature_sampler,
+)
+from tree.ddtree import ddtree
+from tree.mixed import mixed_ddtree, tree_paths
+
+V = 100
+JUNK = 99
+L = 6
+A = [10, 11, 12, 13, 14, 15]
+B = [10, 21, 12, 23, 24, 15]  # disagrees with A at (1-based) positions 2, 4, 5: m = 3
+P = 0.7
+
+
+def marginals():
+    """Per-position top-2 of the product-of-marginals drafter for the two-future mixture (p on A, 1-p on B)."""
+    ids, lps = [], []
+    for a, b in zip(A, B):
+        if a != b:
+            ids.append([a, b])
+            lps.append([math.log(P), math.log(1 - P)])
+        else:
+            ids.append([a, JUNK])
+            lps.append([0.0, -50.0])
+    return torch.tensor(ids), torch.tensor(lps, dtype=torch.float32)
+
+
+def point_mode(fut):
+    return torch.tensor([[t, JUNK] for t in fut]), torch.tensor([[0.0, -50.0]] * len(fut))
+
+
+def mixture_logits(tree):
+    """Verify logits of a target whose only futures are A (p) and B (1-p); after any other path it says JUNK."""
+    rows = []
+    paths = [()]
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    for i in range(1, tree.size):
+        paths.append(paths[pars[i]] + (toks[i],))
+    for path in paths:
+        probs = torch.zeros(V)
+        d = len(path)
+        for fut, w in ((A, P), (B, 1 - P)):
+            if d < L and tuple(fut[:d]) == path:
+                probs[fut[d]] += w
+        if probs.sum() == 0:
+            probs[JUNK] = 1.0
+        rows.append(torch.log(probs / probs.sum() + 1e-12))
+    return torch.stack(rows)
+
+
+def expected_chimeric_nodes():
+    diff = [int(a != b) for a, b in zip(A, B)]
+    j = [sum(diff[: t + 1]) for t in range(L)]
+    return sum(max(2 ** jt - 2, 0) for jt in j), sum(2 ** jt for jt in j)
+
+
+def test_product_tree_needs_2m_minus_2_chimeras_to_reach_b():
+    ids, lps = marginals()
+    order = ddtree(0, ids, lps, 200)
+    b_node = tree_paths(order)[tuple(B)]
+    tree = ddtree(0, ids, lps, b_node)  # the smallest product-ranked tree holding B's full path
+    chimeric, nodes = expected_chimeric_nodes()
+    assert tree.size - 1 == nodes == 25
+    labels = label_sampled(tree, [A, B])
+    assert labels.count("chimeric") == chimeric == 14
+    assert labels.count("coherent") == nodes - chimeric and labels.count("off_support") == 0
+    full = [i for i in range(1, tree.size) if int(tree.depths[i]) == L]
+    m = sum(a != b for a, b in zip(A, B))
+    assert len(full) == 2 ** m and sum(labels[i] == "chimeric" for i in full) == 2 ** m - 2
+    # B (p < 1/2) is the last full path a product ranking reaches
+    assert b_node == max(full)
+    shares = sampled_shares(tree, [A, B])["draft"]
+    assert shares["n"] == 25 and shares["chimeric"] == pytest.approx(14 / 25)
+    # The one-pass proxy agrees node for node on this construction.
+    proxy, _ = label_proxy(tree, mixture_logits(tree))
+    assert proxy == labels
+
+
+def test_two_mode_mixture_tree_has_no_chimeras():
+    ia, la = point_mode(A)
+    ib, lb = point_mode(B)
+    first = next(i for i, (a, b) in enumerate(zip(A, B)) if a != b) + 1  # 1-based first disagreement
+    budget = L + (L - first + 1)
+    tree = mixed_ddtree(0, torch.stack([ia, ib]), torch.stack([la, lb]), budget)
+    assert set(tree_paths(tree)) == {tuple(f[:d]) for f in (A, B) for d in range(1, L + 1)}
+    assert sampled_shares(tree, [A, B])["draft"]["chimeric_n"] == 0
+    assert proxy_shares(tree, mixture_logits(tree))["draft"]["coherent"] == 1.0
+    # modes: shared prefix proposed by both, the rest by one each
+    paths = tree_paths(tree)
+    assert tree.modes[paths[(10,)]] == 3 and tree.modes[paths[tuple(A)]] == 1 and tree.modes[paths[tuple(B)]] == 2
+
+
+def test_off_support_unreachable_and_retrieved_reported_separately():
+    base = from_paths(0, [A[:3], B[:2]])
+    # a junk branch (off-support under both protocols) and, under it, the token the target would say after junk
+    extra = with_sources(from_paths(0, [[A[0], 77, 78], [A[0], 77, JUNK]]), SOURCE_RETRIEVED)
+    tree = merge(base, extra)
+    sampled = label_sampled(tree, [A, B])
+    proxy, _ = label_proxy(tree, mixture_logits(tree))
+    paths = tree_paths(tree)
+    n77, n78, n99 = paths[(A[0], 77)], paths[(A[0], 77, 78)], paths[(A[0], 77, JUNK)]
+    assert [sampled[n77], sampled[n78], sampled[n99]] == ["off_support"] * 3
+    assert [proxy[n77], proxy[n78], proxy[n99]] == ["off_support", "off_support", "unreachable"]
+    s = proxy_shares(tree, mixture_logits(tree))
+    assert s["draft"]["n"] == 4 and s["draft"]["coherent"] == 1.0  # A[:3] and B[:2] share the first node
+    assert s["retrieved"]["n"] == 3 and s["retrieved"]["off_support_n"] == 2 and s["retrieved"]["unreachable_n"] == 1
+
+
+def test_proxy_thresholds():
+    # After root, the target gives token 5 prob 0.05 and token 6 prob 0.95; after node 6, token 7 has prob 0.5.
+    tree = make_tree([0, 5, 6, 7], [-1, 0, 0, 1])
+    probs = torch.full((4, 10), 1e-9)
+    probs[0, 5], probs[0, 6] = 0.05, 0.95
+    probs[1, 1] = 1.0  # after 5: the target wants 1, not 7
+    probs[2, 7] = 0.5  # after 6: 7 is fine -> node 7 under 5 is chimeric (valid under the sibling path)
+    probs[2, 1] = 0.5
+    probs[3, 1] = 1.0
+    logits = probs.log()
+    labels, path_flags = label_proxy(tree, logits, eps=0.01, delta=0.1)
+    assert labels[1:] == ["coherent", "coherent", "chimeric"]
+    assert path_flags == [False, False, False, True]
+    assert label_proxy(tree, logits, eps=0.1)[0][1] == "off_support"  # 0.05 < eps=0.1, nothing else at depth 1
+    assert label_proxy(tree, logits, delta=0.6)[0][3] == "off_support"  # 0.5 < delta: not valid elsewhere
+
+
+def test_proxy_rejects_bad_logits():
+    tree = make_tree([0, 5], [-1, 0])
+    with pytest.raises(ValueError, match="one row per tree node"):
+        label_proxy(tree, torch.zeros(3, 10))
+
+
+def test_hooks_on_tiny_target(tiny_llama):
+    from graft_block.decoder import SpeculativeDecoder
+    from drafters.planted import PlantedTreeDrafter
+
+    target = tiny_llama
+    prompt = [1, 5, 9, 17, 33]
+    ref = SpeculativeDecoder(target).generate(prompt, max_new_tokens=24).tokens
+    hook, rec = proxy_hook(), futures_recorder(count=3)
+    drafter = PlantedTreeDrafter(reference=ref, budget=10, vocab_size=128, seed=1)
+    res = SpeculativeDecoder(target, drafter, round_hooks=[hook, rec]).generate(prompt, max_new_tokens=24)
+    assert res.tokens == ref
+    assert 0 < len(hook.rows) <= res.stats.rounds
+    for row in hook.rows:
+        d = row["draft"]
+        assert d["coherent_n"] + d["chimeric_n"] + d["off_support_n"] + d["unreachable_n"] == d["n"]
+    summ = hook.summary()["draft"]
+    assert summ["rounds"] == len(hook.rows) and 0.0 <= summ["chimeric"] <= 1.0
+    assert len(rec.records) == 3
+    for context, tree in rec.records:
+        assert context[-1] == tree.root_token and context[: len(prompt)] == prompt
+        done = len(context) - len(prompt)
+        # greedy future from its own cache == the target's greedy continuation; T=0 sampler rows too
+        futs = sample_futures(target, context, n=2, length=5, sampler=temperature_sampler(0.0))
+        want = ref[done : done + 5]
+        assert all(f[: len(want)] == want for f in futs)
+    g = torch.Generator().manual_seed(0)
+    futs = sample_futures(target, rec.records[0][0], n=8, length=4, generator=g)
+    assert len(futs) == 9 and len({tuple(f) for f in futs[:8]}) > 1  # T=1 samples differ

@@ -1,0 +1,262 @@
+"""MFD drafter: K=1 == DFlash (logits, tree, training loss), one forward == K separate forwards, losslessness
+(greedy identity vs HF greedy, T=1 distribution), checkpoint IO, training metrics."""
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+import drafters.dflash as D
+import drafters.mfd as M
+from graft_block.decoder import DecodeState, SpeculativeDecoder
+from graft_block.drafter import Drafter, bundled_checkpoint
+from graft_block.errors import ConfigError
+from graft_block.sampling import SamplingConfig
+from graft_block.testing import chi_square_test, exact_sequence_probs, tiny_target
+from tree import validate
+
+PROMPT = [5, 17, 33, 2, 99, 64, 12]
+
+
+def _mfd(target, **kw):
+    cfg = {"type": "mfd", "num_layers": 2, "target_layer_ids": [0, 2], "block_size": 8, "seed": 1, "num_modes": 3,
+           "budget": 20, "mode_init_scale": 1.0}
+    cfg.update(kw)
+    return Drafter.from_config(cfg, target=target)
+
+
+def _state(target, prompt=PROMPT):
+    logits, feats = target.prefill(torch.tensor(prompt))
+    st = DecodeState(target, SamplingConfig(), None, list(prompt) + [int(logits.argmax())], len(prompt))
+    st.new_features, st.new_features_start = feats, 0
+    return st
+
+
+def _prefilled(d, target):
+    target.set_feature_layers(d.feature_layers)
+    st = _state(target)
+    d.prefill(st)
+    return st
+
+
+def _hf_greedy(target, prompt, n):
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_k1_zero_modes_reproduces_dflash_exactly(tiny_qwen3):
+    base = D.new_model(tiny_qwen3, num_layers=2, block_size=8, target_layer_ids=[0, 2], seed=3)
+    dfl = D.DFlashDrafter(tiny_qwen3, base, proposal="ddtree", budget=24)
+    mfd = M.MFDDrafter(tiny_qwen3, M.MFDModel.from_dflash(base, num_modes=1), budget=24)
+    st = _prefilled(dfl, tiny_qwen3)
+    mfd.prefill(st)
+    with torch.no_grad():
+        a = dfl.block_logits(st)
+        b = mfd.mode_logits(st)
+    assert b.shape == (1,) + a.shape and torch.equal(a, b[0])
+    t1, t2 = dfl.propose(st), mfd.propose(st)
+    assert torch.equal(t1.tokens, t2.tokens) and torch.equal(t1.parents, t2.parents)
+    assert torch.equal(t1.scores, t2.scores)
+
+
+@pytest.mark.parametrize("mode_rows", ["all", "mask"])
+def test_one_forward_equals_separate_mode_forwards(tiny_llama, mode_rows):
+    d = _mfd(tiny_llama, mode_rows=mode_rows)
+    st = _prefilled(d, tiny_llama)
+    B = d.block_size
+    with torch.no_grad():
+        joint = d.mode_logits(st)  # [K, B-1, V]
+        ids = torch.full((B,), d.model.mask_token_id)
+        ids[0] = st.root_token
+        emb = tiny_llama.embed(ids)
+        for k in range(d.model.num_modes):
+            on = (torch.arange(B) > 0) if mode_rows == "mask" else torch.ones(B, dtype=torch.bool)
+            rows = emb + d.model.mode_embed[k] * on.float().view(-1, 1)
+            h = d.block_hidden(st, ids, block_embeds=rows)  # DFlash's single-block forward, no mask
+            single = d.model.logits(h[1:], d._lm_w, d._lm_b)
+            assert torch.allclose(joint[k], single, atol=1e-5)
+    # the modes really differ (symmetry broken), and the anchor row is untouched in "mask" mode
+    assert not torch.allclose(joint[0], joint[1])
+
+
+@pytest.mark.parametrize("arch,score", [("llama", "best_mode"), ("qwen3", "best_mode"), ("llama", "mixture_uniform"),
+                                        ("qwen3", "mixture_gated")])
+def test_greedy_identity_vs_hf(arch, score):
+    target = tiny_target(arch)
+    ref = _hf_greedy(target, PROMPT, 32)
+    d = _mfd(target, score=score, budget=24)
+    res = SpeculativeDecoder(target, d).generate(PROMPT, max_new_tokens=32)
+    assert res.tokens == ref
+    # the draft cache holds exactly the tokens that entered the target cache (the last round may overshoot)
+    assert d.ctx_len == len(PROMPT) + res.stats.committed_in_rounds
+    ids, lps = d.last_block_logprobs
+    assert ids.shape[:2] == (3, 7)
+
+
+def test_mixed_trees_are_valid_and_use_several_modes(tiny_llama):
+    d = _mfd(tiny_llama, budget=30)
+    st = _prefilled(d, tiny_llama)
+    tree = d.propose(st)
+    validate(tree, budget=30, root_token=st.root_token)
+    assert tree.size == 31
+    bits = set(tree.modes[1:].tolist())
+    assert any(b != 7 for b in bits)  # some nodes are proposed by a subset of the modes only
+
+
+def test_sampling_matches_target_distribution():
+    """T=1, 8-token vocabulary, K=3 modes: the joint law of the first 2 new tokens under MFD mixed trees equals
+    the target's exact law (chi-square p > 1e-3 and TV < 0.06 with 2400 samples)."""
+    target = tiny_target("llama", vocab_size=8, hidden_size=32, num_layers=2)
+    d = _mfd(target, budget=8, block_size=4, mask_token_id=7, target_layer_ids=[0, 1])
+    dec = SpeculativeDecoder(target, d)
+    prompt = [1, 3, 5]
+    exact = exact_sequence_probs(target, prompt, 2, SamplingConfig(1.0))
+    n = 2400
+    gen = torch.Generator().manual_seed(7)
+    counts = Counter()
+    accepted = 0
+    for _ in range(n):
+        r = dec.generate(prompt, max_new_tokens=3, temperature=1.0, generator=gen)
+        counts[tuple(r.tokens[:2])] += 1
+        accepted += r.stats.committed_in_rounds - r.stats.rounds
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
+    stat, dof, p = chi_square_test(counts, exact)
+    assert tv < 0.06 and p > 1e-3, (tv, stat, dof, p)
+    assert accepted > 0  # drafts were really accepted
+
+
+def test_checkpoint_round_trip_and_config(tmp_path, tiny_qwen3):
+    d = _mfd(tiny_qwen3)
+    M.save_checkpoint(d.model, tmp_path / "ck", score="best_mode", dtype=torch.float32)
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert cfg["type"] == "mfd" and cfg["mfd_config"] == {"num_modes": 3, "score": "best_mode", "mode_rows": "all"}
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 2] and cfg["architectures"] == ["DFlashDraftModel"]
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "ck" / "model.safetensors"))
+    assert tensors["mode_embed"].shape == (3, 64) and tensors["mode_gate.weight"].shape == (1, 64)
+    d2 = Drafter.from_config(str(tmp_path / "ck"), target=tiny_qwen3)
+    assert isinstance(d2, M.MFDDrafter) and d2.model.num_modes == 3
+    st = _prefilled(d, tiny_qwen3)
+    d2.prefill(st)
+    with torch.no_grad():
+        assert torch.equal(d.mode_logits(st), d2.mode_logits(st))
+    # use_modes drafts with a prefix of the modes
+    d3 = Drafter.from_config({"type": "mfd", "checkpoint": str(tmp_path / "ck"), "use_modes": 2}, target=tiny_qwen3)
+    d3.prefill(st)
+    with torch.no_grad():
+        assert torch.allclose(d3.mode_logits(st), d.mode_logits(st)[:2], atol=1e-5)
+
+
+def test_dflash_checkpoint_loads_as_k1(tmp_path, tiny_qwen3):
+    base = D.new_model(tiny_qwen3, num_layers=1, block_size=6, target_layer_ids=[1], seed=2)
+    D.save_checkpoint(base, tmp_path / "dfl", dtype=torch.float32, extra={"type": "dflash"})
+    d = Drafter.from_config({"type": "mfd", "checkpoint": str(tmp_path / "dfl"), "budget": 10}, target=tiny_qwen3)
+    ref = Drafter.from_config({"type": "dflash", "checkpoint": str(tmp_path / "dfl"), "proposal": "ddtree",
+                               "budget": 10}, target=tiny_qwen3)
+    st = _prefilled(ref, tiny_qwen3)
+    d.prefill(st)
+    t1, t2 = ref.propose(st), d.propose(st)
+    assert t1.tokens.tolist() == t2.tokens.tolist() and t1.parents.tolist() == t2.parents.tolist()
+
+
+def test_bad_configs_fail_clearly(tiny_llama):
+    with pytest.raises(ConfigError, match="score"):
+        _mfd(tiny_llama, score="product")
+    with pytest.raises(ConfigError, match="use_modes"):
+        _mfd(tiny_llama, use_modes=5)
+    with pytest.raises(ConfigError, match="num_modes"):
+        _mfd(tiny_llama, num_modes=0)
+    with pytest.raises(ConfigError, match="unknown mfd config"):
+        _mfd(tiny_llama, colour="red")
+
+
+# ---- training ----------------------------------------------------------------------------------------------
+def _batch(target, layers, b=2, L=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (b, L), generator=g)
+    target.set_feature_layers(layers)
+    with torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i] for i in layers], -1)
+    logp = torch.log_softmax(out.logits.float(), -1)
+    tv, ti = logp.topk(4, -1)
+    return {"ids": ids, "feats": feats, "top_ids": ti, "top_logp": tv, "lengths": torch.tensor([L, L - 7]),
+            "prompt_len": torch.tensor([6, 9])}
+
+
+def test_k1_training_loss_equals_dflash(tiny_qwen3):
+    cfg = {"num_layers": 2, "block_size": 6, "target_layer_ids": [0, 2], "num_anchors": 5, "num_modes": 1}
+    dmodel = D.training_model(tiny_qwen3, cfg, "target")
+    mmodel = M.MFDModel.from_dflash(dmodel, num_modes=1)
+    mmodel.train_opts = {**dmodel.train_opts, "mix_loss": "mixture", "wta_eps": 0.0, "balance": 0.05}
+    batch = _batch(tiny_qwen3, dmodel.feature_layers)
+    l1, m1 = D.training_loss(dmodel, tiny_qwen3, {**batch, "generator": torch.Generator().manual_seed(5)})
+    l2, m2 = M.training_loss(mmodel, tiny_qwen3, {**batch, "generator": torch.Generator().manual_seed(5)})
+    assert torch.allclose(l1, l2, rtol=1e-5, atol=1e-6), (float(l1), float(l2))
+    assert m1["accept_len"] == pytest.approx(m2["accept_len"])
+
+
+@pytest.mark.parametrize("mix_loss", ["mixture", "wta"])
+def test_training_loss_k4_metrics_and_gradients(tiny_qwen3, mix_loss):
+    cfg = {"num_layers": 2, "block_size": 6, "target_layer_ids": [0, 2], "num_anchors": 5, "num_modes": 4,
+           "mix_loss": mix_loss}
+    model = M.training_model(tiny_qwen3, cfg, "target")
+    assert model.mode_embed.requires_grad and float(model.mode_embed.norm()) > 0
+    batch = _batch(tiny_qwen3, model.feature_layers)
+    loss, m = M.training_loss(model, tiny_qwen3, {**batch, "generator": torch.Generator().manual_seed(1)})
+    loss.backward()
+    assert model.mode_embed.grad is not None and float(model.mode_embed.grad.abs().sum()) > 0
+    assert model.mode_gate.weight.grad is not None
+    assert model.layers[0].mlp.up_proj.weight.grad is not None
+    wins = [m[f"win{j}"] for j in range(4)]
+    assert sum(wins) == pytest.approx(1.0) and 0.0 <= m["disagree"] <= 1.0 and m["accept_best"] >= m["accept_len"]
+    # the mixture loss is never above the mean mode's loss... and the best mode's block NLL is a lower bound
+    assert 0 <= m["resp_entropy"] <= torch.log(torch.tensor(4.0)).item() + 1e-5
+
+
+def test_k1_control_keeps_mode_vector_frozen_at_zero(tiny_qwen3):
+    cfg = {"num_layers": 1, "block_size": 6, "target_layer_ids": [0], "num_anchors": 3, "num_modes": 1}
+    model = M.training_model(tiny_qwen3, cfg, "target")
+    assert not model.mode_embed.requires_grad and float(model.mode_embed.abs().sum()) == 0
+
+
+def test_train_loop_runs_and_saves(tmp_path, tiny_qwen3, monkeypatch):
+    """Two steps through the shared loop (graft_block.training.train) on a tiny cached data set."""
+    from graft_block import training as T
+
+    layers = [1, 3]
+    recs = []
+    for s in range(6):
+        b = _batch(tiny_qwen3, layers, b=1, L=30, seed=s)
+        recs.append({"ids": b["ids"][0].int(), "prompt_len": 5, "feats": b["feats"][0].half(),
+                     "top_ids": b["top_ids"][0].int(), "top_logp": b["top_logp"][0].half()})
+    folder = tmp_path / "data"
+    folder.mkdir()
+    torch.save(recs, folder / "shard_0000.pt")
+    (folder / "meta.json").write_text(json.dumps({"feature_layers": layers, "topk": 4, "hidden_size": 64,
+                                                  "shards": [{"batch": 0, "file": "shard_0000.pt"}]}))
+    cfg = {"num_layers": 1, "block_size": 6, "target_layer_ids": [0, 2], "num_anchors": 4, "num_modes": 2}
+    res = T.train("mfd", tiny_qwen3, str(folder), tmp_path / "out", tmp_path / "run", cfg=cfg, init="target",
+                  epochs=1, batch_size=2, holdout=2, eval_every=0, log=lambda s: None)
+    assert res["step"] == 2 and "win0" in res and "disagree" in res
+    d = Drafter.from_config(str(tmp_path / "out"), target=tiny_qwen3)
+    assert isinstance(d, M.MFDDrafter) and d.model.num_modes == 2
+
+
+# ---- the trained drafter on SmolLM2 ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_mfd_lossless(smollm2):
+    folder = bundled_checkpoint("mfd-smollm2")
+    if folder is None:
+        pytest.skip("drafters/checkpoints/mfd-smollm2 is not present")
+    prompts = [[{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
+               [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]]
+    AR = SpeculativeDecoder(smollm2)
+    d = Drafter.from_config({"type": "mfd", "checkpoint": str(folder), "budget": 32}, target=smollm2)
+    dec = SpeculativeDecoder(smollm2, d)
+    for p in prompts:
+        ref = AR.generate(p, max_new_tokens=64).tokens
+        res = dec.generate(p, max_new_tokens=64)
+        assert res.tokens == ref
+        assert res.stats.tau > 1.0

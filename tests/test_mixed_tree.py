@@ -1,0 +1,111 @@
+"""Mixed DDTree: exact top-B under best-mode / mixture scores, prefix-closed, unique siblings, K=1 == DDTree."""
+import math
+
+import pytest
+import torch
+
+from tree import TreeError, validate
+from tree.ddtree import ddtree, topk_logprobs
+from tree.mixed import brute_force_mixed, mixed_ddtree, path_score, tree_paths
+
+
+def random_modes(M, L, K, V, seed, shared_vocab=True):
+    g = torch.Generator().manual_seed(seed)
+    # A small vocabulary makes modes share tokens, so the trie must de-duplicate paths across modes.
+    logits = torch.randn(M, L, V, generator=g) * 2.0
+    ids, lps = zip(*(topk_logprobs(logits[m], K) for m in range(M)))
+    return torch.stack(ids), torch.stack(lps)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_k1_equals_ddtree_node_for_node(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    L, K, V = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g)), 20
+    ids, lps = topk_logprobs(torch.randn(L, V, generator=g) * 3, K)
+    for budget in (1, 3, 7, 16, 40):
+        ref = ddtree(5, ids, lps, budget)
+        got = mixed_ddtree(5, ids[None], lps[None], budget)
+        assert torch.equal(got.tokens, ref.tokens)
+        assert torch.equal(got.parents, ref.parents)
+        assert torch.equal(got.depths, ref.depths)
+        assert torch.equal(got.scores, ref.scores)
+        assert got.modes.tolist() == [1] * got.size
+
+
+def test_k1_equals_ddtree_with_ties():
+    # Equal log-probs everywhere: order is decided only by the rank-tuple tie-break, which must match DDTree's.
+    ids = torch.arange(12).view(3, 4)
+    lps = torch.full((3, 4), math.log(0.25))
+    ref = ddtree(0, ids, lps, 30)
+    got = mixed_ddtree(0, ids[None], lps[None], 30)
+    assert got.tokens.tolist() == ref.tokens.tolist() and got.parents.tolist() == ref.parents.tolist()
+
+
+@pytest.mark.parametrize("score", ["best_mode", "mixture_uniform", "mixture_gated"])
+@pytest.mark.parametrize("seed", range(10))
+def test_matches_brute_force(score, seed):
+    M, L, K, V = 3, 3, 3, 6
+    ids, lps = random_modes(M, L, K, V, seed)
+    w = torch.softmax(torch.randn(M, generator=torch.Generator().manual_seed(seed)), 0) if score == "mixture_gated" else None
+    for budget in (1, 5, 12, 25):
+        tree = mixed_ddtree(9, ids, lps, budget, score=score, mode_weights=w)
+        validate(tree, budget=budget, root_token=9)  # prefix-closed, unique siblings, topological, budget
+        ref = brute_force_mixed(ids, lps, budget, score=score, mode_weights=w)
+        got = tree_paths(tree)
+        assert set(got) == set(ref), (budget, set(got) ^ set(ref))
+        for path, node in got.items():
+            assert float(tree.scores[node]) == pytest.approx(ref[path], abs=1e-5)
+
+
+def test_dedup_across_modes_and_unique_siblings():
+    # Two identical modes: the tree must equal the single-mode DDTree (no duplicate sibling tokens), both bits set.
+    ids, lps = random_modes(1, 4, 4, 30, 3)
+    two = mixed_ddtree(1, ids.repeat(2, 1, 1), lps.repeat(2, 1, 1), 20)
+    one = ddtree(1, ids[0], lps[0], 20)
+    assert two.tokens.tolist() == one.tokens.tolist() and two.parents.tolist() == one.parents.tolist()
+    assert two.modes[1:].tolist() == [3] * 20
+
+
+def test_two_disjoint_modes_split_budget_by_score():
+    # Mode 0 is confident on path A, mode 1 on path B: best-mode keeps both coherent chains, tagged by their mode.
+    L, K = 4, 2
+    ids = torch.tensor([[[10, 90], [11, 91], [12, 92], [13, 93]], [[20, 90], [21, 91], [22, 92], [23, 93]]])
+    lps = torch.log(torch.tensor([[0.9, 0.1]] * L).repeat(2, 1, 1))
+    tree = mixed_ddtree(0, ids, lps, 8)
+    paths = tree_paths(tree)
+    assert (10, 11, 12, 13) in paths and (20, 21, 22, 23) in paths
+    assert tree.modes[paths[(10, 11, 12, 13)]] == 1 and tree.modes[paths[(20, 21, 22, 23)]] == 2
+    # Bits shrink along a path.
+    m, par = tree.modes.tolist(), tree.parents.tolist()
+    assert all(m[i] & m[par[i]] == m[i] for i in range(1, tree.size))
+
+
+def test_best_mode_differs_from_mixture_when_modes_disagree():
+    # A path both modes like scores higher under the mixture; best-mode ignores agreement. Check the scores.
+    ids, lps = random_modes(2, 3, 3, 5, 7)
+    tree = mixed_ddtree(0, ids, lps, 10, score="mixture_uniform")
+    for path, node in tree_paths(tree).items():
+        bm = path_score(path, ids, lps, "best_mode")
+        mix = float(tree.scores[node])
+        assert bm - math.log(2) - 1e-5 <= mix <= bm + 1e-5  # logmeanexp is within log M of the max
+
+
+def test_bad_inputs_raise_clear_errors():
+    ids, lps = random_modes(2, 3, 3, 5, 0)
+    with pytest.raises(TreeError, match="M, L, K"):
+        mixed_ddtree(0, ids[0], lps[0], 4)
+    with pytest.raises(TreeError, match="unknown score"):
+        mixed_ddtree(0, ids, lps, 4, score="product")
+    with pytest.raises(TreeError, match="needs mode_weights"):
+        mixed_ddtree(0, ids, lps, 4, score="mixture_gated")
+    with pytest.raises(TreeError, match="mode_weights"):
+        mixed_ddtree(0, ids, lps, 4, score="mixture_gated", mode_weights=[1.0])
+    with pytest.raises(TreeError, match="budget"):
+        mixed_ddtree(0, ids, lps, -1)
+
+
+def test_budget_larger_than_support_and_zero():
+    ids, lps = random_modes(2, 2, 2, 50, 1)
+    tree = mixed_ddtree(0, ids, lps, 1000)
+    assert tree.size - 1 == len(brute_force_mixed(ids, lps, 1000))
+    assert mixed_ddtree(0, ids, lps, 0).size == 1

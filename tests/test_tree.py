@@ -1,0 +1,179 @@
+"""Model-free tree invariants, masks, positions, merge and the walk (including its sampling exactness)."""
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from graft_block.testing import chi_square_test
+from tree import (
+    SOURCE_RETRIEVED,
+    TreeError,
+    ancestor_mask,
+    attention_mask,
+    chain,
+    from_paths,
+    make_tree,
+    merge,
+    position_ids,
+    validate,
+    walk,
+)
+
+
+def random_tree(rng: random.Random, root: int, vocab: int, budget: int, max_width=4, max_depth=6):
+    tokens, parents, kids = [root], [-1], {0: set()}
+    depth = [0]
+    while len(tokens) - 1 < budget:
+        p = rng.randrange(len(tokens))
+        if depth[p] >= max_depth or len(kids[p]) >= max_width:
+            if all(depth[q] >= max_depth or len(kids[q]) >= max_width for q in range(len(tokens))):
+                break
+            continue
+        t = rng.randrange(vocab)
+        if t in kids[p]:
+            continue
+        kids[p].add(t)
+        tokens.append(t)
+        parents.append(p)
+        depth.append(depth[p] + 1)
+        kids[len(tokens) - 1] = set()
+    return make_tree(tokens, parents)
+
+
+def test_chain_and_positions():
+    t = chain(7, [1, 2, 3], scores=[-0.1, -0.3, -0.6])
+    assert t.tokens.tolist() == [7, 1, 2, 3]
+    assert t.parents.tolist() == [-1, 0, 1, 2]
+    assert position_ids(t, 10).tolist() == [[10, 11, 12, 13]]
+    assert ancestor_mask(t).tolist() == torch.tril(torch.ones(4, 4, dtype=torch.bool)).tolist()
+
+
+def test_ancestor_mask_matches_definition():
+    rng = random.Random(0)
+    for _ in range(50):
+        t = random_tree(rng, 0, 20, rng.randint(1, 30))
+        m = ancestor_mask(t)
+        for i in range(t.size):
+            anc = {i}
+            c = i
+            while c > 0:
+                c = int(t.parents[c])
+                anc.add(c)
+            assert set(torch.nonzero(m[i]).flatten().tolist()) == anc
+
+
+def test_attention_mask_is_additive_and_shows_prefix():
+    t = from_paths(5, [[1, 2], [3]])
+    m = attention_mask(t, cache_len=4, dtype=torch.float32)
+    assert m.shape == (1, 1, t.size, 4 + t.size)
+    assert (m[0, 0, :, :4] == 0).all()
+    neg = torch.finfo(torch.float32).min
+    # node "3" (index 3) must not see node "1" (index 1) or "2"
+    assert m[0, 0, 3, 4 + 1] == neg and m[0, 0, 3, 4 + 2] == neg and m[0, 0, 3, 4 + 0] == 0
+
+
+def test_from_paths_dedups_and_respects_budget():
+    t = from_paths(9, [[1, 2, 3], [1, 2, 4], [1, 5]])
+    validate(t)
+    assert t.size == 1 + 5
+    t2 = from_paths(9, [[1, 2, 3], [1, 2, 4], [1, 5]], budget=3)
+    assert t2.size == 4 and validate(t2, budget=3)
+
+
+def test_merge_dedups_siblings_and_keeps_base_first():
+    a = from_paths(9, [[1, 2], [3]])
+    b = from_paths(9, [[1, 7], [3, 4], [8]], source=SOURCE_RETRIEVED)
+    m = merge(a, b)
+    validate(m)
+    assert m.tokens[: a.size].tolist() == a.tokens.tolist()
+    assert m.size == a.size + 3  # 7 under 1, 4 under 3, 8 under root
+    assert m.sources[a.size :].tolist() == [SOURCE_RETRIEVED] * 3
+    assert merge(a, b, budget=4).size == 5
+    with pytest.raises(TreeError):
+        merge(a, from_paths(1, [[2]]))
+
+
+@pytest.mark.parametrize(
+    "tokens,parents,msg",
+    [
+        ([5, 1, 1], [-1, 0, 0], "duplicate sibling"),
+        ([5, 1, 2], [-1, 2, 0], "topological"),
+        ([5, 1], [0, 0], "root"),
+    ],
+)
+def test_validate_rejects_broken_trees(tokens, parents, msg):
+    with pytest.raises(TreeError, match=msg):
+        validate(make_tree(tokens, parents))
+
+
+def test_validate_budget_and_root():
+    t = chain(3, [1, 2, 4])
+    with pytest.raises(TreeError, match="budget"):
+        validate(t, budget=2)
+    with pytest.raises(TreeError, match="root token"):
+        validate(t, root_token=4)
+
+
+def test_walk_follows_target_choices():
+    t = from_paths(0, [[1, 2, 3], [1, 4], [5]])
+    # node order: 0:root 1:"1" 2:"2" 3:"3" 4:"4" 5:"5"
+    choices = torch.tensor([1, 4, 9, 9, 8, 9])
+    path, bonus = walk(t, choices)
+    assert path.tolist() == [0, 1, 4] and bonus == 8
+    path, bonus = walk(t, torch.tensor([6, 0, 0, 0, 0, 0]))
+    assert path.tolist() == [0] and bonus == 6
+
+
+# ---- sampling exactness of the walk, in isolation --------------------------------------------------------
+V = 4
+
+
+def markov(prev: int) -> torch.Tensor:
+    """A fixed synthetic target: next-token distribution depends on the previous token only."""
+    g = torch.Generator().manual_seed(100 + prev)
+    return torch.softmax(torch.randn(V, generator=g) * 1.5, dim=0)
+
+
+def simulate(tree_fn, n_tokens: int, gen: torch.Generator, cheat: bool = False):
+    """Decode ``n_tokens`` with walk() over trees proposed by ``tree_fn(last_token)`` from root token 0."""
+    out = [0]
+    while len(out) - 1 < n_tokens:
+        t = tree_fn(out[-1])
+        probs = torch.stack([markov(int(tok)) for tok in t.tokens])
+        choices = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        if cheat:  # a broken verifier that favours drafted children: the test must catch it
+            for i in range(t.size):
+                kids = [j for j in range(t.size) if int(t.parents[j]) == i]
+                if kids and torch.rand(1, generator=gen) < 0.3:
+                    choices[i] = t.tokens[kids[0]]
+        path, bonus = walk(t, choices)
+        out += t.tokens[path[1:]].tolist() + [bonus]
+    return tuple(out[1 : n_tokens + 1])
+
+
+def exact3():
+    probs = {}
+    for a in range(V):
+        for b in range(V):
+            for c in range(V):
+                probs[(a, b, c)] = float(markov(0)[a] * markov(a)[b] * markov(b)[c])
+    return probs
+
+
+def fixed_tree(last: int):
+    # deterministic in the context: a wide-and-deep tree whose shape depends on the last token
+    paths = [[(last + 1) % V, (last + 2) % V, 1], [(last + 3) % V, 0], [last % V], [(last + 1) % V, 3]]
+    return from_paths(last, paths)
+
+
+@pytest.mark.parametrize("cheat", [False, True])
+def test_walk_sampling_is_exact_chi_square(cheat):
+    gen = torch.Generator().manual_seed(1)
+    n = 6000
+    counts = Counter(simulate(fixed_tree, 3, gen, cheat=cheat) for _ in range(n))
+    stat, dof, p = chi_square_test(counts, exact3())
+    if cheat:
+        assert p < 1e-3, f"the chi-square test failed to detect a biased verifier (p={p:.3g})"
+    else:
+        assert p > 1e-3, f"walk output distribution differs from the target's (chi2={stat:.1f}, dof={dof}, p={p:.3g})"

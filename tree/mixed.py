@@ -1,0 +1,246 @@
+"""Mixed DDTree (Multi-Future Drafting): the top-``budget`` prefixes of M per-mode blocks of marginals.
+
+Inputs are each mode's per-position top-K: ``top_ids[m, i, r]`` / ``top_logprobs[m, i, r]`` (position i = depth
+i+1). Mode m scores a token path p = (x_1..x_d) by ``s_m(p) = sum_i log q_{m,i}(x_i)``, and ``-inf`` when some x_i
+is outside mode m's top-K at depth i (the drafter proposes nothing there).
+
+Scores (``score=``):
+- ``"best_mode"`` (MFD's rule, default): ``max_m s_m(p)``. Mixture weights are not used.
+- ``"mixture_uniform"`` (ablation): ``log mean_m exp(s_m(p))``, the prefix probability of a uniform mixture.
+- ``"mixture_gated"`` (ablation): ``log sum_m w_m exp(s_m(p))`` with ``mode_weights`` w (e.g. the training gate).
+Every ``s_m`` is non-increasing along a path (log-probs <= 0), hence so are their max and any mixture of them:
+the top-B set is prefix-closed for all three rules (ties are broken parent-first), so it is a valid tree.
+
+``best_mode`` is built with one merged best-first heap over (mode, rank tuple) entries and a trie keyed by
+(parent node, token). A popped entry whose token path exists already (a higher-scoring mode made it) creates
+nothing; either way it pushes its mode's next-rank sibling and rank-0 child, the child hanging under the trie
+node. Pops come in non-increasing score order, so the first pop of a path carries its best-mode score and the
+first ``budget`` distinct paths are exactly the top-B. Siblings are unique by construction; with M = 1 this is
+``tree.ddtree.ddtree`` node for node (same heap items, same rank-tuple tie-break, same arithmetic).
+The mixture rules use a generic best-first search over the trie (each created node pushes all candidate
+children: the union of the modes' top-K at the next depth), exact for any prefix-monotone score.
+
+``Tree.modes`` (bit m = mode m) is the set of modes that propose a node: mode m proposes p iff
+``s_m(p) >= s_min``, where ``s_min`` is the lowest best-mode score among the tree's nodes, i.e. mode m alone
+rates the path at least as high as the weakest node that made the tree. Bits shrink along a path (a node's modes
+are a subset of its parent's) and, under ``best_mode``, every node has at least one bit.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+
+import torch
+
+from .tree import SOURCE_DRAFT, Tree, TreeError, make_tree
+
+SCORES = ("best_mode", "mixture_uniform", "mixture_gated")
+NEG_INF = float("-inf")
+
+
+def _check_inputs(top_ids: torch.Tensor, top_logprobs: torch.Tensor, budget: int, score: str, mode_weights):
+    if top_ids.dim() == 2:
+        raise TreeError(
+            f"mixed_ddtree needs per-mode top-k of shape [M, L, K], got {tuple(top_ids.shape)}: "
+            "for a single block use tree.ddtree.ddtree or add a mode axis (top_ids[None])"
+        )
+    if top_ids.dim() != 3 or top_ids.shape != top_logprobs.shape:
+        raise TreeError(
+            f"top_ids {tuple(top_ids.shape)} and top_logprobs {tuple(top_logprobs.shape)} must both be [M, L, K]"
+        )
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise TreeError(f"budget must be an int >= 0 (non-root nodes), got {budget!r}")
+    if score not in SCORES:
+        raise TreeError(f"unknown score {score!r}; choose one of {', '.join(SCORES)}")
+    M = top_ids.shape[0]
+    if score == "mixture_gated":
+        if mode_weights is None:
+            raise TreeError("score='mixture_gated' needs mode_weights (one weight per mode, e.g. the gate's softmax)")
+        w = torch.as_tensor(mode_weights, dtype=torch.float64).reshape(-1)
+        if w.numel() != M or bool((w < 0).any()) or float(w.sum()) <= 0:
+            raise TreeError(f"mode_weights must be {M} non-negative numbers with a positive sum, got {w.tolist()}")
+        return (w / w.sum()).tolist()
+    if mode_weights is not None:
+        raise TreeError(f"mode_weights are only used by score='mixture_gated', not {score!r}")
+    return [1.0 / M] * M
+
+
+def mixed_ddtree(
+    root_token: int,
+    top_ids: torch.Tensor,
+    top_logprobs: torch.Tensor,
+    budget: int,
+    score: str = "best_mode",
+    mode_weights=None,
+) -> Tree:
+    """Top-``budget`` token prefixes of M modes' top-K marginals under ``score`` (see module doc).
+
+    ``top_ids`` / ``top_logprobs``: [M, L, K]. Returns a Tree (sources DRAFT, ``scores`` = the rule's score of
+    each path, ``modes`` = bit set of proposing modes) in pop order, which is topological.
+    """
+    weights = _check_inputs(top_ids, top_logprobs, budget, score, mode_weights)
+    M, L, K = top_ids.shape
+    ids = top_ids.tolist()
+    lps = top_logprobs.double().tolist()
+    if L == 0 or K == 0 or budget < 1 or M == 0:
+        return make_tree([int(root_token)], [-1], [0.0], SOURCE_DRAFT, [0])
+    if score == "best_mode":
+        tokens, parents, scores = _best_mode_heap(root_token, ids, lps, budget, M, L, K)
+    else:
+        tokens, parents, scores = _mixture_best_first(root_token, ids, lps, budget, M, L, weights)
+    modes = proposing_modes(tokens, parents, ids, lps)
+    return make_tree(tokens, parents, scores, SOURCE_DRAFT, modes)
+
+
+def _best_mode_heap(root_token, ids, lps, budget, M, L, K):
+    tokens, parents, scores = [int(root_token)], [-1], [0.0]
+    child: dict[tuple[int, int], int] = {}
+    # heap item: (-score, rank tuple, mode, parent node, depth (1-based), rank); ranks first so M = 1 ties == DDTree
+    heap = [(-lps[m][0][0], (0,), m, 0, 1, 0) for m in range(M)]
+    heapq.heapify(heap)
+    while heap and len(tokens) - 1 < budget:
+        neg, ranks, m, parent, depth, rank = heapq.heappop(heap)
+        s = -neg
+        tok = ids[m][depth - 1][rank]
+        node = child.get((parent, tok))
+        if node is None:  # first pop of this path: its best-mode score
+            node = len(tokens)
+            child[(parent, tok)] = node
+            tokens.append(tok)
+            parents.append(parent)
+            scores.append(s)
+        if rank + 1 < K:  # mode m's next sibling
+            s2 = s - lps[m][depth - 1][rank] + lps[m][depth - 1][rank + 1]
+            heapq.heappush(heap, (-s2, ranks[:-1] + (rank + 1,), m, parent, depth, rank + 1))
+        if depth < L:  # mode m's first child, under the (possibly shared) trie node
+            heapq.heappush(heap, (-(s + lps[m][depth][0]), ranks + (0,), m, node, depth + 1, 0))
+    return tokens, parents, scores
+
+
+def _logmix(vals, logw):
+    terms = [v + lw for v, lw in zip(vals, logw) if v != NEG_INF and lw != NEG_INF]
+    if not terms:
+        return NEG_INF
+    top = max(terms)
+    return top + math.log(sum(math.exp(t - top) for t in terms))
+
+
+def _mixture_best_first(root_token, ids, lps, budget, M, L, weights):
+    logw = [math.log(w) if w > 0 else NEG_INF for w in weights]
+    lookup = [[dict(zip(ids[m][i], lps[m][i])) for i in range(L)] for m in range(M)]
+    tokens, parents, scores = [int(root_token)], [-1], [0.0]
+    per_mode = [[0.0] * M]  # s_m of each created node
+    heap: list = []
+    counter = 0
+
+    def push_children(node, depth):
+        nonlocal counter
+        if depth >= L:
+            return
+        cand = {t for m in range(M) if per_mode[node][m] != NEG_INF for t in ids[m][depth]}
+        for t in sorted(cand):
+            vals = [
+                per_mode[node][m] + lookup[m][depth][t] if t in lookup[m][depth] else NEG_INF for m in range(M)
+            ]
+            s = _logmix(vals, logw)
+            if s == NEG_INF:
+                continue
+            counter += 1
+            heapq.heappush(heap, (-s, depth + 1, counter, node, t, vals))
+
+    push_children(0, 0)
+    while heap and len(tokens) - 1 < budget:
+        neg, depth, _, parent, tok, vals = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(tok)
+        parents.append(parent)
+        scores.append(-neg)
+        per_mode.append(vals)
+        push_children(node, depth)
+    return tokens, parents, scores
+
+
+def mode_path_scores(tokens, parents, ids, lps) -> list[list[float]]:
+    """``s_m`` of every node's token path ([n][M], -inf outside mode m's top-K), in one topological sweep."""
+    M, L = len(ids), len(ids[0])
+    lookup = [[dict(zip(ids[m][i], lps[m][i])) for i in range(L)] for m in range(M)]
+    out = [[0.0] * M]
+    depth = [0]
+    for i in range(1, len(tokens)):
+        p = parents[i]
+        d = depth[p]
+        depth.append(d + 1)
+        row = []
+        for m in range(M):
+            lp = lookup[m][d].get(tokens[i]) if d < L else None
+            row.append(out[p][m] + lp if lp is not None and out[p][m] != NEG_INF else NEG_INF)
+        out.append(row)
+    return out
+
+
+def proposing_modes(tokens, parents, ids, lps) -> list[int]:
+    """Bit set per node: mode m proposes p iff s_m(p) >= the lowest best-mode score among the tree's nodes."""
+    per_mode = mode_path_scores(tokens, parents, ids, lps)
+    M = len(ids)
+    if len(tokens) == 1:
+        return [(1 << M) - 1]
+    floor = min(max(row) for row in per_mode[1:])
+    return [sum(1 << m for m in range(M) if row[m] >= floor) for row in per_mode]
+
+
+def path_score(path, top_ids: torch.Tensor, top_logprobs: torch.Tensor, score: str = "best_mode", mode_weights=None):
+    """The rule's score of one token path (tests and analysis)."""
+    weights = _check_inputs(top_ids, top_logprobs, 0, score, mode_weights)
+    M, L, _ = top_ids.shape
+    if len(path) > L:
+        return NEG_INF
+    ids, lps = top_ids.tolist(), top_logprobs.double().tolist()
+    vals = []
+    for m in range(M):
+        s = 0.0
+        for i, t in enumerate(path):
+            row = ids[m][i]
+            if t not in row:
+                s = NEG_INF
+                break
+            s += lps[m][i][row.index(t)]
+        vals.append(s)
+    if score == "best_mode":
+        return max(vals)
+    return _logmix(vals, [math.log(w) if w > 0 else NEG_INF for w in weights])
+
+
+def brute_force_mixed(
+    top_ids: torch.Tensor, top_logprobs: torch.Tensor, budget: int, score: str = "best_mode", mode_weights=None
+) -> dict[tuple, float]:
+    """Reference for tests: enumerate every path in some mode's top-K support, score it, keep the ``budget`` best
+    (ties: shorter first). Returns {token path: score}."""
+    M, L, K = top_ids.shape
+    paths: set[tuple] = set()
+
+    def rec(m, depth, prefix):
+        if depth == L:
+            return
+        for r in range(K):
+            p = prefix + (int(top_ids[m, depth, r]),)
+            paths.add(p)
+            rec(m, depth + 1, p)
+
+    for m in range(M):
+        rec(m, 0, ())
+    scored = [(path_score(p, top_ids, top_logprobs, score, mode_weights), p) for p in paths]
+    scored = [(s, p) for s, p in scored if s != NEG_INF]
+    scored.sort(key=lambda sp: (-sp[0], len(sp[1])))
+    return {p: s for s, p in scored[:budget]}
+
+
+def tree_paths(tree: Tree) -> dict[tuple, int]:
+    """{token path (root excluded): node index} of every non-root node."""
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    paths: list[tuple] = [()]
+    out = {}
+    for i in range(1, len(toks)):
+        p = paths[pars[i]] + (toks[i],)
+        paths.append(p)
+        out[p] = i
+    return out
