@@ -567,6 +567,12 @@ def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:
             n = opts["num_layers"]
             layers = opts["init_layers"] or list(range(target.num_layers - n, target.num_layers))
             warm_start(model, target, layers, opts["passthrough"])
+        else:  # residual branches start closed and the output scale small: initial logits near uniform
+            with torch.no_grad():
+                model.norm.weight.fill_(0.05)
+                for layer in model.layers:
+                    layer.self_attn.o_proj.weight.zero_()
+                    layer.mlp.down_proj.weight.zero_()
     model.draft_vocab = None if vocab is None else vocab.to(target.device)
     check_compatible(model, target)
     model.train_opts = {"num_anchors": int(opts["num_anchors"]), "soft_weight": float(opts["soft_weight"]),

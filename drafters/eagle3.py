@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -502,7 +502,6 @@ def ttt_forward(head: Eagle3Head, emb_fn, ids: torch.Tensor, feats: torch.Tensor
     cos, sin = head.rope(g_all, pos_all)
     q0, k0, v0 = attn.qkv(x0, cos, sin)
     keys0, vals0 = attn.expand_kv(k0), attn.expand_kv(v0)
-    s_base = None
     diag_k, diag_v, outs = [], [], []
     g = None
     for k in range(steps):
@@ -688,6 +687,8 @@ class Eagle3Drafter(Drafter):
             if not 0 <= i <= target.num_layers:
                 raise ConfigError(f"feature layer {i} is outside 0..{target.num_layers} (HF hidden_states indices)")
         self.last_candidates: Candidates | None = None
+        # Optional early stop of the expansion (Graft's pruning checkpoints): stop_fn(level, frontier_scores).
+        self.stop_fn = None
         self._reset()
 
     @classmethod
@@ -790,7 +791,7 @@ class Eagle3Drafter(Drafter):
             return torch.log_softmax(head.logits(out[0]).float(), dim=-1)
 
         d2t = None if head.cfg.draft_vocab_size == head.cfg.vocab_size and not bool(head.d2t.any()) else head.d2t
-        cands = expand(root_lp, child_fn, self.depth, self.top_k, d2t)
+        cands = expand(root_lp, child_fn, self.depth, self.top_k, d2t, self.stop_fn)
         with state.section("tree"):
             tree = rerank(cands, state.root_token, self.budget)
         self.last_candidates = cands
@@ -846,7 +847,7 @@ class Eagle3Drafter(Drafter):
                 size = int(cfg.get("draft_vocab_size", 4096))
                 counts = cfg.get("token_counts")
                 if counts is None:
-                    counts = response_token_counts(cfg.get("data"), target.vocab_size)
+                    counts = response_token_counts(cfg.get("data"), target.vocab_size, int(cfg.get("holdout", 24)))
                 elif not isinstance(counts, torch.Tensor):
                     counts = torch.load(counts)
             hcfg = head_config_for(target, size, cfg.get("feature_layers"))
@@ -918,8 +919,9 @@ def resolve_checkpoint(ckpt: str | Path) -> Path:
                       "drafters/checkpoints/")
 
 
-def response_token_counts(data: Any, vocab_size: int) -> torch.Tensor:
-    """Token frequencies over the response tokens of a cached training-data folder (graft_block.training)."""
+def response_token_counts(data: Any, vocab_size: int, skip: int = 0) -> torch.Tensor:
+    """Token frequencies over the response tokens of a cached training-data folder (graft_block.training),
+    skipping the first ``skip`` sequences in load order (the shared loop's held-out set)."""
     from graft_block.training import data_root
 
     if data is None:
@@ -930,8 +932,88 @@ def response_token_counts(data: Any, vocab_size: int) -> torch.Tensor:
         folder = data_root() / str(data)
     meta = json.loads((folder / "meta.json").read_text())
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for shard in meta["shards"]:
+    seen = 0
+    for shard in sorted(meta["shards"], key=lambda s: s["batch"]):
         for rec in torch.load(folder / shard["file"], weights_only=False):
+            seen += 1
+            if seen <= skip:
+                continue
             resp = rec["ids"][rec["prompt_len"]:].long()
             counts += torch.bincount(resp, minlength=vocab_size)[:vocab_size]
     return counts
+
+
+@torch.inference_mode()
+def teacher_forced_data(target, name: str, num: int = 4000, skip: int = 0, layers: Sequence[int] = (2, 15, 27),
+                        topk: int = 8, max_prompt_tokens: int = 128, max_response_tokens: int = 160,
+                        batch_size: int = 8, time_limit_s: float | None = None, log=print) -> Path:
+    """Cheaper EAGLE training data (no generation): ShareGPT *train* first turns with their reference replies,
+    one teacher-forced target forward each, cached in graft_block.training's shard format (``ids``,
+    ``prompt_len``, ``feats`` of ``layers``, target ``top_ids``/``top_logp`` at every response position).
+    The labels are the target's own distributions, the text is not the target's: a data-volume lever for CPU
+    budgets where regenerating responses is too slow."""
+    from graft_block.data import sharegpt
+    from graft_block.training import _layer_modules, data_root
+
+    out = data_root() / name
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"feature_layers": list(layers), "topk": topk, "hidden_size": target.hidden_size, "target": target.name,
+            "source": "sharegpt train split, first turn + reference reply, teacher-forced target forward",
+            "shards": []}
+    seqs = []
+    eos = sorted(target.eos_token_ids)
+    for rec in sharegpt("train", limit=num + skip)[skip:]:
+        if not rec.get("reference"):
+            continue
+        p = target.encode([{"role": "user", "content": rec["turns"][0]}]).tolist()
+        r = target.tokenizer(str(rec["reference"]), add_special_tokens=False)["input_ids"][:max_response_tokens]
+        if len(p) > max_prompt_tokens or len(r) < 8:
+            continue
+        seqs.append(p + r + (eos[:1] if len(r) < max_response_tokens else []))
+        seqs[-1] = (seqs[-1], len(p))
+    seqs.sort(key=lambda s: len(s[0]))
+    captured: dict[int, torch.Tensor] = {}
+    mods = _layer_modules(target.model, layers)
+    hooks = [m.register_forward_hook(lambda _m, _i, o, j=j: captured.__setitem__(j, o[0] if isinstance(o, tuple)
+                                                                                 else o)) for j, m in enumerate(mods)]
+    t0 = time.time()
+    try:
+        for bi in range(0, len(seqs), batch_size):
+            if time_limit_s is not None and time.time() - t0 > time_limit_s:
+                log(f"time limit reached after {len(meta['shards'])} shards")
+                break
+            chunk = seqs[bi: bi + batch_size]
+            L = max(len(s) for s, _ in chunk)
+            ids = torch.zeros((len(chunk), L), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, (s, _) in enumerate(chunk):
+                ids[r, : len(s)] = torch.tensor(s)
+                mask[r, : len(s)] = 1
+            logits = target.model(input_ids=ids.to(target.device), attention_mask=mask.to(target.device)).logits
+            feats = torch.cat([captured[j] for j in range(len(layers))], -1)
+            recs = []
+            for r, (s, plen) in enumerate(chunk):
+                n = len(s)
+                f = torch.zeros((n, feats.shape[-1]), dtype=torch.float16)
+                f[: n - 1] = feats[r, : n - 1].half().cpu()
+                lp = torch.log_softmax(logits[r, plen - 1: n - 1].float(), -1)
+                tv, ti = lp.topk(topk, -1)
+                top_i = torch.zeros((n, topk), dtype=torch.int32)
+                top_v = torch.zeros((n, topk), dtype=torch.float16)
+                top_i[plen - 1: n - 1] = ti.int().cpu()
+                top_v[plen - 1: n - 1] = tv.half().cpu()
+                recs.append({"ids": torch.tensor(s, dtype=torch.int32), "prompt_len": plen, "feats": f,
+                             "top_ids": top_i, "top_logp": top_v})
+            fname = f"shard_{bi // batch_size:04d}.pt"
+            torch.save(recs, out / fname)
+            meta["shards"].append({"batch": bi // batch_size, "file": fname, "sequences": len(recs),
+                                   "response_tokens": sum(len(s) - p for s, p in chunk),
+                                   "tokens": sum(len(s) for s, _ in chunk)})
+            (out / "meta.json").write_text(json.dumps(meta, indent=1))
+            if len(meta["shards"]) % 10 == 0:
+                tok = sum(sh["tokens"] for sh in meta["shards"])
+                log(f"{len(meta['shards'])} shards, {tok} tokens, {tok / (time.time() - t0):.0f} tok/s")
+    finally:
+        for h in hooks:
+            h.remove()
+    return out

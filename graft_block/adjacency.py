@@ -94,6 +94,9 @@ class AdjacencyMatrix:
         if target.vocab_size > self.vocab_size:
             raise ConfigError(f"target vocab {target.vocab_size} > adjacency vocab {self.vocab_size}: rebuild the matrix")
         if prompts is None:
+            if target.tokenizer is None:
+                raise ConfigError("matrix warm-up on ShareGPT text needs a target with a tokenizer: pass token-id "
+                                  "prompts, or warmup_rounds=0")
             from .data import sharegpt
 
             prompts = sharegpt("calibration", limit=rounds)
@@ -109,7 +112,8 @@ class AdjacencyMatrix:
             logits = target.model(input_ids=ids, use_cache=False).logits[0]
             self.update(ids[0], logits)
             used += 1
-        target._captured.clear()  # feature hooks fired during warm-up; drop what they held
+        if hasattr(target, "_captured"):
+            target._captured.clear()  # feature hooks fired during warm-up; drop what they held
         return used
 
     # ---- persistence ------------------------------------------------------------------------------------

@@ -119,7 +119,8 @@ def jsonl(path: str | Path, field: str = "prompt", limit: int | None = None) -> 
             continue
         rec = json.loads(line)
         if "turns" in rec and isinstance(rec["turns"], list):
-            turns = [str(t) for t in rec["turns"]]
+            # a turn is text, or a list of token ids for tokenizer-less targets
+            turns = [t if isinstance(t, list) else str(t) for t in rec["turns"]]
         elif field in rec:
             turns = [str(rec[field])]
         else:

@@ -125,7 +125,9 @@ class Graft:
             raise ConfigError(f"draft tree root {int(tree.tokens[0])} != state.root_token {root}")
         mode = self.mode
         if mode == "retrieve_only":
-            stage, out = "retrieve_only", self.hybrid(root_only(root), tree, "retrieve_only", self.budget)
+            # A pure ablation: no draft node is used, not even to refill.
+            empty = root_only(root)
+            stage, out = "retrieve_only", self.hybrid(empty, empty, "retrieve_only", self.budget)
         elif mode in ("graft", "prune"):
             stage = self.stage_of(tree)
             kept = tree.subset(top_nodes(tree, self.draft_allowance(stage)))

@@ -182,3 +182,39 @@ def save_calibration(config_path: str | Path, calibration: dict) -> None:
     data = json.loads(path.read_text()) if path.exists() else {}
     data["graft"] = {k: calibration[k] for k in ("signal", "checkpoints", "thresholds", "quantile", "rule")}
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def main(argv=None):
+    """CLI: calibrate Graft thresholds for a drafter and store them in its config.json."""
+    import argparse
+
+    from .adjacency import AdjacencyMatrix
+    from .drafter import Drafter
+    from .target import load_target
+
+    ap = argparse.ArgumentParser(description="Calibrate Graft pruning thresholds on ShareGPT calibration prompts")
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--drafter", required=True, help="drafter short name, config file or checkpoint folder")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prompts", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--signal", default="mass", choices=SIGNALS)
+    ap.add_argument("--quantiles", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.2, 0.3, 0.5])
+    ap.add_argument("--warmup-rounds", type=int, default=5, help="adjacency warm-up rounds before calibrating")
+    ap.add_argument("--save", help="config.json to store the thresholds in (under the 'graft' key)")
+    args = ap.parse_args(argv)
+    target = load_target(args.target, device=args.device)
+    drafter = Drafter.from_config(args.drafter, target=target)
+    matrix = AdjacencyMatrix(target.vocab_size, device=target.device)
+    matrix.warmup(target, rounds=args.warmup_rounds)
+    cal = calibrate(target, drafter, matrix, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                    quantiles=args.quantiles, kind=args.signal)
+    print(json.dumps({k: v for k, v in cal.items() if k != "grid"}, indent=2))
+    for row in cal["grid"]:
+        print(f"q={row['quantile']:.2f} tok/s={row['tok_s']:.1f} tau={row['tau']:.2f} stages={row['stages']}")
+    if args.save:
+        save_calibration(args.save, cal)
+
+
+if __name__ == "__main__":
+    main()

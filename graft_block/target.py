@@ -178,16 +178,17 @@ class Target:
             if len(prompt) == 0:
                 raise ConfigError("empty prompt: give at least one token")
             return torch.tensor(prompt, dtype=torch.long)
+        is_chat = isinstance(prompt, (list, tuple)) and isinstance(prompt[0], dict)
+        if not (isinstance(prompt, str) or is_chat):
+            raise ConfigError(f"prompt must be token ids, a string or chat messages, got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise ConfigError("this target has no tokenizer: pass token ids instead of text")
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        elif isinstance(prompt, (list, tuple)) and isinstance(prompt[0], dict):
+        else:
             ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
-        else:
-            raise ConfigError(f"prompt must be token ids, a string or chat messages, got {type(prompt).__name__}")
         if len(ids) == 0:
             raise ConfigError("prompt encodes to zero tokens")
         return torch.tensor(ids, dtype=torch.long)

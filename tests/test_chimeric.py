@@ -26,6 +26,15 @@ B = [10, 21, 12, 23, 24, 15]  # disagrees with A at (1-based) positions 2, 4, 5:
 P = 0.7
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models are latency-bound: one thread is much faster than two on a shared, loaded CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def marginals():
     """Per-position top-2 of the product-of-marginals drafter for the two-future mixture (p on A, 1-p on B)."""
     ids, lps = [], []

@@ -60,40 +60,38 @@ def test_greedy_identity_planted_drafter_accepts():
 
 
 def test_sampling_matches_target_distribution():
-    """T=1 on an 8-token vocabulary: the joint law of the first 2 new tokens under DFlash+DDTree equals the
-    target's exact law (chi-square, p > 1e-3, and TV < 0.06 with 2400 samples)."""
+    """T=1 on a 4-token vocabulary: the joint law of the first 2 new tokens under DFlash+DDTree equals the
+    target's exact law (chi-square p > 1e-3 and TV < 0.12 with 500 samples; sampling noise gives TV ~0.05)."""
     scipy_stats = pytest.importorskip("scipy.stats")
-    target = tiny_target("llama", vocab_size=8, hidden_size=32, num_layers=2)
-    d = _drafter(target, proposal="ddtree", budget=6, block_size=4, mask_token_id=7, target_layer_ids=[0, 1])
+    V = 4
+    target = tiny_target("llama", vocab_size=V, hidden_size=32, num_layers=2)
+    d = _drafter(target, proposal="ddtree", budget=4, block_size=3, mask_token_id=V - 1, target_layer_ids=[0, 1])
     dec = SpeculativeDecoder(target, d)
-    prompt = [1, 3, 5]
-    # exact law of (t1, t2)
-    with torch.no_grad():
+    prompt = [1, 3, 2]
+    with torch.no_grad():  # exact law of (t1, t2)
         p1 = torch.softmax(target.model(input_ids=torch.tensor([prompt])).logits[0, -1].double(), -1)
-        exact = torch.zeros(8, 8, dtype=torch.float64)
-        for a in range(8):
+        exact = torch.zeros(V, V, dtype=torch.float64)
+        for a in range(V):
             p2 = torch.softmax(target.model(input_ids=torch.tensor([prompt + [a]])).logits[0, -1].double(), -1)
             exact[a] = p1[a] * p2
-    n = 2400
+    n = 500
     gen = torch.Generator().manual_seed(123)
-    counts = Counter()
-    taus = []
+    obs = torch.zeros(V, V, dtype=torch.float64)
+    accepted = 0
     for _ in range(n):
-        r = dec.generate(prompt, max_new_tokens=3, temperature=1.0, generator=gen)
-        counts[(r.tokens[0], r.tokens[1])] += 1
-        taus.append(r.stats.tau)
-    obs = torch.zeros(8, 8, dtype=torch.float64)
-    for (a, b), c in counts.items():
-        obs[a, b] = c
+        r = dec.generate(prompt, max_new_tokens=2, temperature=1.0, generator=gen)
+        obs[r.tokens[0], r.tokens[1]] += 1
+        accepted += r.stats.committed_in_rounds - r.stats.rounds
     tv = 0.5 * (obs / n - exact).abs().sum().item()
-    keep = exact.flatten() * n >= 5  # chi-square needs expected counts >= 5; pool the rest
-    o = torch.cat([obs.flatten()[keep], obs.flatten()[~keep].sum().view(1)])
-    e = torch.cat([exact.flatten()[keep] * n, (exact.flatten()[~keep] * n).sum().view(1)])
+    e, o = exact.flatten() * n, obs.flatten()
+    keep = e >= 5  # chi-square needs expected counts >= 5: pool the rest into one cell
+    o = torch.cat([o[keep], o[~keep].sum().view(1)])
+    e = torch.cat([e[keep], e[~keep].sum().view(1)])
     if e[-1] < 5:
-        o, e = o[:-1], e[:-1] * (n / (e[:-1].sum()))
+        o, e = o[:-1], e[:-1] * (o[:-1].sum() / e[:-1].sum())
     p = scipy_stats.chisquare(o.numpy(), e.numpy()).pvalue
-    assert tv < 0.06 and p > 1e-3, (tv, p)
-    assert max(taus) > 1.0  # drafts were really accepted sometimes
+    assert tv < 0.12 and p > 1e-3, (tv, p)
+    assert accepted > 20  # drafted nodes really were accepted, so the tree path is exercised
 
 
 def test_features_are_hidden_states_id_plus_one(tiny_qwen3):
@@ -313,14 +311,17 @@ def test_smollm2_default_lossless(smollm2):
         pytest.skip("drafters/checkpoints/dflash-smollm2 is not present")
     prompts = [[{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
                [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]]
-    AR = SpeculativeDecoder(smollm2)
+    def hf_greedy(p):
+        ids = smollm2.encode(p)
+        out = smollm2.model.generate(ids.view(1, -1), max_new_tokens=64, do_sample=False)
+        return out[0, ids.numel():].tolist()
+
+    refs = [hf_greedy(p) for p in prompts]
     for proposal, budget in (("chain", 15), ("ddtree", 16)):
-        d = Drafter.from_config({**json.loads((bundled_checkpoint("dflash-smollm2") / "config.json").read_text()),
-                                 "checkpoint": str(bundled_checkpoint("dflash-smollm2")), "proposal": proposal,
-                                 "budget": budget}, target=smollm2)
+        d = Drafter.from_config({"type": "dflash", "checkpoint": str(bundled_checkpoint("dflash-smollm2")),
+                                 "proposal": proposal, "budget": budget}, target=smollm2)
         dec = SpeculativeDecoder(smollm2, d)
-        for p in prompts:
-            ref = AR.generate(p, max_new_tokens=64).tokens
+        for p, ref in zip(prompts, refs):
             res = dec.generate(p, max_new_tokens=64)
             assert res.tokens == ref
             assert res.stats.tau > 1.0

@@ -16,7 +16,6 @@ from drafters.eagle3 import (
     save_head,
     soft_labels,
     ttt_forward,
-    ttt_loss,
     warm_start,
 )
 from graft_block.decoder import DecodeState, SpeculativeDecoder
@@ -199,6 +198,21 @@ def test_tree_expansion_equals_sequential_drafting(tiny_llama):
             assert math.isclose(score, float(cands.scores[i]), rel_tol=1e-4, abs_tol=1e-4), (i, path)
 
 
+def test_one_head_forward_per_level(tiny_llama):
+    t = tiny_llama
+    head = make_head(t)
+    dr = Eagle3Drafter(t, head=head, budget=40, depth=5, top_k=4)
+    calls = []
+    orig = head.forward
+    head.forward = lambda *a, **k: (calls.append(a[0].shape[1]), orig(*a, **k))[1]
+    res = SpeculativeDecoder(t, dr).generate(prompts(1, 10, 128)[0], max_new_tokens=6)
+    # per round: one pass over the newly accepted pairs, then one pass per level over the whole frontier (4 nodes)
+    per_round = [calls[i: i + 6] for i in range(0, len(calls), 6)]
+    assert len(per_round) == res.stats.rounds
+    assert all(r[1:] == [4] * 5 for r in per_round), per_round
+    assert per_round[0][0] == 10  # the prompt's pairs
+
+
 def test_draft_cache_matches_full_recompute(tiny_qwen3):
     """After a generation, the draft KV (built round by round from accepted nodes) equals one pass over all pairs."""
     t = tiny_qwen3
@@ -225,6 +239,23 @@ def test_greedy_identity_tiny(arch, budget, depth, top_k, tiny_llama, tiny_qwen3
         res = dec.generate(p, max_new_tokens=24)
         assert res.tokens == hf_greedy(t, p, 24)
         assert res.stats.rounds >= 1
+
+
+def test_runs_in_bfloat16():
+    t = tiny_target("qwen3", dtype=torch.bfloat16)
+    dr = Eagle3Drafter(t, head=make_head(t), budget=10, depth=3, top_k=3)  # fp32 head follows the target
+    res = SpeculativeDecoder(t, dr).generate(prompts(1, 9, 128)[0], max_new_tokens=10)
+    assert len(res.tokens) == 10 and dr.k_cache.dtype == torch.bfloat16 and dr.head.fc.weight.dtype == torch.bfloat16
+
+
+def test_auto_budget(tiny_llama):
+    t = tiny_llama
+    dr = Eagle3Drafter(t, head=make_head(t), budget="auto", depth=3, top_k=4, auto_sizes=(4, 8, 16))
+    p = prompts(1, 9, 128, seed=3)[0]
+    res = SpeculativeDecoder(t, dr).generate(p, max_new_tokens=12)
+    assert res.tokens == hf_greedy(t, p, 12)  # the timing forwards left the target cache untouched
+    assert sorted(dr.auto_times) == [4, 8, 16] and dr.budget in (3, 7, 15)
+    assert dr.budget + 1 == min(dr.auto_times, key=lambda s: dr.auto_times[s] / (1 + 0.22 * math.log2(s / 40)))
 
 
 # ---- TTT training ------------------------------------------------------------------------------------------

@@ -183,10 +183,11 @@ def test_budget_exact_and_unique_siblings_every_mode_and_stage(budget, seed):
     draft = random_ddtree(seed, budget)
     cases = [("graft", s) for s in (0, 1, 5, None)] + [("prune", s) for s in (0, 1, 5, None)]
     cases += [("fixed", None), ("retrieve_only", None), ("tail", None), ("static", None)]
-    for attach in ("root", "frontier", "both"):
+    stage_templates = {0: TR80_TEMPLATE, 1: asymmetric_template(30, 4, 4), "fixed": [[0], [0, 0], [1]]}
+    for attach, templates in (("root", None), ("frontier", None), ("both", None), ("root", stage_templates)):
         for mode, stage in cases:
             g = Graft(budget=budget, matrix=m, mode=mode, thresholds=force_stage(stage), attach=attach,
-                      tail_threshold=0.2, static_threshold=math.log(0.02))
+                      tail_threshold=0.2, static_threshold=math.log(0.02), templates=templates)
             out = g.apply(draft)
             validate(out, budget=budget, root_token=draft.root_token)
             want = g.draft_allowance(stage) if mode == "prune" else (draft.size - 1 if mode == "static" else budget)

@@ -18,6 +18,15 @@ from tree import validate
 PROMPT = [5, 17, 33, 2, 99, 64, 12]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models are latency-bound: one thread is ~15x faster than two on a shared, loaded CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _mfd(target, **kw):
     cfg = {"type": "mfd", "num_layers": 2, "target_layer_ids": [0, 2], "block_size": 8, "seed": 1, "num_modes": 3,
            "budget": 20, "mode_init_scale": 1.0}
@@ -103,15 +112,27 @@ def test_mixed_trees_are_valid_and_use_several_modes(tiny_llama):
     assert any(b != 7 for b in bits)  # some nodes are proposed by a subset of the modes only
 
 
+def _null_tv_quantile(exact: dict, n: int, q: float = 0.999, draws: int = 2000) -> float:
+    """The q-quantile of the TV distance between n exact samples and the exact law (the test's TV tolerance)."""
+    keys = list(exact)
+    p = torch.tensor([exact[k] for k in keys], dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.stack([torch.bincount(torch.multinomial(p, n, replacement=True, generator=g), minlength=len(keys))
+                          for _ in range(draws)]).double()
+    tv = 0.5 * (counts / n - p).abs().sum(-1)
+    return float(tv.quantile(q))
+
+
 def test_sampling_matches_target_distribution():
     """T=1, 8-token vocabulary, K=3 modes: the joint law of the first 2 new tokens under MFD mixed trees equals
-    the target's exact law (chi-square p > 1e-3 and TV < 0.06 with 2400 samples)."""
+    the target's exact law: chi-square p > 1e-3, and TV below the 99.9% quantile of TV under exact sampling with
+    the same n (about 0.08 at n = 1600). Negative control: the same test rejects the T=0.8 law."""
     target = tiny_target("llama", vocab_size=8, hidden_size=32, num_layers=2)
     d = _mfd(target, budget=8, block_size=4, mask_token_id=7, target_layer_ids=[0, 1])
     dec = SpeculativeDecoder(target, d)
     prompt = [1, 3, 5]
     exact = exact_sequence_probs(target, prompt, 2, SamplingConfig(1.0))
-    n = 2400
+    n = 1600
     gen = torch.Generator().manual_seed(7)
     counts = Counter()
     accepted = 0
@@ -120,9 +141,12 @@ def test_sampling_matches_target_distribution():
         counts[tuple(r.tokens[:2])] += 1
         accepted += r.stats.committed_in_rounds - r.stats.rounds
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
+    tol = _null_tv_quantile(exact, n)
     stat, dof, p = chi_square_test(counts, exact)
-    assert tv < 0.06 and p > 1e-3, (tv, stat, dof, p)
+    assert tv < tol and p > 1e-3, (tv, tol, stat, dof, p)
     assert accepted > 0  # drafts were really accepted
+    cooler = exact_sequence_probs(target, prompt, 2, SamplingConfig(0.8))
+    assert chi_square_test(counts, cooler)[2] < 1e-3  # the test has the power to see a mild distortion
 
 
 def test_checkpoint_round_trip_and_config(tmp_path, tiny_qwen3):
@@ -202,7 +226,7 @@ def test_training_loss_k4_metrics_and_gradients(tiny_qwen3, mix_loss):
     cfg = {"num_layers": 2, "block_size": 6, "target_layer_ids": [0, 2], "num_anchors": 5, "num_modes": 4,
            "mix_loss": mix_loss}
     model = M.training_model(tiny_qwen3, cfg, "target")
-    assert model.mode_embed.requires_grad and float(model.mode_embed.norm()) > 0
+    assert model.mode_embed.requires_grad and float(model.mode_embed.detach().norm()) > 0
     batch = _batch(tiny_qwen3, model.feature_layers)
     loss, m = M.training_loss(model, tiny_qwen3, {**batch, "generator": torch.Generator().manual_seed(1)})
     loss.backward()

@@ -55,6 +55,11 @@ def test_matches_brute_force(score, seed):
         assert set(got) == set(ref), (budget, set(got) ^ set(ref))
         for path, node in got.items():
             assert float(tree.scores[node]) == pytest.approx(ref[path], abs=1e-5)
+        # mode bits: mode m proposes p iff s_m(p) >= the weakest best-mode score in the tree
+        floor = min(path_score(p, ids, lps) for p in got)
+        for path, node in got.items():
+            want = sum(1 << m for m in range(M) if path_score(path, ids[m:m + 1], lps[m:m + 1]) >= floor - 1e-9)
+            assert int(tree.modes[node]) == want, (path, int(tree.modes[node]), want)
 
 
 def test_dedup_across_modes_and_unique_siblings():

@@ -135,7 +135,7 @@ def test_matrix_is_created_on_prefill_and_persists(tiny_llama):
 def test_smollm2_greedy_identity_recycling(smollm2):
     from graft_block.data import humaneval
 
-    d = RecyclingDrafter(budget=40, warmup_rounds=0, depth=6)
+    d = RecyclingDrafter(budget=24, warmup_rounds=0, depth=6)
     dec = SpeculativeDecoder(smollm2, d)
     for rec in humaneval(limit=2):
         ids = smollm2.encode([{"role": "user", "content": rec["turns"][0]}])

@@ -160,30 +160,36 @@ def _mixture_best_first(root_token, ids, lps, budget, M, L, weights):
     return tokens, parents, scores
 
 
-def mode_path_scores(tokens, parents, ids, lps) -> list[list[float]]:
-    """``s_m`` of every node's token path ([n][M], -inf outside mode m's top-K), in one topological sweep."""
+def mode_path_scores(tokens, parents, ids: list, lps: list) -> list[list[float]]:
+    """``s_m`` of every node's token path ([n][M], -inf outside mode m's top-K); ``ids``/``lps`` are the nested
+    lists of ``top_ids``/``top_logprobs`` [M][L][K]. One pass in topological order."""
     M, L = len(ids), len(ids[0])
-    lookup = [[dict(zip(ids[m][i], lps[m][i])) for i in range(L)] for m in range(M)]
     out = [[0.0] * M]
     depth = [0]
     for i in range(1, len(tokens)):
-        p = parents[i]
+        p, t = parents[i], tokens[i]
         d = depth[p]
         depth.append(d + 1)
         row = []
         for m in range(M):
-            lp = lookup[m][d].get(tokens[i]) if d < L else None
-            row.append(out[p][m] + lp if lp is not None and out[p][m] != NEG_INF else NEG_INF)
+            prev = out[p][m]
+            if prev == NEG_INF or d >= L:
+                row.append(NEG_INF)
+                continue
+            try:
+                row.append(prev + lps[m][d][ids[m][d].index(t)])
+            except ValueError:  # not in mode m's top-K at this depth
+                row.append(NEG_INF)
         out.append(row)
     return out
 
 
-def proposing_modes(tokens, parents, ids, lps) -> list[int]:
+def proposing_modes(tokens, parents, ids: list, lps: list) -> list[int]:
     """Bit set per node: mode m proposes p iff s_m(p) >= the lowest best-mode score among the tree's nodes."""
-    per_mode = mode_path_scores(tokens, parents, ids, lps)
     M = len(ids)
     if len(tokens) == 1:
         return [(1 << M) - 1]
+    per_mode = mode_path_scores(tokens, parents, ids, lps)
     floor = min(max(row) for row in per_mode[1:])
     return [sum(1 << m for m in range(M) if row[m] >= floor) for row in per_mode]
 

@@ -1,0 +1,140 @@
+"""Benchmark the DFlash drafter on SmolLM2: tau and speedup over AR (same run, interleaved per prompt) for the
+chain and DDTree budgets, prompt lookup on the same prompts, and the target's verify-cost curve.
+
+    python -m eval.bench_dflash --out runs/bench_dflash.json            # defaults: 5 HumanEval + 5 MT-Bench
+    python -m eval.bench_dflash --temps 0 --methods ar,chain,dd16       # a subset
+
+Speedup = mean AR time per output token / mean method time per output token, decode phase only (prefill and
+the first token excluded, as in the papers), over the same prompts. Greedy runs also check token identity with AR.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+METHODS = {
+    "ar": None,
+    "chain": {"proposal": "chain", "budget": 15},
+    "dd8": {"proposal": "ddtree", "budget": 8},
+    "dd16": {"proposal": "ddtree", "budget": 16},
+    "dd32": {"proposal": "ddtree", "budget": 32},
+    "dd64": {"proposal": "ddtree", "budget": 64},
+    "pld": "pld",
+}
+
+
+def verify_cost(target, sizes=(1, 2, 4, 8, 16, 32, 64), cache_len: int = 200, reps: int = 5) -> dict:
+    """Median ms of one target.verify over a chain of T nodes after a ``cache_len``-token prefix."""
+    from tree import chain
+
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(100, 10000, (cache_len,), generator=g)
+    out = {}
+    for T in sizes:
+        times = []
+        for _ in range(reps):
+            target.prefill(prefix)
+            tree = chain(int(prefix[-1]), torch.randint(100, 10000, (T - 1,), generator=g))
+            t0 = time.perf_counter()
+            target.verify(tree)
+            times.append((time.perf_counter() - t0) * 1000)
+        out[T] = statistics.median(times)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", default="dflash-smollm2", help="bundled name or checkpoint folder")
+    ap.add_argument("--n-humaneval", type=int, default=5)
+    ap.add_argument("--n-mtbench", type=int, default=5)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--temps", default="0,1")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--t1-methods", default=None, help="methods at T>0 (default: same as --methods)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-verify-cost", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    import drafters  # noqa: F401  (registers pld)
+    import drafters.dflash  # noqa: F401
+    from graft_block.data import humaneval, mtbench
+    from graft_block.decoder import SpeculativeDecoder
+    from graft_block.drafter import Drafter
+    from graft_block.target import load_target
+
+    t_start = time.time()
+    target = load_target("smollm2-135m")
+    prompts = [("humaneval", p["turns"][0]) for p in humaneval(args.n_humaneval)]
+    prompts += [("mtbench", p["turns"][0]) for p in mtbench(args.n_mtbench)]
+    decoders = {}
+    for name in args.methods.split(","):
+        spec = METHODS[name]
+        if spec is None:
+            decoders[name] = SpeculativeDecoder(target)
+        elif spec == "pld":
+            decoders[name] = SpeculativeDecoder(target, Drafter.from_config({"type": "pld", "budget": 10}))
+        else:
+            d = Drafter.from_config(args.drafter, target=target)
+            d = type(d)(target, d.model, checkpoint=d.checkpoint, **spec)
+            decoders[name] = SpeculativeDecoder(target, d)
+    report = {"drafter": args.drafter, "max_new": args.max_new, "prompts": len(prompts), "results": {}}
+    for temp in [float(x) for x in args.temps.split(",")]:
+        names = list(decoders)
+        if temp > 0 and args.t1_methods:
+            names = [n for n in args.t1_methods.split(",") if n in decoders]
+        rows = {n: [] for n in names}
+        for i, (src, text) in enumerate(prompts):
+            msgs = [{"role": "user", "content": text}]
+            ar_tokens = None
+            for n in names:  # interleaved: every method on this prompt before the next prompt
+                dec = decoders[n]
+                dec.target.set_feature_layers(getattr(dec.drafter, "feature_layers", ()) or ())
+                r = dec.generate(msgs, max_new_tokens=args.max_new, temperature=temp, seed=1000 + i)
+                st = r.stats
+                if n == "ar":
+                    ar_tokens = r.tokens
+                rows[n].append({"src": src, "tau": st.tau, "decode_s": st.decode_s, "tokens": st.committed_in_rounds,
+                                "rounds": st.rounds, "phase_s": st.phase_s,
+                                "identical": (r.tokens == ar_tokens) if (temp == 0 and ar_tokens is not None) else None})
+            print(f"T={temp} prompt {i} ({src}): " + " ".join(f"{n} tau {rows[n][-1]['tau']:.2f}" for n in names),
+                  flush=True)
+        summary = {}
+        for n in names:
+            rs = rows[n]
+            tpot = sum(r["decode_s"] for r in rs) / max(1, sum(r["tokens"] for r in rs))
+            summary[n] = {"tau": statistics.mean(r["tau"] for r in rs), "tpot_ms": tpot * 1000,
+                          "tau_humaneval": statistics.mean(r["tau"] for r in rs if r["src"] == "humaneval") if any(
+                              r["src"] == "humaneval" for r in rs) else None,
+                          "tau_mtbench": statistics.mean(r["tau"] for r in rs if r["src"] == "mtbench") if any(
+                              r["src"] == "mtbench" for r in rs) else None,
+                          "draft_ms_per_round": 1000 * sum(r["phase_s"].get("draft", 0) for r in rs) / max(
+                              1, sum(r["rounds"] for r in rs)),
+                          "identical_to_ar": None if temp > 0 else all(r["identical"] for r in rs)}
+        if "ar" in summary:
+            for n in names:
+                summary[n]["speedup"] = summary["ar"]["tpot_ms"] / summary[n]["tpot_ms"]
+        report["results"][f"T={temp:g}"] = {"summary": summary, "per_prompt": rows}
+        print(f"== T={temp:g}")
+        for n, s in summary.items():
+            print(f"  {n:6s} tau {s['tau']:.2f} (HE {s['tau_humaneval'] or 0:.2f} / MT {s['tau_mtbench'] or 0:.2f}) "
+                  f"tpot {s['tpot_ms']:.1f} ms speedup {s.get('speedup', float('nan')):.2f}x "
+                  f"draft {s['draft_ms_per_round']:.1f} ms/round identical {s['identical_to_ar']}", flush=True)
+    if not args.no_verify_cost:
+        target.set_feature_layers(())
+        report["verify_ms"] = verify_cost(target)
+        print("verify ms by nodes:", {k: round(v, 1) for k, v in report["verify_ms"].items()})
+    report["wall_s"] = time.time() - t_start
+    print(f"wall {report['wall_s']:.0f} s")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

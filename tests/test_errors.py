@@ -1,0 +1,140 @@
+"""Bad input gets a clear error that names the problem and the fix."""
+import pytest
+import torch
+
+from graft_block import ConfigError, Drafter, SpeculativeDecoder, load_target
+from graft_block.drafter import register
+from tree import TreeError, make_tree
+
+
+def test_unknown_drafter_type():
+    with pytest.raises(ConfigError, match="unknown drafter type 'nope'.*known types:.*pld"):
+        Drafter.from_config({"type": "nope"})
+
+
+def test_config_without_type():
+    with pytest.raises(ConfigError, match="no 'type' key"):
+        Drafter.from_config({"budget": 3})
+
+
+def test_malformed_yaml_and_json(tmp_path):
+    bad_yaml = tmp_path / "d.yaml"
+    bad_yaml.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        Drafter.from_config(bad_yaml)
+    bad_json = tmp_path / "d.json"
+    bad_json.write_text("{type: pld,,}")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        Drafter.from_config(bad_json)
+    with pytest.raises(ConfigError, match="not a dict, an existing file or a folder"):
+        Drafter.from_config(str(tmp_path / "missing.yaml"))
+
+
+def test_config_from_yaml_json_and_folder(tmp_path):
+    (tmp_path / "a.yaml").write_text("type: pld\nbudget: 5\n")
+    assert Drafter.from_config(tmp_path / "a.yaml").budget == 5
+    (tmp_path / "b.json").write_text('{"type": "pld", "budget": 7}')
+    assert Drafter.from_config(str(tmp_path / "b.json")).budget == 7
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "config.json").write_text('{"type": "pld", "budget": 2}')
+    with pytest.raises(ConfigError, match="checkpoint"):  # pld takes no checkpoint: the unknown key is named
+        Drafter.from_config(tmp_path / "ck")
+
+
+def test_unknown_config_key_is_named():
+    with pytest.raises(ConfigError, match="budgett"):
+        Drafter.from_config({"type": "pld", "budgett": 3})
+
+
+@pytest.mark.parametrize("budget", [0, -2, 1.5, "4"])
+def test_budget_below_one(budget):
+    with pytest.raises(ConfigError, match="budget must be an int >= 1"):
+        Drafter.from_config({"type": "pld", "budget": budget})
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ({"temperature": 1.0, "top_k": -1}, "top_k must be"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be"),
+])
+def test_bad_sampling_arguments(tiny_llama, kw, msg):
+    args = {"max_new_tokens": 4, **kw}
+    with pytest.raises(ValueError, match=msg):
+        SpeculativeDecoder(tiny_llama).generate([1, 2], **args)
+
+
+def test_prompt_longer_than_context(tiny_llama):
+    with pytest.raises(ConfigError, match="context window of 512"):
+        SpeculativeDecoder(tiny_llama).generate(list(range(100)) * 5, max_new_tokens=20)
+    with pytest.raises(ConfigError, match="empty prompt"):
+        SpeculativeDecoder(tiny_llama).generate([], max_new_tokens=2)
+
+
+class _BadRoot(Drafter):
+    budget = 3
+
+    def propose(self, state):
+        return make_tree([state.root_token + 1, 5], [-1, 0])
+
+
+class _DupSiblings(Drafter):
+    budget = 3
+
+    def propose(self, state):
+        return make_tree([state.root_token, 5, 5], [-1, 0, 0])
+
+
+def test_tree_root_must_match_last_token(tiny_llama):
+    with pytest.raises(TreeError, match="rooted at the current bonus token"):
+        SpeculativeDecoder(tiny_llama, _BadRoot()).generate([1, 2], max_new_tokens=4)
+
+
+def test_duplicate_siblings_rejected(tiny_llama):
+    with pytest.raises(TreeError, match="duplicate sibling tokens"):
+        SpeculativeDecoder(tiny_llama, _DupSiblings()).generate([1, 2], max_new_tokens=4)
+
+
+def test_tree_over_budget_rejected(tiny_llama):
+    class Big(Drafter):
+        budget = 1
+
+        def propose(self, state):
+            return make_tree([state.root_token, 5, 6], [-1, 0, 0])
+
+    with pytest.raises(TreeError, match="over the budget of 1"):
+        SpeculativeDecoder(tiny_llama, Big()).generate([1, 2], max_new_tokens=4)
+
+
+def test_feature_layer_out_of_range(tiny_llama):
+    with pytest.raises(ConfigError, match="outside 0..4"):
+        tiny_llama.set_feature_layers([7])
+
+
+def test_missing_target_folder(tmp_path):
+    with pytest.raises(ConfigError, match="neither an embedded name"):
+        load_target(str(tmp_path / "nothing"))
+
+
+def test_duplicate_registration():
+    with pytest.raises(ConfigError, match="registered twice"):
+        register("pld")(type("Other", (Drafter,), {}))
+
+
+def test_bad_prompt_type(tiny_llama):
+    with pytest.raises(ConfigError, match="no tokenizer"):
+        SpeculativeDecoder(tiny_llama).generate("hello", max_new_tokens=2)
+    with pytest.raises(ConfigError, match="prompt must be"):
+        tiny_llama.encode(3.5)
+
+
+def test_sampling_on_gpu_style_generator_is_explicit(tiny_llama):
+    # Same seed -> same sample; different seed -> (almost surely) different text: randomness is explicit.
+    dec = SpeculativeDecoder(tiny_llama)
+    a = dec.generate([1, 2], max_new_tokens=20, temperature=1.0, seed=1).tokens
+    b = dec.generate([1, 2], max_new_tokens=20, temperature=1.0, seed=1).tokens
+    c = dec.generate([1, 2], max_new_tokens=20, temperature=1.0, seed=2).tokens
+    assert a == b and a != c
+    g = torch.Generator().manual_seed(5)
+    assert len(dec.generate([1, 2], max_new_tokens=5, temperature=1.0, generator=g).tokens) == 5
