@@ -567,12 +567,6 @@ def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:
             n = opts["num_layers"]
             layers = opts["init_layers"] or list(range(target.num_layers - n, target.num_layers))
             warm_start(model, target, layers, opts["passthrough"])
-        else:  # residual branches start closed and the output scale small: initial logits near uniform
-            with torch.no_grad():
-                model.norm.weight.fill_(0.05)
-                for layer in model.layers:
-                    layer.self_attn.o_proj.weight.zero_()
-                    layer.mlp.down_proj.weight.zero_()
     model.draft_vocab = None if vocab is None else vocab.to(target.device)
     check_compatible(model, target)
     model.train_opts = {"num_anchors": int(opts["num_anchors"]), "soft_weight": float(opts["soft_weight"]),
@@ -622,7 +616,8 @@ def training_loss(model: DFlashModel, target, batch: dict):
     blk_ids[:, :, 0] = ids.gather(1, anchors)
     lab_pos = pos[:, :, 1:]
     valid = (lab_pos < lengths.view(-1, 1, 1)) & seq_ok.view(-1, 1, 1)
-    labels = ids.gather(1, lab_pos.clamp(max=L - 1).view(b, -1)).view(b, n, B - 1)
+    # labels[t] = the target's token at t (== ids for target-generated data; the target's argmax for offline text)
+    labels = batch.get("labels", ids).gather(1, lab_pos.clamp(max=L - 1).view(b, -1)).view(b, n, B - 1)
 
     ctx = model.fuse(batch["feats"])
     ctx_kv = model.context_kv(ctx, torch.arange(L, device=dev).expand(b, L))

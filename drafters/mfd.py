@@ -28,8 +28,6 @@ length of mode 0 and of the best mode per block (oracle).
 """
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
 import torch
@@ -63,7 +61,7 @@ class MFDModel(D.DFlashModel):
         nn.init.zeros_(self.mode_gate.weight)
 
     @classmethod
-    def from_dflash(cls, base: D.DFlashModel, num_modes: int = 4, mode_rows: str = "all") -> "MFDModel":
+    def from_dflash(cls, base: D.DFlashModel, num_modes: int = 4, mode_rows: str = "all") -> MFDModel:
         """Same weights as ``base``; zero mode vectors and gate (call ``break_symmetry`` before training K > 1)."""
         model = cls(base.config, base.block_size, base.target_layer_ids, base.mask_token_id, base.num_target_layers,
                     base.draft_vocab, num_modes=num_modes, mode_rows=mode_rows)
@@ -185,7 +183,7 @@ class MFDDrafter(D.DFlashDrafter):
         self.last_gate: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, cfg: dict, target=None) -> "MFDDrafter":
+    def build(cls, cfg: dict, target=None) -> MFDDrafter:
         if target is None:
             raise ConfigError("the mfd drafter needs the target: Drafter.from_config(cfg, target=target)")
         cfg = dict(cfg)
@@ -291,10 +289,10 @@ def training_model(target, cfg: dict, init: str | None = None) -> MFDModel:
     return model.to(target.device)
 
 
-def _row_losses(model: MFDModel, target, logits: torch.Tensor, lab: torch.Tensor, batch: dict, src: torch.Tensor,
+def _row_losses(model: MFDModel, logits: torch.Tensor, lab: torch.Tensor, batch: dict, src: torch.Tensor,
                 soft_w: float) -> torch.Tensor:
     """DFlash's row loss (hard CE mixed with soft CE against the target's top-k) for rows with labels ``lab`` whose
-    target distribution sits at data rows ``src`` [N] of sequence ``seq`` (packed as src = seq * L + row)."""
+    target top-k distribution sits at flat data row ``src`` [N] (= sequence * L + position - 1)."""
     logp = torch.log_softmax(logits.float(), -1)
     dv = model.draft_vocab
     if dv is not None:
@@ -334,7 +332,8 @@ def training_loss(model: MFDModel, target, batch: dict):
     blk_ids[:, :, 0] = ids.gather(1, anchors)
     lab_pos = pos[:, :, 1:]
     valid = (lab_pos < lengths.view(-1, 1, 1)) & seq_ok.view(-1, 1, 1)  # [b, n, B-1]
-    labels = ids.gather(1, lab_pos.clamp(max=L - 1).view(b, -1)).view(b, n, B - 1)
+    # labels[t] = the target's token at t (== ids for target-generated data; its argmax for teacher-forced text)
+    labels = batch.get("labels", ids).gather(1, lab_pos.clamp(max=L - 1).view(b, -1)).view(b, n, B - 1)
 
     ctx = model.fuse(batch["feats"])
     ctx_kv = model.context_kv(ctx, torch.arange(L, device=dev).expand(b, L))
@@ -351,7 +350,7 @@ def training_loss(model: MFDModel, target, batch: dict):
     lab = labels.unsqueeze(2).expand(b, n, K, B - 1)[valid_k]
     seq = torch.arange(b, device=dev).view(b, 1, 1, 1).expand(b, n, K, B - 1)
     src = (seq * L + (lab_pos - 1).clamp(max=L - 1).unsqueeze(2).expand(b, n, K, B - 1))[valid_k]
-    row_loss = _row_losses(model, target, logits, lab, batch, src, float(opts["soft_weight"]))
+    row_loss = _row_losses(model, logits, lab, batch, src, float(opts["soft_weight"]))
     w = torch.exp(-(k[1:].float() - 1) / opts["gamma"]).view(1, 1, 1, -1)
     dense = torch.zeros(b, n, K, B - 1, device=dev)
     dense[valid_k] = row_loss

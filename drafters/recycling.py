@@ -17,7 +17,8 @@ from graft_block.adjacency import AdjacencyMatrix
 from graft_block.drafter import Drafter, check_budget, register
 from graft_block.errors import ConfigError
 from tree import SOURCE_RETRIEVED, Tree, chain, merge
-from tree.templates import TR80_TEMPLATE, asymmetric_template, compile_template, expand_template, extend_template
+from graft_block.kernels import expand as expand_template
+from tree.templates import TR80_TEMPLATE, asymmetric_template, compile_template, extend_template
 
 from .pld import prompt_lookup
 
@@ -93,6 +94,9 @@ class RecyclingDrafter(Drafter):
         s["retrieved_nodes"] += verified.tree.num_retrieved
         s["retrieved_accepted"] += hits
         s["rounds_with_retrieved_hit"] += int(hits > 0)
+
+    def state_bytes(self) -> int:
+        return 0 if self.matrix is None else int(self.matrix.nbytes)
 
     def describe(self) -> dict:
         return {"type": self.type_name, "budget": self.budget, "k": self.k, "warmup_rounds": self.warmup_rounds,

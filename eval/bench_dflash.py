@@ -24,6 +24,7 @@ METHODS = {
     "dd32": {"proposal": "ddtree", "budget": 32},
     "dd64": {"proposal": "ddtree", "budget": 64},
     "pld": "pld",
+    "chain_dn3": {"proposal": "chain", "budget": 15, "denoise_steps": 3},  # commit-by-confidence refinement
 }
 
 
@@ -53,7 +54,7 @@ def main(argv=None):
     ap.add_argument("--n-mtbench", type=int, default=5)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--temps", default="0,1")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default="ar,chain,dd8,dd16,dd32,dd64,pld")
     ap.add_argument("--t1-methods", default=None, help="methods at T>0 (default: same as --methods)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-verify-cost", action="store_true")

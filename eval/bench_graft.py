@@ -117,8 +117,8 @@ def main(argv=None):
            "wall_s": time.perf_counter() - t_start}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"\n| method | tau | tau HE | tau MT | decode tok/s | speedup | median speedup | acc. retrieved/round | "
-          f"hit/node | rounds w/ hit | matrix bytes | mismatches |")
+    print("\n| method | tau | tau HE | tau MT | decode tok/s | speedup | median speedup | acc. retrieved/round | "
+          "hit/node | rounds w/ hit | matrix bytes | mismatches |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, s in summary.items():
         f = lambda k, fmt="{:.3f}": "-" if s.get(k) is None else fmt.format(s[k])  # noqa: E731

@@ -26,12 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import drafters.dflash  # noqa: E402,F401  (registers "dflash" until drafters/__init__ imports it)
-import drafters.mfd  # noqa: E402,F401  (registers "mfd")
-from graft_block import SpeculativeDecoder, load_target  # noqa: E402
-from graft_block.data import humaneval, mtbench  # noqa: E402
-from graft_block.drafter import Drafter, bundled_checkpoint  # noqa: E402
-from tree.chimeric import futures_recorder, proxy_hook, sampled_report  # noqa: E402
+import drafters.dflash
+import drafters.mfd  # noqa: F401  (registers "mfd")
+from graft_block import SpeculativeDecoder, load_target
+from graft_block.data import humaneval, mtbench
+from graft_block.drafter import Drafter, bundled_checkpoint
+from tree.chimeric import futures_recorder, proxy_hook, sampled_report
 
 
 class TimedHook:
@@ -96,13 +96,17 @@ def main(argv=None):
     ap.add_argument("--delta", type=float, default=0.1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--time-limit", type=float, default=None, help="stop after the prompt that passes this (s)")
     ap.add_argument("--out", default="runs/bench_mfd.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.time()
 
     target = load_target(args.target, device=args.device)
-    prompts = [("humaneval", r) for r in humaneval(args.humaneval)] + [("mtbench", r) for r in mtbench(args.mtbench)]
+    he, mt = humaneval(args.humaneval), mtbench(args.mtbench)
+    # interleaved, so a run cut by --time-limit still covers both datasets
+    prompts = [x for pair in zip([("humaneval", r) for r in he], [("mtbench", r) for r in mt]) for x in pair]
+    prompts += [("humaneval", r) for r in he[len(mt):]] + [("mtbench", r) for r in mt[len(he):]]
     arms = build_arms(target, args)
     Bmax = max(args.budgets)
     decs, proxies, recorders = {"AR": SpeculativeDecoder(target, None)}, {}, {}
@@ -151,15 +155,41 @@ def main(argv=None):
         print(f"[{pi + 1}/{len(prompts)}] {rec['id']} " + " ".join(
             f"{n}:tau={rows[n][-1]['tau']:.2f}" for n in decs if n != "AR"), f"({time.time() - t_start:.0f}s)",
             flush=True)
+        write_report(make_report(rows, mismatches, proxies, args, t_start), args.out)
+        if args.time_limit and time.time() - t_start > args.time_limit:
+            print(f"time limit: stopping after {pi + 1} prompts", flush=True)
+            break
 
+    report = make_report(rows, mismatches, proxies, args, t_start)
+    if recorders:
+        print(f"protocol (a): sampling {args.futures} futures for "
+              f"{sum(min(args.futures_rounds, len(r.hook.records)) for r in recorders.values())} rounds ...",
+              flush=True)
+        target.set_feature_layers(())
+        for name, rcd in recorders.items():
+            recs = rcd.hook.records[: args.futures_rounds]
+            if recs:
+                report["arms"][name]["chimeric_sampled"] = sampled_report(target, recs, n=args.futures, seed=0)
+    report["wall_s"] = time.time() - t_start
+    write_report(report, args.out)
+    print_table(report, args)
+
+
+def write_report(report, out):
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=1))
+
+
+def make_report(rows, mismatches, proxies, args, t_start) -> dict:
     def agg(rs):
         tok = sum(r["tokens"] for r in rs)
         return {"tau": tok / max(1, sum(r["rounds"] for r in rs)), "tok_s": tok / sum(r["decode_s"] for r in rs),
                 "tokens": tok}
 
-    report = {"args": vars(args), "mismatches": mismatches, "arms": {}}
+    report = {"args": vars(args), "prompts": len(rows["AR"]), "mismatches": mismatches, "arms": {}}
     ar_all = agg(rows["AR"])
-    for name in decs:
+    report["ar_tok_s"] = ar_all["tok_s"]
+    for name in rows:
         entry = {"all": agg(rows[name])}
         for ds in ("humaneval", "mtbench"):
             sub = [r for r in rows[name] if r["dataset"] == ds]
@@ -181,20 +211,14 @@ def main(argv=None):
         if name in proxies:
             entry["chimeric_proxy"] = proxies[name].hook.summary()
         report["arms"][name] = entry
-
-    if recorders:
-        print(f"protocol (a): sampling {args.futures} futures for "
-              f"{sum(len(r.hook.records) for r in recorders.values())} rounds ...", flush=True)
-        target.set_feature_layers(())
-        for name, rcd in recorders.items():
-            recs = rcd.hook.records[: args.futures_rounds]
-            report["arms"][name]["chimeric_sampled"] = sampled_report(target, recs, n=args.futures, seed=0)
     report["wall_s"] = time.time() - t_start
+    return report
 
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"\nSmolLM2 {args.humaneval} HumanEval + {args.mtbench} MT-Bench, {args.max_new_tokens} tokens, "
-          f"T={args.temperature}; AR {ar_all['tok_s']:.1f} tok/s; greedy mismatches: {len(mismatches)}")
+
+def print_table(report, args):
+    print(f"\nSmolLM2 {report['prompts']} prompts (of {args.humaneval} HumanEval + {args.mtbench} MT-Bench), "
+          f"{args.max_new_tokens} tokens, T={args.temperature}; AR {report['ar_tok_s']:.1f} tok/s; greedy "
+          f"mismatches: {len(report['mismatches'])}")
     print("| arm | tau | speedup | HE tau / x | MT tau / x | median x | chimeric (b) draft | chimeric (a) | "
           "coherent (a) | off-support (a) |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -26,10 +26,11 @@ from collections import Counter
 import torch
 
 from tree import SOURCE_RETRIEVED, Tree, merge, root_only
-from tree.templates import asymmetric_template, compile_template, expand_template
+from tree.templates import asymmetric_template, compile_template
 
 from .adjacency import AdjacencyMatrix
 from .errors import ConfigError
+from .kernels import expand as expand_template
 from .pruning import (CHECKPOINTS, SIGNALS, fired_stage, normalize_thresholds, path_min_scores, ranked_nodes,
                       reorder, top_nodes, tree_signals)
 
@@ -230,11 +231,36 @@ class Graft:
                 "tail_threshold": self.tail_threshold, "tail_confidence": self.tail_confidence,
                 "static_threshold": self.static_threshold, "refill": self.refill}
 
+    def state_bytes(self) -> int:
+        """Bytes of retrieval state (the adjacency matrix) this graft holds."""
+        return 0 if self.matrix is None else int(self.matrix.nbytes)
+
     @classmethod
-    def from_config(cls, cfg: dict, matrix: AdjacencyMatrix | None = None) -> "Graft":
-        """From ``describe()`` output or a drafter config's ``"graft"`` entry (calibration keys are accepted)."""
+    def from_config(cls, cfg: dict, matrix: AdjacencyMatrix | None = None, target=None, drafter=None) -> "Graft":
+        """From ``describe()`` output or a drafter config's ``"graft"`` entry (calibration keys are accepted).
+
+        Matrix, first match: ``matrix``; the drafter's own ``.matrix`` (a retrieval drafter: one shared matrix);
+        a saved file at ``cfg["matrix"]``; a new one for ``target`` (``k``, ``matrix_dtype``) warmed up with
+        ``warmup_rounds`` (default 5) ShareGPT calibration prompts when the target has a tokenizer. ``budget``
+        defaults to the drafter's."""
         cfg = {k: v for k, v in dict(cfg).items() if k not in ("quantile", "rule", "prompts", "prompt_source",
                                                                    "grid", "max_new_tokens")}
+        k = int(cfg.pop("k", 8))
+        mdtype = cfg.pop("matrix_dtype", "int32")
+        warmup_rounds = int(cfg.pop("warmup_rounds", 5))
+        path = cfg.pop("matrix", None)
+        if drafter is not None and "budget" not in cfg:
+            cfg["budget"] = int(drafter.budget)
+        if matrix is None and isinstance(getattr(drafter, "matrix", None), AdjacencyMatrix):
+            matrix = drafter.matrix
+        if matrix is None and drafter is not None and hasattr(drafter, "ensure_matrix") and target is not None:
+            matrix = drafter.ensure_matrix(target)
+        if matrix is None and path is not None:
+            matrix = AdjacencyMatrix.load(path, device="cpu" if target is None else target.device)
+        if matrix is None and target is not None and cfg.get("mode", "graft") != "prune":
+            matrix = AdjacencyMatrix(target.vocab_size, k, mdtype, target.device)
+            if warmup_rounds and getattr(target, "tokenizer", None) is not None:
+                matrix.warmup(target, rounds=warmup_rounds)
         try:
             return cls(matrix=matrix, **cfg)
         except TypeError as exc:

@@ -153,8 +153,8 @@ def test_proxy_rejects_bad_logits():
 
 
 def test_hooks_on_tiny_target(tiny_llama):
-    from graft_block.decoder import SpeculativeDecoder
     from drafters.planted import PlantedTreeDrafter
+    from graft_block.decoder import SpeculativeDecoder
 
     target = tiny_llama
     prompt = [1, 5, 9, 17, 33]

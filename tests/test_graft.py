@@ -6,13 +6,14 @@ import torch
 from graft_block import SpeculativeDecoder
 from graft_block.adjacency import AdjacencyMatrix
 from graft_block.errors import ConfigError
-from graft_block.graft import MODES, Graft, best_path_end
+from graft_block.graft import Graft, best_path_end
 from graft_block.pruning import (calibrate, checkpoint_signal, fired_stage, save_calibration, top_nodes,
                                  tree_signals)
 from tree import SOURCE_DRAFT, SOURCE_RETRIEVED, TreeError, accept_length, chain, make_tree, validate
 from tree.ddtree import ddtree, topk_logprobs
-from tree.templates import (TR80_TEMPLATE, asymmetric_template, expand_template, extend_template, level_sizes,
-                            validate_template)
+from graft_block import kernels
+from tree.templates import (TR80_TEMPLATE, asymmetric_template, expand_template, extend_template, gather_template,
+                            level_sizes, validate_template)
 
 V = 64
 
@@ -461,3 +462,42 @@ def test_calibrate_picks_thresholds_from_recorded_quantiles(tiny_llama, tmp_path
     assert data["type"] == "x" and data["graft"]["quantile"] == cal["quantile"]
     g = Graft.from_config(dict(data["graft"], budget=12), matrix=m)
     assert g.thresholds == {int(k): v for k, v in cal["thresholds"].items()}
+
+
+def test_from_config_builds_or_shares_the_matrix(tiny_llama):
+    from drafters.planted import PlantedTreeDrafter
+    from drafters.recycling import RecyclingDrafter
+
+    planted = PlantedTreeDrafter(budget=12, vocab_size=tiny_llama.vocab_size)
+    g = Graft.from_config({"mode": "fixed", "k": 4}, target=tiny_llama, drafter=planted)
+    assert g.budget == 12 and g.matrix.vocab_size == tiny_llama.vocab_size and g.matrix.k == 4
+    assert g.state_bytes() == tiny_llama.vocab_size * 4 * 4 and g.matrix.filled_rows == 0  # no tokenizer: no warm-up
+    rec = RecyclingDrafter(budget=10, warmup_rounds=0)
+    g2 = Graft.from_config({"mode": "retrieve_only", "budget": 20}, target=tiny_llama, drafter=rec)
+    assert g2.matrix is rec.matrix and g2.budget == 20 and rec.state_bytes() == g2.state_bytes()
+    assert Graft.from_config({"mode": "prune"}, target=tiny_llama, drafter=planted).matrix is None
+
+
+# ---- optional Triton kernel -------------------------------------------------------------------------------------
+@pytest.mark.skipif(not kernels.HAVE_TRITON, reason="triton not installed (optional extra)")
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_fused_template_gather_matches_torch_reference(dtype):
+    assert kernels.use_triton(torch.zeros(1), force=True)  # conftest sets TRITON_INTERPRET=1: the kernel runs
+    g = torch.Generator().manual_seed(0)
+    V, k = 50, 8
+    table = torch.randint(0, V, (V, k), generator=g).to(dtype)
+    table[torch.rand(V, generator=g) < 0.2] = -1  # unknown rows
+    for tmpl in (TR80_TEMPLATE, asymmetric_template(60, 8, 8), [[0], [9], [0, 3]]):  # rank 9 >= k: unknown
+        for root in (0, 7, 33):
+            ref = gather_template(root, tmpl, table)
+            got = kernels.gather_template_fused(root, tmpl, table, force=True)
+            assert torch.equal(got, ref)
+
+
+def test_fallback_without_triton(monkeypatch):
+    monkeypatch.setattr(kernels, "HAVE_TRITON", False)
+    table = torch.arange(40).view(10, 4) % 10
+    assert torch.equal(kernels.gather_template_fused(3, TR80_TEMPLATE, table, force=True),
+                       gather_template(3, TR80_TEMPLATE, table))
+    tree = kernels.expand(3, TR80_TEMPLATE, table, budget=20)
+    assert torch.equal(tree.tokens, expand_template(3, TR80_TEMPLATE, table, budget=20).tokens)

@@ -98,7 +98,7 @@ def test_greedy_identity_vs_hf(arch, score):
     assert res.tokens == ref
     # the draft cache holds exactly the tokens that entered the target cache (the last round may overshoot)
     assert d.ctx_len == len(PROMPT) + res.stats.committed_in_rounds
-    ids, lps = d.last_block_logprobs
+    ids, _lps = d.last_block_logprobs
     assert ids.shape[:2] == (3, 7)
 
 
@@ -205,8 +205,9 @@ def _batch(target, layers, b=2, L=40, seed=0):
     feats = torch.cat([out.hidden_states[i] for i in layers], -1)
     logp = torch.log_softmax(out.logits.float(), -1)
     tv, ti = logp.topk(4, -1)
-    return {"ids": ids, "feats": feats, "top_ids": ti, "top_logp": tv, "lengths": torch.tensor([L, L - 7]),
-            "prompt_len": torch.tensor([6, 9])}
+    labels = torch.cat([ids[:, :1], out.logits.argmax(-1)[:, :-1]], 1)  # the target's own token at every position
+    return {"ids": ids, "labels": labels, "feats": feats, "top_ids": ti, "top_logp": tv,
+            "lengths": torch.tensor([L, L - 7])[:b], "prompt_len": torch.tensor([6, 9])[:b]}
 
 
 def test_k1_training_loss_equals_dflash(tiny_qwen3):
@@ -253,7 +254,8 @@ def test_train_loop_runs_and_saves(tmp_path, tiny_qwen3, monkeypatch):
     recs = []
     for s in range(6):
         b = _batch(tiny_qwen3, layers, b=1, L=30, seed=s)
-        recs.append({"ids": b["ids"][0].int(), "prompt_len": 5, "feats": b["feats"][0].half(),
+        recs.append({"ids": b["ids"][0].int(), "labels": b["labels"][0].int(), "prompt_len": 5,
+                     "feats": b["feats"][0].half(),
                      "top_ids": b["top_ids"][0].int(), "top_logp": b["top_logp"][0].half()})
     folder = tmp_path / "data"
     folder.mkdir()

@@ -73,7 +73,7 @@ def test_dedup_across_modes_and_unique_siblings():
 
 def test_two_disjoint_modes_split_budget_by_score():
     # Mode 0 is confident on path A, mode 1 on path B: best-mode keeps both coherent chains, tagged by their mode.
-    L, K = 4, 2
+    L, _K = 4, 2
     ids = torch.tensor([[[10, 90], [11, 91], [12, 92], [13, 93]], [[20, 90], [21, 91], [22, 92], [23, 93]]])
     lps = torch.log(torch.tensor([[0.9, 0.1]] * L).repeat(2, 1, 1))
     tree = mixed_ddtree(0, ids, lps, 8)

@@ -1,0 +1,121 @@
+"""The shared training recipe: batched greedy data generation, the generic loop (loss goes down, resume), and a
+trained DFlash drafter that saves, loads and reproduces its logits."""
+import json
+
+import pytest
+import torch
+
+import drafters.dflash as D
+from graft_block.errors import ConfigError
+from graft_block.testing import tiny_target
+from graft_block import training as T
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_target("llama")
+
+
+@pytest.fixture(scope="module")
+def data(tiny, tmp_path_factory):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (int(n),), generator=g).tolist() for n in torch.randint(4, 12, (30,), generator=g)]
+    folder = tmp_path_factory.mktemp("data") / "tiny"
+    T.generate_data(tiny, "tiny", prompts=prompts, max_new=32, batch_size=12, layers=(1, 3), topk=4, folder=folder,
+                    log=lambda s: None)
+    return folder
+
+
+def test_batched_greedy_matches_unbatched(tiny, data):
+    recs, meta = T.load_records(data)
+    assert meta["feature_layers"] == [1, 3] and len(recs) == 30
+    for r in recs[:6]:
+        ids = r["ids"].long().view(1, -1)
+        P = r["prompt_len"]
+        ref = tiny.model.generate(ids[:, :P], max_new_tokens=32, do_sample=False)[0, P:]
+        assert torch.equal(ids[0, P:], ref)
+        out = tiny.model(input_ids=ids, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[1][0], out.hidden_states[3][0]], -1)
+        assert torch.allclose(feats[:-1], r["feats"][:-1].float(), atol=2e-2, rtol=1e-2)  # fp16 cache
+        lp = torch.log_softmax(out.logits[0, P - 1:-1].float(), -1)
+        assert torch.equal(r["top_ids"][P - 1:-1, 0].long(), ids[0, P:])  # greedy = top-1
+        assert torch.allclose(r["top_logp"][P - 1:-1].float(), lp.gather(1, r["top_ids"][P - 1:-1].long()),
+                              atol=1e-2)
+
+
+def test_requesting_uncached_layers_fails(data):
+    with pytest.raises(ConfigError, match="caches hidden_states"):
+        T.load_records(data, feature_layers=[2])
+
+
+def test_epoch_batches_shard_by_rank():
+    a = T.epoch_batches(40, 4, epoch=0, seed=0, rank=0, world=2)
+    b = T.epoch_batches(40, 4, epoch=0, seed=0, rank=1, world=2)
+    flat_a, flat_b = {i for x in a for i in x}, {i for x in b for i in x}
+    assert not flat_a & flat_b and len(flat_a | flat_b) == 40
+    assert T.epoch_batches(40, 4, 1, 0) != T.epoch_batches(40, 4, 0, 0)  # reshuffled per epoch
+    assert T.lr_at(0, 100, 1.0, 0.04) < T.lr_at(3, 100, 1.0, 0.04) and T.lr_at(99, 100, 1.0, 0.04) < 0.2
+
+
+def test_block_mask_semantics():
+    m = D.block_attention_mask(torch.tensor([[2, 5]]), 8, 3, torch.float32)[0, 0] == 0
+    assert m.shape == (6, 14)
+    assert m[0, :2].all() and not m[0, 2:8].any()  # anchor 2: context 0..1 only
+    assert m[3, :5].all() and not m[3, 5:8].any()
+    assert m[0, 8:11].all() and not m[0, 11:].any()  # own block only, bidirectional
+    assert m[5, 11:].all() and not m[5, 8:11].any()
+
+
+def test_training_lowers_loss_and_round_trips(tiny, data, tmp_path):
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "num_anchors": 8, "mask_token_id": 127, "block_size": 6}
+    T.train("dflash", tiny, str(data), tmp_path / "ck", tmp_path / "run", cfg=cfg, init="random",
+            epochs=10, lr=3e-3, batch_size=4, holdout=6, eval_every=0, log=lambda s: None, seed=0)
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert log[0]["step"] == 0 and log[-1]["final"] and log[-1]["step"] == 60
+    state = torch.load(tmp_path / "run" / "state.pt", weights_only=False)
+    model = D.training_model(tiny, state["cfg"], None)
+    model.load_state_dict(state["model"])
+    # the loss on the training sequences went down (same anchors before and after)
+    recs, _ = T.load_records(data, feature_layers=model.feature_layers)
+    init_model = D.training_model(tiny, cfg, "random")
+    before = T.evaluate(D.DFlashDrafter, init_model, tiny, recs[6:], 4)["loss"]
+    after = T.evaluate(D.DFlashDrafter, model, tiny, recs[6:], 4)["loss"]
+    assert after < before - 0.5, (before, after)
+    # the saved public checkpoint reproduces the trained model's logits
+    loaded = D.load_checkpoint(tmp_path / "ck", dtype=torch.float32)
+    cfgj = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert cfgj["type"] == "dflash" and cfgj["dflash_config"]["target_layer_ids"] == [0, 2]
+    batch = T.collate(recs[:2], tiny.device)
+    ctx_a, ctx_b = model.fuse(batch["feats"]), loaded.fuse(batch["feats"])
+    L = batch["ids"].shape[1]
+    pos = torch.arange(L).view(1, -1).expand(2, -1)
+    emb = tiny.embed(torch.tensor([[5, 127, 127, 127, 127, 127]] * 2))
+    bp = torch.arange(10, 16).view(1, -1).expand(2, -1)
+    with torch.no_grad():
+        ha = model(emb, bp, model.context_kv(ctx_a[:, :10], pos[:, :10]))
+        hb = loaded(emb, bp, loaded.context_kv(ctx_b[:, :10], pos[:, :10]))
+    W = tiny.model.get_output_embeddings().weight
+    # fp16 storage: logits agree to fp16 rounding and the argmax is the same
+    la, lb = model.logits(ha, W), loaded.logits(hb, W)
+    assert torch.allclose(la, lb, atol=5e-2, rtol=1e-2)
+    assert torch.equal(la.argmax(-1), lb.argmax(-1))
+
+
+def test_resume_continues(tiny, data, tmp_path):
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "num_anchors": 4, "mask_token_id": 127, "block_size": 4}
+    kw = dict(cfg=cfg, init="random", lr=1e-3, batch_size=4, holdout=4, eval_every=0, log=lambda s: None)
+    r1 = T.train("dflash", tiny, str(data), tmp_path / "ck", tmp_path / "run", epochs=1, **kw)
+    r2 = T.train("dflash", tiny, str(data), tmp_path / "ck", tmp_path / "run", epochs=2, resume=True, **kw)
+    assert r2["step"] == 2 * r1["step"]
+    with pytest.raises(ConfigError, match="unknown drafter type"):
+        T.train("nope", tiny, str(data), tmp_path / "x", tmp_path / "y")
+
+
+def test_warm_start_copies_target_layers(tiny):
+    model = D.training_model(tiny, {"num_layers": 2, "target_layer_ids": [1, 2], "mask_token_id": 127,
+                                    "block_size": 4}, "target")
+    src = tiny.model.model.layers[3]
+    assert torch.equal(model.layers[1].self_attn.q_proj.weight, src.self_attn.q_proj.weight)
+    assert torch.equal(model.layers[1].mlp.down_proj.weight, src.mlp.down_proj.weight)
+    H = tiny.hidden_size
+    assert torch.equal(model.fc.weight[:, H:], torch.eye(H)) and not model.fc.weight[:, :H].any()
