@@ -920,25 +920,26 @@ def resolve_checkpoint(ckpt: str | Path) -> Path:
 
 
 def response_token_counts(data: Any, vocab_size: int, skip: int = 0) -> torch.Tensor:
-    """Token frequencies over the response tokens of a cached training-data folder (graft_block.training),
-    skipping the first ``skip`` sequences in load order (the shared loop's held-out set)."""
+    """Token frequencies over the trained (response) tokens of cached training data (graft_block.training; a name,
+    a folder, or a comma-separated list), skipping the first ``skip`` sequences in load order (the shared loop's
+    held-out set)."""
     from graft_block.training import data_root
 
     if data is None:
         raise ConfigError("eagle3 training needs cfg['data'] (cached data name/folder) or cfg['token_counts'] to "
                           "build the draft vocabulary")
-    folder = Path(data)
-    if not folder.exists():
-        folder = data_root() / str(data)
-    meta = json.loads((folder / "meta.json").read_text())
     counts = torch.zeros(vocab_size, dtype=torch.long)
     seen = 0
-    for shard in sorted(meta["shards"], key=lambda s: s["batch"]):
-        for rec in torch.load(folder / shard["file"], weights_only=False):
-            seen += 1
-            if seen <= skip:
-                continue
-            resp = rec["ids"][rec["prompt_len"]:].long()
-            counts += torch.bincount(resp, minlength=vocab_size)[:vocab_size]
+    for part in str(data).split(","):
+        folder = Path(part.strip())
+        if not folder.exists():
+            folder = data_root() / part.strip()
+        meta = json.loads((folder / "meta.json").read_text())
+        for shard in sorted(meta["shards"], key=lambda s: s["batch"]):
+            for rec in torch.load(folder / shard["file"], weights_only=False):
+                seen += 1
+                if seen <= skip:
+                    continue
+                resp = rec["ids"][rec["prompt_len"]:].long()
+                counts += torch.bincount(resp, minlength=vocab_size)[:vocab_size]
     return counts
-

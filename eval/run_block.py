@@ -229,19 +229,22 @@ def verify_cost_curve(target, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 200
         if all(str(s) in data["median_s"] for s in sizes):
             return data
     target.set_feature_layers([])
-    ids = torch.randint(0, target.vocab_size, (context,))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (context,), generator=gen)
+    sync = (lambda: torch.cuda.synchronize()) if target.device.type == "cuda" else (lambda: None)
+    target.prefill(ids)
     med = {}
     for n in sizes:
+        tr = chain(int(ids[-1]), torch.randint(0, target.vocab_size, (n - 1,), generator=gen))
         times = []
-        for _ in range(reps):
-            target.prefill(ids)
-            tr = chain(int(ids[-1]), torch.randint(0, target.vocab_size, (n - 1,)))
-            sync = (lambda: torch.cuda.synchronize()) if target.device.type == "cuda" else (lambda: None)
+        for rep in range(reps + 1):  # the first forward of each shape is a warm-up, not timed
             sync()
             t0 = time.perf_counter()
             target.verify(tr)
             sync()
-            times.append(time.perf_counter() - t0)
+            if rep:
+                times.append(time.perf_counter() - t0)
+            target.compact(tr.size, torch.arange(0))  # drop the appended entries: same context every time
         med[str(n)] = statistics.median(times)
     data = {"target": str(target.name), "device": str(target.device), "context": context, "median_s": med}
     if cache:
@@ -659,15 +662,20 @@ def _gather_shards(records, out: Path, rank: int, world: int) -> list[dict]:
 PAPER_METHODS: list[str] = ["ar", "pld"]
 
 
+_PRESETS_INSTALLED = []
+
+
 def _register_drafter_presets():
-    """Presets for drafters that ship with graft-block; a missing checkpoint just skips the method."""
-    try:
-        from eval import presets  # noqa: F401  (when run as a module)
-    except ImportError:
-        try:
-            import presets  # noqa: F401  (when run as a script from eval/)
-        except ImportError:
-            pass
+    """Presets for drafters that ship with graft-block (eval/presets.py); a missing checkpoint skips the method."""
+    if _PRESETS_INSTALLED:
+        return
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("graft_block_eval_presets", Path(__file__).with_name("presets.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.install(sys.modules[__name__])
+    _PRESETS_INSTALLED.append(True)
 
 
 if __name__ == "__main__":
