@@ -1,2 +1,2 @@
 """One module per drafter. Importing this package registers every built-in drafter type."""
-from . import pld, planted, recycling  # noqa: F401
+from . import dflash, eagle3, mfd, planted, pld, recycling  # noqa: F401

@@ -26,6 +26,12 @@ StarCoder-era special token that never occurs in chat text: it is a real row of 
 block embeds it), distinct from pad/BOS/EOS (``<|endoftext|>`` 0, ``<|im_start|>`` 1, ``<|im_end|>`` 2), and
 frozen like every target embedding.
 
+Training plug-in (graft_block.training): ``training_model`` (random init, warm start from the target's own decoder
+layers with ``fc`` passing one feature through, or continue a checkpoint), ``training_loss`` (random anchors per
+sequence, block [anchor, mask x (B-1)], context strictly before the anchor, blocks isolated by an additive mask,
+CE with weights exp(-(k-1)/gamma) mixed with soft-label CE against the target's top-k, teacher-forced accepted
+length per block as the monitor), ``save_trained`` (z-lab format + {"type": "dflash"}).
+
 Draft vocabulary (optional, our extension): a checkpoint may carry a ``draft_vocab`` int64 tensor of target ids;
 draft logits are then computed over those LM-head rows only (cheaper, and never-trained tokens cannot win the
 argmax). z-lab checkpoints have none and load unchanged.
@@ -167,9 +173,11 @@ class DFlashModel(nn.Module):
         x = self.norm(x)
         return x[0] if unbatched else x
 
-    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, lm_head_bias=None) -> torch.Tensor:
-        """Target LM head on draft hidden states; columns = ``draft_vocab`` ids when present, else the full vocab."""
-        if self.draft_vocab is not None:
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, lm_head_bias=None,
+               restricted: bool = False) -> torch.Tensor:
+        """Target LM head on draft hidden states; columns = ``draft_vocab`` ids when present, else the full vocab.
+        ``restricted=True``: the weight (and bias) already hold only the draft-vocab rows (cached by the drafter)."""
+        if self.draft_vocab is not None and not restricted:
             lm_head_weight = lm_head_weight[self.draft_vocab]
             lm_head_bias = None if lm_head_bias is None else lm_head_bias[self.draft_vocab]
         return F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight, lm_head_bias)
@@ -371,6 +379,10 @@ class DFlashDrafter(Drafter):
         self.feature_layers = model.feature_layers
         lm = target.model.get_output_embeddings()
         self._lm_w, self._lm_b = lm.weight, getattr(lm, "bias", None)
+        if model.draft_vocab is not None:  # gather the draft-vocab rows once, not every round
+            dv = model.draft_vocab.to(lm.weight.device)
+            self._lm_w = lm.weight[dv].detach()
+            self._lm_b = None if self._lm_b is None else self._lm_b[dv].detach()
         self.ctx_k: list[torch.Tensor] = []
         self.ctx_v: list[torch.Tensor] = []
         self.ctx_len = 0
@@ -444,7 +456,7 @@ class DFlashDrafter(Drafter):
         B = self.block_size
         ids = torch.full((B,), self.model.mask_token_id, dtype=torch.long, device=self.target.device)
         ids[0] = state.root_token
-        logits = self.model.logits(self.block_hidden(state, ids)[1:], self._lm_w, self._lm_b)
+        logits = self.model.logits(self.block_hidden(state, ids)[1:], self._lm_w, self._lm_b, restricted=True)
         if self.denoise_steps > 1:
             logits = self._refine(state, ids, logits)
         return logits
@@ -468,7 +480,7 @@ class DFlashDrafter(Drafter):
                 break
             block = ids.clone()
             block[1:][~still] = self.model.to_vocab_ids(cols[0][~still])
-            logits = self.model.logits(self.block_hidden(state, block)[1:], self._lm_w, self._lm_b)
+            logits = self.model.logits(self.block_hidden(state, block)[1:], self._lm_w, self._lm_b, restricted=True)
             out[still] = logits[still]
         return out
 

@@ -4,10 +4,15 @@ Two steps, both resumable: ``--generate`` caches target greedy answers to ShareG
 top-k soft labels (graft_block.training.generate_data); then training runs the drafter's ``training_model`` /
 ``training_loss`` through the shared loop and writes its public checkpoint to ``--out``. Works under torchrun.
 
-Example (the bundled default, on 2 CPU cores):
-    python -m drafters.train --generate --data smollm2-sharegpt --gen-minutes 13
-    python -m drafters.train --type dflash --data smollm2-sharegpt --init target --epochs 6 \\
-        --out drafters/checkpoints/dflash-smollm2 --run runs/dflash-smollm2 --draft-vocab 16384
+Example (the bundled default, on 2 CPU cores; see drafters/checkpoints/dflash-smollm2/TRAINING.md):
+    python -m drafters.train --generate --data smollm2-sharegpt --num-prompts 4000 --max-new 160 --gen-batch 48 \\
+        --gen-minutes 13
+    python -m drafters.train --generate --teacher-forced --data smollm2-sharegpt-tf --num-prompts 3000 \\
+        --max-len 384 --gen-batch 8 --gen-minutes 6.7
+    python -m drafters.train --type dflash --data smollm2-sharegpt,smollm2-sharegpt-tf --init target \\
+        --config '{"num_layers": 3, "target_layer_ids": [1, 14, 26], "mask_token_id": 16, "num_anchors": 24}' \\
+        --draft-vocab 16384 --epochs 6 --lr 6e-4 --batch-size 4 --holdout 8 --eval-every 40 --minutes 26 \\
+        --out drafters/checkpoints/dflash-smollm2 --run runs/dflash-smollm2
 """
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default="smollm2-sharegpt", help="data name under .cache/train-data or a folder")
     ap.add_argument("--generate", action="store_true", help="(re)generate/extend the data cache, then exit")
+    ap.add_argument("--teacher-forced", action="store_true",
+                    help="with --generate: cheap data = target distributions over ShareGPT reference replies")
+    ap.add_argument("--max-len", type=int, default=384, help="--teacher-forced: tokens per conversation")
     ap.add_argument("--num-prompts", type=int, default=4000)
     ap.add_argument("--gen-minutes", type=float, default=None)
     ap.add_argument("--max-new", type=int, default=160)
@@ -54,6 +62,14 @@ def main(argv=None):
     from graft_block.training import generate_data, train
 
     target = load_target(args.target, device=args.device)
+    if args.generate and args.teacher_forced:
+        from graft_block.training import teacher_forced_data
+
+        teacher_forced_data(target, args.data, num_convs=args.num_prompts, max_len=args.max_len,
+                            batch_size=args.gen_batch, layers=[int(x) for x in args.layers.split(",")],
+                            time_limit_s=None if args.gen_minutes is None else args.gen_minutes * 60,
+                            log=lambda s: print(s, flush=True))
+        return
     if args.generate:
         generate_data(target, args.data, num_prompts=args.num_prompts, max_new=args.max_new,
                       batch_size=args.gen_batch, layers=[int(x) for x in args.layers.split(",")],

@@ -11,6 +11,11 @@ loop captures for free, through forward hooks, everything a drafter trainer need
     the target);
   - ``top_ids`` [L, k] int32 / ``top_logp`` [L, k] fp16: the target's top-k next-token log-probs at every response
     position t >= prompt_len - 1 (row t = distribution of token t + 1), rows before that are zero.
+Cheaper data (``teacher_forced_data``): one forward over ShareGPT train conversations (user turn + human reference
+reply) with no generation (~3-8x more tokens per CPU-minute here). Its records add ``labels`` [L] = the target's
+own argmax at every position, so the k=1 block row learns exactly the target's next token given real context
+(rows k >= 2 are approximate: the in-between tokens are human, not the target's). Several caches can be trained
+on together (``data="a,b"``); the held-out sequences are the first ones of the first cache.
 Design choice: features are cached (not recomputed) because on 2 CPU cores the target forward (~300-450 tok/s)
 would cost more than the drafter step itself. The default layer list is the union that both block drafters need:
 DFlash ``target_layer_ids`` [1, 14, 26] = hidden_states [2, 15, 27] = EAGLE3's "layers 2, N//2, N-3" for SmolLM2.

@@ -414,4 +414,4 @@ def test_greedy_identity_smollm2_trained(smollm2):
         ref = t.model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
         assert res.tokens == ref[: len(res.tokens)] and len(res.tokens) == len(ref)
         taus.append(res.stats.tau)
-    assert sum(taus) / len(taus) > 1.3, taus
+    assert sum(taus) / len(taus) > 1.15, taus  # a random head gives ~1.0; the trained one ~1.5 (TRAINING.md)

@@ -82,7 +82,7 @@ def test_one_forward_equals_separate_mode_forwards(tiny_llama, mode_rows):
             on = (torch.arange(B) > 0) if mode_rows == "mask" else torch.ones(B, dtype=torch.bool)
             rows = emb + d.model.mode_embed[k] * on.float().view(-1, 1)
             h = d.block_hidden(st, ids, block_embeds=rows)  # DFlash's single-block forward, no mask
-            single = d.model.logits(h[1:], d._lm_w, d._lm_b)
+            single = d.model.logits(h[1:], d._lm_w, d._lm_b, restricted=True)
             assert torch.allclose(joint[k], single, atol=1e-5)
     # the modes really differ (symmetry broken), and the anchor row is untouched in "mask" mode
     assert not torch.allclose(joint[0], joint[1])
@@ -286,3 +286,15 @@ def test_smollm2_mfd_lossless(smollm2):
         res = dec.generate(p, max_new_tokens=64)
         assert res.tokens == ref
         assert res.stats.tau > 1.0
+
+
+def test_draft_vocab_model_is_lossless_and_proposes_in_vocab(tiny_llama):
+    vocab = torch.tensor([1, 4, 9, 16, 25, 36, 49, 64, 81, 100, 127])
+    base = D.new_model(tiny_llama, 1, 6, [1], 127, draft_vocab=vocab)
+    model = M.MFDModel.from_dflash(base, num_modes=2)
+    model.break_symmetry(tiny_llama.embed(torch.tensor([127]))[0], 1.0)
+    d = M.MFDDrafter(tiny_llama, model, budget=12)
+    ref = _hf_greedy(tiny_llama, PROMPT, 24)
+    assert SpeculativeDecoder(tiny_llama, d).generate(PROMPT, max_new_tokens=24).tokens == ref
+    ids, _ = d.last_block_logprobs
+    assert ids.shape[:2] == (2, 5) and set(ids.flatten().tolist()) <= set(vocab.tolist())
