@@ -473,8 +473,9 @@ def plots(out: Path, rows: list[dict], records: list[dict]) -> list[str]:
 
 # ---- suites -----------------------------------------------------------------------------------------------
 SUITES = {
-    "quick": {"prompts": ["humaneval", "mtbench"], "limit": 2, "max_new_tokens": 96, "temperatures": [0.0]},
-    "paper": {"prompts": ["humaneval", "mtbench"], "limit": 5, "max_new_tokens": 128, "temperatures": [0.0]},
+    # quick: 1 HumanEval + 1 two-turn MT-Bench prompt per method (a few minutes on 2 CPU cores)
+    "quick": {"prompts": ["humaneval", "mtbench"], "limit": 1, "max_new_tokens": 128, "temperatures": [0.0]},
+    "paper": {"prompts": ["humaneval", "mtbench"], "limit": 2, "max_new_tokens": 96, "temperatures": [0.0]},
     "full": {"prompts": ["humaneval", "mtbench", "sharegpt"], "limit": 20, "max_new_tokens": 256,
              "temperatures": [0.0, 1.0]},
 }
