@@ -80,3 +80,14 @@ def exact_sequence_probs(target: Target, prompt: list[int], length: int, samplin
                 nxt[p + (tok,)] = probs[p] * float(dist[row, tok])
         probs = nxt
     return probs
+
+
+@torch.no_grad()
+def hf_greedy(target: Target, prompt, n: int) -> list[int]:
+    """The reference for every greedy-identity test: HF ``generate(do_sample=False)`` on the same model.
+
+    The attention mask is explicit: the tiny targets' pad id is 0 and HF would otherwise mask prompt tokens
+    equal to 0."""
+    ids = torch.as_tensor(prompt, dtype=torch.long).view(1, -1).to(target.device)
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()

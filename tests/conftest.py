@@ -30,3 +30,12 @@ def tiny_qwen3():
     from graft_block.testing import tiny_target
 
     return tiny_target("qwen3")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run faster single-threaded (no intra-op overhead, no oversubscription); restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -5,13 +5,7 @@ from graft_block.adjacency import AdjacencyMatrix, slow_update_reference
 from graft_block.errors import ConfigError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on a shared CPU run ~10x faster single-threaded; restored for other modules.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

@@ -7,13 +7,9 @@ import torch
 from graft_block import Drafter, SpeculativeDecoder
 from graft_block.sampling import SamplingConfig
 from graft_block.testing import chi_square_test, exact_sequence_probs, tiny_target
+from graft_block.testing import hf_greedy
 from tree import from_paths
 
-
-def hf_greedy(target, prompt, n):
-    ids = torch.tensor([prompt])
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

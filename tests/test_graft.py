@@ -12,19 +12,14 @@ from graft_block.pruning import (calibrate, checkpoint_signal, fired_stage, save
 from tree import SOURCE_DRAFT, SOURCE_RETRIEVED, TreeError, accept_length, chain, make_tree, validate
 from tree.ddtree import ddtree, topk_logprobs
 from graft_block import kernels
+from graft_block.testing import hf_greedy
 from tree.templates import (TR80_TEMPLATE, asymmetric_template, expand_template, extend_template, gather_template,
                             level_sizes, validate_template)
 
 V = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on a shared CPU run ~10x faster single-threaded; restored for other modules.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_matrix(seed, vocab=V, k=8, unknown_frac=0.0, distinct=True):
@@ -319,12 +314,6 @@ def _prompts(n, vocab, seed=0):
     out[0] = [5, 6, 7, 5, 6, 7, 5, 6]  # repetitive: PLD/retrieval hits
     return out
 
-
-def hf_greedy(target, prompt, n):
-    ids = torch.tensor([prompt])
-    # An explicit mask: HF would otherwise mask every prompt token equal to pad_token_id (0 here).
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -5,17 +5,12 @@ from drafters.recycling import PLDMatrixDrafter, RecyclingDrafter
 from graft_block import Drafter, SpeculativeDecoder
 from graft_block.adjacency import AdjacencyMatrix
 from graft_block.errors import ConfigError
+from graft_block.testing import hf_greedy
 from tree import SOURCE_DRAFT, SOURCE_RETRIEVED, validate
 from tree.templates import level_sizes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on a shared CPU run ~10x faster single-threaded; restored for other modules.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _State:
@@ -92,11 +87,6 @@ def _prompts(n, vocab, seed=0):
     out[0] = [5, 6, 7, 5, 6, 7, 5, 6]
     return out
 
-
-def hf_greedy(target, prompt, n):
-    ids = torch.tensor([prompt])
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

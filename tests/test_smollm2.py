@@ -4,14 +4,10 @@ import torch
 
 from graft_block import Drafter, SpeculativeDecoder
 from graft_block.data import humaneval
+from graft_block.testing import hf_greedy
 
 pytestmark = pytest.mark.slow
 
-
-def hf_greedy(target, ids, n):
-    ids = ids.view(1, -1)
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return out[0, ids.shape[1] :].tolist()
 
 
 def test_embedded_target_shape(smollm2):
