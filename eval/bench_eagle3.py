@@ -2,7 +2,7 @@
 interleaved per prompt), draft vs verify time per round, and tau against training minutes.
 
     python -m eval.bench_eagle3 --checkpoint eagle3-smollm2 --n-humaneval 5 --n-mtbench 5 --max-new 128 \\
-        --grid 8:4:4,16:5:6,32:6:8,60:7:10 --sample-grid 16:5:6 --out /tmp/bench_eagle3.json
+        --grid 8:4:4,16:5:6,32:6:8,60:7:10 --sample-grid 16:5:6 --out runs/bench_eagle3.json
 
 Grid entries are ``total_tokens:depth:top_k`` (total_tokens = verified positions incl. the root, so the drafter
 budget is total_tokens - 1). Speedup = mean over prompts of (tokens/s of EAGLE-3) / mean of (tokens/s of AR), as

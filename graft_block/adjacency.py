@@ -112,8 +112,8 @@ class AdjacencyMatrix:
             logits = target.model(input_ids=ids, use_cache=False).logits[0]
             self.update(ids[0], logits)
             used += 1
-        if hasattr(target, "_captured"):
-            target._captured.clear()  # feature hooks fired during warm-up; drop what they held
+        if hasattr(target, "discard_features"):
+            target.discard_features()  # feature hooks fired during warm-up; drop what they held
         return used
 
     # ---- persistence ------------------------------------------------------------------------------------

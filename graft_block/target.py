@@ -81,10 +81,6 @@ class Target:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden)
 
-    def _decoder_layers(self):
-        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-        return base, base.layers
-
     # ---- feature capture --------------------------------------------------------------------------------
     def set_feature_layers(self, indices: Sequence[int]) -> None:
         """Capture exactly these HF hidden-state indices (in this order) on every later forward."""
@@ -101,21 +97,18 @@ class Target:
             h.remove()
         self._hooks = []
         self.feature_layers = indices
-        base, layers = self._decoder_layers()
         for i in sorted(set(indices)):
-            if i == 0:
-                module = base.embed_tokens
-            elif i == self.num_layers:
-                module = base.norm  # HF's last hidden state is after the final norm
-            else:
-                module = layers[i - 1]
-            self._hooks.append(module.register_forward_hook(self._make_hook(i)))
+            self._hooks.append(feature_module(self.model, i).register_forward_hook(self._make_hook(i)))
 
     def _make_hook(self, index: int):
         def hook(_module, _inputs, output):
             self._captured[index] = output[0] if isinstance(output, tuple) else output
 
         return hook
+
+    def discard_features(self) -> None:
+        """Drop what the feature hooks captured in a forward that was not a prefill/verify (e.g. a warm-up)."""
+        self._captured.clear()
 
     def _take_features(self) -> torch.Tensor | None:
         if not self.feature_layers:
@@ -197,6 +190,16 @@ class Target:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def feature_module(model, index: int):
+    """The module whose output is HF ``hidden_states[index]`` (0 = embeddings; the last index is after the final
+    norm, as in HF). Shared by the adapter's hooks and the training data capture."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    n = len(base.layers)
+    if not 0 <= index <= n:
+        raise ConfigError(f"feature layer index {index} is outside 0..{n} for a {n}-layer target")
+    return base.embed_tokens if index == 0 else base.norm if index == n else base.layers[index - 1]
 
 
 # ---- loading ---------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from typing import Sequence
 import torch
 
 from .errors import ConfigError
+from .target import feature_module
 
 DEFAULT_LAYERS = (2, 15, 27)
 
@@ -54,14 +55,20 @@ def _chat_ids(target, text: str) -> list[int]:
 
 
 def _layer_modules(model, layers: Sequence[int]):
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    n = len(base.layers)
-    mods = []
-    for i in layers:
-        if not 0 <= i <= n:
-            raise ConfigError(f"feature layer {i} outside 0..{n}")
-        mods.append(base.embed_tokens if i == 0 else base.norm if i == n else base.layers[i - 1])
-    return mods
+    return [feature_module(model, i) for i in layers]
+
+
+def _pending_batches(order, meta: dict, time_limit_s, log):
+    """Batch indices still to generate: skips shards already on disk (resume) and stops at the time limit."""
+    t0 = time.time()
+    done = {s["batch"] for s in meta["shards"]}
+    for bi in order:
+        if bi in done:
+            continue
+        if time_limit_s is not None and time.time() - t0 > time_limit_s:
+            log(f"time limit reached after {len(meta['shards'])} shards")
+            return
+        yield bi
 
 
 @torch.inference_mode()
@@ -178,13 +185,7 @@ def generate_data(target, name: str, num_prompts: int = 2000, max_prompt_tokens:
     rng.shuffle(order)  # a time-limited run still covers short and long prompts
     eos = target.eos_token_ids
     t0 = time.time()
-    done_shards = {s["batch"] for s in meta["shards"]}
-    for bi in order:
-        if bi in done_shards:
-            continue
-        if time_limit_s is not None and time.time() - t0 > time_limit_s:
-            log(f"time limit reached after {len(meta['shards'])} shards")
-            break
+    for bi in _pending_batches(order, meta, time_limit_s, log):
         t1 = time.time()
         recs = greedy_batch(target.model, batches[bi], max_new, eos, layers, topk)
         fname = f"shard_{bi:04d}.pt"
@@ -500,14 +501,8 @@ def teacher_forced_data(target, name: str, num_convs: int = 3000, max_len: int =
     hooks = [m.register_forward_hook(lambda _m, _i, o, j=j: captured.__setitem__(j, o[0] if isinstance(o, tuple)
                                                                                      else o)) for j, m in enumerate(mods)]
     t0 = time.time()
-    done_shards = {s["batch"] for s in meta["shards"]}
     try:
-        for bi in order:
-            if bi in done_shards:
-                continue
-            if time_limit_s is not None and time.time() - t0 > time_limit_s:
-                log(f"time limit reached after {len(meta['shards'])} shards")
-                break
+        for bi in _pending_batches(order, meta, time_limit_s, log):
             t1 = time.time()
             batch = batches[bi]
             L = max(len(s) for s in batch)
