@@ -49,7 +49,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from graft_block.drafter import Drafter, check_budget, register
+from graft_block.drafter import Drafter, check_budget, read_weights, register
 from graft_block.errors import ConfigError
 from tree import Tree, chain, root_only
 from tree.ddtree import ddtree, topk_logprobs
@@ -265,16 +265,9 @@ def save_checkpoint(model: DFlashModel, folder: str | Path, dtype=torch.float16,
 def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DFlashModel:
     """Strict loader: every expected tensor present, nothing unexpected (besides optional ``draft_vocab``), shapes
     equal. Raises ConfigError naming the tensor otherwise."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     raw = read_config(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"DFlash checkpoint {folder} has no *.safetensors weights")
-    tensors = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
+    tensors = read_weights(folder, "DFlash checkpoint")
     vocab = tensors.pop("draft_vocab", None)
     model = model_from_config(raw, vocab)
     expected = model.state_dict()
@@ -611,61 +604,84 @@ def sample_anchors(prompt_len: torch.Tensor, lengths: torch.Tensor, n: int, gene
     return anchors, hi >= lo
 
 
-def training_loss(model: DFlashModel, target, batch: dict):
-    """Weighted CE (w_k = exp(-(k-1)/gamma)) of block rows k = 1..B-1 against the target's tokens at anchor + k,
-    mixed with soft-label CE against the target's top-k distribution there; metrics include the teacher-forced
-    accepted length per block (leading correct rows) and tau_tf = 1 + that."""
-    opts = model.train_opts
+def make_blocks(model: DFlashModel, batch: dict) -> dict:
+    """The training blocks of one batch (shared with MFD): ``num_anchors`` random anchors per sequence, each a block
+    [anchor token, mask x (B-1)] at positions anchor..anchor+B-1 whose row k is labelled with the target's token at
+    anchor + k. Returns anchors [b, n], seq_ok [b], pos [b, n, B], blk_ids [b, n, B], lab_pos / valid / labels
+    [b, n, B-1], src [b, n, B-1] (flat row of the target's top-k distribution for that label) and ctx_kv."""
     ids, lengths, plen = batch["ids"], batch["lengths"], batch["prompt_len"]
     dev = model.fc.weight.device
     b, L = ids.shape
-    B, n = model.block_size, opts["num_anchors"]
+    B, n = model.block_size, model.train_opts["num_anchors"]
     anchors, seq_ok = sample_anchors(plen.cpu(), lengths.cpu(), n, batch.get("generator"))
     anchors, seq_ok = anchors.to(dev), seq_ok.to(dev)
-    k = torch.arange(B, device=dev)
-    pos = anchors.unsqueeze(-1) + k  # [b, n, B]
+    pos = anchors.unsqueeze(-1) + torch.arange(B, device=dev)  # [b, n, B]
     blk_ids = torch.full((b, n, B), model.mask_token_id, dtype=torch.long, device=dev)
     blk_ids[:, :, 0] = ids.gather(1, anchors)
     lab_pos = pos[:, :, 1:]
     valid = (lab_pos < lengths.view(-1, 1, 1)) & seq_ok.view(-1, 1, 1)
     # labels[t] = the target's token at t (== ids for target-generated data; the target's argmax for offline text)
     labels = batch.get("labels", ids).gather(1, lab_pos.clamp(max=L - 1).view(b, -1)).view(b, n, B - 1)
-
+    # the distribution of token anchor+k sits at data row anchor+k-1
+    src = torch.arange(b, device=dev).view(b, 1, 1) * L + (lab_pos - 1).clamp(max=L - 1)
     ctx = model.fuse(batch["feats"])
     ctx_kv = model.context_kv(ctx, torch.arange(L, device=dev).expand(b, L))
-    mask = block_attention_mask(anchors, L, B, ctx.dtype)
-    with torch.no_grad():
-        emb = target.embed(blk_ids.view(b, -1)).float()
-    hidden = model(emb, pos.view(b, -1), ctx_kv, mask).view(b, n, B, -1)[:, :, 1:]
-    h = hidden[valid]  # [N, H]
-    lm = target.model.get_output_embeddings()
-    logits = model.logits(h, lm.weight.float(), None if getattr(lm, "bias", None) is None else lm.bias.float())
+    return {"anchors": anchors, "seq_ok": seq_ok, "pos": pos, "blk_ids": blk_ids, "lab_pos": lab_pos,
+            "valid": valid, "labels": labels, "src": src, "ctx_kv": ctx_kv, "dtype": ctx.dtype}
+
+
+def row_losses(model: DFlashModel, logits: torch.Tensor, lab: torch.Tensor, batch: dict, src: torch.Tensor,
+               soft_w: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss for draft rows with labels ``lab`` [N]: hard CE mixed ``soft_w`` with soft CE against the
+    target's top-k distribution at flat data row ``src`` [N]. Returns (loss rows, hard CE rows)."""
     logp = torch.log_softmax(logits.float(), -1)
-    lab = labels[valid]
-    if model.draft_vocab is not None:
-        dv = model.draft_vocab
+    dv = model.draft_vocab
+    if dv is not None:
         col = torch.searchsorted(dv, lab).clamp(max=dv.numel() - 1)
         in_vocab = dv[col] == lab
     else:
         col, in_vocab = lab, torch.ones_like(lab, dtype=torch.bool)
-    w = torch.exp(-(k[1:].float() - 1) / opts["gamma"]).view(1, 1, -1).expand(b, n, -1)[valid]
     hard = -logp.gather(1, col.view(-1, 1)).squeeze(1) * in_vocab
-    loss_rows = hard
-    soft_w = opts["soft_weight"]
-    if soft_w > 0 and "top_ids" in batch:
-        src = (lab_pos - 1).clamp(max=L - 1)  # distribution of token anchor+k sits at row anchor+k-1
-        tid = batch["top_ids"].gather(1, src.reshape(b, -1, 1).expand(-1, -1, batch["top_ids"].shape[-1]))
-        tlp = batch["top_logp"].gather(1, src.reshape(b, -1, 1).expand(-1, -1, batch["top_logp"].shape[-1]))
-        tid = tid.view(b, n, B - 1, -1)[valid]
-        tlp = tlp.view(b, n, B - 1, -1)[valid].float()
-        if model.draft_vocab is not None:
-            tcol = torch.searchsorted(model.draft_vocab, tid).clamp(max=model.draft_vocab.numel() - 1)
-            tin = model.draft_vocab[tcol] == tid
-        else:
-            tcol, tin = tid, torch.ones_like(tid, dtype=torch.bool)
-        p = torch.softmax(tlp.masked_fill(~tin, float("-inf")), -1).nan_to_num(0.0)
-        soft = -(p * logp.gather(1, tcol)).sum(-1)
-        loss_rows = (1 - soft_w) * hard + soft_w * soft
+    if soft_w <= 0 or "top_ids" not in batch:
+        return hard, hard
+    k = batch["top_ids"].shape[-1]
+    tid = batch["top_ids"].reshape(-1, k)[src]
+    tlp = batch["top_logp"].reshape(-1, k)[src].float()
+    if dv is not None:
+        tcol = torch.searchsorted(dv, tid).clamp(max=dv.numel() - 1)
+        tin = dv[tcol] == tid
+    else:
+        tcol, tin = tid, torch.ones_like(tid, dtype=torch.bool)
+    p = torch.softmax(tlp.masked_fill(~tin, float("-inf")), -1).nan_to_num(0.0)
+    soft = -(p * logp.gather(1, tcol)).sum(-1)
+    return (1 - soft_w) * hard + soft_w * soft, hard
+
+
+def lm_head(target) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's LM head weight and bias in fp32 (frozen; draft logits go through it)."""
+    lm = target.model.get_output_embeddings()
+    return lm.weight.float(), None if getattr(lm, "bias", None) is None else lm.bias.float()
+
+
+def training_loss(model: DFlashModel, target, batch: dict):
+    """Weighted CE (w_k = exp(-(k-1)/gamma)) of block rows k = 1..B-1 against the target's tokens at anchor + k,
+    mixed with soft-label CE against the target's top-k distribution there; metrics include the teacher-forced
+    accepted length per block (leading correct rows) and tau_tf = 1 + that."""
+    opts = model.train_opts
+    blk = make_blocks(model, batch)
+    valid, pos, seq_ok = blk["valid"], blk["pos"], blk["seq_ok"]
+    b, n, B = pos.shape
+    L = batch["ids"].shape[1]
+    dev = pos.device
+    mask = block_attention_mask(blk["anchors"], L, B, blk["dtype"])
+    with torch.no_grad():
+        emb = target.embed(blk["blk_ids"].view(b, -1)).float()
+    hidden = model(emb, pos.view(b, -1), blk["ctx_kv"], mask).view(b, n, B, -1)[:, :, 1:]
+    logits = model.logits(hidden[valid], *lm_head(target))
+    lab = blk["labels"][valid]
+    loss_rows, hard = row_losses(model, logits, lab, batch, blk["src"][valid], opts["soft_weight"])
+    k = torch.arange(B, device=dev)
+    w = torch.exp(-(k[1:].float() - 1) / opts["gamma"]).view(1, 1, -1).expand(b, n, -1)[valid]
     loss = (w * loss_rows).sum() / w.sum().clamp(min=1e-6)
     with torch.no_grad():
         pred = model.to_vocab_ids(logits.argmax(-1))

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graft_block.drafter import Drafter, bundled_checkpoint, check_budget, register
+from graft_block.drafter import Drafter, bundled_checkpoint, check_budget, read_weights, register
 from graft_block.errors import ConfigError
 from tree import Tree, root_only
 from tree.eagle import (
@@ -345,15 +345,9 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     bin_path = folder / "pytorch_model.bin"
     if bin_path.exists():
         return dict(torch.load(bin_path, map_location="cpu", weights_only=True))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    if not any(folder.glob("*.safetensors")):
         raise ConfigError(f"{folder} has no model.safetensors or pytorch_model.bin")
-    from safetensors.torch import load_file
-
-    sd = {}
-    for f in files:
-        sd.update(load_file(str(f)))
-    return sd
+    return read_weights(folder, "EAGLE3 checkpoint")
 
 
 def load_head(folder: str | Path, target=None, device=None, dtype=None) -> Eagle3Head:

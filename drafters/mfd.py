@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graft_block.drafter import register
+from graft_block.drafter import read_weights, register
 from graft_block.errors import ConfigError
 from tree import Tree
 from tree.ddtree import topk_logprobs
@@ -122,16 +122,10 @@ def save_checkpoint(model: MFDModel, folder, score: str = "best_mode", dtype=tor
 
 def load_checkpoint(folder, device=None, dtype=None) -> tuple[MFDModel, dict]:
     """An MFD checkpoint -> (model, mfd_config). A plain DFlash checkpoint loads as K = 1 with a zero mode vector."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     raw = D.read_config(folder)
     mcfg = dict(raw.get("mfd_config") or {})
-    tensors = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    if not tensors:
-        raise ConfigError(f"MFD checkpoint {folder} has no *.safetensors weights")
+    tensors = read_weights(folder, "MFD checkpoint")
     if "mode_embed" not in tensors:
         if raw.get("type") == "mfd":
             raise ConfigError(f"MFD checkpoint {folder} has no 'mode_embed' tensor: re-save it with drafters.mfd")
@@ -289,68 +283,28 @@ def training_model(target, cfg: dict, init: str | None = None) -> MFDModel:
     return model.to(target.device)
 
 
-def _row_losses(model: MFDModel, logits: torch.Tensor, lab: torch.Tensor, batch: dict, src: torch.Tensor,
-                soft_w: float) -> torch.Tensor:
-    """DFlash's row loss (hard CE mixed with soft CE against the target's top-k) for rows with labels ``lab`` whose
-    target top-k distribution sits at flat data row ``src`` [N] (= sequence * L + position - 1)."""
-    logp = torch.log_softmax(logits.float(), -1)
-    dv = model.draft_vocab
-    if dv is not None:
-        col = torch.searchsorted(dv, lab).clamp(max=dv.numel() - 1)
-        in_vocab = dv[col] == lab
-    else:
-        col, in_vocab = lab, torch.ones_like(lab, dtype=torch.bool)
-    hard = -logp.gather(1, col.view(-1, 1)).squeeze(1) * in_vocab
-    if soft_w <= 0 or "top_ids" not in batch:
-        return hard
-    k = batch["top_ids"].shape[-1]
-    tid = batch["top_ids"].reshape(-1, k)[src]
-    tlp = batch["top_logp"].reshape(-1, k)[src].float()
-    if dv is not None:
-        tcol = torch.searchsorted(dv, tid).clamp(max=dv.numel() - 1)
-        tin = dv[tcol] == tid
-    else:
-        tcol, tin = tid, torch.ones_like(tid, dtype=torch.bool)
-    p = torch.softmax(tlp.masked_fill(~tin, float("-inf")), -1).nan_to_num(0.0)
-    soft = -(p * logp.gather(1, tcol)).sum(-1)
-    return (1 - soft_w) * hard + soft_w * soft
-
-
 def training_loss(model: MFDModel, target, batch: dict):
     """Mixture (or relaxed-WTA) NLL over whole blocks, K modes per anchor in one forward (see module doc)."""
     opts = model.train_opts
     K = model.num_modes
-    ids, lengths, plen = batch["ids"], batch["lengths"], batch["prompt_len"]
-    dev = model.fc.weight.device
-    b, L = ids.shape
-    B, n = model.block_size, opts["num_anchors"]
-    anchors, seq_ok = D.sample_anchors(plen.cpu(), lengths.cpu(), n, batch.get("generator"))
-    anchors, seq_ok = anchors.to(dev), seq_ok.to(dev)
+    blk = D.make_blocks(model, batch)
+    valid, pos = blk["valid"], blk["pos"]  # [b, n, B-1], [b, n, B]
+    b, n, B = pos.shape
+    L = batch["ids"].shape[1]
+    dev = pos.device
     k = torch.arange(B, device=dev)
-    pos = anchors.unsqueeze(-1) + k  # [b, n, B]
-    blk_ids = torch.full((b, n, B), model.mask_token_id, dtype=torch.long, device=dev)
-    blk_ids[:, :, 0] = ids.gather(1, anchors)
-    lab_pos = pos[:, :, 1:]
-    valid = (lab_pos < lengths.view(-1, 1, 1)) & seq_ok.view(-1, 1, 1)  # [b, n, B-1]
-    # labels[t] = the target's token at t (== ids for target-generated data; its argmax for teacher-forced text)
-    labels = batch.get("labels", ids).gather(1, lab_pos.clamp(max=L - 1).view(b, -1)).view(b, n, B - 1)
-
-    ctx = model.fuse(batch["feats"])
-    ctx_kv = model.context_kv(ctx, torch.arange(L, device=dev).expand(b, L))
     # K replicas of every block (anchor-major): same anchor, same positions, own rows only.
-    mask = D.block_attention_mask(anchors.repeat_interleave(K, dim=1), L, B, ctx.dtype)
+    mask = D.block_attention_mask(blk["anchors"].repeat_interleave(K, dim=1), L, B, blk["dtype"])
     with torch.no_grad():
-        emb = target.embed(blk_ids).float()  # [b, n, B, H]
+        emb = target.embed(blk["blk_ids"]).float()  # [b, n, B, H]
     rows = model.mode_inputs(emb).reshape(b, n * K * B, -1)
-    hidden = model(rows, pos.repeat_interleave(K, dim=1).reshape(b, -1), ctx_kv, mask).view(b, n, K, B, -1)
+    hidden = model(rows, pos.repeat_interleave(K, dim=1).reshape(b, -1), blk["ctx_kv"], mask).view(b, n, K, B, -1)
     valid_k = valid.unsqueeze(2).expand(b, n, K, B - 1)
     h = hidden[:, :, :, 1:][valid_k]  # [N, H], rows ordered (b, n, K, i)
-    lm = target.model.get_output_embeddings()
-    logits = model.logits(h, lm.weight.float(), None if getattr(lm, "bias", None) is None else lm.bias.float())
-    lab = labels.unsqueeze(2).expand(b, n, K, B - 1)[valid_k]
-    seq = torch.arange(b, device=dev).view(b, 1, 1, 1).expand(b, n, K, B - 1)
-    src = (seq * L + (lab_pos - 1).clamp(max=L - 1).unsqueeze(2).expand(b, n, K, B - 1))[valid_k]
-    row_loss = _row_losses(model, logits, lab, batch, src, float(opts["soft_weight"]))
+    logits = model.logits(h, *D.lm_head(target))
+    lab = blk["labels"].unsqueeze(2).expand(b, n, K, B - 1)[valid_k]
+    src = blk["src"].unsqueeze(2).expand(b, n, K, B - 1)[valid_k]
+    row_loss, _ = D.row_losses(model, logits, lab, batch, src, float(opts["soft_weight"]))
     w = torch.exp(-(k[1:].float() - 1) / opts["gamma"]).view(1, 1, 1, -1)
     dense = torch.zeros(b, n, K, B - 1, device=dev)
     dense[valid_k] = row_loss

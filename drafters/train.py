@@ -1,6 +1,7 @@
 """Train a drafter on target-regenerated data: ``python -m drafters.train --type dflash ...``.
 
-Two steps, both resumable: ``--generate`` caches target greedy answers to ShareGPT train prompts with features and
+Two steps, both resumable: ``--generate`` caches target answers (greedy, or ``--temperature/--top-p/--top-k
+--samples`` sampled ones) to ShareGPT train prompts with features and
 top-k soft labels (graft_block.training.generate_data); then training runs the drafter's ``training_model`` /
 ``training_loss`` through the shared loop and writes its public checkpoint to ``--out``. Works under torchrun.
 
@@ -35,8 +36,13 @@ def main(argv=None):
     ap.add_argument("--max-len", type=int, default=384, help="--teacher-forced: tokens per conversation")
     ap.add_argument("--num-prompts", type=int, default=4000)
     ap.add_argument("--gen-minutes", type=float, default=None)
+    ap.add_argument("--gen-shards", type=int, default=None, help="with --generate: stop after the first N batches")
     ap.add_argument("--max-new", type=int, default=160)
     ap.add_argument("--gen-batch", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=0.0, help="with --generate: 0 = greedy answers")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--samples", type=int, default=1, help="with --generate and T > 0: answers per prompt")
     ap.add_argument("--layers", default="2,15,27", help="HF hidden_states indices to cache")
     ap.add_argument("--type", default="dflash")
     ap.add_argument("--config", default="{}", help="JSON dict of drafter training options (e.g. num_layers)")
@@ -45,6 +51,7 @@ def main(argv=None):
     ap.add_argument("--run", default=None, help="run folder (state.pt, log.jsonl)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--epochs", type=float, default=1.0)
+    ap.add_argument("--steps", type=int, default=None, help="optimiser steps (overrides --epochs)")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--warmup", type=float, default=0.04)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -71,10 +78,14 @@ def main(argv=None):
                             log=lambda s: print(s, flush=True))
         return
     if args.generate:
+        from graft_block.sampling import SamplingConfig
+
         generate_data(target, args.data, num_prompts=args.num_prompts, max_new=args.max_new,
                       batch_size=args.gen_batch, layers=[int(x) for x in args.layers.split(",")],
                       time_limit_s=None if args.gen_minutes is None else args.gen_minutes * 60,
-                      log=lambda s: print(s, flush=True))
+                      log=lambda s: print(s, flush=True),
+                      sampling=SamplingConfig(args.temperature, args.top_k, args.top_p), samples=args.samples,
+                      seed=args.seed, max_shards=args.gen_shards)
         return
     if not args.out or not args.run:
         ap.error("--out and --run are required for training")
@@ -82,7 +93,7 @@ def main(argv=None):
                 epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size,
                 holdout=args.holdout, eval_every=args.eval_every,
                 time_limit_s=None if args.minutes is None else args.minutes * 60, resume=args.resume,
-                seed=args.seed, draft_vocab_size=args.draft_vocab, limit=args.limit,
+                seed=args.seed, draft_vocab_size=args.draft_vocab, limit=args.limit, steps=args.steps,
                 log=lambda s: print(s, flush=True))
     print(json.dumps(res))
 

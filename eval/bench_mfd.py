@@ -1,12 +1,15 @@
 """MFD vs DDTree (the K=1 control trained identically) on a real target: tau, speedup over AR, chimeric shares.
 
-    python eval/bench_mfd.py --humaneval 5 --mtbench 5 --max-new-tokens 128 --budgets 16 32 64
+    python eval/bench_mfd.py --humaneval 5 --mtbench 5 --max-new-tokens 128 --budgets 16 32 64 --temperature 0
+    # with the K sweep (checkpoints from scripts/train_mfd_sweep.sh) and the untouched DFlash default
+    python eval/bench_mfd.py --k-sweep runs/mfd-sweep/k2/ckpt runs/mfd-sweep/k8/ckpt --base dflash-smollm2 \
+        --futures-rounds 20 --temperature 1
 
 Arms (per budget B): ``ddtree`` = the K=1 control checkpoint (``drafters/checkpoints/mfd-smollm2-k1``; an MFD
 drafter with one mode and a zero mode vector, which is DFlash + DDTree node for node) and ``mfd`` = the K=4
-checkpoint with the best-mode mixed DDTree. Optional: ``--k-sweep`` drafts with the first 1, 2, ... modes of the
-K=4 checkpoint at the largest budget (an inference-time sweep, not separately trained K), ``--base`` adds DDTree
-from the DFlash default the two were initialised from.
+checkpoint with the best-mode mixed DDTree. Optional: ``--k-sweep CKPT ...`` adds MFD checkpoints trained with other
+K by the same recipe (``scripts/train_mfd_sweep.sh``) at the largest budget, ``--base`` adds DDTree from the DFlash
+default they were all initialised from.
 Per prompt, AR and every arm run back to back (interleaved), so load drift on a shared machine hits all arms alike.
 Greedy (``--temperature 0``; T>0 also works). Every greedy output is checked token-identical to AR.
 Chimeric shares (mfd.md 3.2, ``tree.chimeric``): the one-pass proxy (b) on every round of every arm (its cost is
@@ -65,11 +68,10 @@ def build_arms(target, args) -> dict:
         arms[f"mfd(B={B})"] = Drafter.from_config({"type": "mfd", "checkpoint": k4, "budget": B,
                                                    "score": args.score}, target=target)
     Bmax = max(args.budgets)
-    if args.k_sweep:
-        K = arms[f"mfd(B={Bmax})"].model.num_modes
-        for k in range(1, K):
-            arms[f"mfd-first{k}(B={Bmax})"] = Drafter.from_config(
-                {"type": "mfd", "checkpoint": k4, "budget": Bmax, "use_modes": k}, target=target)
+    for path in args.k_sweep:  # separately trained K (same data, steps and init) at the largest budget
+        d = Drafter.from_config({"type": "mfd", "checkpoint": checkpoint(path), "budget": Bmax, "score": args.score},
+                                target=target)
+        arms[f"mfd-K{d.model.num_modes}(B={Bmax})"] = d
     if args.base:
         arms[f"ddtree-base(B={Bmax})"] = Drafter.from_config(
             {"type": "dflash", "checkpoint": checkpoint(args.base), "proposal": "ddtree", "budget": Bmax},
@@ -89,7 +91,8 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--k-sweep", action="store_true")
+    ap.add_argument("--k-sweep", nargs="*", default=[], metavar="CKPT",
+                    help="more MFD checkpoints (other K, same recipe) to run at the largest budget")
     ap.add_argument("--futures", type=int, default=64, help="N sampled target futures per recorded round")
     ap.add_argument("--futures-rounds", type=int, default=6, help="rounds per arm for protocol (a); 0 = skip")
     ap.add_argument("--eps", type=float, default=0.01)
@@ -103,7 +106,8 @@ def main(argv=None):
     t_start = time.time()
 
     target = load_target(args.target, device=args.device)
-    he, mt = humaneval(args.humaneval), mtbench(args.mtbench)
+    he = humaneval(args.humaneval) if args.humaneval > 0 else []  # 0 = none (the loaders read 0/None as all)
+    mt = mtbench(args.mtbench) if args.mtbench > 0 else []
     # interleaved, so a run cut by --time-limit still covers both datasets
     prompts = [x for pair in zip([("humaneval", r) for r in he], [("mtbench", r) for r in mt]) for x in pair]
     prompts += [("humaneval", r) for r in he[len(mt):]] + [("mtbench", r) for r in mt[len(he):]]
@@ -113,7 +117,7 @@ def main(argv=None):
     for name, d in arms.items():
         proxies[name] = TimedHook(proxy_hook(args.eps, args.delta))
         hooks = [proxies[name]]
-        if args.futures_rounds and f"(B={Bmax})" in name and not name.startswith("mfd-first"):
+        if args.futures_rounds and f"(B={Bmax})" in name:
             # one recorded round per prompt, from the 3rd round on, until futures_rounds are collected
             recorders[name] = TimedHook(futures_recorder(count=1, first=2))
             hooks.append(recorders[name])
@@ -219,18 +223,20 @@ def print_table(report, args):
     print(f"\nSmolLM2 {report['prompts']} prompts (of {args.humaneval} HumanEval + {args.mtbench} MT-Bench), "
           f"{args.max_new_tokens} tokens, T={args.temperature}; AR {report['ar_tok_s']:.1f} tok/s; greedy "
           f"mismatches: {len(report['mismatches'])}")
-    print("| arm | tau | speedup | HE tau / x | MT tau / x | median x | chimeric (b) draft | chimeric (a) | "
-          "coherent (a) | off-support (a) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| arm | tau | speedup | HE tau / x | MT tau / x | median x | draft/tree/verify/commit ms per round | "
+          "chimeric (b) draft | chimeric (a) | coherent (a) | off-support (a) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, e in report["arms"].items():
         if name == "AR":
             continue
         cp = e.get("chimeric_proxy", {}).get("draft", {})
         cs = e.get("chimeric_sampled", {}).get("draft", {})
         he, mt = e.get("humaneval", {}), e.get("mtbench", {})
+        ph = e.get("phase_ms_per_round", {})
+        split = "/".join(f"{ph.get(k, 0.0):.0f}" for k in ("draft", "tree", "verify", "commit"))
         print(f"| {name} | {e['all']['tau']:.2f} | {e['all']['speedup']:.2f}x | "
               f"{he.get('tau', 0):.2f} / {he.get('speedup', 0):.2f}x | {mt.get('tau', 0):.2f} / "
-              f"{mt.get('speedup', 0):.2f}x | {e['median_prompt_speedup']:.2f}x | "
+              f"{mt.get('speedup', 0):.2f}x | {e['median_prompt_speedup']:.2f}x | {split} | "
               f"{cp.get('chimeric', float('nan')):.3f} | {cs.get('chimeric', float('nan')):.3f} | "
               f"{cs.get('coherent', float('nan')):.3f} | {cs.get('off_support', float('nan')):.3f} |")
     print(f"wall {report['wall_s']:.0f}s -> {args.out}")

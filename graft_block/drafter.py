@@ -30,6 +30,25 @@ def register(name: str):
     return deco
 
 
+def read_weights(folder: str | Path, what: str = "checkpoint") -> dict:
+    """All tensors of a checkpoint folder (``*.safetensors`` shards merged). A folder without weights or a file that
+    is not valid safetensors raises ConfigError naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{what} {folder} has no *.safetensors weights")
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{what} file {f} is corrupt or truncated ({e}); re-download or re-save it") from e
+    return tensors
+
+
 def registered_types() -> list[str]:
     _import_builtin_drafters()
     return sorted(_REGISTRY)

@@ -91,3 +91,21 @@ def hf_greedy(target: Target, prompt, n: int) -> list[int]:
     ids = torch.as_tensor(prompt, dtype=torch.long).view(1, -1).to(target.device)
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
     return out[0, ids.shape[1]:].tolist()
+
+
+@torch.no_grad()
+def prefilled_state(target: Target, prompt, drafter=None):
+    """A greedy ``DecodeState`` right after prefill (root = the target's first token), for calling a drafter
+    directly; with ``drafter``, its feature layers are captured and its ``prefill`` has run."""
+    from .decoder import DecodeState
+    from .sampling import SamplingConfig
+
+    if drafter is not None:
+        target.set_feature_layers(drafter.feature_layers)
+    logits, feats = target.prefill(torch.as_tensor(prompt))
+    st = DecodeState(target, SamplingConfig(), None, list(prompt) + [int(logits.argmax())], len(prompt))
+    st.new_features, st.new_features_start = feats, 0
+    if drafter is not None:
+        drafter.prefill(st)
+    return st
+

@@ -1,7 +1,7 @@
 """Drafter training shared by every drafter: target-regenerated data (cached) and one generic training loop.
 
-Data (``generate_data``): first-turn ShareGPT *train* prompts (chat template), answered greedily by the target with
-a batched greedy loop that keeps its own KV cache (left padding; ~2x HF ``generate`` on CPU). While generating, the
+Data (``generate_data``): first-turn ShareGPT *train* prompts (chat template), answered by the target (greedy, or
+sampled several times per prompt, as MFD's T=0.7 regenerated data) with a batched loop that keeps its own KV cache (left padding; ~2x HF ``generate`` on CPU). While generating, the
 loop captures for free, through forward hooks, everything a drafter trainer needs, and caches it under
 ``.cache/train-data/<name>/`` as ``shard_XXXX.pt`` files plus ``meta.json``:
   - ``ids`` [L] int32: prompt + response (the response ends with EOS when the target stopped);
@@ -58,11 +58,12 @@ def _layer_modules(model, layers: Sequence[int]):
     return [feature_module(model, i) for i in layers]
 
 
-def _pending_batches(order, meta: dict, time_limit_s, log):
-    """Batch indices still to generate: skips shards already on disk (resume) and stops at the time limit."""
+def _pending_batches(order, meta: dict, time_limit_s, log, max_shards: int | None = None):
+    """Batch indices still to generate: skips shards already on disk (resume) and stops at the time limit or
+    after the first ``max_shards`` batches of ``order`` (a fixed, reproducible data set)."""
     t0 = time.time()
     done = {s["batch"] for s in meta["shards"]}
-    for bi in order:
+    for bi in order[:max_shards]:
         if bi in done:
             continue
         if time_limit_s is not None and time.time() - t0 > time_limit_s:
@@ -72,11 +73,17 @@ def _pending_batches(order, meta: dict, time_limit_s, log):
 
 
 @torch.inference_mode()
-def greedy_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], layers: Sequence[int], topk: int,
-                 pad_id: int = 0):
-    """Greedy answers for a batch of prompts with one left-padded KV cache. Returns one record per prompt with the
-    cached features (``layers``) and top-k next-token log-probs of every response position."""
+def answer_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], layers: Sequence[int], topk: int,
+                 pad_id: int = 0, sampling=None, generator: torch.Generator | None = None):
+    """The target's answers to a batch of prompts with one left-padded KV cache: greedy, or drawn with ``sampling``
+    (a ``SamplingConfig``; HF warpers) from ``generator``. Returns one record per prompt with the cached features
+    (``layers``) and the top-k next-token log-probs (of the raw, T=1 distribution) at every response position."""
     from transformers import DynamicCache
+
+    from .sampling import choose
+
+    def pick(logp):
+        return logp.argmax(-1) if sampling is None or sampling.greedy else choose(logp, sampling, generator)
 
     dev = model.get_input_embeddings().weight.device
     b = len(prompts)
@@ -105,7 +112,7 @@ def greedy_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], l
         logp = torch.log_softmax(out.logits[:, -1].float(), -1)
         tv, ti = logp.topk(topk, -1)
         top_steps = [(ti.int().cpu(), tv.half().cpu())]
-        nxt = logp.argmax(-1)
+        nxt = pick(logp)
         gen = [nxt.cpu()]
         done = torch.tensor([int(t) in eos for t in nxt.tolist()])
         last_pos = pos[:, -1]
@@ -120,7 +127,7 @@ def greedy_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], l
             logp = torch.log_softmax(out.logits[:, -1].float(), -1)
             tv, ti = logp.topk(topk, -1)
             top_steps.append((ti.int().cpu(), tv.half().cpu()))
-            nxt = logp.argmax(-1)
+            nxt = pick(logp)
             gen.append(nxt.cpu())
             done |= torch.tensor([int(t) in eos for t in nxt.tolist()])
     finally:
@@ -153,21 +160,34 @@ def greedy_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], l
 def generate_data(target, name: str, num_prompts: int = 2000, max_prompt_tokens: int = 320, max_new: int = 160,
                   batch_size: int = 48, layers: Sequence[int] = DEFAULT_LAYERS, topk: int = 8,
                   time_limit_s: float | None = None, log=print, prompts: list[list[int]] | None = None,
-                  folder: str | Path | None = None) -> Path:
+                  folder: str | Path | None = None, sampling=None, samples: int = 1, seed: int = 0,
+                  max_shards: int | None = None) -> Path:
     """Regenerate responses to ShareGPT *train* prompts (or the given token-id ``prompts``) with the target;
-    resumable (existing shards are kept). ``folder`` overrides ``data_root() / name``."""
+    resumable (existing shards are kept). ``folder`` overrides ``data_root() / name``. Greedy by default; with
+    ``sampling`` (a ``SamplingConfig`` with T > 0) each prompt is answered ``samples`` times, so one context carries
+    several futures (what a mixture drafter's modes can split; mfd.md 1.5). Shard ``b`` draws from seed ``seed``
+    + ``b``, so a resumed run gives the same data; ``max_shards`` caps the set at the first N shards of the
+    (fixed) shuffled batch order, whatever the time limits of the runs that made it."""
     from .data import sharegpt
+
+    sampled = sampling is not None and not sampling.greedy
+    if samples < 1 or (samples > 1 and not sampled):
+        raise ConfigError(f"samples={samples}: need samples >= 1, and samples > 1 only with temperature > 0 "
+                          "(greedy answers to one prompt are identical)")
+    how = (f"target sampled T={sampling.temperature} top_p={sampling.top_p} top_k={sampling.top_k}, {samples} "
+           f"per prompt, seed {seed}") if sampled else "target greedy"
 
     out = Path(folder) if folder is not None else data_root() / name
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "meta.json"
     meta = {"feature_layers": list(layers), "topk": topk, "max_new": max_new, "max_prompt_tokens": max_prompt_tokens,
             "target": target.name, "hidden_size": target.hidden_size, "source": "sharegpt train split, first turn, "
-            "chat template, target greedy", "shards": []}
+            f"chat template, {how}", "shards": []}
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
-        if old["feature_layers"] != list(layers) or old["topk"] != topk:
-            raise ConfigError(f"{out} holds data for layers {old['feature_layers']}; use another name")
+        if old["feature_layers"] != list(layers) or old["topk"] != topk or not old["source"].endswith(how):
+            raise ConfigError(f"{out} holds other data ({old['source']}, layers {old['feature_layers']}); use "
+                              "another name")
         meta = old
     if prompts is None:
         prompts = []
@@ -176,18 +196,20 @@ def generate_data(target, name: str, num_prompts: int = 2000, max_prompt_tokens:
             if len(ids) <= max_prompt_tokens:
                 prompts.append(ids)
     else:
-        meta["source"] = "given prompts, target greedy"
+        meta["source"] = f"given prompts, {how}"
         prompts = [list(map(int, p)) for p in prompts]
     prompts.sort(key=len)  # similar lengths per batch: less padding
+    prompts = [p for p in prompts for _ in range(samples)]  # a prompt's samples sit side by side
     batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
     rng = random.Random(0)
     order = list(range(len(batches)))
     rng.shuffle(order)  # a time-limited run still covers short and long prompts
     eos = target.eos_token_ids
     t0 = time.time()
-    for bi in _pending_batches(order, meta, time_limit_s, log):
+    for bi in _pending_batches(order, meta, time_limit_s, log, max_shards):
         t1 = time.time()
-        recs = greedy_batch(target.model, batches[bi], max_new, eos, layers, topk)
+        g = torch.Generator(device=target.device).manual_seed(seed + bi) if sampled else None
+        recs = answer_batch(target.model, batches[bi], max_new, eos, layers, topk, sampling=sampling, generator=g)
         fname = f"shard_{bi:04d}.pt"
         torch.save(recs, out / fname)
         gen_tok = sum(len(r["ids"]) - r["prompt_len"] for r in recs)
@@ -329,9 +351,11 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
           init: str | None = None, epochs: float = 1.0, lr: float = 6e-4, warmup: float = 0.04, clip: float = 1.0,
           weight_decay: float = 0.0, batch_size: int = 4, holdout: int = 24, eval_every: int = 100,
           log_every: int = 10, time_limit_s: float | None = None, resume: bool = False, seed: int = 0,
-          draft_vocab_size: int | None = None, limit: int | None = None, log=print) -> dict:
+          draft_vocab_size: int | None = None, limit: int | None = None, steps: int | None = None,
+          log=print) -> dict:
     """Train ``drafter_type``'s ``training_model`` on cached data; save its public checkpoint to ``out_dir`` and
-    the resumable state (``state.pt``) and ``log.jsonl`` to ``run_dir``. Returns the final eval metrics."""
+    the resumable state (``state.pt``) and ``log.jsonl`` to ``run_dir``. ``steps`` (when given) fixes the number of
+    optimiser steps instead of ``epochs`` (equal-step comparisons). Returns the final eval metrics."""
     from .drafter import _REGISTRY, _import_builtin_drafters
 
     _import_builtin_drafters()
@@ -381,7 +405,9 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         opt.load_state_dict(state["opt"])
         step, epoch0, elapsed0 = state["step"], state["epoch"], state.get("elapsed", 0.0)
     steps_per_epoch = len(epoch_batches(len(train_recs), batch_size, 0, seed, rank, world))
-    total = max(1, int(math.ceil(epochs * steps_per_epoch)))
+    if steps is not None and steps < 1:
+        raise ConfigError(f"steps must be >= 1, got {steps}")
+    total = steps if steps is not None else max(1, int(math.ceil(epochs * steps_per_epoch)))
     n_params = sum(p.numel() for p in params)
     log(f"[train] {drafter_type}: {n_params / 1e6:.2f} M trainable params, {len(train_recs)} train / "
         f"{len(eval_recs)} held-out sequences, {steps_per_epoch} steps/epoch, {total} steps total, world {world}")

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import drafters.dflash as D
+import drafters.mfd as M
 from graft_block.decoder import SpeculativeDecoder
 from graft_block.drafter import Drafter
 from graft_block.errors import ConfigError
-from graft_block.testing import tiny_target
+from graft_block.testing import prefilled_state, tiny_target
 
 PROMPT = [5, 17, 33, 2, 99, 64, 12]
 
@@ -155,21 +156,8 @@ def test_context_is_kv_only():
 
 
 # ---- checkpoints -------------------------------------------------------------------------------------------
-def _state(target, prompt=PROMPT):
-    """A minimal DecodeState after prefill (for calling the drafter directly)."""
-    from graft_block.decoder import DecodeState
-    from graft_block.sampling import SamplingConfig
-
-    logits, feats = target.prefill(torch.tensor(prompt))
-    st = DecodeState(target, SamplingConfig(), None, list(prompt) + [int(logits.argmax())], len(prompt))
-    st.new_features, st.new_features_start = feats, 0
-    return st
-
-
 def _block_logits(d, target):
-    target.set_feature_layers(d.feature_layers)
-    st = _state(target)
-    d.prefill(st)
+    st = prefilled_state(target, PROMPT, d)
     with torch.no_grad():
         return d.block_logits(st)
 
@@ -280,6 +268,13 @@ def test_bad_checkpoints_fail_clearly(tmp_path, tiny_qwen3):
     save_file(t, str(f / "model.safetensors"))
     with pytest.raises(ConfigError, match="unexpected tensors.*embed_tokens"):
         D.load_checkpoint(f)
+    # truncated weights file (an interrupted download): named, with the fix, for DFlash and MFD loaders alike
+    f = _zlab_folder(tmp_path / "cut", tiny_qwen3)
+    data = (f / "model.safetensors").read_bytes()
+    (f / "model.safetensors").write_bytes(data[: len(data) // 2])
+    for load in (D.load_checkpoint, M.load_checkpoint):
+        with pytest.raises(ConfigError, match="model.safetensors is corrupt or truncated.*re-download"):
+            load(f)
 
 
 def test_bad_configs_fail_clearly(tiny_llama):

@@ -8,23 +8,17 @@ import torch
 
 import drafters.dflash as D
 import drafters.mfd as M
-from graft_block.decoder import DecodeState, SpeculativeDecoder
-from graft_block.drafter import Drafter, bundled_checkpoint
+from graft_block.decoder import SpeculativeDecoder
+from graft_block.drafter import Drafter
 from graft_block.errors import ConfigError
 from graft_block.sampling import SamplingConfig
-from graft_block.testing import chi_square_test, exact_sequence_probs, tiny_target
+from graft_block.testing import chi_square_test, exact_sequence_probs, prefilled_state, tiny_target
 from tree import validate
 
 PROMPT = [5, 17, 33, 2, 99, 64, 12]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models are latency-bound: one thread is ~15x faster than two on a shared, loaded CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models are latency-bound: 1 thread is much faster
 
 
 def _mfd(target, **kw):
@@ -32,20 +26,6 @@ def _mfd(target, **kw):
            "budget": 20, "mode_init_scale": 1.0}
     cfg.update(kw)
     return Drafter.from_config(cfg, target=target)
-
-
-def _state(target, prompt=PROMPT):
-    logits, feats = target.prefill(torch.tensor(prompt))
-    st = DecodeState(target, SamplingConfig(), None, list(prompt) + [int(logits.argmax())], len(prompt))
-    st.new_features, st.new_features_start = feats, 0
-    return st
-
-
-def _prefilled(d, target):
-    target.set_feature_layers(d.feature_layers)
-    st = _state(target)
-    d.prefill(st)
-    return st
 
 
 def _hf_greedy(target, prompt, n):
@@ -57,7 +37,7 @@ def test_k1_zero_modes_reproduces_dflash_exactly(tiny_qwen3):
     base = D.new_model(tiny_qwen3, num_layers=2, block_size=8, target_layer_ids=[0, 2], seed=3)
     dfl = D.DFlashDrafter(tiny_qwen3, base, proposal="ddtree", budget=24)
     mfd = M.MFDDrafter(tiny_qwen3, M.MFDModel.from_dflash(base, num_modes=1), budget=24)
-    st = _prefilled(dfl, tiny_qwen3)
+    st = prefilled_state(tiny_qwen3, PROMPT, dfl)
     mfd.prefill(st)
     with torch.no_grad():
         a = dfl.block_logits(st)
@@ -71,7 +51,7 @@ def test_k1_zero_modes_reproduces_dflash_exactly(tiny_qwen3):
 @pytest.mark.parametrize("mode_rows", ["all", "mask"])
 def test_one_forward_equals_separate_mode_forwards(tiny_llama, mode_rows):
     d = _mfd(tiny_llama, mode_rows=mode_rows)
-    st = _prefilled(d, tiny_llama)
+    st = prefilled_state(tiny_llama, PROMPT, d)
     B = d.block_size
     with torch.no_grad():
         joint = d.mode_logits(st)  # [K, B-1, V]
@@ -104,7 +84,7 @@ def test_greedy_identity_vs_hf(arch, score):
 
 def test_mixed_trees_are_valid_and_use_several_modes(tiny_llama):
     d = _mfd(tiny_llama, budget=30)
-    st = _prefilled(d, tiny_llama)
+    st = prefilled_state(tiny_llama, PROMPT, d)
     tree = d.propose(st)
     validate(tree, budget=30, root_token=st.root_token)
     assert tree.size == 31
@@ -161,7 +141,7 @@ def test_checkpoint_round_trip_and_config(tmp_path, tiny_qwen3):
     assert tensors["mode_embed"].shape == (3, 64) and tensors["mode_gate.weight"].shape == (1, 64)
     d2 = Drafter.from_config(str(tmp_path / "ck"), target=tiny_qwen3)
     assert isinstance(d2, M.MFDDrafter) and d2.model.num_modes == 3
-    st = _prefilled(d, tiny_qwen3)
+    st = prefilled_state(tiny_qwen3, PROMPT, d)
     d2.prefill(st)
     with torch.no_grad():
         assert torch.equal(d.mode_logits(st), d2.mode_logits(st))
@@ -178,7 +158,7 @@ def test_dflash_checkpoint_loads_as_k1(tmp_path, tiny_qwen3):
     d = Drafter.from_config({"type": "mfd", "checkpoint": str(tmp_path / "dfl"), "budget": 10}, target=tiny_qwen3)
     ref = Drafter.from_config({"type": "dflash", "checkpoint": str(tmp_path / "dfl"), "proposal": "ddtree",
                                "budget": 10}, target=tiny_qwen3)
-    st = _prefilled(ref, tiny_qwen3)
+    st = prefilled_state(tiny_qwen3, PROMPT, ref)
     d.prefill(st)
     t1, t2 = ref.propose(st), d.propose(st)
     assert t1.tokens.tolist() == t2.tokens.tolist() and t1.parents.tolist() == t2.parents.tolist()
@@ -268,24 +248,6 @@ def test_train_loop_runs_and_saves(tmp_path, tiny_qwen3, monkeypatch):
     assert res["step"] == 2 and "win0" in res and "disagree" in res
     d = Drafter.from_config(str(tmp_path / "out"), target=tiny_qwen3)
     assert isinstance(d, M.MFDDrafter) and d.model.num_modes == 2
-
-
-# ---- the trained drafter on SmolLM2 ------------------------------------------------------------------------
-@pytest.mark.slow
-def test_smollm2_mfd_lossless(smollm2):
-    folder = bundled_checkpoint("mfd-smollm2")
-    if folder is None:
-        pytest.skip("drafters/checkpoints/mfd-smollm2 is not present")
-    prompts = [[{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
-               [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]]
-    AR = SpeculativeDecoder(smollm2)
-    d = Drafter.from_config({"type": "mfd", "checkpoint": str(folder), "budget": 32}, target=smollm2)
-    dec = SpeculativeDecoder(smollm2, d)
-    for p in prompts:
-        ref = AR.generate(p, max_new_tokens=64).tokens
-        res = dec.generate(p, max_new_tokens=64)
-        assert res.tokens == ref
-        assert res.stats.tau > 1.0
 
 
 def test_draft_vocab_model_is_lossless_and_proposes_in_vocab(tiny_llama):

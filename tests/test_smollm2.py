@@ -1,10 +1,15 @@
-"""The real embedded target: SmolLM2-135M-Instruct (fp32, CPU). Lossless identity against HF generate."""
+"""The real embedded target: SmolLM2-135M-Instruct (fp32, CPU). Lossless identity against HF generate, and the
+T=1 law of the bundled MFD drafter's mixed trees."""
+from collections import Counter
+
 import pytest
 import torch
 
 from graft_block import Drafter, SpeculativeDecoder
 from graft_block.data import humaneval
-from graft_block.testing import hf_greedy
+from graft_block.drafter import bundled_checkpoint
+from graft_block.sampling import SamplingConfig
+from graft_block.testing import chi_square_test, exact_sequence_probs, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -42,3 +47,45 @@ def test_smollm2_sampling_runs_and_is_seeded(smollm2):
     a = dec.generate(msgs, max_new_tokens=24, temperature=0.8, top_p=0.9, seed=3)
     b = dec.generate(msgs, max_new_tokens=24, temperature=0.8, top_p=0.9, seed=3)
     assert a.tokens == b.tokens and len(a.tokens) >= 1
+
+
+# ---- the trained drafter on SmolLM2 ------------------------------------------------------------------------
+def test_smollm2_mfd_lossless(smollm2):
+    folder = bundled_checkpoint("mfd-smollm2")
+    if folder is None:
+        pytest.skip("drafters/checkpoints/mfd-smollm2 is not present")
+    prompts = [[{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
+               [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]]
+    AR = SpeculativeDecoder(smollm2)
+    d = Drafter.from_config({"type": "mfd", "checkpoint": str(folder), "budget": 32}, target=smollm2)
+    dec = SpeculativeDecoder(smollm2, d)
+    for p in prompts:
+        ref = AR.generate(p, max_new_tokens=64).tokens
+        res = dec.generate(p, max_new_tokens=64)
+        assert res.tokens == ref
+        assert res.stats.tau > 1.0
+
+
+def test_smollm2_mfd_sampling_exact(smollm2):
+    """T=1 with top-k 4 on the real target and the bundled K=4 drafter: the joint law of the first 2 new tokens
+    (token 2 comes through the mixed tree's depth-1 nodes) equals the target's exact law (chi-square p > 1e-3);
+    the same counts reject the T=0.6 law, so the test can fail."""
+    folder = bundled_checkpoint("mfd-smollm2")
+    if folder is None:
+        pytest.skip("drafters/checkpoints/mfd-smollm2 is not present")
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    prompt = smollm2.encode(msgs).tolist()
+    cfg = SamplingConfig(1.0, top_k=4)
+    exact = exact_sequence_probs(smollm2, prompt, 2, cfg)
+    d = Drafter.from_config({"type": "mfd", "checkpoint": str(folder), "budget": 16}, target=smollm2)
+    dec = SpeculativeDecoder(smollm2, d)
+    gen = torch.Generator().manual_seed(11)
+    counts, accepted, n = Counter(), 0, 500
+    for _ in range(n):
+        r = dec.generate(prompt, max_new_tokens=2, temperature=1.0, top_k=4, generator=gen)
+        counts[tuple(r.tokens[:2])] += 1
+        accepted += r.stats.committed_in_rounds - r.stats.rounds
+    stat, dof, p = chi_square_test(counts, exact)
+    assert p > 1e-3, (stat, dof, p, counts.most_common(6))
+    assert accepted > n // 10  # the tree's depth-1 nodes were really accepted
+    assert chi_square_test(counts, exact_sequence_probs(smollm2, prompt, 2, SamplingConfig(0.6, top_k=4)))[2] < 1e-3

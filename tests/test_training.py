@@ -1,4 +1,4 @@
-"""The shared training recipe: batched greedy data generation, the generic loop (loss goes down, resume), and a
+"""The shared training recipe: batched greedy and sampled data generation, the generic loop (loss goes down, resume), and a
 trained DFlash drafter that saves, loads and reproduces its logits."""
 import json
 
@@ -41,6 +41,38 @@ def test_batched_greedy_matches_unbatched(tiny, data):
         assert torch.equal(r["top_ids"][P - 1:-1, 0].long(), ids[0, P:])  # greedy = top-1
         assert torch.allclose(r["top_logp"][P - 1:-1].float(), lp.gather(1, r["top_ids"][P - 1:-1].long()),
                               atol=1e-2)
+
+
+def test_sampled_data_several_futures_per_prompt(tiny, tmp_path):
+    """Sampled data: every prompt answered ``samples`` times, tokens drawn inside the warped support (top-k), the
+    answers of one prompt differ, and the same seed regenerates the same data."""
+    from graft_block.sampling import SamplingConfig
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (6,), generator=g).tolist() for _ in range(4)]
+    cfg = SamplingConfig(temperature=1.5, top_k=5)
+
+    def gen(folder):
+        T.generate_data(tiny, "s", prompts=prompts, max_new=16, batch_size=8, layers=(1, 3), topk=8, folder=folder,
+                        log=lambda s: None, sampling=cfg, samples=3, seed=7)
+        return T.load_records(folder)
+
+    recs, meta = gen(tmp_path / "a")
+    assert len(recs) == 12 and "3 per prompt" in meta["source"]
+    by_prompt = {}
+    for r in recs:
+        by_prompt.setdefault(tuple(r["ids"][: r["prompt_len"]].tolist()), []).append(tuple(r["ids"].tolist()))
+    assert sorted(map(len, by_prompt.values())) == [3, 3, 3, 3]
+    assert sum(len(set(v)) > 1 for v in by_prompt.values()) >= 3  # sampling, not greedy
+    for r in recs:
+        P, ids = r["prompt_len"], r["ids"].long()
+        logits = tiny.model(input_ids=ids.view(1, -1)).logits[0, P - 1:-1]
+        top5 = logits.topk(5, -1).indices
+        assert (top5 == ids[P:, None]).any(-1).all()  # every drawn token is in the target's top-5
+    again, _ = gen(tmp_path / "b")
+    assert [r["ids"].tolist() for r in again] == [r["ids"].tolist() for r in recs]
+    with pytest.raises(ConfigError, match="samples"):
+        T.generate_data(tiny, "s", prompts=prompts, folder=tmp_path / "c", samples=2)
 
 
 def test_requesting_uncached_layers_fails(data):

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# MFD for SmolLM2, the whole recipe: sampled multi-future data, then K = 1, 2, 4, 8 from the DFlash default with the
+# same data, steps, schedule, anchors and seed (K = 1 is the DDTree control). See
+# drafters/checkpoints/mfd-smollm2/TRAINING.md for the measured log. Usage:
+#   scripts/train_mfd_sweep.sh [OUT_ROOT] [K ...]      (default: runs/mfd-sweep, K = 1 2 4 8)
+# The K = 4 and K = 1 results are the bundled mfd-smollm2 and mfd-smollm2-k1 (copy OUT_ROOT/k4/ckpt and k1/ckpt).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/mfd-sweep}
+shift || true
+KS=${*:-1 2 4 8}
+DATA=smollm2-sharegpt-t07x4
+STEPS=${STEPS:-120}
+# 1) the target's own answers to ShareGPT train prompts at the paper's sampling (T=0.7, top-p 0.8, top-k 20), four
+#    per prompt, so one context carries several futures: the first 22 batches of 48 (264 prompts x 4 answers);
+#    resumable; about 28 min on 2 cores.
+python -m drafters.train --generate --data $DATA --num-prompts 4000 --max-new 128 --gen-batch 48 \
+    --temperature 0.7 --top-p 0.8 --top-k 20 --samples 4 --seed 0 --gen-shards 22
+# 2) one run per K; --steps fixes the step count, so every K sees the same sequences in the same order
+for K in $KS; do
+    python -m drafters.train --type mfd --data $DATA --threads 2 --init drafters/checkpoints/dflash-smollm2 \
+        --config "{\"num_modes\": $K, \"num_anchors\": 8, \"mode_init_scale\": 0.6}" --steps $STEPS --lr 3e-4 \
+        --batch-size 4 --holdout 16 --eval-every 40 --seed 0 --out $OUT/k$K/ckpt --run $OUT/k$K
+done
