@@ -574,10 +574,16 @@ def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:
             warm_start(model, target, layers, opts["passthrough"])
     model.draft_vocab = None if vocab is None else vocab.to(target.device)
     check_compatible(model, target)
-    model.train_opts = {"num_anchors": int(opts["num_anchors"]), "soft_weight": float(opts["soft_weight"]),
-                        "gamma": opts["gamma"] or {16: 7.0, 10: 5.0, 8: 4.0}.get(model.block_size,
-                                                                                   model.block_size / 2.3)}
+    model.train_opts = block_loss_opts(cfg, model.block_size)
     return model.to(target.device)
+
+
+def block_loss_opts(cfg: dict, block_size: int) -> dict:
+    """The block loss's options (anchors per sequence, soft-label weight, position decay gamma) from ``cfg`` over
+    ``TRAIN_DEFAULTS``; gamma defaults to the DFlash paper's value for the block size."""
+    opts = {**TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in TRAIN_DEFAULTS}}
+    gamma = opts["gamma"] or {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, block_size / 2.3)
+    return {"num_anchors": int(opts["num_anchors"]), "soft_weight": float(opts["soft_weight"]), "gamma": gamma}
 
 
 def block_attention_mask(anchors: torch.Tensor, ctx_len: int, B: int, dtype) -> torch.Tensor:
@@ -607,8 +613,8 @@ def sample_anchors(prompt_len: torch.Tensor, lengths: torch.Tensor, n: int, gene
 def make_blocks(model: DFlashModel, batch: dict) -> dict:
     """The training blocks of one batch (shared with MFD): ``num_anchors`` random anchors per sequence, each a block
     [anchor token, mask x (B-1)] at positions anchor..anchor+B-1 whose row k is labelled with the target's token at
-    anchor + k. Returns anchors [b, n], seq_ok [b], pos [b, n, B], blk_ids [b, n, B], lab_pos / valid / labels
-    [b, n, B-1], src [b, n, B-1] (flat row of the target's top-k distribution for that label) and ctx_kv."""
+    anchor + k. Returns anchors [b, n], seq_ok [b], pos [b, n, B], blk_ids [b, n, B], valid / labels [b, n, B-1],
+    src [b, n, B-1] (flat row of the target's top-k distribution for that label) and ctx_kv."""
     ids, lengths, plen = batch["ids"], batch["lengths"], batch["prompt_len"]
     dev = model.fc.weight.device
     b, L = ids.shape
@@ -626,8 +632,8 @@ def make_blocks(model: DFlashModel, batch: dict) -> dict:
     src = torch.arange(b, device=dev).view(b, 1, 1) * L + (lab_pos - 1).clamp(max=L - 1)
     ctx = model.fuse(batch["feats"])
     ctx_kv = model.context_kv(ctx, torch.arange(L, device=dev).expand(b, L))
-    return {"anchors": anchors, "seq_ok": seq_ok, "pos": pos, "blk_ids": blk_ids, "lab_pos": lab_pos,
-            "valid": valid, "labels": labels, "src": src, "ctx_kv": ctx_kv, "dtype": ctx.dtype}
+    return {"anchors": anchors, "seq_ok": seq_ok, "pos": pos, "blk_ids": blk_ids, "valid": valid, "labels": labels,
+            "src": src, "ctx_kv": ctx_kv, "dtype": ctx.dtype}
 
 
 def row_losses(model: DFlashModel, logits: torch.Tensor, lab: torch.Tensor, batch: dict, src: torch.Tensor,

@@ -273,9 +273,7 @@ def training_model(target, cfg: dict, init: str | None = None) -> MFDModel:
             mask_e = target.embed(torch.tensor([model.mask_token_id], device=target.device))[0]
         model.break_symmetry(mask_e, float(opts["mode_init_scale"]), int(opts["seed"]))
     if train_opts is None:  # continuing an MFD checkpoint: DFlash's defaults for the block loss
-        dopts = {**D.TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in D.TRAIN_DEFAULTS}}
-        train_opts = {"num_anchors": int(dopts["num_anchors"]), "soft_weight": float(dopts["soft_weight"]),
-                      "gamma": dopts["gamma"] or {16: 7.0, 10: 5.0, 8: 4.0}.get(model.block_size, model.block_size / 2.3)}
+        train_opts = D.block_loss_opts(cfg, model.block_size)
     D.check_compatible(model, target)
     model.mode_embed.requires_grad_(model.num_modes > 1)  # K = 1 control: exactly DFlash + the same extra training
     model.train_opts = {**train_opts, "mix_loss": opts["mix_loss"], "wta_eps": float(opts["wta_eps"]),
