@@ -1,7 +1,8 @@
 """Drafter training shared by every drafter: target-regenerated data (cached) and one generic training loop.
 
 Data (``generate_data``): first-turn ShareGPT *train* prompts (chat template), answered by the target (greedy, or
-sampled several times per prompt, as MFD's T=0.7 regenerated data) with a batched loop that keeps its own KV cache (left padding; ~2x HF ``generate`` on CPU). While generating, the
+sampled several times per prompt, as MFD's T=0.7 regenerated data) with a batched loop that keeps its own KV cache
+(left padding; ~2x HF ``generate`` on CPU). While generating, the
 loop captures for free, through forward hooks, everything a drafter trainer needs, and caches it under
 ``.cache/train-data/<name>/`` as ``shard_XXXX.pt`` files plus ``meta.json``:
   - ``ids`` [L] int32: prompt + response (the response ends with EOS when the target stopped);
@@ -80,10 +81,9 @@ def answer_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], l
     (``layers``) and the top-k next-token log-probs (of the raw, T=1 distribution) at every response position."""
     from transformers import DynamicCache
 
-    from .sampling import choose
+    from .sampling import SamplingConfig, choose
 
-    def pick(logp):
-        return logp.argmax(-1) if sampling is None or sampling.greedy else choose(logp, sampling, generator)
+    rule = sampling or SamplingConfig()  # choose() is argmax when greedy
 
     dev = model.get_input_embeddings().weight.device
     b = len(prompts)
@@ -112,7 +112,7 @@ def answer_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], l
         logp = torch.log_softmax(out.logits[:, -1].float(), -1)
         tv, ti = logp.topk(topk, -1)
         top_steps = [(ti.int().cpu(), tv.half().cpu())]
-        nxt = pick(logp)
+        nxt = choose(logp, rule, generator)
         gen = [nxt.cpu()]
         done = torch.tensor([int(t) in eos for t in nxt.tolist()])
         last_pos = pos[:, -1]
@@ -127,7 +127,7 @@ def answer_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], l
             logp = torch.log_softmax(out.logits[:, -1].float(), -1)
             tv, ti = logp.topk(topk, -1)
             top_steps.append((ti.int().cpu(), tv.half().cpu()))
-            nxt = pick(logp)
+            nxt = choose(logp, rule, generator)
             gen.append(nxt.cpu())
             done |= torch.tensor([int(t) in eos for t in nxt.tolist()])
     finally:
