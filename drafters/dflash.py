@@ -51,8 +51,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from graft_block.drafter import Drafter, check_budget, read_weights, register
 from graft_block.errors import ConfigError
-from tree import Tree, chain, root_only
-from tree.ddtree import ddtree, topk_logprobs
+from graft_block.tree import Tree, chain, root_only
+from graft_block.tree.ddtree import ddtree, topk_logprobs
 
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size", "hidden_act", "attention_bias")

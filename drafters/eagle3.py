@@ -24,8 +24,8 @@ from torch import nn
 
 from graft_block.drafter import Drafter, bundled_checkpoint, check_budget, read_weights, register
 from graft_block.errors import ConfigError
-from tree import Tree, root_only
-from tree.eagle import (
+from graft_block.tree import Tree, root_only
+from graft_block.tree.eagle import (
     EAGLE_AUTO_SIZES,
     Candidates,
     expand,
@@ -794,7 +794,7 @@ class Eagle3Drafter(Drafter):
     def tune_budget(self, repeats: int = 3) -> int:
         """EAGLE's total_token=-1: time a target verify of each size in ``auto_sizes`` on the current cache (a
         chain of random tokens; the cache is restored) and pick argmin time / expected-acceptance weight."""
-        from tree import chain
+        from graft_block.tree import chain
 
         target = self.target
         if target.cache is None or target.cache_len == 0:

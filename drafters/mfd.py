@@ -13,7 +13,7 @@ Model (``MFDModel``, a ``DFlashModel`` subclass; nothing else is new):
 Checkpoint: the z-lab DFlash format (``drafters.dflash.save_checkpoint``) plus the tensors ``mode_embed`` and
 ``mode_gate.weight``; config.json adds ``"type": "mfd"`` and ``"mfd_config": {"num_modes", "score", "mode_rows"}``.
 
-Training (the shared loop, ``python -m drafters.train --type mfd --init drafters/checkpoints/dflash-smollm2``):
+Training (the shared loop, ``python -m graft_block.drafters.train --type mfd --init drafters/checkpoints/dflash-smollm2``):
 DFlash's anchors, blocks, position weights and soft labels, with every block replicated over the K modes. Per block
 and mode the weighted block NLL ``L_k = sum_i w_i l_{k,i}`` (l = DFlash's hard/soft row loss); the loss is
   - ``mixture`` (default): ``-log sum_k pi_k exp(-L_k)`` summed over blocks / sum of weights (EM-style: each mode
@@ -36,9 +36,9 @@ from torch import nn
 
 from graft_block.drafter import read_weights, register
 from graft_block.errors import ConfigError
-from tree import Tree
-from tree.ddtree import topk_logprobs
-from tree.mixed import SCORES, mixed_ddtree
+from graft_block.tree import Tree
+from graft_block.tree.ddtree import topk_logprobs
+from graft_block.tree.mixed import SCORES, mixed_ddtree
 
 from . import dflash as D
 

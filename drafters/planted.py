@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from graft_block.drafter import Drafter, check_budget, register
-from tree import Tree, make_tree
+from graft_block.tree import Tree, make_tree
 
 
 @register("planted")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from graft_block.drafter import Drafter, check_budget, register
-from tree import Tree, chain, root_only
+from graft_block.tree import Tree, chain, root_only
 
 
 def prompt_lookup(tokens: torch.Tensor, num_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> torch.Tensor:

@@ -16,9 +16,9 @@ import torch
 from graft_block.adjacency import AdjacencyMatrix
 from graft_block.drafter import Drafter, check_budget, register
 from graft_block.errors import ConfigError
-from tree import SOURCE_RETRIEVED, Tree, chain, merge
+from graft_block.tree import SOURCE_RETRIEVED, Tree, chain, merge
 from graft_block.kernels import expand as expand_template
-from tree.templates import TR80_TEMPLATE, asymmetric_template, compile_template, extend_template
+from graft_block.tree.templates import TR80_TEMPLATE, asymmetric_template, compile_template, extend_template
 
 from .pld import prompt_lookup
 

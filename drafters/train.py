@@ -1,4 +1,4 @@
-"""Train a drafter on target-regenerated data: ``python -m drafters.train --type dflash ...``.
+"""Train a drafter on target-regenerated data: ``python -m graft_block.drafters.train --type dflash ...``.
 
 Two steps, both resumable: ``--generate`` caches target answers (greedy, or ``--temperature/--top-p/--top-k
 --samples`` sampled ones) to ShareGPT train prompts with features and
@@ -6,11 +6,11 @@ top-k soft labels (graft_block.training.generate_data); then training runs the d
 ``training_loss`` through the shared loop and writes its public checkpoint to ``--out``. Works under torchrun.
 
 Example (the bundled default, on 2 CPU cores; see drafters/checkpoints/dflash-smollm2/TRAINING.md):
-    python -m drafters.train --generate --data smollm2-sharegpt --num-prompts 4000 --max-new 160 --gen-batch 48 \\
+    python -m graft_block.drafters.train --generate --data smollm2-sharegpt --num-prompts 4000 --max-new 160 --gen-batch 48 \\
         --gen-minutes 13
-    python -m drafters.train --generate --teacher-forced --data smollm2-sharegpt-tf --num-prompts 3000 \\
+    python -m graft_block.drafters.train --generate --teacher-forced --data smollm2-sharegpt-tf --num-prompts 3000 \\
         --max-len 384 --gen-batch 8 --gen-minutes 6.7
-    python -m drafters.train --type dflash --data smollm2-sharegpt,smollm2-sharegpt-tf --init target \\
+    python -m graft_block.drafters.train --type dflash --data smollm2-sharegpt,smollm2-sharegpt-tf --init target \\
         --config '{"num_layers": 3, "target_layer_ids": [1, 14, 26], "mask_token_id": 16, "num_anchors": 24}' \\
         --draft-vocab 16384 --epochs 6 --lr 6e-4 --batch-size 4 --holdout 8 --eval-every 40 --minutes 26 \\
         --out drafters/checkpoints/dflash-smollm2 --run runs/dflash-smollm2
@@ -43,7 +43,7 @@ def main(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--samples", type=int, default=1, help="with --generate and T > 0: answers per prompt")
-    ap.add_argument("--layers", default="2,15,27", help="HF hidden_states indices to cache")
+    ap.add_argument("--layers", default=None, help="HF hidden_states indices to cache (default 2,N//2,N-3)")
     ap.add_argument("--type", default="dflash")
     ap.add_argument("--config", default="{}", help="JSON dict of drafter training options (e.g. num_layers)")
     ap.add_argument("--init", default=None, help="random | target | <checkpoint folder>")
@@ -73,7 +73,7 @@ def main(argv=None):
         from graft_block.training import teacher_forced_data
 
         teacher_forced_data(target, args.data, num_convs=args.num_prompts, max_len=args.max_len,
-                            batch_size=args.gen_batch, layers=[int(x) for x in args.layers.split(",")],
+                            batch_size=args.gen_batch, layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
                             time_limit_s=None if args.gen_minutes is None else args.gen_minutes * 60,
                             log=lambda s: print(s, flush=True))
         return
@@ -81,7 +81,7 @@ def main(argv=None):
         from graft_block.sampling import SamplingConfig
 
         generate_data(target, args.data, num_prompts=args.num_prompts, max_new=args.max_new,
-                      batch_size=args.gen_batch, layers=[int(x) for x in args.layers.split(",")],
+                      batch_size=args.gen_batch, layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
                       time_limit_s=None if args.gen_minutes is None else args.gen_minutes * 60,
                       log=lambda s: print(s, flush=True),
                       sampling=SamplingConfig(args.temperature, args.top_k, args.top_p), samples=args.samples,

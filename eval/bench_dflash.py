@@ -30,7 +30,7 @@ METHODS = {
 
 def verify_cost(target, sizes=(1, 2, 4, 8, 16, 32, 64), cache_len: int = 200, reps: int = 5) -> dict:
     """Median ms of one target.verify over a chain of T nodes after a ``cache_len``-token prefix."""
-    from tree import chain
+    from graft_block.tree import chain
 
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(100, 10000, (cache_len,), generator=g)
@@ -78,7 +78,7 @@ def greedy_tau_simulation(target, model, prompt_ids: list[int], output: list[int
     so one target forward over prompt + AR output gives the features every round would see; each config then
     replays its own rounds (draft from the context before the root, accept the longest tree path that matches
     the greedy continuation, advance)."""
-    from drafters.dflash import DFlashDrafter
+    from graft_block.drafters.dflash import DFlashDrafter
 
     seq = list(prompt_ids) + list(output)
     P = len(prompt_ids)
@@ -126,8 +126,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    import drafters  # noqa: F401  (registers pld)
-    import drafters.dflash  # noqa: F401
+    import graft_block.drafters  # noqa: F401  (registers pld)
+    import graft_block.drafters.dflash  # noqa: F401
     from graft_block.data import humaneval, mtbench
     from graft_block.decoder import SpeculativeDecoder
     from graft_block.drafter import Drafter

@@ -78,7 +78,7 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from drafters.eagle3 import Eagle3Drafter, load_head, resolve_checkpoint
+    from graft_block.drafters.eagle3 import Eagle3Drafter, load_head, resolve_checkpoint
     from graft_block.decoder import SpeculativeDecoder
     from graft_block.target import load_target
 

@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafters.pld import PromptLookupDrafter  # noqa: E402
-from drafters.recycling import PLDMatrixDrafter, RecyclingDrafter  # noqa: E402
+from graft_block.drafters.pld import PromptLookupDrafter  # noqa: E402
+from graft_block.drafters.recycling import PLDMatrixDrafter, RecyclingDrafter  # noqa: E402
 from graft_block import SpeculativeDecoder, load_target  # noqa: E402
 from graft_block.adjacency import AdjacencyMatrix  # noqa: E402
 from graft_block.data import humaneval, mtbench  # noqa: E402

@@ -29,12 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import drafters.dflash
-import drafters.mfd  # noqa: F401  (registers "mfd")
+import graft_block.drafters.dflash
+import graft_block.drafters.mfd  # noqa: F401  (registers "mfd")
 from graft_block import SpeculativeDecoder, load_target
 from graft_block.data import humaneval, mtbench
 from graft_block.drafter import Drafter, bundled_checkpoint
-from tree.chimeric import futures_recorder, proxy_hook, sampled_report
+from graft_block.chimeric import futures_recorder, proxy_hook, sampled_report
 
 
 class TimedHook:

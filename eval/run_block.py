@@ -136,7 +136,7 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
         graft = build_graft(gcfg, target, drafter, matrix)
     hooks = []
     if chimeric and drafter is not None:
-        from tree.chimeric import proxy_hook
+        from graft_block.chimeric import proxy_hook
 
         hooks.append(proxy_hook())
     dec = SpeculativeDecoder(target, drafter, graft=graft, round_hooks=hooks)
@@ -220,7 +220,7 @@ def verify_cost_curve(target, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 200
     """Median seconds of one verify forward over n tree nodes (a chain) after ``context`` cached tokens.
     Cached per target and device under GRAFT_BLOCK_CACHE/cost/ because it is a property of the hardware."""
     from graft_block.target import cache_root
-    from tree import chain
+    from graft_block.tree import chain
 
     key = f"{Path(str(target.name)).name}-{target.device.type}-{str(target.dtype).split('.')[-1]}-{torch.get_num_threads()}t"
     path = cache_root() / "cost" / f"{key}.json"

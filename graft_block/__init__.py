@@ -1,8 +1,34 @@
-"""graft-block: the shared core under every drafter (target adapter, sampling, verification loop, graft)."""
-from .decoder import DecodeState, Result, SpeculativeDecoder, Stats, Verified  # noqa: F401
-from .drafter import Drafter, check_budget, register, registered_types  # noqa: F401
-from .errors import ConfigError  # noqa: F401
-from .sampling import SamplingConfig, choose, target_probs  # noqa: F401
-from .target import Target, load_target  # noqa: F401
+"""graft-block: the shared core under every drafter (target adapter, sampling, verification loop, graft).
+
+One distribution namespace: the repository's ``tree/``, ``drafters/`` and ``eval/`` folders install as
+``graft_block.tree``, ``graft_block.drafters`` and ``graft_block.eval`` (pyproject's package-dir mapping), so
+nothing but ``graft_block`` lands at top level. Imports point one way: eval -> drafters -> graft_block -> tree.
+"""
+from pathlib import Path as _Path
+
+# In a source checkout the three folders sit beside this one; a wheel places them inside it. Searching the
+# checkout root as well lets `python eval/run_block.py` and the tests run without any install.
+_checkout = _Path(__file__).resolve().parent.parent
+if (_checkout / "tree" / "__init__.py").exists() and not (_Path(__file__).parent / "tree").exists():
+    __path__.append(str(_checkout))  # noqa: F821 - a package's __path__
 
 __version__ = "0.1.0"
+
+# Public names, loaded on first use so that `import graft_block.tree` stays free of models and transformers.
+_EXPORTS = {
+    "DecodeState": "decoder", "Result": "decoder", "SpeculativeDecoder": "decoder", "Stats": "decoder",
+    "Verified": "decoder",
+    "Drafter": "drafter", "check_budget": "drafter", "register": "drafter", "registered_types": "drafter",
+    "ConfigError": "errors",
+    "SamplingConfig": "sampling", "choose": "sampling", "target_probs": "sampling",
+    "Target": "target", "load_target": "target",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'graft_block' has no attribute {name!r}")

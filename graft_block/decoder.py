@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from tree import Tree, root_only, validate, walk
+from graft_block.tree import Tree, root_only, validate, walk
 
 from .errors import ConfigError
 from .sampling import SamplingConfig, choose

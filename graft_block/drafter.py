@@ -4,13 +4,11 @@ A drafter only *proposes*: verification, the walk, KV compaction and grafting ar
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tree import Tree
+from graft_block.tree import Tree
 
 from .errors import ConfigError
 
@@ -49,18 +47,45 @@ def read_weights(folder: str | Path, what: str = "checkpoint") -> dict:
     return tensors
 
 
+_CHECKPOINT_ROOTS: list[Path] = []
+ENTRY_POINT_GROUP = "graft_block.drafters"
+
+
+def register_checkpoints(folder: str | Path) -> None:
+    """Add a folder whose sub-folders are drafters callable by short name (``"dflash-smollm2"``). The drafters
+    package registers its bundled ``checkpoints/``; a third-party package may add its own."""
+    folder = Path(folder)
+    if folder not in _CHECKPOINT_ROOTS:
+        _CHECKPOINT_ROOTS.append(folder)
+
+
+def load_plugins(name: str | None = None) -> None:
+    """Import the drafters advertised under the ``graft_block.drafters`` entry-point group (all, or the one
+    called ``name``). This is how the core finds drafters without importing them (imports point one way)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if name is None or ep.name == name:
+            ep.load()
+
+
 def registered_types() -> list[str]:
-    _import_builtin_drafters()
+    load_plugins()
     return sorted(_REGISTRY)
 
 
-def _import_builtin_drafters():
-    # Imported lazily so graft_block never imports drafters at import time (imports point eval->drafters->core).
-    importlib.import_module("drafters")
+def drafter_class(kind: str) -> type["Drafter"]:
+    if kind not in _REGISTRY:
+        load_plugins(kind)
+    if kind not in _REGISTRY:
+        known = ", ".join(registered_types()) or "none (is graft-block installed? `pip install -e .`)"
+        raise ConfigError(f"unknown drafter type {kind!r}; known types: {known}")
+    return _REGISTRY[kind]
 
 
 def load_config(cfg: Any) -> dict:
-    """A dict, a YAML/JSON file path, or a folder holding config.json -> a plain dict (copy)."""
+    """A dict, a YAML/JSON file path, a folder holding config.json, or a bundled drafter's short name -> a plain
+    dict (copy). A folder's dict carries ``checkpoint`` = the folder."""
     if isinstance(cfg, dict):
         return dict(cfg)
     if isinstance(cfg, (str, Path)):
@@ -70,11 +95,15 @@ def load_config(cfg: Any) -> dict:
         if path.is_dir():
             if not (path / "config.json").exists():
                 raise ConfigError(f"drafter folder {path} has no config.json")
-            data = json.loads((path / "config.json").read_text())
+            try:
+                data = json.loads((path / "config.json").read_text())
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"drafter folder {path}: config.json is not valid JSON ({exc})") from exc
             data.setdefault("checkpoint", str(path))
             return data
         if not path.exists():
-            raise ConfigError(f"drafter config {cfg!r} is not a dict, an existing file or a folder")
+            raise ConfigError(f"drafter config {cfg!r} is not a dict, an existing file, a folder or a bundled "
+                              f"drafter (bundled: {', '.join(bundled_checkpoints()) or 'none'})")
         text = path.read_text()
         try:
             if path.suffix in (".yaml", ".yml"):
@@ -91,13 +120,36 @@ def load_config(cfg: Any) -> dict:
     raise ConfigError(f"drafter config must be a dict, a path or a folder, got {type(cfg).__name__}")
 
 
+def bundled_checkpoints() -> list[str]:
+    """Short names of every registered drafter checkpoint folder."""
+    load_plugins()
+    return sorted(p.name for root in _CHECKPOINT_ROOTS if root.is_dir() for p in root.iterdir()
+                  if (p / "config.json").exists())
+
+
 def bundled_checkpoint(name: str) -> Path | None:
-    """The folder of a drafter trained and shipped with graft-block (``drafters/checkpoints/<name>``), if any."""
-    spec = importlib.util.find_spec("drafters")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(list(spec.submodule_search_locations)[0]) / "checkpoints" / name
-    return folder if (folder / "config.json").exists() else None
+    """The folder of a drafter shipped with graft-block (or a plugin) under the short name ``name``, if any."""
+    load_plugins()
+    for root in _CHECKPOINT_ROOTS:
+        if (root / name / "config.json").exists():
+            return root / name
+    return None
+
+
+def detect_type(data: dict) -> str:
+    """The drafter type of a checkpoint config without a ``type`` key (an untouched hub folder): asks each
+    registered drafter class whether it claims the config."""
+    load_plugins()
+    claims = [name for name, klass in sorted(_REGISTRY.items()) if klass.claims(data)]
+    where = f" ({data['checkpoint']})" if "checkpoint" in data else ""
+    if len(claims) == 1:
+        return claims[0]
+    if not claims:
+        raise ConfigError(f"drafter config{where} has no 'type' key and no registered drafter recognises its "
+                          f"layout (architectures={data.get('architectures')}); add \"type\": one of "
+                          f"{', '.join(sorted(_REGISTRY))}")
+    raise ConfigError(f"drafter config{where} is claimed by several drafter types ({', '.join(claims)}); "
+                      f"add \"type\" to say which")
 
 
 class Drafter:
@@ -115,15 +167,13 @@ class Drafter:
     @classmethod
     def from_config(cls, cfg: Any, target=None) -> "Drafter":
         data = load_config(cfg)
-        kind = data.pop("type", None)
-        if kind is None:
-            raise ConfigError(f"drafter config has no 'type' key; known types: {', '.join(registered_types())}")
-        if kind not in _REGISTRY:
-            _import_builtin_drafters()
-        if kind not in _REGISTRY:
-            raise ConfigError(f"unknown drafter type {kind!r}; known types: {', '.join(sorted(_REGISTRY))}")
-        klass = _REGISTRY[kind]
-        return klass.build(data, target)
+        kind = data.pop("type", None) or detect_type(data)
+        return drafter_class(kind).build(data, target)
+
+    @classmethod
+    def claims(cls, config: dict) -> bool:
+        """Whether a checkpoint config without a ``type`` key is in this drafter's format (hub folders)."""
+        return False
 
     @classmethod
     def build(cls, cfg: dict, target=None) -> "Drafter":

@@ -25,8 +25,8 @@ from collections import Counter
 
 import torch
 
-from tree import SOURCE_RETRIEVED, Tree, merge, root_only
-from tree.templates import asymmetric_template, compile_template
+from graft_block.tree import SOURCE_RETRIEVED, Tree, merge, root_only
+from graft_block.tree.templates import asymmetric_template, compile_template
 
 from .adjacency import AdjacencyMatrix
 from .errors import ConfigError

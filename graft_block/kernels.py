@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from tree import SOURCE_RETRIEVED, Tree
-from tree.templates import compile_template, dedup_expansion, gather_template
+from graft_block.tree import SOURCE_RETRIEVED, Tree
+from graft_block.tree.templates import compile_template, dedup_expansion, gather_template
 
 try:  # Triton is an optional extra (pip install graft-block[triton]).
     import triton

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from tree import Tree, attention_mask, position_ids
+from graft_block.tree import Tree, attention_mask, position_ids
 
 from .errors import ConfigError
 
@@ -22,6 +22,11 @@ EMBEDDED_TARGETS = {
 
 def cache_root() -> Path:
     return Path(os.environ.get("GRAFT_BLOCK_CACHE", Path.home() / ".cache" / "graft_block"))
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """HF hidden_states indices [2, N//2, N-3] (EAGLE3's "layers 2, N//2, N-3"; [2, 15, 27] for SmolLM2's 30)."""
+    return (2, num_layers // 2, num_layers - 3)
 
 
 class Target:

@@ -41,13 +41,13 @@ from typing import Sequence
 import torch
 
 from .errors import ConfigError
-from .target import feature_module
-
-DEFAULT_LAYERS = (2, 15, 27)
-
+from .target import default_feature_layers, feature_module
 
 def data_root() -> Path:
-    return Path(os.environ.get("GRAFT_BLOCK_DATA", Path(__file__).resolve().parent.parent / ".cache" / "train-data"))
+    """Training-data caches live under the user cache dir (never inside the installed package)."""
+    from .target import cache_root
+
+    return Path(os.environ.get("GRAFT_BLOCK_DATA", cache_root() / "train-data"))
 
 
 # ---- data generation ---------------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def answer_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], l
 
 
 def generate_data(target, name: str, num_prompts: int = 2000, max_prompt_tokens: int = 320, max_new: int = 160,
-                  batch_size: int = 48, layers: Sequence[int] = DEFAULT_LAYERS, topk: int = 8,
+                  batch_size: int = 48, layers: Sequence[int] | None = None, topk: int = 8,
                   time_limit_s: float | None = None, log=print, prompts: list[list[int]] | None = None,
                   folder: str | Path | None = None, sampling=None, samples: int = 1, seed: int = 0,
                   max_shards: int | None = None) -> Path:
@@ -180,6 +180,7 @@ def generate_data(target, name: str, num_prompts: int = 2000, max_prompt_tokens:
     out = Path(folder) if folder is not None else data_root() / name
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "meta.json"
+    layers = list(layers or default_feature_layers(target.num_layers))
     meta = {"feature_layers": list(layers), "topk": topk, "max_new": max_new, "max_prompt_tokens": max_prompt_tokens,
             "target": target.name, "hidden_size": target.hidden_size, "source": "sharegpt train split, first turn, "
             f"chat template, {how}", "shards": []}
@@ -239,7 +240,7 @@ def load_records(name_or_path: str | Path, feature_layers: Sequence[int] | None 
         folder = data_root() / str(name_or_path)
     meta_path = folder / "meta.json"
     if not meta_path.exists():
-        raise ConfigError(f"no training data at {folder}: generate it first (python -m drafters.train --generate)")
+        raise ConfigError(f"no training data at {folder}: generate it first (python -m graft_block.drafters.train --generate)")
     meta = json.loads(meta_path.read_text())
     cached = list(meta["feature_layers"])
     H = int(meta["hidden_size"])
@@ -356,19 +357,9 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     """Train ``drafter_type``'s ``training_model`` on cached data; save its public checkpoint to ``out_dir`` and
     the resumable state (``state.pt``) and ``log.jsonl`` to ``run_dir``. ``steps`` (when given) fixes the number of
     optimiser steps instead of ``epochs`` (equal-step comparisons). Returns the final eval metrics."""
-    from .drafter import _REGISTRY, _import_builtin_drafters
+    from .drafter import drafter_class
 
-    _import_builtin_drafters()
-    if drafter_type not in _REGISTRY:  # a drafter module not yet listed in drafters/__init__.py
-        import importlib
-
-        try:
-            importlib.import_module(f"drafters.{drafter_type}")
-        except ImportError:
-            pass
-    if drafter_type not in _REGISTRY:
-        raise ConfigError(f"unknown drafter type {drafter_type!r}")
-    klass = _REGISTRY[drafter_type]
+    klass = drafter_class(drafter_type)
     for hook in ("training_model", "training_loss", "save_trained"):
         if not hasattr(klass, hook):
             raise ConfigError(f"drafter {drafter_type!r} does not implement {hook}; it cannot be trained here")
@@ -491,7 +482,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
 # ---- cheaper data: the target's own next-token distributions over offline text -----------------------------
 @torch.inference_mode()
 def teacher_forced_data(target, name: str, num_convs: int = 3000, max_len: int = 384, batch_size: int = 8,
-                        layers: Sequence[int] = DEFAULT_LAYERS, topk: int = 8, time_limit_s: float | None = None,
+                        layers: Sequence[int] | None = None, topk: int = 8, time_limit_s: float | None = None,
                         skip: int = 0, log=print, folder: str | Path | None = None) -> Path:
     """One teacher-forced forward over ShareGPT *train* conversations (user turn + the human reference reply,
     chat template): no generation, so ~3x more tokens per second than ``generate_data``. Records carry
@@ -503,6 +494,7 @@ def teacher_forced_data(target, name: str, num_convs: int = 3000, max_len: int =
     out = Path(folder) if folder is not None else data_root() / name
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "meta.json"
+    layers = list(layers or default_feature_layers(target.num_layers))
     meta = {"feature_layers": list(layers), "topk": topk, "max_len": max_len, "target": target.name,
             "hidden_size": target.hidden_size, "source": "sharegpt train split, user turn + reference reply, "
             "teacher-forced target distributions (labels = target argmax)", "shards": []}

@@ -14,11 +14,11 @@ STEPS=${STEPS:-120}
 # 1) the target's own answers to ShareGPT train prompts at the paper's sampling (T=0.7, top-p 0.8, top-k 20), four
 #    per prompt, so one context carries several futures: the first 22 batches of 48 (264 prompts x 4 answers);
 #    resumable; about 28 min on 2 cores.
-python -m drafters.train --generate --data $DATA --num-prompts 4000 --max-new 128 --gen-batch 48 \
+python -m graft_block.drafters.train --generate --data $DATA --num-prompts 4000 --max-new 128 --gen-batch 48 \
     --temperature 0.7 --top-p 0.8 --top-k 20 --samples 4 --seed 0 --gen-shards 22
 # 2) one run per K; --steps fixes the step count, so every K sees the same sequences in the same order
 for K in $KS; do
-    python -m drafters.train --type mfd --data $DATA --threads 2 --init drafters/checkpoints/dflash-smollm2 \
+    python -m graft_block.drafters.train --type mfd --data $DATA --threads 2 --init drafters/checkpoints/dflash-smollm2 \
         --config "{\"num_modes\": $K, \"num_anchors\": 8, \"mode_init_scale\": 0.6}" --steps $STEPS --lr 3e-4 \
         --batch-size 4 --holdout 16 --eval-every 40 --seed 0 --out $OUT/k$K/ckpt --run $OUT/k$K
 done

@@ -57,7 +57,7 @@ def test_nbytes_save_load_and_errors(tmp_path):
 def test_observe_adapter_uses_every_verified_node():
     from types import SimpleNamespace
 
-    from tree import make_tree
+    from graft_block.tree import make_tree
 
     tree = make_tree([5, 1, 2, 1], [-1, 0, 0, 1])
     logits = torch.randn(4, 20)

@@ -4,19 +4,11 @@ import math
 import pytest
 import torch
 
-from tree import SOURCE_RETRIEVED, from_paths, make_tree, merge, with_sources
-from tree.chimeric import (
-    futures_recorder,
-    label_proxy,
-    label_sampled,
-    proxy_hook,
-    proxy_shares,
-    sample_futures,
-    sampled_shares,
-    temperature_sampler,
-)
-from tree.ddtree import ddtree
-from tree.mixed import mixed_ddtree, tree_paths
+from graft_block.tree import SOURCE_RETRIEVED, from_paths, make_tree, merge, with_sources
+from graft_block.chimeric import futures_recorder, proxy_hook, sample_futures, temperature_sampler
+from graft_block.tree.chimeric import label_proxy, label_sampled, proxy_shares, sampled_shares
+from graft_block.tree.ddtree import ddtree
+from graft_block.tree.mixed import mixed_ddtree, tree_paths
 
 V = 100
 JUNK = 99
@@ -153,7 +145,7 @@ def test_proxy_rejects_bad_logits():
 
 
 def test_hooks_on_tiny_target(tiny_llama):
-    from drafters.planted import PlantedTreeDrafter
+    from graft_block.drafters.planted import PlantedTreeDrafter
     from graft_block.decoder import SpeculativeDecoder
 
     target = tiny_llama

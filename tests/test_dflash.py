@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 import torch
 
-import drafters.dflash as D
-import drafters.mfd as M
+import graft_block.drafters.dflash as D
+import graft_block.drafters.mfd as M
 from graft_block.decoder import SpeculativeDecoder
 from graft_block.drafter import Drafter
 from graft_block.errors import ConfigError

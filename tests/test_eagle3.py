@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from drafters.eagle3 import (
+from graft_block.drafters.eagle3 import (
     Eagle3Config,
     Eagle3Drafter,
     Eagle3Head,
@@ -23,7 +23,7 @@ from graft_block.sampling import SamplingConfig
 from graft_block.drafter import Drafter
 from graft_block.errors import ConfigError
 from graft_block.testing import tiny_target
-from tree import validate
+from graft_block.tree import validate
 
 
 @pytest.fixture(autouse=True)

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from tree import TreeError, validate
-from tree.eagle import (
+from graft_block.tree import TreeError, validate
+from graft_block.tree.eagle import (
     EAGLE_AUTO_SIZES,
     EAGLE_AUTO_WEIGHTS,
     auto_weight,
@@ -129,7 +129,7 @@ def test_next_tree_mask():
 
 
 def test_rerank_rejects_nan():
-    from tree.eagle import Candidates
+    from graft_block.tree.eagle import Candidates
     c = Candidates(torch.tensor([1, 2]), torch.tensor([-1, 0]), torch.tensor([float("nan"), -0.1]),
                    torch.tensor([1, 2]), torch.zeros(1), torch.zeros(1))
     with pytest.raises(TreeError):

@@ -8,7 +8,7 @@ from graft_block import Drafter, SpeculativeDecoder
 from graft_block.sampling import SamplingConfig
 from graft_block.testing import chi_square_test, exact_sequence_probs, tiny_target
 from graft_block.testing import hf_greedy
-from tree import from_paths
+from graft_block.tree import from_paths
 
 
 
@@ -62,7 +62,7 @@ def test_kv_compaction_through_non_first_siblings(tiny_qwen3):
     paths = [[garbage[1]], [g2[1]], [ref[1], garbage[2]], [ref[1], ref[2], g2[3]], [ref[1], ref[2], ref[3]]]
     tree = from_paths(root, paths)
     logits, _ = target.verify(tree)
-    from tree import walk
+    from graft_block.tree import walk
 
     path, bonus = walk(tree, logits.argmax(-1))
     assert tree.tokens[path].tolist() == [root] + ref[1:4] and bonus == ref[4]
@@ -76,7 +76,7 @@ def test_kv_compaction_through_non_first_siblings(tiny_qwen3):
         assert lay.keys.shape == ref_lay.keys.shape
         assert torch.allclose(lay.keys, ref_lay.keys, atol=1e-5) and torch.allclose(lay.values, ref_lay.values, atol=1e-5)
     # and the next step continues exactly
-    from tree import root_only
+    from graft_block.tree import root_only
 
     nxt, _ = target.verify(root_only(bonus))
     assert int(nxt[0].argmax()) == ref[5]

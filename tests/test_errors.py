@@ -4,7 +4,7 @@ import torch
 
 from graft_block import ConfigError, Drafter, SpeculativeDecoder, load_target
 from graft_block.drafter import register
-from tree import TreeError, make_tree
+from graft_block.tree import TreeError, make_tree
 
 
 def test_unknown_drafter_type():

@@ -7,13 +7,13 @@ from graft_block import SpeculativeDecoder
 from graft_block.adjacency import AdjacencyMatrix
 from graft_block.errors import ConfigError
 from graft_block.graft import Graft, best_path_end
-from graft_block.pruning import (calibrate, checkpoint_signal, fired_stage, save_calibration, top_nodes,
-                                 tree_signals)
-from tree import SOURCE_DRAFT, SOURCE_RETRIEVED, TreeError, accept_length, chain, make_tree, validate
-from tree.ddtree import ddtree, topk_logprobs
+from graft_block.calibrate import calibrate, save_calibration
+from graft_block.pruning import checkpoint_signal, fired_stage, top_nodes, tree_signals
+from graft_block.tree import SOURCE_DRAFT, SOURCE_RETRIEVED, TreeError, accept_length, chain, make_tree, validate
+from graft_block.tree.ddtree import ddtree, topk_logprobs
 from graft_block import kernels
 from graft_block.testing import hf_greedy
-from tree.templates import (TR80_TEMPLATE, asymmetric_template, expand_template, extend_template, gather_template,
+from graft_block.tree.templates import (TR80_TEMPLATE, asymmetric_template, expand_template, extend_template, gather_template,
                             level_sizes, validate_template)
 
 V = 64
@@ -319,7 +319,7 @@ def _prompts(n, vocab, seed=0):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_identity_graft_over_planted(arch, request):
     target = request.getfixturevalue(f"tiny_{arch}")
-    from drafters.planted import PlantedTreeDrafter
+    from graft_block.drafters.planted import PlantedTreeDrafter
 
     m = AdjacencyMatrix(target.vocab_size, 8)
     configs = [dict(mode="graft", thresholds={0: -2.0, 1: -2.0, 5: -3.0}), dict(mode="graft", attach="both"),
@@ -378,8 +378,8 @@ def _chi2_same(a, b, min_count=5):
 
 
 def test_sampling_distribution_graft_and_recycling_match_ar():
-    from drafters.planted import PlantedTreeDrafter
-    from drafters.recycling import RecyclingDrafter
+    from graft_block.drafters.planted import PlantedTreeDrafter
+    from graft_block.drafters.recycling import RecyclingDrafter
     from graft_block.testing import tiny_target
 
     target = tiny_target("llama", vocab_size=20, seed=3)
@@ -454,8 +454,8 @@ def test_calibrate_picks_thresholds_from_recorded_quantiles(tiny_llama, tmp_path
 
 
 def test_from_config_builds_or_shares_the_matrix(tiny_llama):
-    from drafters.planted import PlantedTreeDrafter
-    from drafters.recycling import RecyclingDrafter
+    from graft_block.drafters.planted import PlantedTreeDrafter
+    from graft_block.drafters.recycling import RecyclingDrafter
 
     planted = PlantedTreeDrafter(budget=12, vocab_size=tiny_llama.vocab_size)
     g = Graft.from_config({"mode": "fixed", "k": 4}, target=tiny_llama, drafter=planted)

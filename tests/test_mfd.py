@@ -6,14 +6,14 @@ from collections import Counter
 import pytest
 import torch
 
-import drafters.dflash as D
-import drafters.mfd as M
+import graft_block.drafters.dflash as D
+import graft_block.drafters.mfd as M
 from graft_block.decoder import SpeculativeDecoder
 from graft_block.drafter import Drafter
 from graft_block.errors import ConfigError
 from graft_block.sampling import SamplingConfig
 from graft_block.testing import chi_square_test, exact_sequence_probs, prefilled_state, tiny_target
-from tree import validate
+from graft_block.tree import validate
 
 PROMPT = [5, 17, 33, 2, 99, 64, 12]
 

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from tree import TreeError, validate
-from tree.ddtree import ddtree, topk_logprobs
-from tree.mixed import brute_force_mixed, mixed_ddtree, path_score, tree_paths
+from graft_block.tree import TreeError, validate
+from graft_block.tree.ddtree import ddtree, topk_logprobs
+from graft_block.tree.mixed import brute_force_mixed, mixed_ddtree, path_score, tree_paths
 
 
 def random_modes(M, L, K, V, seed, shared_vocab=True):

@@ -1,13 +1,13 @@
 import pytest
 import torch
 
-from drafters.recycling import PLDMatrixDrafter, RecyclingDrafter
+from graft_block.drafters.recycling import PLDMatrixDrafter, RecyclingDrafter
 from graft_block import Drafter, SpeculativeDecoder
 from graft_block.adjacency import AdjacencyMatrix
 from graft_block.errors import ConfigError
 from graft_block.testing import hf_greedy
-from tree import SOURCE_DRAFT, SOURCE_RETRIEVED, validate
-from tree.templates import level_sizes
+from graft_block.tree import SOURCE_DRAFT, SOURCE_RETRIEVED, validate
+from graft_block.tree.templates import level_sizes
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

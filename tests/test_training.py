@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-import drafters.dflash as D
+import graft_block.drafters.dflash as D
 from graft_block.errors import ConfigError
 from graft_block.testing import tiny_target
 from graft_block import training as T

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graft_block.testing import chi_square_test
-from tree import (
+from graft_block.tree import (
     SOURCE_RETRIEVED,
     TreeError,
     ancestor_mask,

@@ -23,15 +23,12 @@ the headline number is the drafted one ("chimeric nodes / B" when the tree is fu
     coherent and every unsupported step on its path is valid elsewhere.
     Defaults eps = 0.01, delta = 0.1 (sweep both).
 
-Round hooks for ``SpeculativeDecoder(..., round_hooks=[hook])``: ``proxy_hook(...)`` accumulates (b) per round
-from ``verified.logits``; ``futures_recorder(...)`` stores (context, tree) of chosen rounds so that (a) can be
-computed afterwards with ``sampled_report`` (sampling futures inside the loop would pollute the timings).
+This module is model-free: the round hooks that feed it and the sampling of target futures for (a) live in
+``graft_block.chimeric``.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
 import torch
 
 from .tree import SOURCE_DRAFT, SOURCE_RETRIEVED, Tree, TreeError
@@ -147,8 +144,8 @@ def proxy_shares(tree: Tree, logits: torch.Tensor, eps: float = 0.01, delta: flo
     return _shares(tree, labels, PROXY_LABELS, {"chimeric_path": flags})
 
 
-# ---- round hooks -------------------------------------------------------------------------------------------
-def _mean_rows(rows: list[dict], group: str) -> dict:
+# ---- aggregation over rounds -------------------------------------------------------------------------------
+def mean_rows(rows: list[dict], group: str) -> dict:
     """Average of per-round shares over rounds that have nodes of ``group``; counts are summed."""
     live = [r[group] for r in rows if r[group]["n"] > 0]
     if not live:
@@ -162,106 +159,3 @@ def _mean_rows(rows: list[dict], group: str) -> dict:
         else:
             out[key] = sum(r[key] for r in live) / len(live)
     return out
-
-
-@dataclass
-class ProxyHook:
-    """Round hook accumulating the one-pass proxy (b) of every verified tree. ``summary()`` averages per round."""
-
-    eps: float = 0.01
-    delta: float = 0.1
-    temperature: float = 1.0
-    rows: list = field(default_factory=list)
-
-    def __call__(self, verified, state=None) -> None:
-        if verified.tree.size > 1:
-            self.rows.append(proxy_shares(verified.tree, verified.logits, self.eps, self.delta, self.temperature))
-
-    def summary(self) -> dict:
-        return {group: _mean_rows(self.rows, group) for group in GROUPS}
-
-
-def proxy_hook(eps: float = 0.01, delta: float = 0.1, temperature: float = 1.0) -> ProxyHook:
-    """``SpeculativeDecoder(..., round_hooks=[proxy_hook()])``; read ``hook.summary()`` afterwards."""
-    return ProxyHook(eps, delta, temperature)
-
-
-@dataclass
-class FuturesRecorder:
-    """Round hook storing (context ids ending with the root, tree) for rounds ``first..first+count-1`` of each
-    generation (``every`` > 1 spaces them out). Feed ``records`` to ``sampled_report``."""
-
-    count: int = 4
-    every: int = 1
-    first: int = 0
-    records: list = field(default_factory=list)
-    _seen: int = 0
-
-    def __call__(self, verified, state) -> None:
-        r = state.round - 1  # state.round was advanced before hooks run
-        if r == 0:
-            self._seen = 0
-        if verified.tree.size <= 1 or r < self.first or (r - self.first) % self.every or self._seen >= self.count:
-            return
-        self._seen += 1
-        committed = verified.accepted + 1  # accepted nodes + bonus were appended to state.tokens this round
-        self.records.append((list(state.tokens[: len(state.tokens) - committed]), verified.tree))
-
-
-def futures_recorder(count: int = 4, every: int = 1, first: int = 0) -> FuturesRecorder:
-    return FuturesRecorder(count, every, first)
-
-
-def temperature_sampler(temperature: float = 1.0):
-    """Default future sampler: argmax at T=0, else one softmax(logits / T) draw per row (no top-k / top-p; pass
-    ``lambda logits, g: graft_block.sampling.choose(logits, cfg, g)`` to sample exactly like the decoder)."""
-
-    def sample(logits: torch.Tensor, generator) -> torch.Tensor:
-        if temperature == 0:
-            return logits.argmax(-1)
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-    return sample
-
-
-@torch.inference_mode()
-def sample_futures(target, context_ids, n: int = 64, length: int = 15, sampler=None,
-                   generator: torch.Generator | None = None, greedy: bool = True) -> list[list[int]]:
-    """``n`` futures of ``length`` tokens drawn with ``sampler`` (default: ``temperature_sampler(1.0)``) from the
-    target (an object with ``.model``, an HF causal LM, and ``.device``) after ``context_ids`` (last = the tree
-    root), plus its greedy continuation when ``greedy``. Uses its own KV cache: the decoder's cache is untouched."""
-    from transformers import DynamicCache  # the only model-side import of this module, needed for (a) only
-
-    if n < 0 or length < 1 or (n == 0 and not greedy):
-        raise TreeError(f"need n >= 0 futures (or greedy) and length >= 1, got n={n}, length={length}")
-    sampler = sampler or temperature_sampler(1.0)
-    model = target.model
-    ids = torch.as_tensor(context_ids, dtype=torch.long).to(target.device).view(1, -1)
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    rows = n + int(greedy)
-    cache.batch_repeat_interleave(rows)  # one prefill, then the context KV is shared by all rows
-    logits = out.logits[:, -1].expand(rows, -1)
-    result = torch.empty(rows, length, dtype=torch.long, device=target.device)
-    for step in range(length):
-        nxt = torch.empty(rows, dtype=torch.long, device=target.device)
-        if n:
-            nxt[:n] = sampler(logits[:n], generator)
-        if greedy:
-            nxt[n] = logits[n].argmax(-1)
-        result[:, step] = nxt
-        if step + 1 < length:
-            logits = model(input_ids=nxt.view(rows, 1), cache=cache, use_cache=True).logits[:, -1]
-    return result.tolist()
-
-
-def sampled_report(target, records, n: int = 64, length: int = 15, sampler=None, seed: int = 0,
-                   greedy: bool = True) -> dict:
-    """Protocol (a) over recorded rounds: per-round shares averaged over rounds, per source group."""
-    g = torch.Generator(device=target.device).manual_seed(seed)
-    rows = []
-    for context, tree in records:
-        futs = sample_futures(target, context, n, length, sampler, generator=g, greedy=greedy)
-        rows.append(sampled_shares(tree, futs))
-    return {group: _mean_rows(rows, group) for group in GROUPS}
