@@ -13,9 +13,10 @@ Model (``MFDModel``, a ``DFlashModel`` subclass; nothing else is new):
 Checkpoint: the z-lab DFlash format (``drafters.dflash.save_checkpoint``) plus the tensors ``mode_embed`` and
 ``mode_gate.weight``; config.json adds ``"type": "mfd"`` and ``"mfd_config": {"num_modes", "score", "mode_rows"}``.
 
-Training (the shared loop, ``python -m graft_block.drafters.train --type mfd --init drafters/checkpoints/dflash-smollm2``):
-DFlash's anchors, blocks, position weights and soft labels, with every block replicated over the K modes. Per block
-and mode the weighted block NLL ``L_k = sum_i w_i l_{k,i}`` (l = DFlash's hard/soft row loss); the loss is
+Training (the shared loop,
+``python -m graft_block.drafters.train --type mfd --init drafters/checkpoints/dflash-smollm2``): DFlash's anchors,
+blocks, position weights and soft labels, with every block replicated over the K modes. Per block and mode the
+weighted block NLL ``L_k = sum_i w_i l_{k,i}`` (l = DFlash's hard/soft row loss); the loss is
   - ``mixture`` (default): ``-log sum_k pi_k exp(-L_k)`` summed over blocks / sum of weights (EM-style: each mode
     is trained on the blocks it explains, in proportion to its posterior responsibility r_k); pi = softmax of the
     gate over modes (the gate reads detached states, so it cannot bend the drafter);
@@ -200,6 +201,12 @@ class MFDDrafter(D.DFlashDrafter):
             mask_e = target.embed(torch.tensor([model.mask_token_id], device=target.device))[0]
         model.break_symmetry(mask_e, scale, seed=int(init.get("seed", 0)))
         return cls(target, model, **opts)
+
+    @classmethod
+    def claims(cls, config: dict) -> bool:
+        """This project's MFD checkpoints: the DFlash layout plus ``mfd_config`` (a plain DFlash folder is dflash's,
+        although ``build`` also loads one as K = 1)."""
+        return D.is_dflash_layout(config) and isinstance(config.get("mfd_config"), dict)
 
     # ---- drafting ---------------------------------------------------------------------------------------
     def mode_logits(self, state, modes: int | None = None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Two steps, both resumable: ``--generate`` caches target answers (greedy, or ``--temperature/--top-p/--top-k
 --samples`` sampled ones) to ShareGPT train prompts with features and
-top-k soft labels (graft_block.training.generate_data); then training runs the drafter's ``training_model`` /
+top-k soft labels (graft_block.train_data.generate_data); then training runs the drafter's ``training_model`` /
 ``training_loss`` through the shared loop and writes its public checkpoint to ``--out``. Works under torchrun.
 
 Example (the bundled default, on 2 CPU cores; see drafters/checkpoints/dflash-smollm2/TRAINING.md):
@@ -66,11 +66,12 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from graft_block.target import load_target
-    from graft_block.training import generate_data, train
+    from graft_block.train_data import generate_data
+    from graft_block.training import train
 
     target = load_target(args.target, device=args.device)
     if args.generate and args.teacher_forced:
-        from graft_block.training import teacher_forced_data
+        from graft_block.train_data import teacher_forced_data
 
         teacher_forced_data(target, args.data, num_convs=args.num_prompts, max_len=args.max_len,
                             batch_size=args.gen_batch, layers=[int(x) for x in args.layers.split(",")] if args.layers else None,

@@ -1,20 +1,23 @@
-"""EAGLE-3 benchmark on SmolLM2: tau and wall-clock speedup over autoregressive decoding (same loop, same run,
-interleaved per prompt), draft vs verify time per round, and tau against training minutes.
+"""EAGLE-3 benchmark: tau and speedup over AR for a grid of tree shapes (greedy and sampled), and tau against
+training minutes from saved snapshots.
 
-    python -m eval.bench_eagle3 --checkpoint eagle3-smollm2 --n-humaneval 5 --n-mtbench 5 --max-new 128 \\
-        --grid 8:4:4,16:5:6,32:6:8,60:7:10 --sample-grid 16:5:6 --out runs/bench_eagle3.json
+    python eval/bench_eagle3.py --checkpoint @eagle3-smollm2 --limit 5 --grid 8:4:4,16:5:6,32:6:8,60:7:10 \\
+        --sample-grid 16:5:6 --snapshot 6=runs/e3/step100 --snapshot 12=runs/e3/step200
 
 Grid entries are ``total_tokens:depth:top_k`` (total_tokens = verified positions incl. the root, so the drafter
-budget is total_tokens - 1). Speedup = mean over prompts of (tokens/s of EAGLE-3) / mean of (tokens/s of AR), as
-EAGLE's speed.py; the pooled ratio (sum tokens / sum seconds) is reported too. Prefill is excluded from both.
+budget is total_tokens - 1). A list of arms over ``run_block`` (the one measurement core); every other option is
+run_block's (--limit, --prompts, --max-new-tokens, --threads, --out, ...).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import time
+import sys
+from pathlib import Path
+
+if not __package__ and (Path(__file__).resolve().parents[1] / "graft_block").is_dir():
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # `python eval/bench_eagle3.py` in a checkout
+
+from graft_block.eval import run_block  # noqa: E402
 
 
 def parse_grid(text: str) -> list[tuple[int, int, int]]:
@@ -25,114 +28,47 @@ def parse_grid(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def load_prompts(target, n_he: int, n_mt: int) -> list[tuple[str, list[int]]]:
-    from graft_block.data import humaneval, mtbench
-
-    recs = [("humaneval", r) for r in humaneval(n_he)] + [("mtbench", r) for r in mtbench(n_mt)]
-    return [(f"{src}:{r['id']}", target.encode([{"role": "user", "content": r["turns"][0]}]).tolist())
-            for src, r in recs]
-
-
-def run_one(dec, ids, max_new, temperature, seed):
-    res = dec.generate(ids, max_new_tokens=max_new, temperature=temperature, seed=seed)
-    st = res.stats
-    return {"tokens": res.tokens, "n": len(res.tokens), "decode_s": st.decode_s, "rounds": st.rounds,
-            "tau": st.tau, "tok_s": st.decode_tok_s, "committed": st.committed_in_rounds,
-            "draft_s": st.phase_s.get("draft", 0.0) + st.phase_s.get("tree", 0.0),
-            "verify_s": st.phase_s.get("verify", 0.0), "commit_s": st.phase_s.get("commit", 0.0)}
-
-
-def summarise(runs: list[dict], base: list[dict]) -> dict:
-    rounds = sum(r["rounds"] for r in runs)
-    return {
-        "tau": sum(r["committed"] for r in runs) / max(1, rounds),
-        "speedup_mean_ratio": statistics.mean(r["tok_s"] for r in runs) / statistics.mean(b["tok_s"] for b in base),
-        "speedup_pooled": (sum(r["committed"] for r in runs) / sum(r["decode_s"] for r in runs))
-        / (sum(b["committed"] for b in base) / sum(b["decode_s"] for b in base)),
-        "tok_s": statistics.mean(r["tok_s"] for r in runs),
-        "draft_ms_per_round": 1000 * sum(r["draft_s"] for r in runs) / max(1, rounds),
-        "verify_ms_per_round": 1000 * sum(r["verify_s"] for r in runs) / max(1, rounds),
-        "rounds": rounds,
-    }
+def arms(checkpoint: str, grid, prefix: str = "eagle3") -> dict[str, dict]:
+    return {f"{prefix}_tt{tt}_d{d}_k{k}": {"drafter": {"type": "eagle3", "checkpoint": checkpoint, "budget": tt - 1,
+                                                       "depth": d, "top_k": k}} for tt, d, k in grid}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--checkpoint", default="eagle3-smollm2")
-    ap.add_argument("--n-humaneval", type=int, default=5)
-    ap.add_argument("--n-mtbench", type=int, default=5)
-    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--checkpoint", default="@eagle3-smollm2", help="@bundled-name or checkpoint folder")
     ap.add_argument("--grid", default="8:4:4,16:5:6,32:6:8,60:7:10", help="greedy configs tt:depth:top_k")
     ap.add_argument("--sample-grid", default="16:5:6", help="T=1 configs (empty = skip sampling)")
     ap.add_argument("--snapshot", action="append", default=[],
                     help="MINUTES=FOLDER: a checkpoint saved after MINUTES of training (tau vs minutes, greedy)")
     ap.add_argument("--snapshot-config", default="16:5:6")
     ap.add_argument("--snapshot-max-new", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    args, rest = ap.parse_known_args(argv)
+    out = run_block.parse_args(["--out", "runs/bench_eagle3", *rest]).out
+    common = ["--first-turn-only", "--max-new-tokens", "128", "--limit", "5", *rest]
+    from graft_block import load_target
 
-    import torch
-
-    torch.set_num_threads(args.threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from graft_block.drafters.eagle3 import Eagle3Drafter, load_head, resolve_checkpoint
-    from graft_block.decoder import SpeculativeDecoder
-    from graft_block.target import load_target
-
-    t_start = time.time()
-    target = load_target(args.target)
-    prompts = load_prompts(target, args.n_humaneval, args.n_mtbench)
-    head = load_head(resolve_checkpoint(args.checkpoint), target)
-    report = {"checkpoint": str(args.checkpoint), "max_new": args.max_new, "threads": args.threads,
-              "prompts": [p[0] for p in prompts], "greedy": {}, "sample": {}, "tau_vs_minutes": []}
-
-    def drafter(tt, d, k, h=head):
-        return Eagle3Drafter(target, head=h, budget=tt - 1, depth=d, top_k=k)
-
-    ar = SpeculativeDecoder(target, None)
-    for mode, grid, temp in (("greedy", parse_grid(args.grid), 0.0), ("sample", parse_grid(args.sample_grid), 1.0)):
-        if not grid:
-            continue
-        decs = {f"tt{tt}_d{d}_k{k}": SpeculativeDecoder(target, drafter(tt, d, k)) for tt, d, k in grid}
-        runs = {name: [] for name in ["ar", *decs]}
-        mismatches = {name: 0 for name in decs}
-        for i, (pid, ids) in enumerate(prompts):
-            seed = args.seed + i
-            base = run_one(ar, ids, args.max_new, temp, seed)
-            runs["ar"].append(base)
-            for name, dec in decs.items():  # interleaved: every config right after the AR run of the same prompt
-                r = run_one(dec, ids, args.max_new, temp, seed)
-                runs[name].append(r)
-                if temp == 0.0 and r["tokens"] != base["tokens"]:
-                    mismatches[name] += 1
-            print(f"[{mode}] {pid}: AR {base['tok_s']:.1f} tok/s | " + " ".join(
-                f"{n} tau {runs[n][-1]['tau']:.2f} {runs[n][-1]['tok_s']:.1f} tok/s" for n in decs), flush=True)
-        summary = {"ar_tok_s": statistics.mean(b["tok_s"] for b in runs["ar"])}
-        for name in decs:
-            summary[name] = summarise(runs[name], runs["ar"])
-            if temp == 0.0:
-                summary[name]["greedy_mismatches"] = mismatches[name]
-        report[mode] = summary
-        print(json.dumps({mode: summary}, indent=1), flush=True)
-
+    opts = run_block.parse_args(common)
+    target = load_target(opts.target, device=opts.device, dtype=opts.dtype)
+    report = {}
+    for mode, grid, temp in (("greedy", args.grid, "0"), ("sample", args.sample_grid, "1")):
+        table = arms(args.checkpoint, parse_grid(grid))
+        if table:
+            report[mode] = run_block.main([*common, "--temperature", temp, "--methods", ",".join(["ar", *table]),
+                                           "--out", f"{out}/{mode}"], methods=table, target=target)
     if args.snapshot:
-        tt, d, k = parse_grid(args.snapshot_config)[0]
+        shape = parse_grid(args.snapshot_config)
+        table = {}
         for spec in args.snapshot:
             minutes, folder = spec.split("=", 1)
-            dec = SpeculativeDecoder(target, drafter(tt, d, k, load_head(folder, target)))
-            runs = [run_one(dec, ids, args.snapshot_max_new, 0.0, 0) for _, ids in prompts]
-            tau = sum(r["committed"] for r in runs) / sum(r["rounds"] for r in runs)
-            report["tau_vs_minutes"].append({"minutes": float(minutes), "folder": folder, "tau": tau,
-                                             "config": f"tt{tt}_d{d}_k{k}", "max_new": args.snapshot_max_new})
-            print(f"[snapshot] {minutes} min: tau {tau:.3f}", flush=True)
-    report["wall_s"] = time.time() - t_start
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=1)
-    print(f"done in {report['wall_s']:.0f} s")
+            table.update(arms(folder, shape, prefix=f"snapshot_{minutes}min"))
+        rep = run_block.main([*common, "--temperature", "0", "--max-new-tokens", str(args.snapshot_max_new),
+                              "--methods", ",".join(["ar", *table]), "--out", f"{out}/snapshots"], methods=table,
+                             target=target)
+        rows = {r["method"]: r for r in rep["summary"]}
+        report["tau_vs_minutes"] = [{"minutes": float(name.split("_")[1][:-3]), "tau": rows[name]["tau"],
+                                     "arm": name} for name in table if name in rows]
+        for r in report["tau_vs_minutes"]:
+            print(f"[snapshot] {r['minutes']:g} min: tau {r['tau']:.3f}")
     return report
 
 

@@ -1,57 +1,187 @@
-"""Named methods for eval/run_block.py beyond AR/HF/PLD: retrieval, EAGLE3 (+Graft ablations), DFlash (chain,
-Graft-TAIL, DDTree), MFD. ``@name`` in a drafter's ``checkpoint`` is a bundled drafter (drafters/checkpoints/);
-a method whose bundled drafter is missing is skipped with a message. ``default_budget`` is this CPU's choice
-(small: an n-node verify costs several decode steps here; use --budget on a GPU)."""
+"""The named methods, suites and paper claims of ``graft-block bench``: plain data, imported normally.
+
+A preset is a dict:
+    "drafter": ``Drafter.from_config`` input (None = our AR loop); "{budget}" takes the run's budget
+    "graft":   Graft settings ({"mode": "graft" | "prune" | "fixed" | "tail", ...}) or absent
+    "hf":      keyword arguments of HF ``generate`` (a peer, not our loop)
+    "default_budget": the budget when --budget is not given (this CPU's choice: an n-node verify costs several
+               decode steps here; use --budget on a GPU)
+    "chimeric": add the one-pass chimeric proxy to this method even without --chimeric
+    "about":   one line for --list-methods
+``"@name"`` in a drafter's ``checkpoint`` is a bundled drafter (``bundled_checkpoint(name)``); a method whose
+bundled drafter is missing is skipped with a message.
+"""
+from __future__ import annotations
+
+import copy
+
+from graft_block.errors import ConfigError
+
+_EAGLE = {"type": "eagle3", "checkpoint": "@eagle3-smollm2", "budget": "{budget}"}
+_DFLASH = {"type": "dflash", "checkpoint": "@dflash-smollm2"}
+
+PRESETS: dict[str, dict] = {
+    "ar": {"drafter": None, "about": "our loop with a root-only tree: the baseline of every speedup"},
+    "hf": {"hf": {}, "about": "HF generate (greedy / sampling), a peer"},
+    "hf_pld": {"hf": {"prompt_lookup_num_tokens": 10}, "about": "HF prompt-lookup decoding, a peer"},
+    "pld": {"drafter": {"type": "pld", "budget": "{budget}"}, "default_budget": 10,
+            "about": "prompt lookup (n-gram copy from the context)"},
+    "recycling": {"drafter": {"type": "recycling", "budget": "{budget}"}, "default_budget": 16,
+                  "about": "Token Recycling: adjacency-matrix retrieval tree"},
+    "pld_matrix": {"drafter": {"type": "pld_matrix", "budget": "{budget}"}, "default_budget": 16,
+                   "about": "prompt lookup + adjacency-matrix retrieval"},
+    "eagle3": {"drafter": _EAGLE, "default_budget": 16, "about": "EAGLE3 dense tree (EAGLE-2 expansion)"},
+    "eagle3_prune": {"drafter": _EAGLE, "graft": {"mode": "prune"}, "default_budget": 16,
+                     "about": "EAGLE3 + Graft pruning only"},
+    "eagle3_fixed": {"drafter": _EAGLE, "graft": {"mode": "fixed"}, "default_budget": 16,
+                     "about": "EAGLE3 + fixed-ratio retrieval"},
+    "eagle3_graft": {"drafter": _EAGLE, "graft": {"mode": "graft"}, "default_budget": 16,
+                     "about": "EAGLE3 + Graft (prune -> retrieve -> splice)"},
+    "dflash_chain": {"drafter": {**_DFLASH, "proposal": "chain"}, "about": "DFlash block as a chain"},
+    "dflash_tail": {"drafter": {**_DFLASH, "proposal": "chain"}, "graft": {"mode": "tail", "tail_threshold": 0.3},
+                    "about": "DFlash chain + Graft-TAIL"},
+    "dflash_ddtree": {"drafter": {**_DFLASH, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
+                      "about": "DFlash DDTree (best-first heap)"},
+    "dflash_ddtree64": {"drafter": {**_DFLASH, "proposal": "ddtree", "budget": 64}, "chimeric": True,
+                        "about": "DFlash DDTree at 64 nodes, with the chimeric proxy"},
+    "mfd": {"drafter": {"type": "mfd", "checkpoint": "@mfd-smollm2", "budget": "{budget}"}, "default_budget": 16,
+            "about": "Multi-Future Drafting, K=4 best-mode mixed tree"},
+    # The fair DDTree control for MFD: the K=1 drafter given the same extra training (equal compute).
+    "mfd_k1_ddtree": {"drafter": {"type": "mfd", "checkpoint": "@mfd-smollm2-k1", "budget": "{budget}"},
+                      "default_budget": 16, "about": "the K=1 control (DDTree) trained like mfd"},
+}
+
+QUICK = ["ar", "hf", "hf_pld", "pld", "recycling", "pld_matrix", "eagle3_graft", "dflash_tail", "dflash_ddtree",
+         "mfd"]
+PAPER = ["ar", "pld", "eagle3", "eagle3_prune", "eagle3_fixed", "eagle3_graft", "dflash_chain", "dflash_tail",
+         "dflash_ddtree", "dflash_ddtree64", "mfd", "mfd_k1_ddtree"]
+
+# Per suite: prompt sets, prompts per set (the --limit default), new tokens, temperatures, methods.
+SUITES: dict[str, dict] = {
+    # quick: 2 HumanEval + 2 two-turn MT-Bench prompts = 6 prompt-turns per method (a few minutes on 2 cores)
+    "quick": {"prompts": ["humaneval", "mtbench"], "limit": 2, "max_new_tokens": 80, "temperatures": [0.0],
+              "methods": QUICK},
+    "paper": {"prompts": ["humaneval", "mtbench"], "limit": 2, "max_new_tokens": 96, "temperatures": [0.0],
+              "methods": PAPER},
+    "full": {"prompts": ["humaneval", "mtbench", "sharegpt"], "limit": 20, "max_new_tokens": 256,
+             "temperatures": [0.0, 1.0], "methods": list(PRESETS)},
+}
+
+# Relative claims of the seed papers. "threshold": holds when our ratio (method / baseline) is at least it.
+PAPER_CLAIMS: list[dict] = [
+    {"claim": "Graft faster than EAGLE3 dense", "method": "eagle3_graft", "baseline": "eagle3",
+     "paper": "+15.3% (Qwen3-8B, 2.43x vs 2.11x)", "threshold": 1.0},
+    {"claim": "Graft faster than pruning only", "method": "eagle3_graft", "baseline": "eagle3_prune",
+     "paper": "2.43x vs 2.20x (Qwen3-8B)", "threshold": 1.0},
+    {"claim": "Graft faster than fixed-ratio retrieval", "method": "eagle3_graft", "baseline": "eagle3_fixed",
+     "paper": "2.43x vs 1.95x (Qwen3-8B)", "threshold": 1.0},
+    {"claim": "pruning only faster than dense", "method": "eagle3_prune", "baseline": "eagle3",
+     "paper": "ECHO-style pruning beats dense in speed", "threshold": 1.0},
+    {"claim": "Graft MAT >= pruning-only MAT", "method": "eagle3_graft", "baseline": "eagle3_prune",
+     "metric": "tau", "paper": "MAT(Graft) >= MAT(pruned) (theorem)", "threshold": 1.0},
+    {"claim": "Graft-TAIL faster than DFlash chain", "method": "dflash_tail", "baseline": "dflash_chain",
+     "paper": "+9.1% (Qwen3-8B, 3.40x -> 3.71x)", "threshold": 1.0},
+    {"claim": "MFD faster than DDTree at equal budget", "method": "mfd", "baseline": "mfd_k1_ddtree",
+     "paper": "MFD > DDTree / DARTree (+9-16% vs DARTree)", "threshold": 1.0},
+    {"claim": "MFD accepts more than DDTree at equal budget", "method": "mfd", "baseline": "mfd_k1_ddtree",
+     "metric": "tau", "paper": "higher acceptance at equal budget", "threshold": 1.0},
+    {"claim": "DDTree chimeric share at 64 nodes in 27-33%", "method": "dflash_ddtree64", "baseline": None,
+     "metric": "chimeric_share", "ratio": False, "range": (0.27, 0.33), "paper": "27-33% of a 64-node tree"},
+]
 
 
-def install(rb) -> None:
-    """Register the presets and the paper claims into the run_block module ``rb``."""
-    register_preset, PAPER_METHODS, PAPER_CLAIMS = rb.register_preset, rb.PAPER_METHODS, rb.PAPER_CLAIMS
-    register_preset("recycling", {"drafter": {"type": "recycling", "budget": "{budget}"}, "default_budget": 16}, quick=True)
-    register_preset("pld_matrix", {"drafter": {"type": "pld_matrix", "budget": "{budget}"}, "default_budget": 16},
-                    quick=True)
+def takes_budget(spec: dict) -> bool:
+    """Whether --budget changes this method (a "{budget}" placeholder somewhere in it)."""
+    if isinstance(spec, dict):
+        return any(takes_budget(v) for v in spec.values())
+    if isinstance(spec, list):
+        return any(takes_budget(v) for v in spec)
+    return spec == "{budget}"
 
-    EAGLE = {"type": "eagle3", "checkpoint": "@eagle3-smollm2", "budget": "{budget}"}
-    register_preset("eagle3", {"drafter": EAGLE, "default_budget": 16})
-    register_preset("eagle3_prune", {"drafter": EAGLE, "graft": {"mode": "prune"}, "default_budget": 16})
-    register_preset("eagle3_fixed", {"drafter": EAGLE, "graft": {"mode": "fixed"}, "default_budget": 16})
-    register_preset("eagle3_graft", {"drafter": EAGLE, "graft": {"mode": "graft"}, "default_budget": 16}, quick=True)
 
-    DFLASH = {"type": "dflash", "checkpoint": "@dflash-smollm2"}
-    register_preset("dflash_chain", {"drafter": {**DFLASH, "proposal": "chain"}})
-    register_preset("dflash_tail", {"drafter": {**DFLASH, "proposal": "chain"},
-                                    "graft": {"mode": "tail", "tail_threshold": 0.3}}, quick=True)
-    register_preset("dflash_ddtree", {"drafter": {**DFLASH, "proposal": "ddtree", "budget": "{budget}"},
-                                      "default_budget": 16}, quick=True)
-    register_preset("dflash_ddtree64", {"drafter": {**DFLASH, "proposal": "ddtree", "budget": 64}, "chimeric": True})
+def fill_budget(obj, budget: int):
+    """Replace every "{budget}" placeholder with ``budget`` (a copy)."""
+    if isinstance(obj, dict):
+        return {k: fill_budget(v, budget) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [fill_budget(v, budget) for v in obj]
+    return int(budget) if obj == "{budget}" else obj
 
-    register_preset("mfd", {"drafter": {"type": "mfd", "checkpoint": "@mfd-smollm2", "budget": "{budget}"},
-                            "default_budget": 16}, quick=True)
-    # The fair DDTree control for MFD: the K=1 drafter given the same extra training (mfd.md: equal compute).
-    register_preset("mfd_k1_ddtree", {"drafter": {"type": "mfd", "checkpoint": "@mfd-smollm2-k1", "budget": "{budget}"},
-                                      "default_budget": 16})
 
-    PAPER_METHODS[:] = ["ar", "pld", "eagle3", "eagle3_prune", "eagle3_fixed", "eagle3_graft", "dflash_chain",
-                        "dflash_tail", "dflash_ddtree", "dflash_ddtree64", "mfd", "mfd_k1_ddtree"]
+def bundled_refs(obj) -> list[str]:
+    """The "@name" bundled-checkpoint references in a preset."""
+    if isinstance(obj, dict):
+        return [r for v in obj.values() for r in bundled_refs(v)]
+    if isinstance(obj, list):
+        return [r for v in obj for r in bundled_refs(v)]
+    return [obj[1:]] if isinstance(obj, str) and obj.startswith("@") else []
 
-    # Relative claims of the seed papers. "threshold": holds when our ratio (method / baseline) is at least it.
-    PAPER_CLAIMS[:] = [
-        {"claim": "Graft faster than EAGLE3 dense", "method": "eagle3_graft", "baseline": "eagle3",
-         "paper": "+15.3% (Qwen3-8B, 2.43x vs 2.11x)", "threshold": 1.0},
-        {"claim": "Graft faster than pruning only", "method": "eagle3_graft", "baseline": "eagle3_prune",
-         "paper": "2.43x vs 2.20x (Qwen3-8B)", "threshold": 1.0},
-        {"claim": "Graft faster than fixed-ratio retrieval", "method": "eagle3_graft", "baseline": "eagle3_fixed",
-         "paper": "2.43x vs 1.95x (Qwen3-8B)", "threshold": 1.0},
-        {"claim": "pruning only faster than dense", "method": "eagle3_prune", "baseline": "eagle3",
-         "paper": "ECHO-style pruning beats dense in speed", "threshold": 1.0},
-        {"claim": "Graft MAT >= pruning-only MAT", "method": "eagle3_graft", "baseline": "eagle3_prune",
-         "metric": "tau", "paper": "MAT(Graft) >= MAT(pruned) (theorem)", "threshold": 1.0},
-        {"claim": "Graft-TAIL faster than DFlash chain", "method": "dflash_tail", "baseline": "dflash_chain",
-         "paper": "+9.1% (Qwen3-8B, 3.40x -> 3.71x)", "threshold": 1.0},
-        {"claim": "MFD faster than DDTree at equal budget", "method": "mfd", "baseline": "mfd_k1_ddtree",
-         "paper": "MFD > DDTree / DARTree (+9-16% vs DARTree)", "threshold": 1.0},
-        {"claim": "MFD accepts more than DDTree at equal budget", "method": "mfd", "baseline": "mfd_k1_ddtree",
-         "metric": "tau", "paper": "higher acceptance at equal budget", "threshold": 1.0},
-        {"claim": "DDTree chimeric share at 64 nodes in 27-33%", "method": "dflash_ddtree64", "baseline": None,
-         "metric": "chimeric_share", "ratio": False, "range": (0.27, 0.33), "paper": "27-33% of a 64-node tree"},
-    ]
+
+def resolve_bundled(obj, name: str):
+    """Replace "@short-name" checkpoint references with the bundled folder; ConfigError (skip) when missing."""
+    from graft_block.drafter import bundled_checkpoint
+
+    if isinstance(obj, dict):
+        return {k: resolve_bundled(v, name) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [resolve_bundled(v, name) for v in obj]
+    if isinstance(obj, str) and obj.startswith("@"):
+        folder = bundled_checkpoint(obj[1:])
+        if folder is None:
+            raise ConfigError(f"method {name!r} needs the bundled drafter {obj[1:]!r}, which is not installed")
+        return str(folder)
+    return obj
+
+
+def prepare(name: str, spec: dict, budget: int | None) -> dict:
+    """A preset ready to build: budget filled (the run's or the preset's default), bundled folders resolved."""
+    spec = copy.deepcopy(spec)
+    spec.pop("about", None)
+    default = spec.pop("default_budget", 10)
+    return resolve_bundled(fill_budget(spec, default if budget is None else budget), name)
+
+
+def method_rows(extra: dict | None = None) -> list[dict]:
+    """One row per method for --list-methods: name, drafter, graft mode, default budget, checkpoint status, suites.
+    Reads only the table and the checkpoint folders: no model is loaded."""
+    from graft_block.drafter import bundled_checkpoint
+
+    rows = []
+    for name, spec in {**PRESETS, **(extra or {})}.items():
+        d = spec.get("drafter")
+        if spec.get("hf") is not None:
+            drafter = "HF generate" + (" + prompt lookup" if "prompt_lookup_num_tokens" in spec["hf"] else "")
+        elif d is None:
+            drafter = "none (AR)"
+        elif isinstance(d, dict):
+            drafter = d.get("type", "?") + (f" {d['proposal']}" if "proposal" in d else "")
+        else:
+            drafter = str(d)
+        refs = bundled_refs(spec)
+        if refs:
+            found = {r: bundled_checkpoint(r) for r in refs}
+            ckpt = ", ".join(f"{r}: {'found' if f else 'MISSING'}" for r, f in found.items())
+        elif isinstance(d, dict) and d.get("checkpoint"):
+            ckpt = str(d["checkpoint"])
+        else:
+            ckpt = "-"
+        budget = spec.get("default_budget", 10) if takes_budget(spec) else _fixed_budget(d)
+        rows.append({"name": name, "drafter": drafter, "graft": (spec.get("graft") or {}).get("mode", "-"),
+                     "budget": budget, "checkpoint": ckpt,
+                     "suites": ",".join(s for s, v in SUITES.items() if name in v["methods"]) or "-",
+                     "about": spec.get("about", "")})
+    return rows
+
+
+def _fixed_budget(d) -> str:
+    if isinstance(d, dict) and isinstance(d.get("budget"), int):
+        return str(d["budget"])
+    return "-" if d is None else "drafter's"
+
+
+def format_methods(rows: list[dict]) -> str:
+    lines = ["| method | drafter | graft | default budget | checkpoint | suites | what |", "|" + "---|" * 7]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['drafter']} | {r['graft']} | {r['budget']} | {r['checkpoint']} | "
+                     f"{r['suites']} | {r['about']} |")
+    return "\n".join(lines)

@@ -9,7 +9,8 @@ from pathlib import Path as _Path
 # In a source checkout the three folders sit beside this one; a wheel places them inside it. Searching the
 # checkout root as well lets `python eval/run_block.py` and the tests run without any install.
 _checkout = _Path(__file__).resolve().parent.parent
-if (_checkout / "tree" / "__init__.py").exists() and not (_Path(__file__).parent / "tree").exists():
+if (_checkout / "pyproject.toml").exists() and (_checkout / "tree" / "__init__.py").exists() \
+        and not (_Path(__file__).parent / "tree").exists():
     __path__.append(str(_checkout))  # noqa: F821 - a package's __path__
 
 __version__ = "0.1.0"

@@ -109,34 +109,3 @@ def sharegpt(split: str = "train", limit: int | None = None, max_prompt_chars: i
         if limit and len(out) >= limit:
             break
     return out
-
-
-def jsonl(path: str | Path, field: str = "prompt", limit: int | None = None) -> list[dict]:
-    """Any JSONL file whose records hold a prompt string in ``field`` (or a list of turns in "turns")."""
-    out = []
-    for k, line in enumerate(Path(path).read_text().splitlines()):
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        if "turns" in rec and isinstance(rec["turns"], list):
-            # a turn is text, or a list of token ids for tokenizer-less targets
-            turns = [t if isinstance(t, list) else str(t) for t in rec["turns"]]
-        elif field in rec:
-            turns = [str(rec[field])]
-        else:
-            raise ConfigError(f"{path}:{k + 1} has no {field!r} field (use --prompt-field to name it)")
-        out.append({"id": str(rec.get("id", f"{Path(path).stem}/{k}")), "turns": turns})
-    return out[:limit] if limit else out
-
-
-def load_prompts(name: str, limit: int | None = None) -> list[dict]:
-    """'humaneval', 'mtbench', 'sharegpt' (the eval slice) or a path to a JSONL file."""
-    if name == "humaneval":
-        return humaneval(limit)
-    if name == "mtbench":
-        return mtbench(limit)
-    if name == "sharegpt":
-        return sharegpt("eval", limit)
-    if Path(name).exists():
-        return jsonl(name, limit=limit)
-    raise ConfigError(f"unknown prompt set {name!r}: use humaneval, mtbench, sharegpt or a JSONL file path")

@@ -101,8 +101,14 @@ class Verified:
 
 @dataclass
 class Stats:
+    """Counts of one ``generate``. ``committed_in_rounds`` = tokens the rounds *emitted* (after the stop trim: EOS or
+    max_new_tokens), so tau and tok/s never count tokens that were verified but thrown away; those are in
+    ``dropped``. ``accept_hist`` is the walk's acceptance per round (draft nodes accepted, before the trim), a
+    property of the drafter: sum((k + 1) * n) == committed_in_rounds + dropped."""
+
     rounds: int = 0
     committed_in_rounds: int = 0
+    dropped: int = 0
     accept_hist: Counter = field(default_factory=Counter)
     phase_s: dict = field(default_factory=dict)
     prefill_s: float = 0.0
@@ -114,12 +120,12 @@ class Stats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per target verification forward, bonus included."""
+        """Mean tokens emitted per target verification forward, bonus included."""
         return self.committed_in_rounds / self.rounds if self.rounds else 0.0
 
     @property
     def decode_tok_s(self) -> float:
-        """Tokens per second after prefill (the prefill token is excluded, as in the papers)."""
+        """Emitted tokens per second after prefill (the prefill token is excluded, as in the papers)."""
         return self.committed_in_rounds / self.decode_s if self.decode_s > 0 else 0.0
 
     def to_dict(self) -> dict:
@@ -127,6 +133,8 @@ class Stats:
             "rounds": self.rounds,
             "tau": self.tau,
             "new_tokens": self.new_tokens,
+            "decode_tokens": self.committed_in_rounds,
+            "dropped": self.dropped,
             "accept_hist": {int(k): int(v) for k, v in sorted(self.accept_hist.items())},
             "phase_s": dict(self.phase_s),
             "prefill_s": self.prefill_s,
@@ -252,9 +260,8 @@ class SpeculativeDecoder:
                         self.drafter.commit(state, verified)
                     for hook in self.round_hooks:
                         hook(verified, state)
-                # statistics
+                # statistics (acceptance before the stop trim; emitted counts after it, below)
                 stats.rounds += 1
-                stats.committed_in_rounds += len(new)
                 stats.accept_hist[len(new) - 1] += 1
                 stats.tree_nodes += tree.size - 1
                 if tree.num_retrieved:
@@ -272,8 +279,10 @@ class SpeculativeDecoder:
                     if over > 0:
                         keep = min(keep, len(new) - over)
                     del state.tokens[len(state.tokens) - len(new) + keep :]
+                    stats.dropped += len(new) - keep
                     new = new[:keep]
                     done = True
+                stats.committed_in_rounds += len(new)  # emitted tokens only: the trimmed tail never counts
                 emit(new)
         self._sync()
         stats.decode_s = time.perf_counter() - t_loop

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -34,11 +35,19 @@ from .kernels import expand as expand_template
 from .pruning import (CHECKPOINTS, SIGNALS, fired_stage, normalize_thresholds, path_min_scores, ranked_nodes,
                       reorder, top_nodes, tree_signals)
 
-MODES = ("graft", "prune", "fixed", "tail", "static", "retrieve_only")
 ATTACH = ("root", "frontier", "both")
 # Draft nodes kept per fired stage at Graft's 60-slot budget (seed article); scaled linearly to other budgets.
 DEFAULT_DRAFT_ALLOWANCES = {0: 8, 1: 24, 5: 40}
 REFERENCE_BUDGET = 60
+
+
+@runtime_checkable
+class RetrievalDrafter(Protocol):
+    """A drafter that owns an adjacency matrix (recycling, pld_matrix): Graft shares it instead of a second one."""
+
+    matrix: AdjacencyMatrix | None
+
+    def ensure_matrix(self, target) -> AdjacencyMatrix: ...
 
 
 class Graft:
@@ -52,8 +61,8 @@ class Graft:
                  record_signals: bool = False):
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
             raise ConfigError(f"Graft budget must be an int >= 1 (non-root nodes per round), got {budget!r}")
-        if mode not in MODES:
-            raise ConfigError(f"unknown Graft mode {mode!r}; choose one of {MODES}")
+        if mode not in POLICIES:
+            raise ConfigError(f"unknown Graft mode {mode!r}; choose one of {tuple(POLICIES)}")
         if signal not in SIGNALS:
             raise ConfigError(f"unknown pruning signal {signal!r}; choose one of {SIGNALS}")
         if attach not in ATTACH:
@@ -124,23 +133,7 @@ class Graft:
         root = int(tree.tokens[0]) if state is None else int(state.root_token)
         if int(tree.tokens[0]) != root:
             raise ConfigError(f"draft tree root {int(tree.tokens[0])} != state.root_token {root}")
-        mode = self.mode
-        if mode == "retrieve_only":
-            # A pure ablation: no draft node is used, not even to refill.
-            empty = root_only(root)
-            stage, out = "retrieve_only", self.hybrid(empty, empty, "retrieve_only", self.budget)
-        elif mode in ("graft", "prune"):
-            stage = self.stage_of(tree)
-            kept = tree.subset(top_nodes(tree, self.draft_allowance(stage)))
-            out = kept if (mode == "prune" or stage is None) else self.hybrid(kept, tree, stage, self.budget)
-        elif mode == "fixed":
-            stage = "fixed"
-            kept = tree.subset(top_nodes(tree, self.draft_allowance("fixed")))
-            out = self.hybrid(kept, tree, stage, self.budget)
-        elif mode == "tail":
-            stage, out = self._tail(tree, root)
-        else:  # static
-            stage, out = self._static(tree)
+        stage, out = POLICIES[self.mode](self, tree, root)
         self._last = {"stage": stage, "draft": out.num_drafted, "retrieved": out.num_retrieved}
         return out
 
@@ -161,35 +154,6 @@ class Graft:
         if self.refill and out.size - 1 < budget and draft.size > 1:
             out = merge(out, reorder(draft, ranked_nodes(draft)), budget=budget)
         return out
-
-    def _tail(self, tree: Tree, root: int):
-        """Graft-TAIL: keep nodes whose confidence (and every ancestor's) passes; retrieve from the last kept token."""
-        if self.tail_confidence == "marginal":
-            par = tree.parents.clamp(min=0)
-            conf = torch.exp(tree.scores.double() - tree.scores.double()[par])
-        else:
-            conf = torch.exp(tree.scores.double())
-        ok = (conf >= self.tail_threshold).tolist()
-        pars = tree.parents.tolist()
-        keep = [True] + [False] * (tree.size - 1)
-        for i in range(1, tree.size):
-            keep[i] = ok[i] and keep[pars[i]]
-        idx = torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long)
-        kept = tree.subset(idx[: self.budget + 1])
-        if kept.size - 1 >= self.budget:
-            return "tail_none", kept
-        end = best_path_end(kept)
-        return f"tail@{int(kept.depths[end])}", self.hybrid(kept, tree, "tail", self.budget, attach_node=end)
-
-    def _static(self, tree: Tree):
-        """Same node count as the incoming tree; low-confidence draft nodes are replaced by retrieved ones."""
-        n = min(tree.size - 1, self.budget)
-        eff = path_min_scores(tree)
-        confident = int((eff[1:] >= self.static_threshold).sum())
-        kept = tree.subset(top_nodes(tree, min(confident, n)))
-        if kept.size - 1 >= n:
-            return "static_none", kept
-        return "static", self.hybrid(kept, tree, "static", n)
 
     # ---- after verification -------------------------------------------------------------------------------
     def observe(self, verified, state=None) -> None:
@@ -251,10 +215,8 @@ class Graft:
         path = cfg.pop("matrix", None)
         if drafter is not None and "budget" not in cfg:
             cfg["budget"] = int(drafter.budget)
-        if matrix is None and isinstance(getattr(drafter, "matrix", None), AdjacencyMatrix):
-            matrix = drafter.matrix
-        if matrix is None and drafter is not None and hasattr(drafter, "ensure_matrix") and target is not None:
-            matrix = drafter.ensure_matrix(target)
+        if matrix is None and isinstance(drafter, RetrievalDrafter):
+            matrix = drafter.matrix if drafter.matrix is not None or target is None else drafter.ensure_matrix(target)
         if matrix is None and path is not None:
             matrix = AdjacencyMatrix.load(path, device="cpu" if target is None else target.device)
         if matrix is None and target is not None and cfg.get("mode", "graft") != "prune":
@@ -282,3 +244,64 @@ def best_path_end(tree: Tree) -> int:
     while cur in best_child:
         cur = best_child[cur]
     return cur
+
+
+# ---- the mode policies: (graft, draft tree, root token) -> (stage label, tree to verify) --------------------
+def graft_policy(g: "Graft", tree: Tree, root: int):
+    """Calibrated pruning picks a stage; keep its draft allowance and fill the budget with retrieval."""
+    stage = g.stage_of(tree)
+    kept = tree.subset(top_nodes(tree, g.draft_allowance(stage)))
+    return stage, kept if stage is None else g.hybrid(kept, tree, stage, g.budget)
+
+
+def prune_policy(g: "Graft", tree: Tree, root: int):
+    """The same pruning, no retrieval: the tree shrinks."""
+    stage = g.stage_of(tree)
+    return stage, tree.subset(top_nodes(tree, g.draft_allowance(stage)))
+
+
+def fixed_policy(g: "Graft", tree: Tree, root: int):
+    """A fixed draft/retrieval split every round."""
+    kept = tree.subset(top_nodes(tree, g.draft_allowance("fixed")))
+    return "fixed", g.hybrid(kept, tree, "fixed", g.budget)
+
+
+def retrieve_only_policy(g: "Graft", tree: Tree, root: int):
+    """A pure ablation: no draft node is used, not even to refill."""
+    empty = root_only(root)
+    return "retrieve_only", g.hybrid(empty, empty, "retrieve_only", g.budget)
+
+
+def tail_policy(g: "Graft", tree: Tree, root: int):
+    """Graft-TAIL: keep nodes whose confidence (and every ancestor's) passes; retrieve from the last kept token."""
+    if g.tail_confidence == "marginal":
+        par = tree.parents.clamp(min=0)
+        conf = torch.exp(tree.scores.double() - tree.scores.double()[par])
+    else:
+        conf = torch.exp(tree.scores.double())
+    ok = (conf >= g.tail_threshold).tolist()
+    pars = tree.parents.tolist()
+    keep = [True] + [False] * (tree.size - 1)
+    for i in range(1, tree.size):
+        keep[i] = ok[i] and keep[pars[i]]
+    idx = torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long)
+    kept = tree.subset(idx[: g.budget + 1])
+    if kept.size - 1 >= g.budget:
+        return "tail_none", kept
+    end = best_path_end(kept)
+    return f"tail@{int(kept.depths[end])}", g.hybrid(kept, tree, "tail", g.budget, attach_node=end)
+
+
+def static_policy(g: "Graft", tree: Tree, root: int):
+    """Same node count as the incoming tree; low-confidence draft nodes are replaced by retrieved ones."""
+    n = min(tree.size - 1, g.budget)
+    eff = path_min_scores(tree)
+    confident = int((eff[1:] >= g.static_threshold).sum())
+    kept = tree.subset(top_nodes(tree, min(confident, n)))
+    if kept.size - 1 >= n:
+        return "static_none", kept
+    return "static", g.hybrid(kept, tree, "static", n)
+
+
+POLICIES = {"graft": graft_policy, "prune": prune_policy, "fixed": fixed_policy, "tail": tail_policy,
+            "static": static_policy, "retrieve_only": retrieve_only_policy}

@@ -109,3 +109,11 @@ def prefilled_state(target: Target, prompt, drafter=None):
         drafter.prefill(st)
     return st
 
+
+def null_tv_quantile(exact: dict, n: int, q: float = 0.999, draws: int = 2000) -> float:
+    """The q-quantile of the TV distance between n exact samples and the exact law (the test's TV tolerance)."""
+    p = torch.tensor(list(exact.values()), dtype=torch.float64)
+    idx = torch.multinomial(p, draws * n, replacement=True, generator=torch.Generator().manual_seed(0))
+    counts = torch.zeros(draws, p.numel(), dtype=torch.float64)
+    counts.scatter_add_(1, idx.view(draws, n), torch.ones(draws, n, dtype=torch.float64))
+    return float((0.5 * (counts / n - p).abs().sum(-1)).quantile(q))

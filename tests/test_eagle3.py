@@ -22,7 +22,7 @@ from graft_block.decoder import DecodeState, SpeculativeDecoder
 from graft_block.sampling import SamplingConfig
 from graft_block.drafter import Drafter
 from graft_block.errors import ConfigError
-from graft_block.testing import tiny_target
+from graft_block.testing import prefilled_state, tiny_target
 from graft_block.tree import validate
 
 
@@ -156,6 +156,93 @@ def test_speculators_config_parsing():
     assert eagle.rope_theta == 10000.0 and not eagle.norm_before_residual  # draft's RoPE, not the target's
 
 
+# ---- untouched hub folders (no "type" key) -----------------------------------------------------------------
+# Keys real hub config.json files carry next to the model shape; none of them is a drafter setting.
+HUB_EXTRAS = {"torch_dtype": "float16", "transformers_version": "4.51.0", "use_cache": True, "initializer_range": 0.02,
+              "attention_dropout": 0.0, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "top_k": 50}
+
+
+def hub_folder(folder, head, layout):
+    """Save ``head`` as an untouched hub checkpoint: EAGLE's template ("LlamaForCausalLM"), SpecForge
+    ("LlamaForCausalLMEagle3") or vLLM speculators ("Eagle3Speculator", nested transformer_layer_config)."""
+    save_head(head, folder, layout="speculators" if layout == "speculators" else "eagle", dtype=torch.float32)
+    cfg = json.loads((folder / "config.json").read_text())
+    if layout == "speculators":
+        cfg.update({"speculators_version": "0.2.0", "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"]}}})
+    else:
+        cfg.update(HUB_EXTRAS)
+        if layout == "eagle-template":
+            cfg["architectures"] = ["LlamaForCausalLM"]
+    assert "type" not in cfg and "drafter_defaults" not in cfg
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["eagle-template", "specforge", "speculators"])
+def test_hub_folder_without_type_loads_like_explicit(tmp_path, tiny_llama, layout):
+    t = tiny_llama
+    head = make_head(t, seed=5, norm_before_residual=(layout == "speculators"))
+    folder = hub_folder(tmp_path, head, layout)
+    assert Eagle3Drafter.claims(json.loads((folder / "config.json").read_text()))
+    auto = Drafter.from_config(str(folder), target=t)
+    explicit = Drafter.from_config({"type": "eagle3", "checkpoint": str(folder)}, target=t)
+    assert isinstance(auto, Eagle3Drafter) and auto.describe() == explicit.describe()
+    assert auto.top_k == 10  # the hub file's generation-style top_k is not a drafter setting
+    prompt = prompts(1, 10, 128, seed=4)[0]
+    trees = []
+    for dr in (auto, explicit, Eagle3Drafter(t, head=head)):
+        state = prefilled_state(t, prompt, dr)
+        tree = dr.propose(state)
+        trees.append((tree.tokens, tree.parents, dr.last_candidates.scores))
+    for other in trees[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(trees[0], other))
+
+
+def test_claims_only_eagle3_configs():
+    from graft_block.drafter import bundled_checkpoint
+
+    for name in ("dflash-smollm2", "mfd-smollm2"):
+        folder = bundled_checkpoint(name)
+        if folder is None:
+            continue
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.pop("type")
+        assert not Eagle3Drafter.claims(cfg), name
+    zlab_dflash = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 4096,
+                   "block_size": 16, "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17]}}
+    assert not Eagle3Drafter.claims(zlab_dflash)
+    assert not Eagle3Drafter.claims({"speculators_model_type": "eagle", "architectures": ["EagleSpeculator"]})
+    assert not Eagle3Drafter.claims({"architectures": ["LlamaForCausalLM"], "hidden_size": 64})  # a plain model
+    assert Eagle3Drafter.claims({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64})
+
+
+def test_unrecognised_folder_fails_clearly(tmp_path, tiny_llama):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 64}))
+    with pytest.raises(ConfigError, match=r"no 'type' key and no registered drafter recognises.*GPT2LMHeadModel"):
+        Drafter.from_config(str(tmp_path), target=tiny_llama)
+
+
+def test_bias_key_is_ignored_like_the_reference(tmp_path, tiny_llama):
+    """EAGLE passes config "bias" (default true) to its head, where only the EAGLE-1/2 fc uses it; the EAGLE-3
+    head (EAGLE and SpecForge) has no bias anywhere. Only "attention_bias" adds q/k/v biases."""
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 128, "draft_vocab_size": 64}
+    assert not Eagle3Config.from_dict({**base, "bias": True}).attention_bias
+    assert Eagle3Config.from_dict({**base, "attention_bias": True}).attention_bias
+    head = make_head(tiny_llama, seed=6)
+    hub_folder(tmp_path, head, "specforge")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "bias": True}))  # weights have no bias tensors
+    dr = Drafter.from_config(str(tmp_path), target=tiny_llama)
+    assert dr.head.midlayer.self_attn.q_proj.bias is None and dr.head.fc.bias is None
+    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(3).view(1, 3)
+    with torch.no_grad():
+        assert torch.equal(dr.head.logits(dr.head(x, x, pos)[0]), head.eval().logits(head(x, x, pos)[0]))
+
+
 # ---- head / tree consistency -------------------------------------------------------------------------------
 def test_tree_expansion_equals_sequential_drafting(tiny_llama):
     """Every candidate's score must equal the draft run sequentially along its path (tree mask + positions)."""
@@ -248,14 +335,16 @@ def test_runs_in_bfloat16():
     assert len(res.tokens) == 10 and dr.k_cache.dtype == torch.bfloat16 and dr.head.fc.weight.dtype == torch.bfloat16
 
 
-def test_auto_budget(tiny_llama):
+def test_auto_budget_is_the_harness_job(tmp_path, tiny_llama):
+    """Drafters never time the target: budget "auto" (or EAGLE's -1) names the int budget and the harness."""
     t = tiny_llama
-    dr = Eagle3Drafter(t, head=make_head(t), budget="auto", depth=3, top_k=4, auto_sizes=(4, 8, 16))
-    p = prompts(1, 9, 128, seed=3)[0]
-    res = SpeculativeDecoder(t, dr).generate(p, max_new_tokens=12)
-    assert res.tokens == hf_greedy(t, p, 12)  # the timing forwards left the target cache untouched
-    assert sorted(dr.auto_times) == [4, 8, 16] and dr.budget in (3, 7, 15)
-    assert dr.budget + 1 == min(dr.auto_times, key=lambda s: dr.auto_times[s] / (1 + 0.22 * math.log2(s / 40)))
+    for budget in ("auto", -1):
+        with pytest.raises(ConfigError, match=r"pass an int budget.*run_block\.py --budget auto"):
+            Eagle3Drafter(t, head=make_head(t), budget=budget)
+    save_head(make_head(t), tmp_path, extra_config={"type": "eagle3"})
+    for extra in ({"budget": "auto"}, {"auto_sizes": [40, 60]}):
+        with pytest.raises(ConfigError, match="run_block.py --budget auto"):
+            Drafter.from_config({"type": "eagle3", "checkpoint": str(tmp_path), **extra}, tiny_llama)
 
 
 # ---- TTT training ------------------------------------------------------------------------------------------

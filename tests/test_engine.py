@@ -27,7 +27,7 @@ def test_greedy_identity_random_planted_trees(arch):
         res = SpeculativeDecoder(target, drafter).generate(prompt, max_new_tokens=72)
         assert res.tokens == ref, f"{arch} run {run}: speculative output diverged from HF greedy"
         n_trees += res.stats.rounds
-        accepted += res.stats.committed_in_rounds - res.stats.rounds
+        accepted += sum(k * c for k, c in res.stats.accept_hist.items())
     assert n_trees >= 30
     assert accepted > 0.3 * 72 * 10  # the planted paths really were accepted, so compaction was exercised
 
@@ -96,10 +96,50 @@ def test_stats_are_consistent(tiny_llama):
         prompt, max_new_tokens=50)
     s = res.stats
     assert sum(s.accept_hist.values()) == s.rounds
-    assert s.committed_in_rounds == sum((k + 1) * v for k, v in s.accept_hist.items())
-    assert s.new_tokens == 50 and s.committed_in_rounds >= 49  # prefill emits 1, the last round may be trimmed
+    assert s.committed_in_rounds + s.dropped == sum((k + 1) * v for k, v in s.accept_hist.items())
+    assert s.new_tokens == 50 and s.committed_in_rounds == 49  # prefill emits 1, the rounds the rest
     assert s.tau == pytest.approx(s.committed_in_rounds / s.rounds)
     assert set(s.phase_s) >= {"draft", "tree", "verify", "commit", "overhead"}
+
+
+def _round_lengths(target, drafter_cfg, prompt, max_new):
+    """Tokens emitted per call of the stream: [prefill token] then one entry per round."""
+    lens = []
+    SpeculativeDecoder(target, Drafter.from_config(drafter_cfg)).generate(
+        prompt, max_new_tokens=max_new, stream=lambda toks: lens.append(len(toks)))
+    return lens
+
+
+@pytest.mark.parametrize("stop", ["length", "eos"])
+def test_stats_count_emitted_tokens_only_when_stopping_mid_round(stop):
+    """The round that hits max_new_tokens (or EOS) accepted more tokens than are emitted: tau, decode tok/s and
+    committed_in_rounds must count only the emitted ones; the rest is reported as ``dropped``."""
+    target = tiny_target("llama", seed=1)
+    prompt = [1, 2, 3]
+    ref = hf_greedy(target, prompt, 64)
+    cfg = {"type": "planted", "reference": ref, "budget": 16, "max_depth": 8, "plant_prob": 1.0, "seed": 5}
+    lens = _round_lengths(target, cfg, prompt, 64)
+    r = next(i for i in range(2, len(lens)) if lens[i] >= 3)  # a round (not the first) that emits >= 3 tokens
+    before = sum(lens[:r])
+    stop_at = before + 1  # stop after the first token of round r: it drops lens[r] - 1 tokens
+    if stop == "length":
+        res = SpeculativeDecoder(target, Drafter.from_config(cfg)).generate(prompt, max_new_tokens=stop_at)
+    else:
+        target.model.generation_config.eos_token_id = ref[stop_at - 1]
+        try:
+            assert ref[stop_at - 1] not in ref[:stop_at - 1], "pick a round whose first token is new"
+            res = SpeculativeDecoder(target, Drafter.from_config(cfg)).generate(prompt, max_new_tokens=64)
+        finally:
+            target.model.generation_config.eos_token_id = None
+    s = res.stats
+    assert res.tokens == ref[:stop_at]
+    assert s.rounds == r and s.new_tokens == stop_at
+    assert s.committed_in_rounds == stop_at - 1  # emitted by rounds: everything but the prefill token
+    assert s.dropped == lens[r] - 1 > 0
+    assert s.tau == pytest.approx((stop_at - 1) / r)
+    assert s.decode_tok_s == pytest.approx((stop_at - 1) / s.decode_s)
+    assert sum((k + 1) * v for k, v in s.accept_hist.items()) == s.committed_in_rounds + s.dropped
+    assert s.to_dict()["decode_tokens"] == stop_at - 1
 
 
 def test_eos_stops_and_matches_hf():

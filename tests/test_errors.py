@@ -26,7 +26,7 @@ def test_malformed_yaml_and_json(tmp_path):
     bad_json.write_text("{type: pld,,}")
     with pytest.raises(ConfigError, match="cannot parse"):
         Drafter.from_config(bad_json)
-    with pytest.raises(ConfigError, match="not a dict, an existing file or a folder"):
+    with pytest.raises(ConfigError, match="not a dict, an existing file, a folder"):
         Drafter.from_config(str(tmp_path / "missing.yaml"))
 
 

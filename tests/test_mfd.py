@@ -12,7 +12,8 @@ from graft_block.decoder import SpeculativeDecoder
 from graft_block.drafter import Drafter
 from graft_block.errors import ConfigError
 from graft_block.sampling import SamplingConfig
-from graft_block.testing import chi_square_test, exact_sequence_probs, prefilled_state, tiny_target
+from graft_block.testing import (chi_square_test, exact_sequence_probs, null_tv_quantile, prefilled_state,
+                                  tiny_target)
 from graft_block.tree import validate
 
 PROMPT = [5, 17, 33, 2, 99, 64, 12]
@@ -76,8 +77,9 @@ def test_greedy_identity_vs_hf(arch, score):
     d = _mfd(target, score=score, budget=24)
     res = SpeculativeDecoder(target, d).generate(PROMPT, max_new_tokens=32)
     assert res.tokens == ref
-    # the draft cache holds exactly the tokens that entered the target cache (the last round may overshoot)
-    assert d.ctx_len == len(PROMPT) + res.stats.committed_in_rounds
+    # the draft cache holds exactly the tokens that entered the target cache (the last round may overshoot
+    # max_new_tokens: count every round's walk, before the stop trim)
+    assert d.ctx_len == len(PROMPT) + sum((k + 1) * c for k, c in res.stats.accept_hist.items())
     ids, _lps = d.last_block_logprobs
     assert ids.shape[:2] == (3, 7)
 
@@ -90,17 +92,6 @@ def test_mixed_trees_are_valid_and_use_several_modes(tiny_llama):
     assert tree.size == 31
     bits = set(tree.modes[1:].tolist())
     assert any(b != 7 for b in bits)  # some nodes are proposed by a subset of the modes only
-
-
-def _null_tv_quantile(exact: dict, n: int, q: float = 0.999, draws: int = 2000) -> float:
-    """The q-quantile of the TV distance between n exact samples and the exact law (the test's TV tolerance)."""
-    keys = list(exact)
-    p = torch.tensor([exact[k] for k in keys], dtype=torch.float64)
-    g = torch.Generator().manual_seed(0)
-    counts = torch.stack([torch.bincount(torch.multinomial(p, n, replacement=True, generator=g), minlength=len(keys))
-                          for _ in range(draws)]).double()
-    tv = 0.5 * (counts / n - p).abs().sum(-1)
-    return float(tv.quantile(q))
 
 
 def test_sampling_matches_target_distribution():
@@ -119,9 +110,9 @@ def test_sampling_matches_target_distribution():
     for _ in range(n):
         r = dec.generate(prompt, max_new_tokens=3, temperature=1.0, generator=gen)
         counts[tuple(r.tokens[:2])] += 1
-        accepted += r.stats.committed_in_rounds - r.stats.rounds
+        accepted += sum(k * c for k, c in r.stats.accept_hist.items())  # drafted nodes the walk accepted
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
-    tol = _null_tv_quantile(exact, n)
+    tol = null_tv_quantile(exact, n)
     stat, dof, p = chi_square_test(counts, exact)
     assert tv < tol and p > 1e-3, (tv, tol, stat, dof, p)
     assert accepted > 0  # drafts were really accepted
@@ -150,6 +141,24 @@ def test_checkpoint_round_trip_and_config(tmp_path, tiny_qwen3):
     d3.prefill(st)
     with torch.no_grad():
         assert torch.allclose(d3.mode_logits(st), d.mode_logits(st)[:2], atol=1e-5)
+
+
+def test_folder_without_type_loads_as_mfd(tmp_path, tiny_qwen3):
+    """A saved MFD folder whose config.json lost its "type" (and gained hub keys) is recognised as mfd, not dflash,
+    and gives the same drafter as {"type": "mfd", "checkpoint": folder}."""
+    d = _mfd(tiny_qwen3)
+    M.save_checkpoint(d.model, tmp_path / "ck", dtype=torch.float32)
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    del cfg["type"]
+    cfg.update({"torch_dtype": "float32", "transformers_version": "4.57.1", "use_cache": True})
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    got = Drafter.from_config(str(tmp_path / "ck"), target=tiny_qwen3)
+    ref = Drafter.from_config({"type": "mfd", "checkpoint": str(tmp_path / "ck")}, target=tiny_qwen3)
+    assert type(got) is M.MFDDrafter and got.model.num_modes == 3 and got.budget == ref.budget
+    st = prefilled_state(tiny_qwen3, PROMPT, ref)
+    got.prefill(st)
+    with torch.no_grad():
+        assert torch.equal(got.mode_logits(st), ref.mode_logits(st))
 
 
 def test_dflash_checkpoint_loads_as_k1(tmp_path, tiny_qwen3):

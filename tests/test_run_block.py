@@ -1,4 +1,4 @@
-"""The benchmark harness: JSON + table end to end, the lossless alarm, MT-Bench turn 2, sharding."""
+"""The benchmark harness end to end: JSON + table, the lossless alarm, MT-Bench turn 2, the HF peers, sharding."""
 import json
 import os
 import subprocess
@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "eval"))
+from graft_block.eval import measure, report, run_block
+from graft_block.eval.methods import Method, make_method
+from graft_block.eval.presets import PRESETS
+from graft_block.testing import tiny_target
 
-import run_block  # noqa: E402
-from graft_block.testing import tiny_target  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -27,31 +28,35 @@ def tiny_folder(tmp_path_factory):
     return folder, prompts
 
 
-def _run(args, env_cache):
-    os.environ["GRAFT_BLOCK_CACHE"] = str(env_cache)
+def _run(args, cache, monkeypatch):
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(cache))
     return run_block.main(args)
 
 
-def test_tiny_end_to_end_json_and_table(tiny_folder, tmp_path, capsys):
+def test_tiny_end_to_end_json_and_table(tiny_folder, tmp_path, capsys, monkeypatch):
     folder, prompts = tiny_folder
     out = tmp_path / "run"
     rep = _run(["--target", str(folder), "--methods", "ar,pld", "--prompts", str(prompts), "--limit", "2",
-                "--max-new-tokens", "24", "--no-progress", "--no-plots", "--out", str(out)], tmp_path / "cache")
+                "--max-new-tokens", "24", "--no-progress", "--no-plots", "--out", str(out)], tmp_path / "cache",
+               monkeypatch)
     text = capsys.readouterr().out
     assert "| method |" in text and "| pld |" in text and "| ar |" in text
+    assert "prompts (limit 2 of 4 prompts)" in text and "max_new_tokens 24" in text
     data = json.loads((out / "results.json").read_text())
     assert {r["method"] for r in data["records"]} == {"ar", "pld"}
     assert len(data["records"]) == 4 and data["environment"]["torch"] == torch.__version__
     assert all(r["matches_ar"] for r in data["records"] if r["method"] == "pld")
     row = {r["method"]: r for r in data["summary"]}["pld"]
     assert row["tau"] >= 1.0 and row["speedup"] is not None and not row["mismatches"]
-    assert "LOSSLESS CHECK FAILED" not in text
-    assert rep["verify_cost_curve"]["median_s"]
+    assert row["speedup_median"] is not None  # aggregate and per-prompt speedups both in the JSON
+    assert all(r["speedup"] is not None and r["decode_tokens"] == r["new_tokens"] - 1 for r in data["records"])
+    assert "busy" in data and "before" in data["load"] and "LOSSLESS CHECK FAILED" not in text
+    assert rep["verify_cost_curve"]["median_s"] and data["spread"]
 
 
-def test_lossless_flag_trips_on_broken_method(tiny_folder, capsys):
+def test_lossless_flag_trips_on_broken_method():
     target = tiny_target("llama")
-    ar = run_block.make_method("ar", run_block.PRESETS["ar"], target, None)
+    ar = make_method("ar", PRESETS["ar"], target, None)
     good = ar.run
 
     def broken_run(ids, n, temp, seed):
@@ -59,14 +64,14 @@ def test_lossless_flag_trips_on_broken_method(tiny_folder, capsys):
         r["tokens"] = r["tokens"][:-1] + [(r["tokens"][-1] + 1) % 128]  # one wrong token at the end
         return r
 
-    broken = run_block.Method("broken", broken_run)
+    broken = Method("broken", broken_run)
     prompts = [{"id": "x", "turns": [[1, 2, 3, 4]]}, {"id": "y", "turns": [[5, 6, 7]]}]
-    recs = run_block.run_benchmark(target, [ar, broken], prompts, 16, [0.0], progress=False)
-    run_block.add_comparisons(recs)
-    rows = run_block.summarize(recs)
-    alarm = run_block.lossless_alarm(rows)
+    recs = measure.run_interleaved(target, [ar, broken], prompts, 16, [0.0], progress=False)
+    measure.pair_with(recs)
+    rows = report.summarize(recs)
+    alarm = report.lossless_alarm(rows)
     assert alarm is not None and "broken" in alarm and "x#0" in alarm
-    assert "MISMATCH x2" in run_block.markdown_table(rows)
+    assert "MISMATCH x2" in report.markdown_table(rows)
 
 
 def test_mtbench_second_turn_uses_own_answer(smollm2):
@@ -77,22 +82,34 @@ def test_mtbench_second_turn_uses_own_answer(smollm2):
 
         def run(prompt_ids, n, temp, seed):
             seen.append((answer, smollm2.tokenizer.decode(prompt_ids.tolist())))
-            return {"tokens": ids, "decode_tok_s": 1.0, "tau": 1.0}
+            return {"tokens": ids, "decode_tokens": len(ids) - 1, "decode_s": 1.0, "tau": 1.0}
 
         return run
 
-    methods = [run_block.Method("ar", fake("ALPHA ANSWER")), run_block.Method("other", fake("BETA REPLY"))]
+    methods = [Method("ar", fake("ALPHA ANSWER")), Method("other", fake("BETA REPLY"))]
     prompts = [{"id": "mt", "turns": ["First question?", "Second question?"]}]
-    run_block.run_benchmark(smollm2, methods, prompts, 8, [0.0], progress=False)
+    measure.run_interleaved(smollm2, methods, prompts, 8, [0.0], progress=False, warmup_tokens=0)
     turn2 = {a: p for a, p in seen if "Second question?" in p}
     assert "ALPHA ANSWER" in turn2["ALPHA ANSWER"] and "BETA REPLY" not in turn2["ALPHA ANSWER"]
     assert "BETA REPLY" in turn2["BETA REPLY"] and "ALPHA ANSWER" not in turn2["BETA REPLY"]
 
 
+def test_hf_peers_are_timed_inside_one_call_on_smollm2(smollm2):
+    """HF generate and HF prompt lookup on the real target: greedy-identical to our AR loop, and their decode phase
+    starts after the first forward of the same call (nothing measured separately and subtracted)."""
+    ids = smollm2.encode([{"role": "user", "content": "Count from 1 to 9."}])
+    ar = make_method("ar", PRESETS["ar"], smollm2, None).run(ids, 12, 0.0, 0)
+    for name in ("hf", "hf_pld"):
+        r = make_method(name, PRESETS[name], smollm2, None).run(ids, 12, 0.0, 0)
+        assert r["tokens"] == ar["tokens"], name
+        assert 0 < r["decode_tokens"] < r["new_tokens"] == len(r["tokens"])
+        assert r["decode_tok_s"] == pytest.approx(r["decode_tokens"] / r["decode_s"]) and r["prefill_s"] > 0
+
+
 def test_sharded_equals_unsharded(tiny_folder, tmp_path):
     folder, prompts = tiny_folder
     common = ["--target", str(folder), "--methods", "ar,pld", "--prompts", str(prompts), "--limit", "4",
-              "--max-new-tokens", "16", "--no-progress", "--no-plots"]
+              "--max-new-tokens", "16", "--no-progress", "--no-plots", "--threads", "1"]
     env = {**os.environ, "GRAFT_BLOCK_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     script = str(ROOT / "eval" / "run_block.py")
     subprocess.run([sys.executable, script, *common, "--out", str(tmp_path / "one")], check=True, env=env,
@@ -107,3 +124,4 @@ def test_sharded_equals_unsharded(tiny_folder, tmp_path):
     a = {key(r): r["tokens"] for r in one["records"]}
     b = {key(r): r["tokens"] for r in two["records"]}
     assert a == b and len(a) == 8
+    assert [r["prompt_id"] for r in two["records"]] == [r["prompt_id"] for r in one["records"]]  # prompt order kept

@@ -14,22 +14,21 @@ from graft_block.testing import chi_square_test, exact_sequence_probs, hf_greedy
 pytestmark = pytest.mark.slow
 
 
-
 def test_embedded_target_shape(smollm2):
     assert (smollm2.num_layers, smollm2.hidden_size, smollm2.vocab_size) == (30, 576, 49152)
     assert smollm2.tokenizer is not None and smollm2.eos_token_ids
 
 
 def test_pld_greedy_identity_humaneval(smollm2):
-    """5 HumanEval prompts x 128 tokens with prompt lookup: token-identical to HF greedy, and PLD accepts."""
+    """3 HumanEval prompts x 80 tokens with prompt lookup: token-identical to HF greedy, and PLD accepts."""
     dec = SpeculativeDecoder(smollm2, Drafter.from_config({"type": "pld", "budget": 10}))
     accepted = 0
-    for prob in humaneval(5):
+    for prob in humaneval(3):
         ids = smollm2.encode([{"role": "user", "content": prob["turns"][0]}])
-        ref = hf_greedy(smollm2, ids, 128)
-        res = dec.generate(ids, max_new_tokens=128)
+        ref = hf_greedy(smollm2, ids, 80)
+        res = dec.generate(ids, max_new_tokens=80)
         assert res.tokens == ref, f"{prob['id']}: PLD output differs from HF greedy"
-        accepted += res.stats.committed_in_rounds - res.stats.rounds
+        accepted += sum(k * c for k, c in res.stats.accept_hist.items())
     assert accepted > 20  # PLD really proposed and got accepted on code prompts
 
 
@@ -73,18 +72,19 @@ def test_smollm2_mfd_sampling_exact(smollm2):
     folder = bundled_checkpoint("mfd-smollm2")
     if folder is None:
         pytest.skip("drafters/checkpoints/mfd-smollm2 is not present")
-    msgs = [{"role": "user", "content": "Name a colour."}]
-    prompt = smollm2.encode(msgs).tolist()
+    # A short raw prompt (no chat template) and a small tree keep each of the n generations to one cheap round;
+    # the mixed tree still has several depth-1 nodes from different modes, which is what the law exercises.
+    prompt = smollm2.tokenizer("My favourite colour is").input_ids
     cfg = SamplingConfig(1.0, top_k=4)
     exact = exact_sequence_probs(smollm2, prompt, 2, cfg)
-    d = Drafter.from_config({"type": "mfd", "checkpoint": str(folder), "budget": 16}, target=smollm2)
+    d = Drafter.from_config({"type": "mfd", "checkpoint": str(folder), "budget": 8}, target=smollm2)
     dec = SpeculativeDecoder(smollm2, d)
     gen = torch.Generator().manual_seed(11)
-    counts, accepted, n = Counter(), 0, 500
+    counts, accepted, n = Counter(), 0, 400
     for _ in range(n):
         r = dec.generate(prompt, max_new_tokens=2, temperature=1.0, top_k=4, generator=gen)
         counts[tuple(r.tokens[:2])] += 1
-        accepted += r.stats.committed_in_rounds - r.stats.rounds
+        accepted += sum(k * c for k, c in r.stats.accept_hist.items())
     stat, dof, p = chi_square_test(counts, exact)
     assert p > 1e-3, (stat, dof, p, counts.most_common(6))
     assert accepted > n // 10  # the tree's depth-1 nodes were really accepted

@@ -8,6 +8,7 @@ import torch
 import graft_block.drafters.dflash as D
 from graft_block.errors import ConfigError
 from graft_block.testing import tiny_target
+from graft_block import train_data as TD
 from graft_block import training as T
 
 
@@ -21,13 +22,13 @@ def data(tiny, tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (int(n),), generator=g).tolist() for n in torch.randint(4, 12, (30,), generator=g)]
     folder = tmp_path_factory.mktemp("data") / "tiny"
-    T.generate_data(tiny, "tiny", prompts=prompts, max_new=32, batch_size=12, layers=(1, 3), topk=4, folder=folder,
+    TD.generate_data(tiny, "tiny", prompts=prompts, max_new=32, batch_size=12, layers=(1, 3), topk=4, folder=folder,
                     log=lambda s: None)
     return folder
 
 
 def test_batched_greedy_matches_unbatched(tiny, data):
-    recs, meta = T.load_records(data)
+    recs, meta = TD.load_records(data)
     assert meta["feature_layers"] == [1, 3] and len(recs) == 30
     for r in recs[:6]:
         ids = r["ids"].long().view(1, -1)
@@ -53,9 +54,9 @@ def test_sampled_data_several_futures_per_prompt(tiny, tmp_path):
     cfg = SamplingConfig(temperature=1.5, top_k=5)
 
     def gen(folder):
-        T.generate_data(tiny, "s", prompts=prompts, max_new=16, batch_size=8, layers=(1, 3), topk=8, folder=folder,
+        TD.generate_data(tiny, "s", prompts=prompts, max_new=16, batch_size=8, layers=(1, 3), topk=8, folder=folder,
                         log=lambda s: None, sampling=cfg, samples=3, seed=7)
-        return T.load_records(folder)
+        return TD.load_records(folder)
 
     recs, meta = gen(tmp_path / "a")
     assert len(recs) == 12 and "3 per prompt" in meta["source"]
@@ -72,12 +73,12 @@ def test_sampled_data_several_futures_per_prompt(tiny, tmp_path):
     again, _ = gen(tmp_path / "b")
     assert [r["ids"].tolist() for r in again] == [r["ids"].tolist() for r in recs]
     with pytest.raises(ConfigError, match="samples"):
-        T.generate_data(tiny, "s", prompts=prompts, folder=tmp_path / "c", samples=2)
+        TD.generate_data(tiny, "s", prompts=prompts, folder=tmp_path / "c", samples=2)
 
 
 def test_requesting_uncached_layers_fails(data):
     with pytest.raises(ConfigError, match="caches hidden_states"):
-        T.load_records(data, feature_layers=[2])
+        TD.load_records(data, feature_layers=[2])
 
 
 def test_epoch_batches_shard_by_rank():
@@ -108,7 +109,7 @@ def test_training_lowers_loss_and_round_trips(tiny, data, tmp_path):
     model = D.training_model(tiny, state["cfg"], None)
     model.load_state_dict(state["model"])
     # the loss on the training sequences went down (same anchors before and after)
-    recs, _ = T.load_records(data, feature_layers=model.feature_layers)
+    recs, _ = TD.load_records(data, feature_layers=model.feature_layers)
     init_model = D.training_model(tiny, cfg, "random")
     before = T.evaluate(D.DFlashDrafter, init_model, tiny, recs[6:], 4)["loss"]
     after = T.evaluate(D.DFlashDrafter, model, tiny, recs[6:], 4)["loss"]
@@ -117,7 +118,7 @@ def test_training_lowers_loss_and_round_trips(tiny, data, tmp_path):
     loaded = D.load_checkpoint(tmp_path / "ck", dtype=torch.float32)
     cfgj = json.loads((tmp_path / "ck" / "config.json").read_text())
     assert cfgj["type"] == "dflash" and cfgj["dflash_config"]["target_layer_ids"] == [0, 2]
-    batch = T.collate(recs[:2], tiny.device)
+    batch = TD.collate(recs[:2], tiny.device)
     ctx_a, ctx_b = model.fuse(batch["feats"]), loaded.fuse(batch["feats"])
     L = batch["ids"].shape[1]
     pos = torch.arange(L).view(1, -1).expand(2, -1)

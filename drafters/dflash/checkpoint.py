@@ -1,0 +1,201 @@
+"""DFlash checkpoints in z-lab's format: ``config.json`` (Qwen3 shape keys, ``block_size``, ``num_target_layers``,
+``dflash_config: {mask_token_id, target_layer_ids}``) and ``model.safetensors`` without embeddings or LM head.
+
+Defaults for keys a z-lab config may omit are the reference's (its ``Qwen3Config`` under transformers 4.57.1), so a
+config loads into the model the reference builds from it: ``rope_theta`` 1e4, ``attention_bias`` false.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+from transformers import Qwen3Config
+
+from graft_block.drafter import read_weights
+from graft_block.errors import ConfigError
+
+from .model import DFlashModel, build_target_layer_ids
+
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size", "hidden_act", "attention_bias")
+# Qwen3Config's default, which the reference applies to a config.json without rope_theta
+DEFAULT_ROPE_THETA = 10000.0
+ARCHITECTURE = "DFlashDraftModel"
+
+
+def is_dflash_layout(config: dict) -> bool:
+    """Whether a config.json dict is a DFlash draft model (z-lab's layout, ours included): its architectures name
+    DFlashDraftModel or, without architectures, it has a dflash_config. Other z-lab models (DFlash2DraftModel)
+    carry extra weights and are not this layout."""
+    arch = config.get("architectures")
+    if arch:
+        return ARCHITECTURE in arch
+    return isinstance(config.get("dflash_config"), dict)
+
+
+def read_config(folder: str | Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise ConfigError(f"DFlash checkpoint folder {folder} has no config.json")
+    return json.loads(path.read_text())
+
+
+def rope_parameters(raw: dict) -> dict:
+    """The draft's RoPE parameters from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``
+    (z-lab's transformers 4 configs); an absent theta is the reference's default, not the Qwen3 targets' 1e6."""
+    theta = float(raw.get("rope_theta", DEFAULT_ROPE_THETA))
+    rope = dict(raw.get("rope_parameters") or {})
+    if rope:
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", theta)
+        return rope
+    rope = dict(raw.get("rope_scaling") or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope["rope_theta"] = theta
+    return rope
+
+
+def model_from_config(raw: dict, draft_vocab: torch.Tensor | None = None) -> DFlashModel:
+    """A z-lab config.json dict -> an (uninitialised) DFlashModel."""
+    dcfg = raw.get("dflash_config") or {}
+    block_size = raw.get("block_size", dcfg.get("block_size"))
+    if block_size is None:
+        raise ConfigError("DFlash config has no block_size (top level or dflash_config.block_size)")
+    mask_id = dcfg.get("mask_token_id", raw.get("mask_token_id"))
+    if mask_id is None:
+        raise ConfigError("DFlash config has no dflash_config.mask_token_id (never substitute pad/eos: set it)")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in raw:
+            raise ConfigError(f"DFlash config.json lacks {key!r}")
+    n_layers = int(raw["num_hidden_layers"])
+    num_target = raw.get("num_target_layers")
+    layer_ids = dcfg.get("target_layer_ids", raw.get("target_layer_ids"))
+    if layer_ids is None:
+        if num_target is None:
+            raise ConfigError("DFlash config needs dflash_config.target_layer_ids or num_target_layers")
+        layer_ids = build_target_layer_ids(int(num_target), n_layers)
+    kw = {k: raw[k] for k in SHAPE_KEYS if k in raw}
+    kw.setdefault("intermediate_size", 3 * int(raw["hidden_size"]))
+    kw.setdefault("num_key_value_heads", raw["num_attention_heads"])
+    cfg = Qwen3Config(**kw, rope_parameters=rope_parameters(raw), tie_word_embeddings=False)
+    return DFlashModel(cfg, int(block_size), layer_ids, int(mask_id), num_target, draft_vocab)
+
+
+def config_dict(model: DFlashModel, extra: dict | None = None) -> dict:
+    """z-lab's config.json keys (+ ``extra``, e.g. {"type": "dflash"} for graft-block's registry)."""
+    c = model.config
+    out = {"architectures": [ARCHITECTURE], "model_type": "qwen3"}
+    for k in SHAPE_KEYS:
+        if hasattr(c, k):
+            out[k] = getattr(c, k)
+    rope = dict(c.rope_parameters or {})
+    out["rope_theta"] = rope.get("rope_theta", DEFAULT_ROPE_THETA)
+    if rope.get("rope_type", "default") != "default":
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    out["tie_word_embeddings"] = False
+    out["layer_types"] = ["full_attention"] * c.num_hidden_layers
+    out["block_size"] = model.block_size
+    if model.num_target_layers is not None:
+        out["num_target_layers"] = int(model.num_target_layers)
+    out["dflash_config"] = {"mask_token_id": model.mask_token_id, "target_layer_ids": list(model.target_layer_ids)}
+    out.update(extra or {})
+    return out
+
+
+def save_checkpoint(model: DFlashModel, folder: str | Path, dtype=torch.float16, extra: dict | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    if model.draft_vocab is not None:
+        tensors["draft_vocab"] = model.draft_vocab.detach().cpu().long().contiguous()
+    cfg = config_dict(model, extra)
+    cfg["dtype"] = str(dtype).replace("torch.", "")
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return folder
+
+
+def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DFlashModel:
+    """Strict loader: every expected tensor present, nothing unexpected (besides optional ``draft_vocab``), shapes
+    equal. Raises ConfigError naming the tensor otherwise."""
+    folder = Path(folder)
+    raw = read_config(folder)
+    tensors = read_weights(folder, "DFlash checkpoint")
+    vocab = tensors.pop("draft_vocab", None)
+    model = model_from_config(raw, vocab)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        bias = any(k.endswith("_proj.bias") for k in missing + unexpected)
+        hint = (" (attention_bias in config.json must match: true = q/k/v/o_proj all carry a bias)" if bias
+                else " (num_hidden_layers / target_layer_ids / shapes wrong?)")
+        raise ConfigError(
+            f"DFlash checkpoint {folder} does not match its config.json: missing tensors {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}"
+            f"{' ...' if len(unexpected) > 8 else ''}{hint}"
+        )
+    for k, v in expected.items():
+        if tuple(tensors[k].shape) != tuple(v.shape):
+            hint = (" (fc in-features = len(target_layer_ids) x hidden_size: are target_layer_ids right?)"
+                    if k == "fc.weight" else "")
+            raise ConfigError(f"DFlash checkpoint {folder}: tensor {k} has shape {tuple(tensors[k].shape)}, "
+                              f"config.json implies {tuple(v.shape)}{hint}")
+    model.load_state_dict(tensors, strict=True)
+    dtype = dtype or tensors["fc.weight"].dtype
+    return model.to(device=device or "cpu", dtype=dtype)
+
+
+def check_compatible(model: DFlashModel, target) -> None:
+    """Clear errors when a drafter cannot run against this target."""
+    H = model.config.hidden_size
+    if H != target.hidden_size:
+        raise ConfigError(f"drafter hidden_size {H} != target hidden_size {target.hidden_size}: DFlash shares the "
+                          "target's embeddings and LM head, so the widths must match (use a drafter for this target)")
+    V = getattr(model.config, "vocab_size", None)
+    if V is not None and int(V) != target.vocab_size:
+        raise ConfigError(f"drafter vocab_size {V} != target vocab size {target.vocab_size}: this drafter was made "
+                          "for another target")
+    if not 0 <= model.mask_token_id < target.vocab_size:
+        raise ConfigError(f"mask_token_id {model.mask_token_id} is not a row of the target's embedding table "
+                          f"(0..{target.vocab_size - 1}); set dflash_config.mask_token_id to a real, unused token id")
+    if model.num_target_layers is not None and int(model.num_target_layers) != target.num_layers:
+        raise ConfigError(f"drafter was trained for a {model.num_target_layers}-layer target, this target has "
+                          f"{target.num_layers} layers")
+    bad = [i for i in model.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise ConfigError(f"target_layer_ids {bad} are outside 0..{target.num_layers - 1} (decoder-layer ids; "
+                          "feature = hidden_states[id + 1])")
+    if model.draft_vocab is not None and (model.draft_vocab.min() < 0 or model.draft_vocab.max() >= target.vocab_size):
+        raise ConfigError("draft_vocab holds ids outside the target vocabulary")
+
+
+def new_model(target, num_layers: int = 2, block_size: int = 16, target_layer_ids: Sequence[int] | None = None,
+              mask_token_id: int | None = None, num_features: int = 3, seed: int = 0,
+              intermediate_size: int | None = None, draft_vocab: torch.Tensor | None = None) -> DFlashModel:
+    """A randomly initialised drafter shaped like the target's layers (heads, KV heads, head_dim, rope theta)."""
+    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    heads = int(tc.num_attention_heads)
+    head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // heads)
+    rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": DEFAULT_ROPE_THETA})
+    cfg = Qwen3Config(hidden_size=target.hidden_size, intermediate_size=intermediate_size or int(tc.intermediate_size),
+                      num_hidden_layers=num_layers, num_attention_heads=heads,
+                      num_key_value_heads=int(getattr(tc, "num_key_value_heads", heads)), head_dim=head_dim,
+                      rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+                      max_position_embeddings=int(getattr(tc, "max_position_embeddings", 4096)),
+                      vocab_size=target.vocab_size, rope_parameters=rope, tie_word_embeddings=False)
+    if target_layer_ids is None:
+        target_layer_ids = build_target_layer_ids(target.num_layers, num_features)
+    if mask_token_id is None:
+        mask_token_id = target.vocab_size - 1
+    torch.manual_seed(seed)
+    model = DFlashModel(cfg, block_size, target_layer_ids, mask_token_id, target.num_layers, draft_vocab)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            nn.init.normal_(p, std=0.02)
+    return model.to(device=target.device, dtype=target.dtype)

@@ -1,0 +1,198 @@
+"""The DFlash drafter: one draft forward per round proposes a whole block, as a chain or a DDTree.
+
+The block is ``[bonus, mask x (B-1)]`` embedded with the *target's* embedding table; draft row k (k >= 1) predicts
+the token at position ``start + k`` (same-position, no shift) through the draft's final ``norm`` and the
+*target's* LM head. The draft "KV cache" holds only context K/V (one entry per committed token whose target
+features are known), so it is "cropped to start" by construction: block K/V are never stored.
+``DFlashDrafter.block_hidden(state, block_ids)`` runs one block against that cache (MFD drafts through it).
+
+Mask token for SmolLM2: the tokenizer has no mask token, so the default checkpoint uses id 16 ``<empty_output>``, a
+StarCoder-era special token that never occurs in chat text: it is a real row of the embedding table (required: the
+block embeds it), distinct from pad/BOS/EOS (``<|endoftext|>`` 0, ``<|im_start|>`` 1, ``<|im_end|>`` 2), and
+frozen like every target embedding.
+"""
+from __future__ import annotations
+
+import torch
+
+from graft_block.drafter import Drafter, check_budget, register
+from graft_block.errors import ConfigError
+from graft_block.tree import Tree, chain
+from graft_block.tree.ddtree import ddtree, topk_logprobs
+
+from .checkpoint import check_compatible, is_dflash_layout, load_checkpoint, new_model, save_checkpoint
+from .model import DFlashModel
+from .training import training_loss, training_model
+
+
+@register("dflash")
+class DFlashDrafter(Drafter):
+    """Config keys: ``checkpoint`` (folder in z-lab format), ``proposal`` ("chain" | "ddtree"), ``budget``
+    (non-root nodes; chain: at most B-1), ``block_size`` (<= the checkpoint's), ``denoise_steps`` (1 = one
+    DFlash pass; >1 = commit-by-confidence refinement with diffusers' BlockRefinementScheduler), ``marginal_topk``
+    (how many per-position candidates ``last_block_logprobs`` keeps). Random-init keys (no checkpoint, for tests):
+    ``num_layers``, ``target_layer_ids``, ``mask_token_id``, ``seed``."""
+
+    def __init__(self, target, model: DFlashModel, proposal: str = "chain", budget: int | None = None,
+                 block_size: int | None = None, denoise_steps: int = 1, marginal_topk: int = 8,
+                 checkpoint: str | None = None):
+        if proposal not in ("chain", "ddtree"):
+            raise ConfigError(f"proposal must be 'chain' or 'ddtree', got {proposal!r}")
+        check_compatible(model, target)
+        self.target, self.model, self.proposal = target, model.eval(), proposal
+        self.block_size = model.block_size if block_size is None else int(block_size)
+        if not 2 <= self.block_size <= model.block_size:
+            raise ConfigError(f"block_size {block_size} must be in 2..{model.block_size} (the trained block size)")
+        default_budget = self.block_size - 1
+        self.budget = check_budget(default_budget if budget is None else budget)
+        if proposal == "chain" and self.budget > self.block_size - 1:
+            raise ConfigError(f"a chain proposal has at most block_size - 1 = {self.block_size - 1} nodes, "
+                              f"budget is {self.budget}; use proposal='ddtree' for larger budgets")
+        if not isinstance(denoise_steps, int) or denoise_steps < 1:
+            raise ConfigError(f"denoise_steps must be an int >= 1, got {denoise_steps!r}")
+        self.denoise_steps = denoise_steps
+        self.marginal_topk = int(marginal_topk)
+        self.checkpoint = checkpoint
+        self.feature_layers = model.feature_layers
+        lm = target.model.get_output_embeddings()
+        self._lm_w, self._lm_b = lm.weight, getattr(lm, "bias", None)
+        if model.draft_vocab is not None:  # gather the draft-vocab rows once, not every round
+            dv = model.draft_vocab.to(lm.weight.device)
+            self._lm_w = lm.weight[dv].detach()
+            self._lm_b = None if self._lm_b is None else self._lm_b[dv].detach()
+        self.ctx_k: list[torch.Tensor] = []
+        self.ctx_v: list[torch.Tensor] = []
+        self.ctx_len = 0
+        self.last_block_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def build(cls, cfg: dict, target=None) -> "DFlashDrafter":
+        if target is None:
+            raise ConfigError("the dflash drafter needs the target: Drafter.from_config(cfg, target=target)")
+        cfg = dict(cfg)
+        keys = ("proposal", "budget", "block_size", "denoise_steps", "marginal_topk")
+        opts = {k: cfg.pop(k) for k in keys if k in cfg}
+        ckpt = cfg.pop("checkpoint", None)
+        if ckpt is not None:
+            # what else cfg holds is the folder's config.json (architectures, torch_dtype, ...), not drafter options
+            model = load_checkpoint(ckpt, device=target.device, dtype=target.dtype)
+            return cls(target, model, checkpoint=str(ckpt), **opts)
+        init = {k: cfg.pop(k) for k in ("num_layers", "target_layer_ids", "mask_token_id", "seed", "num_features")
+                if k in cfg}
+        if cfg:
+            raise ConfigError(f"unknown dflash config keys {sorted(cfg)} (without 'checkpoint' only "
+                              "num_layers/target_layer_ids/mask_token_id/seed/num_features and drafter options)")
+        model = new_model(target, block_size=opts.get("block_size", 16), **init)
+        return cls(target, model, **opts)
+
+    @classmethod
+    def claims(cls, config: dict) -> bool:
+        """An untouched z-lab DFlash folder (architectures DFlashDraftModel, dflash_config); MFD checkpoints share
+        that layout but carry mfd_config and belong to the mfd drafter."""
+        return is_dflash_layout(config) and "mfd_config" not in config
+
+    # ---- context cache ----------------------------------------------------------------------------------
+    def _extend(self, features: torch.Tensor | None, start: int) -> None:
+        if features is None:
+            raise ConfigError("the dflash drafter needs target features: the engine did not capture them "
+                              f"(feature_layers {self.feature_layers})")
+        if start != self.ctx_len:
+            raise ConfigError(f"draft context holds {self.ctx_len} tokens but new features start at {start}")
+        m = features.shape[0]
+        ctx = self.model.fuse(features.unsqueeze(0))
+        pos = torch.arange(start, start + m, device=ctx.device).view(1, -1)
+        kv = self.model.context_kv(ctx, pos)
+        if not self.ctx_k:
+            self.ctx_k, self.ctx_v = [k for k, _ in kv], [v for _, v in kv]
+        else:
+            self.ctx_k = [torch.cat([a, k], 2) for a, (k, _) in zip(self.ctx_k, kv)]
+            self.ctx_v = [torch.cat([a, v], 2) for a, (_, v) in zip(self.ctx_v, kv)]
+        self.ctx_len += m
+
+    def prefill(self, state) -> None:
+        self.ctx_k, self.ctx_v, self.ctx_len = [], [], 0
+        with torch.inference_mode():
+            self._extend(state.new_features, state.new_features_start)
+
+    def commit(self, state, verified) -> None:
+        with torch.inference_mode():
+            self._extend(state.new_features, state.new_features_start)
+
+    # ---- drafting ---------------------------------------------------------------------------------------
+    def block_hidden(self, state, block_ids: torch.Tensor, block_embeds: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One draft forward of a block against the committed context -> normed hidden [R, H]."""
+        start = state.cache_len
+        if self.ctx_len != start:
+            raise ConfigError(f"draft context ({self.ctx_len}) out of sync with the target cache ({start})")
+        dev = self.target.device
+        if block_embeds is None:
+            block_embeds = self.target.embed(block_ids.to(dev))
+        if positions is None:
+            positions = torch.arange(start, start + block_embeds.shape[0], device=dev)
+        return self.model(block_embeds, positions, list(zip(self.ctx_k, self.ctx_v)), mask)
+
+    def block_logits(self, state) -> torch.Tensor:
+        """Draft logits [B-1, V'] (V' = draft vocab or full) for rows 1..B-1, after ``denoise_steps`` passes."""
+        B = self.block_size
+        ids = torch.full((B,), self.model.mask_token_id, dtype=torch.long, device=self.target.device)
+        ids[0] = state.root_token
+        logits = self.model.logits(self.block_hidden(state, ids)[1:], self._lm_w, self._lm_b, restricted=True)
+        if self.denoise_steps > 1:
+            logits = self._refine(state, ids, logits)
+        return logits
+
+    def _refine(self, state, ids, logits):
+        """Commit-by-confidence refinement (diffusers' BlockRefinementScheduler, mask mode, greedy): each step
+        fixes the most confident still-masked rows to their argmax and redrafts the block with them filled in.
+        A row keeps the logits of the pass that committed it, so chain/DDTree read its committed token."""
+        from diffusers import BlockRefinementScheduler
+
+        L = ids.numel() - 1
+        # threshold > 1: commit exactly the scheduler's even quota per step
+        sched = BlockRefinementScheduler(block_length=L, num_inference_steps=self.denoise_steps, threshold=1.1)
+        sched.set_timesteps(self.denoise_steps, block_length=L)
+        cols = torch.full((1, L), -1, dtype=torch.long, device=logits.device)  # -1 = still masked (column space)
+        out = logits.clone()
+        for step in range(self.denoise_steps):
+            cols = sched.step(logits.unsqueeze(0).float(), step, cols, mask_token_id=-1, temperature=0.0).prev_sample
+            still = cols[0] < 0
+            if step == self.denoise_steps - 1 or not bool(still.any()):
+                break
+            block = ids.clone()
+            block[1:][~still] = self.model.to_vocab_ids(cols[0][~still])
+            logits = self.model.logits(self.block_hidden(state, block)[1:], self._lm_w, self._lm_b, restricted=True)
+            out[still] = logits[still]
+        return out
+
+    @torch.inference_mode()
+    def propose(self, state) -> Tree:
+        logits = self.block_logits(state)
+        k = max(self.marginal_topk, self.budget if self.proposal == "ddtree" else 1)
+        cols, lps = topk_logprobs(logits, k)
+        ids = self.model.to_vocab_ids(cols.to(self.target.device)).cpu()
+        self.last_block_logprobs = (ids, lps)  # per-position marginals (top-k) for Graft-TAIL / chimeric analysis
+        with state.section("tree"):
+            if self.proposal == "chain":
+                n = min(self.budget, ids.shape[0])
+                return chain(state.root_token, ids[:n, 0], torch.cumsum(lps[:n, 0].double(), 0).float())
+            return ddtree(state.root_token, ids[:, : min(self.budget, ids.shape[1])],
+                          lps[:, : min(self.budget, ids.shape[1])], self.budget)
+
+    def describe(self) -> dict:
+        return {"type": self.type_name, "budget": self.budget, "proposal": self.proposal,
+                "block_size": self.block_size, "denoise_steps": self.denoise_steps, "checkpoint": self.checkpoint,
+                "layers": self.model.config.num_hidden_layers, "target_layer_ids": self.model.target_layer_ids}
+
+    # ---- training plug-in (graft_block.training) --------------------------------------------------------
+    @classmethod
+    def training_model(cls, target, cfg: dict, init: str | None = None) -> DFlashModel:
+        return training_model(target, cfg, init)
+
+    @classmethod
+    def training_loss(cls, model, target, batch):
+        return training_loss(model, target, batch)
+
+    @classmethod
+    def save_trained(cls, model, out_dir, cfg: dict) -> None:
+        save_checkpoint(model, out_dir, extra={"type": "dflash"})

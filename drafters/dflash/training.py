@@ -1,0 +1,208 @@
+"""DFlash training plug-in (graft_block.training), shared with MFD.
+
+``training_model`` (random init, warm start from the target's own decoder layers with ``fc`` passing one feature
+through, or continue a checkpoint), ``training_loss`` (random anchors per sequence, block [anchor, mask x (B-1)],
+context strictly before the anchor, blocks isolated by an additive mask, CE with weights exp(-(k-1)/gamma) mixed
+with soft-label CE against the target's top-k, teacher-forced accepted length per block as the monitor).
+MFD reuses ``make_blocks``, ``block_attention_mask``, ``row_losses``, ``lm_head`` and ``block_loss_opts``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from graft_block.errors import ConfigError
+
+from .checkpoint import check_compatible, load_checkpoint, new_model
+from .model import DFlashModel, build_target_layer_ids
+
+TRAIN_DEFAULTS = {"num_layers": 3, "block_size": 16, "target_layer_ids": None, "mask_token_id": None,
+                  "num_anchors": 32, "gamma": None, "soft_weight": 0.5, "init_layers": None, "passthrough": -1}
+
+
+@torch.no_grad()
+def warm_start(model: DFlashModel, target, layers: Sequence[int], passthrough: int = -1) -> None:
+    """Initialise draft layer i from target decoder layer ``layers[i]`` (same shapes), ``fc`` to pass one feature
+    through unchanged (``passthrough`` indexes ``target_layer_ids``), ``hidden_norm`` to that first copied layer's
+    input norm (so context K/V start as the target's own) and ``norm`` to the target's final norm.
+    q_norm/k_norm (absent in Llama-style targets) start at the per-channel RMS of the target's q/k on a short text,
+    so attention logits keep their scale."""
+    base = target.model.get_decoder() if hasattr(target.model, "get_decoder") else target.model.model
+    if len(layers) != len(model.layers):
+        raise ConfigError(f"init_layers has {len(layers)} entries for {len(model.layers)} draft layers")
+    ids = torch.arange(1, 65, device=target.device).view(1, -1) * 37 % max(2, target.vocab_size - 1) + 1
+    hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    for dl, tl in zip(model.layers, layers):
+        src = base.layers[int(tl)]
+        sd = {k: v for k, v in src.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+        own = dl.state_dict()
+        for k, v in sd.items():
+            if k not in own:
+                continue
+            if own[k].shape != v.shape:
+                raise ConfigError(f"cannot warm-start draft layer from target layer {tl}: {k} {tuple(v.shape)} "
+                                  f"!= {tuple(own[k].shape)}")
+            own[k].copy_(v)
+        if not any(k.endswith("q_norm.weight") for k in sd):
+            x = src.input_layernorm(hs[int(tl)][0, 1:])  # skip position 0 (a massive activation sits there)
+            a = dl.self_attn
+            q = a.q_proj(x).view(-1, a.head_dim)
+            k = a.k_proj(x).view(-1, a.head_dim)
+            a.q_norm.weight.copy_(q.pow(2).mean(0).sqrt())
+            a.k_norm.weight.copy_(k.pow(2).mean(0).sqrt())
+    H = model.config.hidden_size
+    j = passthrough % len(model.target_layer_ids)
+    model.fc.weight.zero_()
+    model.fc.weight[:, j * H:(j + 1) * H] = torch.eye(H, dtype=model.fc.weight.dtype, device=model.fc.weight.device)
+    model.hidden_norm.weight.copy_(base.layers[int(layers[0])].input_layernorm.weight)
+    model.norm.weight.copy_(base.norm.weight)
+
+
+def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:
+    """``init``: None/"random", "target" (warm start from the target's last ``num_layers`` decoder layers, or
+    ``cfg["init_layers"]``), or a DFlash checkpoint folder (continue training it)."""
+    opts = {**TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in TRAIN_DEFAULTS}}
+    vocab = cfg.get("draft_vocab")
+    vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long).sort().values
+    if init not in (None, "random", "target"):
+        model = load_checkpoint(init, device=target.device, dtype=torch.float32)
+        if model.draft_vocab is not None:
+            vocab = model.draft_vocab
+    else:
+        ids = opts["target_layer_ids"] or build_target_layer_ids(target.num_layers, 3)
+        mask = opts["mask_token_id"] if opts["mask_token_id"] is not None else target.vocab_size - 1
+        model = new_model(target, opts["num_layers"], opts["block_size"], ids, mask, draft_vocab=vocab)
+        model = model.float()
+        if init == "target":
+            n = opts["num_layers"]
+            layers = opts["init_layers"] or list(range(target.num_layers - n, target.num_layers))
+            warm_start(model, target, layers, opts["passthrough"])
+    model.draft_vocab = None if vocab is None else vocab.to(target.device)
+    check_compatible(model, target)
+    model.train_opts = block_loss_opts(cfg, model.block_size)
+    return model.to(target.device)
+
+
+def block_loss_opts(cfg: dict, block_size: int) -> dict:
+    """The block loss's options (anchors per sequence, soft-label weight, position decay gamma) from ``cfg`` over
+    ``TRAIN_DEFAULTS``; gamma defaults to the DFlash paper's value for the block size."""
+    opts = {**TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in TRAIN_DEFAULTS}}
+    gamma = opts["gamma"] or {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, block_size / 2.3)
+    return {"num_anchors": int(opts["num_anchors"]), "soft_weight": float(opts["soft_weight"]), "gamma": gamma}
+
+
+def block_attention_mask(anchors: torch.Tensor, ctx_len: int, B: int, dtype) -> torch.Tensor:
+    """anchors [b, n] -> additive mask [b, 1, n*B, ctx_len + n*B]: a block row sees context positions strictly
+    before its anchor and every row of its own block (bidirectional), nothing of other blocks."""
+    b, n = anchors.shape
+    dev = anchors.device
+    row_anchor = anchors.repeat_interleave(B, dim=1)  # [b, R]
+    ctx_ok = torch.arange(ctx_len, device=dev).view(1, 1, -1) < row_anchor.unsqueeze(-1)
+    blk = torch.arange(n, device=dev).repeat_interleave(B)
+    blk_ok = (blk.view(-1, 1) == blk.view(1, -1)).unsqueeze(0).expand(b, -1, -1)
+    ok = torch.cat([ctx_ok, blk_ok], dim=-1)
+    return torch.zeros(ok.shape, dtype=dtype, device=dev).masked_fill(~ok, torch.finfo(dtype).min).unsqueeze(1)
+
+
+def sample_anchors(prompt_len: torch.Tensor, lengths: torch.Tensor, n: int, generator=None):
+    """n anchors per sequence, uniform over response positions a with a + 1 still in the sequence (the anchor
+    and its next token are both response tokens). Returns (anchors [b, n], valid [b])."""
+    lo = prompt_len
+    hi = lengths - 2
+    span = (hi - lo + 1).clamp(min=1)
+    u = torch.rand((lo.numel(), n), generator=generator)
+    anchors = lo.view(-1, 1) + (u * span.view(-1, 1)).long()
+    return anchors, hi >= lo
+
+
+def make_blocks(model: DFlashModel, batch: dict) -> dict:
+    """The training blocks of one batch (shared with MFD): ``num_anchors`` random anchors per sequence, each a block
+    [anchor token, mask x (B-1)] at positions anchor..anchor+B-1 whose row k is labelled with the target's token at
+    anchor + k. Returns anchors [b, n], seq_ok [b], pos [b, n, B], blk_ids [b, n, B], valid / labels [b, n, B-1],
+    src [b, n, B-1] (flat row of the target's top-k distribution for that label) and ctx_kv."""
+    ids, lengths, plen = batch["ids"], batch["lengths"], batch["prompt_len"]
+    dev = model.fc.weight.device
+    b, L = ids.shape
+    B, n = model.block_size, model.train_opts["num_anchors"]
+    anchors, seq_ok = sample_anchors(plen.cpu(), lengths.cpu(), n, batch.get("generator"))
+    anchors, seq_ok = anchors.to(dev), seq_ok.to(dev)
+    pos = anchors.unsqueeze(-1) + torch.arange(B, device=dev)  # [b, n, B]
+    blk_ids = torch.full((b, n, B), model.mask_token_id, dtype=torch.long, device=dev)
+    blk_ids[:, :, 0] = ids.gather(1, anchors)
+    lab_pos = pos[:, :, 1:]
+    valid = (lab_pos < lengths.view(-1, 1, 1)) & seq_ok.view(-1, 1, 1)
+    # labels[t] = the target's token at t (== ids for target-generated data; the target's argmax for offline text)
+    labels = batch.get("labels", ids).gather(1, lab_pos.clamp(max=L - 1).view(b, -1)).view(b, n, B - 1)
+    # the distribution of token anchor+k sits at data row anchor+k-1
+    src = torch.arange(b, device=dev).view(b, 1, 1) * L + (lab_pos - 1).clamp(max=L - 1)
+    ctx = model.fuse(batch["feats"])
+    ctx_kv = model.context_kv(ctx, torch.arange(L, device=dev).expand(b, L))
+    return {"anchors": anchors, "seq_ok": seq_ok, "pos": pos, "blk_ids": blk_ids, "valid": valid, "labels": labels,
+            "src": src, "ctx_kv": ctx_kv, "dtype": ctx.dtype}
+
+
+def row_losses(model: DFlashModel, logits: torch.Tensor, lab: torch.Tensor, batch: dict, src: torch.Tensor,
+               soft_w: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss for draft rows with labels ``lab`` [N]: hard CE mixed ``soft_w`` with soft CE against the
+    target's top-k distribution at flat data row ``src`` [N]. Returns (loss rows, hard CE rows)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    dv = model.draft_vocab
+    if dv is not None:
+        col = torch.searchsorted(dv, lab).clamp(max=dv.numel() - 1)
+        in_vocab = dv[col] == lab
+    else:
+        col, in_vocab = lab, torch.ones_like(lab, dtype=torch.bool)
+    hard = -logp.gather(1, col.view(-1, 1)).squeeze(1) * in_vocab
+    if soft_w <= 0 or "top_ids" not in batch:
+        return hard, hard
+    k = batch["top_ids"].shape[-1]
+    tid = batch["top_ids"].reshape(-1, k)[src]
+    tlp = batch["top_logp"].reshape(-1, k)[src].float()
+    if dv is not None:
+        tcol = torch.searchsorted(dv, tid).clamp(max=dv.numel() - 1)
+        tin = dv[tcol] == tid
+    else:
+        tcol, tin = tid, torch.ones_like(tid, dtype=torch.bool)
+    p = torch.softmax(tlp.masked_fill(~tin, float("-inf")), -1).nan_to_num(0.0)
+    soft = -(p * logp.gather(1, tcol)).sum(-1)
+    return (1 - soft_w) * hard + soft_w * soft, hard
+
+
+def lm_head(target) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's LM head weight and bias in fp32 (frozen; draft logits go through it)."""
+    lm = target.model.get_output_embeddings()
+    return lm.weight.float(), None if getattr(lm, "bias", None) is None else lm.bias.float()
+
+
+def training_loss(model: DFlashModel, target, batch: dict):
+    """Weighted CE (w_k = exp(-(k-1)/gamma)) of block rows k = 1..B-1 against the target's tokens at anchor + k,
+    mixed with soft-label CE against the target's top-k distribution there; metrics include the teacher-forced
+    accepted length per block (leading correct rows) and tau_tf = 1 + that."""
+    opts = model.train_opts
+    blk = make_blocks(model, batch)
+    valid, pos, seq_ok = blk["valid"], blk["pos"], blk["seq_ok"]
+    b, n, B = pos.shape
+    L = batch["ids"].shape[1]
+    dev = pos.device
+    mask = block_attention_mask(blk["anchors"], L, B, blk["dtype"])
+    with torch.no_grad():
+        emb = target.embed(blk["blk_ids"].view(b, -1)).float()
+    hidden = model(emb, pos.view(b, -1), blk["ctx_kv"], mask).view(b, n, B, -1)[:, :, 1:]
+    logits = model.logits(hidden[valid], *lm_head(target))
+    lab = blk["labels"][valid]
+    loss_rows, hard = row_losses(model, logits, lab, batch, blk["src"][valid], opts["soft_weight"])
+    k = torch.arange(B, device=dev)
+    w = torch.exp(-(k[1:].float() - 1) / opts["gamma"]).view(1, 1, -1).expand(b, n, -1)[valid]
+    loss = (w * loss_rows).sum() / w.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        pred = model.to_vocab_ids(logits.argmax(-1))
+        correct = torch.zeros((b, n, B - 1), dtype=torch.float32, device=dev)
+        correct[valid] = (pred == lab).float()
+        accept = correct.cumprod(-1).sum(-1)[seq_ok]  # leading correct rows per block
+        metrics = {"loss": float(loss), "hard_ce": float((w * hard).sum() / w.sum()),
+                   "acc": float((pred == lab).float().mean()) if lab.numel() else 0.0,
+                   "acc_k1": float(correct[:, :, 0][valid[:, :, 0]].mean()) if bool(valid[:, :, 0].any()) else 0.0,
+                   "accept_len": float(accept.mean()) if accept.numel() else 0.0,
+                   "tau_tf": 1.0 + (float(accept.mean()) if accept.numel() else 0.0), "rows": int(lab.numel())}
+    return loss, metrics

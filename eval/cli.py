@@ -1,0 +1,52 @@
+"""The ``graft-block`` command: ``graft-block bench|train|calibrate [options]`` (each passes its options through).
+
+    graft-block bench ...       = python eval/run_block.py ...   (the benchmark and main job)
+    graft-block train ...       = python -m graft_block.drafters.train ...
+    graft-block calibrate ...   = python -m graft_block.calibrate ...
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+from graft_block.errors import ConfigError
+
+COMMANDS = {
+    "bench": ("graft_block.eval.run_block", "benchmark methods side by side (the main job; --list-methods)"),
+    "train": ("graft_block.drafters.train", "train a drafter (dflash, eagle3, mfd) with the shared loop"),
+    "calibrate": ("graft_block.calibrate", "calibrate Graft's pruning thresholds"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: graft-block {" + ",".join(COMMANDS) + "} [options]   (graft-block COMMAND --help)", ""]
+    lines += [f"  {name:10s} {about}" for name, (_, about) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"graft-block: unknown command {cmd!r}\n{usage()}", file=sys.stderr)
+        return 2
+    prog = f"graft-block {cmd}"
+    mod = importlib.import_module(COMMANDS[cmd][0])
+    if cmd == "bench":
+        return mod.cli(rest, prog=prog)
+    saved, sys.argv[0] = sys.argv[0], prog  # argparse names the program after argv[0]
+    try:
+        mod.main(rest)
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        sys.argv[0] = saved
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Is anything else competing for this machine? Load samples before, during and after timing, and the environment.
+
+Three signals, each from a window between two ``snapshot()`` calls (Linux /proc; elsewhere they read None):
+- others_cores:  CPU time the whole machine spent busy minus this process's own CPU time, per wall second
+                 (another job using the cores we time on);
+- runq_share:    seconds our threads were runnable but waited for a CPU, per wall second (/proc/self/task/*/schedstat:
+                 more runnable threads than cores);
+- steal_cores:   time the hypervisor gave our vCPUs to someone else, per wall second.
+A window is *busy* when any signal passes its threshold. Timing on a busy machine is distorted 10-50x, so the
+report says so loudly and no cost curve measured then is cached.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import platform
+import resource
+import time
+
+import torch
+
+OTHERS_CORES = 0.25  # a quarter of a core used by other processes, on average over the window
+RUNQ_SHARE = 0.10  # our threads waited for a CPU 10% of the wall time
+STEAL_CORES = 0.10
+MIN_WINDOW_S = 0.3  # shorter windows are too coarse for /proc/stat's 10 ms ticks: pooled, not judged alone
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_stat() -> tuple[float, float] | tuple[None, None]:
+    """(busy seconds, steal seconds) of all CPUs since boot."""
+    try:
+        with open("/proc/stat") as fh:
+            f = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None, None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (f + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
+
+
+def _runq_wait() -> float | None:
+    """Seconds this process's threads have waited on a run queue (sum over live threads)."""
+    total, found = 0, False
+    for path in glob.glob("/proc/self/task/*/schedstat"):
+        try:
+            with open(path) as fh:
+                total += int(fh.read().split()[1])
+            found = True
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended between glob and open
+    return total / 1e9 if found else None
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def snapshot() -> dict:
+    busy, steal = _proc_stat()
+    return {"wall": time.perf_counter(), "own_cpu": time.process_time(), "busy": busy, "steal": steal,
+            "runq": _runq_wait()}
+
+
+def window(a: dict, b: dict, expected_cores: float = 0.0) -> dict:
+    """The load signals between snapshots ``a`` and ``b`` (see module doc); None where /proc is unavailable.
+    ``expected_cores``: CPU that others are known to use by design (sibling torchrun ranks), not held against us."""
+    wall = max(b["wall"] - a["wall"], 1e-9)
+    own = b["own_cpu"] - a["own_cpu"]
+    out = {"wall_s": wall, "own_cpu_s": own, "others_cpu_s": None, "runq_s": None, "steal_s": None}
+    if a["busy"] is not None and b["busy"] is not None:
+        out["others_cpu_s"] = max(0.0, (b["busy"] - a["busy"]) - own)
+        out["steal_s"] = max(0.0, b["steal"] - a["steal"])
+    if a["runq"] is not None and b["runq"] is not None:
+        out["runq_s"] = max(0.0, b["runq"] - a["runq"])
+    return judge(out, expected_cores)
+
+
+def pool(windows: list[dict], expected_cores: float = 0.0) -> dict:
+    """Several windows as one (sums), judged again: how short per-record windows add up to a verdict."""
+    out = {"wall_s": sum(w["wall_s"] for w in windows), "own_cpu_s": sum(w["own_cpu_s"] for w in windows)}
+    for k in ("others_cpu_s", "runq_s", "steal_s"):
+        vals = [w[k] for w in windows if w.get(k) is not None]
+        out[k] = sum(vals) if vals else None
+    return judge(out, expected_cores)
+
+
+def judge(w: dict, expected_cores: float = 0.0) -> dict:
+    """Add per-wall-second rates, ``busy`` (bool, or None when nothing could be read) and the reasons."""
+    wall = max(w["wall_s"], 1e-9)
+    rates = {"others_cores": w.get("others_cpu_s"), "runq_share": w.get("runq_s"), "steal_cores": w.get("steal_s")}
+    rates = {k: (None if v is None else v / wall) for k, v in rates.items()}
+    reasons = []
+    if rates["others_cores"] is not None and rates["others_cores"] > OTHERS_CORES + expected_cores:
+        reasons.append(f"other processes used {rates['others_cores']:.2f} cores")
+    if rates["runq_share"] is not None and rates["runq_share"] > RUNQ_SHARE:
+        reasons.append(f"our threads waited for a CPU {100 * rates['runq_share']:.0f}% of the time")
+    if rates["steal_cores"] is not None and rates["steal_cores"] > STEAL_CORES:
+        reasons.append(f"the hypervisor stole {rates['steal_cores']:.2f} cores")
+    readable = any(v is not None for v in rates.values())
+    judged = w["wall_s"] >= MIN_WINDOW_S
+    busy = bool(reasons) if (readable and judged) else None
+    return {**w, **rates, "busy": busy, "reasons": reasons if busy else []}
+
+
+def idle_probe(seconds: float = 0.5, expected_cores: float = 0.0) -> dict:
+    """Sleep and watch: with this process idle, every busy CPU second belongs to someone else."""
+    a = snapshot()
+    time.sleep(seconds)
+    return {**window(a, snapshot(), expected_cores), "loadavg": loadavg()}
+
+
+class LoadGuard:
+    """Samples the load before (idle probe), during (``measure`` windows around each timed call) and after.
+
+        guard = LoadGuard(); guard.before()
+        with guard.measure() as w: ...   # w["load"] holds the window afterwards
+        guard.after(); guard.report()    # {"busy": bool | None, "reasons": [...], "before", "during", "after"}
+    """
+
+    def __init__(self, probe_s: float = 0.5, expected_cores: float = 0.0):
+        self.probe_s, self.expected_cores = probe_s, expected_cores
+        self.windows: list[dict] = []
+        self.before_w = self.after_w = None
+
+    def before(self) -> dict:
+        self.before_w = idle_probe(self.probe_s, self.expected_cores)
+        return self.before_w
+
+    def after(self) -> dict:
+        self.after_w = idle_probe(self.probe_s, self.expected_cores)
+        return self.after_w
+
+    def measure(self):
+        return _Window(self)
+
+    def report(self, windows: list[dict] | None = None) -> dict:
+        windows = self.windows if windows is None else windows
+        during = pool(windows, self.expected_cores) if windows else None
+        parts = {"before": self.before_w, "during": during, "after": self.after_w}
+        reasons = [f"{when}: {r}" for when, w in parts.items() if w for r in w["reasons"]]
+        verdicts = [w["busy"] for w in parts.values() if w and w["busy"] is not None]
+        busy = None if not verdicts else any(verdicts)
+        return {"busy": busy, "reasons": reasons, **parts, "thresholds": {
+            "others_cores": OTHERS_CORES + self.expected_cores, "runq_share": RUNQ_SHARE, "steal_cores": STEAL_CORES}}
+
+
+class _Window:
+    def __init__(self, guard: LoadGuard):
+        self.guard, self.load = guard, None
+
+    def __enter__(self):
+        self._a = snapshot()
+        return self
+
+    def __exit__(self, *exc):
+        self.load = window(self._a, snapshot(), self.guard.expected_cores)
+        self.guard.windows.append(self.load)
+        return False
+
+
+def busy_banner(load: dict) -> str | None:
+    """The loud table-header warning, or None on a quiet (or unreadable) machine."""
+    if not load or not load.get("busy"):
+        return None
+    return ("!!! BUSY MACHINE: something else competed for the CPU while this ran; timings and speedups are "
+            "distorted (a second job skews them 10-50x). Rerun on a quiet machine.\n    "
+            + "\n    ".join(load["reasons"]))
+
+
+def peak_rss_mb() -> float:
+    # ru_maxrss is KiB on Linux: the process's peak resident set so far.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def environment() -> dict:
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "loadavg": loadavg()}

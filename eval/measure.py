@@ -1,0 +1,233 @@
+"""The measurement core: the one verify-cost timer, the one interleaved method-vs-AR loop, the one speedup.
+
+Speedup (``speedup``): total tokens emitted in the decode phase over total decode seconds, for the method, divided
+by the same for AR on the same prompt-turns. Per prompt it is the same function on one pair; the report shows the
+aggregate beside the median and IQR of the per-prompt ratios, and a paired bootstrap interval of the aggregate.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import random
+import statistics
+import sys
+import time
+import torch
+
+from . import machine
+from .prompts import encode_turn, warmup_ids
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # pragma: no cover
+    def tqdm(it=None, **_):
+        return it
+
+
+# ---- the speedup --------------------------------------------------------------------------------------------
+def rate(runs: list[dict]) -> float | None:
+    """Decode tokens per second over several runs: sum of tokens / sum of seconds (not a mean of rates)."""
+    secs = sum(r["decode_s"] for r in runs)
+    return sum(r["decode_tokens"] for r in runs) / secs if runs and secs > 0 else None
+
+
+def speedup(runs: list[dict], ar_runs: list[dict]) -> float | None:
+    """THE speedup: ``rate(runs) / rate(ar_runs)`` over the same prompt-turns (one pair = the per-prompt ratio)."""
+    a, b = rate(runs), rate(ar_runs)
+    return a / b if a is not None and b else None
+
+
+def speedup_interval(pairs: list[tuple[dict, dict]], level: float = 0.9, reps: int = 1000,
+                     seed: int = 0) -> tuple[float, float] | None:
+    """Paired bootstrap interval of the aggregate speedup: prompt-turns resampled with replacement."""
+    if len(pairs) < 2:
+        return None
+    rng = random.Random(seed)
+    vals = []
+    for _ in range(reps):
+        pick = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        s = speedup([m for m, _ in pick], [a for _, a in pick])
+        if s is not None:
+            vals.append(s)
+    vals.sort()
+    lo = vals[int((1 - level) / 2 * (len(vals) - 1))]
+    hi = vals[int((1 + level) / 2 * (len(vals) - 1))]
+    return (lo, hi)
+
+
+def pair_with(records: list[dict], baseline: str = "ar") -> None:
+    """Per record, in place: ``speedup`` (per prompt-turn, vs ``baseline`` on the same prompt, turn and
+    temperature) and at T=0 ``matches_ar`` (token identity, the lossless check)."""
+    base = {(r["prompt_id"], r["turn"], r["temperature"]): r for r in records if r["method"] == baseline}
+    for r in records:
+        b = base.get((r["prompt_id"], r["turn"], r["temperature"]))
+        if b is None:
+            continue
+        r["speedup"] = speedup([r], [b])
+        if r["temperature"] == 0:
+            r["matches_ar"] = r["tokens"] == b["tokens"]
+
+
+# ---- the verify-cost timer ----------------------------------------------------------------------------------
+def _sync(target):
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+
+
+def cost_key(target, sizes, context: int, reps: int) -> dict:
+    """Everything that changes a verify-cost curve: the cache is keyed by all of it."""
+    import graft_block
+
+    cls = type(target)
+    engine = "".join(inspect.getsource(getattr(cls, f)) for f in ("prefill", "verify", "compact"))
+    return {"target": str(target.name), "target_class": f"{cls.__module__}.{cls.__qualname__}",
+            "attn": getattr(target.config, "_attn_implementation", None), "dtype": str(target.dtype),
+            "device": str(target.device),
+            "device_name": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None,
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "graft_block": graft_block.__version__,
+            "engine": hashlib.sha1(engine.encode()).hexdigest()[:12], "context": context,
+            "sizes": [int(s) for s in sizes], "reps": reps}
+
+
+def verify_cost_curve(target, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 200, reps: int = 5,
+                      cache: bool = True, fresh: bool = False) -> dict:
+    """Median seconds of one ``target.verify`` over n tree nodes (a chain) after ``context`` cached tokens.
+
+    Cached under GRAFT_BLOCK_CACHE/cost/ by ``cost_key`` (a property of the hardware and the code), but never a
+    curve measured while something else competed (``machine`` load window): that one is returned flagged busy."""
+    from graft_block.target import cache_root
+    from graft_block.tree import chain
+
+    key = cost_key(target, sizes, context, reps)
+    path = cache_root() / "cost" / (hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    if cache and not fresh and path.exists():
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            return {**data, "source": f"cached {path} (measured {data.get('measured_at', '?')})"}
+    saved_layers = target.feature_layers
+    target.set_feature_layers([])
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (context,), generator=gen)
+    a = machine.snapshot()
+    target.prefill(ids)
+    med = {}
+    for n in sizes:
+        tr = chain(int(ids[-1]), torch.randint(0, target.vocab_size, (n - 1,), generator=gen))
+        times = []
+        for rep in range(reps + 1):  # the first forward of each shape is a warm-up, not timed
+            _sync(target)
+            t0 = time.perf_counter()
+            target.verify(tr)
+            _sync(target)
+            if rep:
+                times.append(time.perf_counter() - t0)
+            target.compact(tr.size, torch.arange(0))  # drop the appended entries: same context every time
+        med[str(n)] = statistics.median(times)
+    load = machine.window(a, machine.snapshot())
+    target.set_feature_layers(saved_layers)
+    if load["busy"] is None:  # too short a window to judge (tiny targets): judge the moment right after it
+        load = {**load, "after": machine.idle_probe(0.3)}
+        load["busy"] = load["after"]["busy"]
+    data = {"key": key, "median_s": med, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "load": load,
+            "busy": bool(load["busy"])}
+    if cache and not data["busy"]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))
+    why = "busy machine: not cached" if data["busy"] else ("cached for next time" if cache else "not cached")
+    return {**data, "source": f"measured now ({why})"}
+
+
+def cost_at(curve: dict, nodes: int) -> float:
+    """Verify seconds for ``nodes`` positions, interpolated linearly between measured sizes."""
+    pts = sorted((int(k), v) for k, v in curve["median_s"].items())
+    if nodes <= pts[0][0]:
+        return pts[0][1]
+    for (a, ta), (b, tb) in zip(pts, pts[1:]):
+        if nodes <= b:
+            return ta + (tb - ta) * (nodes - a) / (b - a)
+    (a, ta), (b, tb) = pts[-2], pts[-1]
+    return tb + (tb - ta) * (nodes - b) / (b - a)
+
+
+def auto_budget(build, curve: dict, pilot_ids, candidates=(4, 8, 16, 32, 64), max_new_tokens: int = 48) -> dict:
+    """--budget auto: the budget b maximising tau(b) * cost(1) / cost(b + 1), with tau from one greedy pilot
+    prompt per candidate and cost from the measured verify curve. ``build(b)`` -> Method."""
+    rows = {}
+    for b in candidates:
+        r = build(b).run(pilot_ids, max_new_tokens, 0.0, 0)
+        tau = r.get("tau") or 1.0
+        rows[b] = {"tau": tau, "est_speedup": tau * cost_at(curve, 1) / cost_at(curve, b + 1)}
+    best = max(rows, key=lambda b: rows[b]["est_speedup"])
+    return {"best": best, "pilot": rows, "curve_busy": curve.get("busy", False)}
+
+
+# ---- the interleaved loop -----------------------------------------------------------------------------------
+def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: int, temperatures, seed: int = 0,
+                    progress: bool = True, shard: tuple[int, int] = (0, 1), guard: machine.LoadGuard | None = None,
+                    warmup_tokens: int = 8, time_limit: float | None = None) -> list[dict]:
+    """Every method on a prompt before the next prompt (drift hits all alike), after one untimed warm-up call
+    per method on a neutral prompt. One record per (prompt, temperature, turn, method); with ``guard``, each
+    record carries the load window of its call. ``time_limit`` (s) stops starting new prompts."""
+    rank, world = shard
+    mine = [p for i, p in enumerate(prompts) if i % world == rank]
+    if warmup_tokens:
+        ids = warmup_ids(target)
+        for m in methods:  # allocator, kernels, HF generate's first-call setup: never inside a timed call
+            m.run(ids, warmup_tokens, 0.0, seed)
+            for h in m.hooks:  # analysis hooks keep nothing from the warm-up
+                for kept in (getattr(h, "rows", None), getattr(h, "records", None)):
+                    if kept is not None:
+                        kept.clear()
+    records = []
+    bar = tqdm(total=len(mine) * len(temperatures) * len(methods), disable=not progress, file=sys.stderr,
+               desc=f"bench[{rank}]" if world > 1 else "bench")
+    t_start = time.perf_counter()
+    for p in mine:
+        if time_limit is not None and time.perf_counter() - t_start > time_limit:
+            print(f"[time limit] stopped after {len({r['prompt_id'] for r in records})} prompts", file=sys.stderr)
+            break
+        for temp in temperatures:
+            histories = {m.name: [] for m in methods}
+            for t_idx, turn in enumerate(p["turns"]):
+                for m in methods:
+                    hist = histories[m.name]
+                    ids = encode_turn(target, hist, turn)
+                    if target.device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    if guard is not None:
+                        with guard.measure() as w:
+                            r = m.run(ids, max_new_tokens, temp, seed)
+                        r["load"] = w.load
+                    else:
+                        r = m.run(ids, max_new_tokens, temp, seed)
+                    r.update(prompt_id=p["id"], set=p.get("set"), category=p.get("category"), turn=t_idx,
+                             method=m.name, temperature=temp, budget=m.budget, prompt_tokens=int(ids.numel()),
+                             peak_rss_mb=machine.peak_rss_mb())
+                    if target.device.type == "cuda":
+                        r["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+                    if target.tokenizer is not None and not isinstance(turn, list):
+                        r["text"] = target.decode(r["tokens"])
+                        # the next turn is fed this method's own answer (MT-Bench protocol)
+                        hist.extend([{"role": "user", "content": turn}, {"role": "assistant", "content": r["text"]}])
+                    records.append(r)
+                if t_idx == 0:
+                    bar.update(len(methods))
+    bar.close()
+    return records
+
+
+def gather_shards(records: list[dict], world: int, order: list[str]) -> list[dict]:
+    """Merge per-rank records on every rank (gloo all-gather of JSON; works on CPU under torchrun), back in the
+    prompt order ``order`` (prompt ids)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    gathered = [None] * world
+    dist.all_gather_object(gathered, records)
+    dist.barrier()
+    merged = [r for part in gathered for r in part]
+    index = {pid: i for i, pid in enumerate(order)}
+    return sorted(merged, key=lambda r: (index[r["prompt_id"]], r["temperature"], r["turn"]))
+

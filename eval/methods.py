@@ -1,0 +1,159 @@
+"""A preset -> a runnable method: ``Method.run(prompt_ids, max_new_tokens, temperature, seed) -> record``.
+
+Every record carries ``decode_tokens`` (tokens emitted after the first forward) and ``decode_s`` (the time after
+it), the two numbers every speedup is made of (``measure.speedup``).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from graft_block import Drafter, SpeculativeDecoder
+from graft_block.errors import ConfigError
+
+from . import presets
+from .peers import hf_runner
+
+
+@dataclass
+class Method:
+    """A named way of decoding. ``run(prompt_ids, max_new_tokens, temperature, seed) -> dict``."""
+
+    name: str
+    run: Callable[..., dict]
+    budget: int | None = None
+    config: dict = field(default_factory=dict)
+    hooks: list = field(default_factory=list)
+
+
+class TimedHook:
+    """A round hook whose own wall time is summed, so that analysis (chimeric shares) is not billed as decoding."""
+
+    def __init__(self, hook):
+        self.hook, self.seconds = hook, 0.0
+
+    def __call__(self, verified, state):
+        t0 = time.perf_counter()
+        self.hook(verified, state)
+        self.seconds += time.perf_counter() - t0
+
+    def __getattr__(self, name):  # rows, records, summary() ... of the wrapped hook
+        if name == "hook":
+            raise AttributeError(name)
+        return getattr(self.hook, name)
+
+
+_WARM_MATRIX: dict = {}
+
+
+def warm_matrix(target, k: int = 8, rounds: int = 5):
+    """One adjacency-matrix warm-up per run (ShareGPT calibration prompts); each method gets its own copy so
+    no method learns from another method's verifications of the same prompt."""
+    from graft_block.adjacency import AdjacencyMatrix
+
+    key = (id(target), k, rounds)
+    if key not in _WARM_MATRIX:
+        m = AdjacencyMatrix(target.vocab_size, k, "int32", target.device)
+        if rounds and target.tokenizer is not None:
+            m.warmup(target, rounds=rounds)
+        _WARM_MATRIX[key] = m
+    return copy.deepcopy(_WARM_MATRIX[key])
+
+
+def make_method(name: str, spec: dict, target, budget: int | None, chimeric: bool = False,
+                extra_hooks: list | None = None) -> Method:
+    """Build one method from a preset (``presets.PRESETS`` shape). ConfigError when it cannot be built here.
+    A preset's ``"hooks"`` (round-hook objects, kept by the caller to read afterwards) join ``extra_hooks``."""
+    spec = dict(spec)
+    extra_hooks = list(extra_hooks or []) + list(spec.pop("hooks", None) or [])  # objects: not deep-copied
+    spec = presets.prepare(name, spec, budget)
+    chimeric = chimeric or bool(spec.pop("chimeric", False))
+    if spec.get("hf") is not None:
+        return Method(name, hf_runner(target, spec["hf"]), config=spec)
+    dcfg = spec.get("drafter")
+    if isinstance(dcfg, dict) and dcfg.get("type") in ("recycling", "pld_matrix") and "matrix" not in dcfg \
+            and dcfg.get("warmup_rounds", 5) == 5:
+        dcfg = {**dcfg, "matrix": warm_matrix(target), "warmup_rounds": 0}
+    drafter = Drafter.from_config(dcfg, target=target) if dcfg else None
+    graft = None
+    if spec.get("graft"):
+        from graft_block.graft import Graft
+
+        gcfg = dict(spec["graft"])
+        matrix = None
+        if gcfg.get("mode", "graft") != "prune" and "matrix" not in gcfg and getattr(drafter, "matrix", None) is None:
+            matrix = warm_matrix(target, int(gcfg.get("k", 8)), int(gcfg.get("warmup_rounds", 5)))
+        graft = Graft.from_config(gcfg, matrix=matrix, target=target, drafter=drafter)
+    hooks = [TimedHook(h) for h in (extra_hooks or [])]
+    if chimeric and drafter is not None:
+        from graft_block.chimeric import proxy_hook
+
+        hooks.append(TimedHook(proxy_hook()))
+    dec = SpeculativeDecoder(target, drafter, graft=graft, round_hooks=hooks)
+    layers = tuple(getattr(drafter, "feature_layers", ()) or ())
+    proxies = [h for h in hooks if hasattr(h.hook, "rows")]
+
+    def run(ids, max_new_tokens, temperature, seed):
+        for h in proxies:
+            h.rows.clear()
+        hook_s0 = sum(h.seconds for h in hooks)
+        target.set_feature_layers(layers)  # methods are interleaved: each captures its own drafter's layers
+        res = dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        out = {"tokens": res.tokens, **res.stats.to_dict()}
+        hook_s = sum(h.seconds for h in hooks) - hook_s0
+        if hook_s:  # analysis hooks run inside the loop: their time is taken out of decoding, and shown
+            out["hook_s"] = hook_s
+            out["decode_s"] = max(out["decode_s"] - hook_s, 1e-9)
+            out["phase_s"]["commit"] = max(out["phase_s"].get("commit", 0.0) - hook_s, 0.0)  # hooks run in commit
+            out["decode_tok_s"] = out["decode_tokens"] / out["decode_s"]
+        if graft is not None and hasattr(graft, "state_bytes"):
+            out["retrieval_state_bytes"] = int(graft.state_bytes())
+        elif drafter is not None and hasattr(drafter, "state_bytes"):
+            out["retrieval_state_bytes"] = int(drafter.state_bytes())
+        if graft is not None and hasattr(graft, "summary"):
+            out["graft"] = graft.summary()
+            if hasattr(graft, "reset_stats"):
+                graft.reset_stats()
+        for h in proxies:
+            chim = h.summary()
+            out["chimeric"] = chim
+            out["chimeric_share"] = chim["draft"].get("chimeric")
+        return out
+
+    return Method(name, run, budget=dec.budget, config=spec, hooks=hooks)
+
+
+def lookup(name: str, extra: dict) -> dict:
+    """The preset called ``name`` (a --config method first); the error names the real choices."""
+    spec = extra.get(name) or presets.PRESETS.get(name)
+    if spec is None:
+        raise ConfigError(f"unknown method {name!r}; presets: {', '.join(presets.PRESETS)}"
+                          + (f"; from --config: {', '.join(extra)}" if extra else "")
+                          + " (see --list-methods, or add one with --config FILE)")
+    return spec
+
+
+def load_method_files(paths: list[str]) -> dict[str, dict]:
+    """--config files: YAML/JSON {name, drafter, graft, ...} or a list of them."""
+    import json
+    from pathlib import Path
+
+    out = {}
+    for p in paths:
+        text = Path(p).read_text()
+        try:
+            if str(p).endswith((".yaml", ".yml")):
+                import yaml
+
+                data = yaml.safe_load(text)
+            else:
+                data = json.loads(text)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the file named
+            raise ConfigError(f"cannot parse method file {p}: {exc}") from exc
+        for it in data if isinstance(data, list) else [data]:
+            if not isinstance(it, dict) or "name" not in it:
+                raise ConfigError(f"{p}: each method needs a 'name' and a 'drafter' (and optional 'graft')")
+            out[it["name"]] = {k: v for k, v in it.items() if k != "name"}
+    return out

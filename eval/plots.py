@@ -1,0 +1,62 @@
+"""Optional figures (matplotlib): tau and speedup against budget, the acceptance histogram, chimeric shares."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plots(out: Path, rows: list[dict]) -> list[str]:
+    """Write the figures that this run's rows support into ``out``; returns their file names ([] without
+    matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    files = []
+    by: dict = {}
+    for r in rows:
+        if r["budget"] and r["tau"] is not None:
+            by.setdefault((r["method"].split("@")[0], r["temperature"]), []).append(r)
+    if any(len(v) > 1 for v in by.values()):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for (m, t), rs in sorted(by.items()):
+            rs = sorted(rs, key=lambda r: r["budget"])
+            axes[0].plot([r["budget"] for r in rs], [r["tau"] for r in rs], marker="o", label=f"{m} T={t:g}")
+            axes[1].plot([r["budget"] for r in rs], [r["speedup"] or 0 for r in rs], marker="o", label=f"{m} T={t:g}")
+        for ax, yl in zip(axes, ("tau (tokens / round)", "speedup vs AR (aggregate)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("budget (tree nodes)")
+            ax.set_ylabel(yl)
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "budget_sweep.png", dpi=110)
+        plt.close(fig)
+        files.append("budget_sweep.png")
+    hist_rows = [r for r in rows if r["accept_hist"]]
+    if hist_rows:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for r in hist_rows:
+            h = r["accept_hist"]
+            tot = sum(h.values())
+            ks = sorted(h)
+            ax.plot(ks, [h[k] / tot for k in ks], marker=".",
+                    label=f"{r['method']} T={r['temperature']:g} b={r['budget']}")
+        ax.set_xlabel("accepted draft tokens per round")
+        ax.set_ylabel("share of rounds")
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out / "accept_hist.png", dpi=110)
+        plt.close(fig)
+        files.append("accept_hist.png")
+    chim = [r for r in rows if r["chimeric_share"] is not None]
+    if chim:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.bar([f"{r['method']}\nb={r['budget']}" for r in chim], [r["chimeric_share"] for r in chim])
+        ax.set_ylabel("chimeric share of tree nodes")
+        fig.tight_layout()
+        fig.savefig(out / "chimeric.png", dpi=110)
+        plt.close(fig)
+        files.append("chimeric.png")
+    return files

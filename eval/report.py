@@ -1,0 +1,226 @@
+"""From records to what a reader sees: per-method rows, the markdown tables, the spread verdict, the lossless
+alarm and the paper claims. Pure functions of the records (no model, no timing)."""
+from __future__ import annotations
+
+import statistics
+
+from . import machine
+from .measure import rate, speedup, speedup_interval
+from .presets import PAPER_CLAIMS
+
+MIN_N = 5  # prompt-turns per method below which no interval is read as a verdict
+PHASES = ("draft", "tree", "verify", "commit", "overhead")
+
+
+def _med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _iqr(xs):
+    xs = sorted(x for x in xs if x is not None)
+    if len(xs) < 2:
+        return None
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return (q[0], q[2])
+
+
+def _key(r):
+    return r["prompt_id"], r["turn"], r["temperature"]
+
+
+def _tau(rs):
+    rounds = sum(r.get("rounds") or 0 for r in rs)
+    return sum(r["decode_tokens"] for r in rs) / rounds if rounds else None
+
+
+def summarize(records: list[dict], baseline: str = "ar") -> list[dict]:
+    """One row per (method, temperature, budget). Aggregates are sums over the same prompt-turns (tau = emitted
+    tokens / rounds, tok/s = tokens / seconds, speedup vs AR = ``measure.speedup``); per-prompt spreads beside."""
+    base = {_key(r): r for r in records if r["method"] == baseline}
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["method"], r["temperature"], r.get("budget")), []).append(r)
+    rows = []
+    for (name, temp, budget), rs in groups.items():
+        pairs = [(r, base[_key(r)]) for r in rs if _key(r) in base]
+        phase_tot: dict = {}
+        hist: dict = {}
+        for r in rs:
+            for k, v in (r.get("phase_s") or {}).items():
+                phase_tot[k] = phase_tot.get(k, 0.0) + v
+            for k, v in (r.get("accept_hist") or {}).items():
+                hist[int(k)] = hist.get(int(k), 0) + v
+        tot = sum(phase_tot.values()) or 1.0
+        retr = sum(r.get("retrieved_nodes") or 0 for r in rs)
+        per_prompt = [r.get("speedup") for r in rs]
+        rows.append({
+            "method": name, "temperature": temp, "budget": budget, "n": len(rs),
+            "tau": _tau(rs) if any(r.get("rounds") for r in rs) else None,
+            "tau_iqr": _iqr([r.get("tau") for r in rs]),
+            "tok_s": rate(rs),
+            "speedup": speedup([m for m, _ in pairs], [a for _, a in pairs]) if pairs else None,
+            "speedup_median": _med(per_prompt), "speedup_iqr": _iqr(per_prompt),
+            "speedup_ci": speedup_interval(pairs) if len(pairs) >= MIN_N and name != baseline else None,
+            "time_split": {k: v / tot for k, v in phase_tot.items()},
+            "overhead_share": phase_tot.get("overhead", 0.0) / tot if phase_tot else None,
+            "accept_hist": dict(sorted(hist.items())),
+            "chimeric_share": _med([r.get("chimeric_share") for r in rs]),
+            "graft_hit_rate": (sum(r.get("retrieved_accepted") or 0 for r in rs) / retr) if retr else None,
+            "retrieval_state_bytes": max([r.get("retrieval_state_bytes") or 0 for r in rs]) or None,
+            "peak_rss_mb": max(r.get("peak_rss_mb") or 0 for r in rs),
+            "busy_records": sum(1 for r in rs if (r.get("load") or {}).get("busy")),
+            "mismatches": [f"{r['prompt_id']}#{r['turn']}" for r in rs if r.get("matches_ar") is False],
+        })
+    return rows
+
+
+def _f(x, fmt="{:.2f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def _pair(p, fmt="{:.2f}"):
+    return "-" if p is None else f"{fmt.format(p[0])}-{fmt.format(p[1])}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| method | T | budget | n | tau | tok/s | speedup vs AR | per-prompt median [IQR] | 90% interval | "
+            "draft/tree/verify/commit/overhead % | chimeric | graft hit | state B | busy | lossless |")
+    lines = [head, "|" + "---|" * 15]
+    for r in rows:
+        ts = r["time_split"]
+        split = "/".join(f"{100 * ts.get(k, 0):.0f}" for k in PHASES) if ts else "-"
+        if r["temperature"] != 0:
+            loss = "n/a (T>0)"
+        elif r["method"] == "ar":
+            loss = "reference"
+        else:
+            loss = "ok" if not r["mismatches"] else f"**MISMATCH x{len(r['mismatches'])}**"
+        med = "-" if r["speedup_median"] is None else f"{r['speedup_median']:.2f} [{_pair(r['speedup_iqr'])}]"
+        busy = f"**{r['busy_records']}/{r['n']}**" if r["busy_records"] else "0"
+        lines.append(
+            f"| {r['method']} | {r['temperature']:g} | {r['budget'] or '-'} | {r['n']} | {_f(r['tau'])} | "
+            f"{_f(r['tok_s'], '{:.1f}')} | {_f(r['speedup'])} | {med} | {_pair(r['speedup_ci'])} | {split} | "
+            f"{_f(r['chimeric_share'])} | {_f(r['graft_hit_rate'])} | {r['retrieval_state_bytes'] or '-'} | "
+            f"{busy} | {loss} |")
+    return "\n".join(lines)
+
+
+def group_of(r: dict, by: str = "category") -> str:
+    """A record's category (its prompt set when it has none), or its prompt set."""
+    return (r.get("category") if by == "category" else None) or r.get("set") or "-"
+
+
+def group_rows(records: list[dict], by: str = "category", baseline: str = "ar") -> list[dict]:
+    """Per category (``by="category"``; a record without one counts under its prompt set) or per prompt set:
+    {method, temperature, group, n, tau, speedup} with the aggregate definitions. [] when there would be one
+    group only, or no category at all."""
+    if by == "category" and not any(r.get("category") for r in records):
+        return []
+    groups = list(dict.fromkeys(group_of(r, by) for r in records))
+    if len(groups) < 2:
+        return []
+    base = {_key(r): r for r in records if r["method"] == baseline}
+    out = []
+    for name, temp in dict.fromkeys((r["method"], r["temperature"]) for r in records):
+        for g in groups:
+            rs = [r for r in records if (r["method"], r["temperature"]) == (name, temp) and group_of(r, by) == g]
+            pairs = [(r, base[_key(r)]) for r in rs if _key(r) in base]
+            out.append({"method": name, "temperature": temp, "group": g, "n": len(rs),
+                        "tau": _tau(rs) if any(r.get("rounds") for r in rs) else None,
+                        "speedup": speedup([m for m, _ in pairs], [a for _, a in pairs]) if pairs else None})
+    return out
+
+
+def group_table(grows: list[dict]) -> str | None:
+    """``group_rows`` as markdown: one row per method, one "tau / x (n)" column per group."""
+    if not grows:
+        return None
+    groups = list(dict.fromkeys(g["group"] for g in grows))
+    lines = ["| method | T | " + " | ".join(f"{g} tau / x (n)" for g in groups) + " |",
+             "|" + "---|" * (len(groups) + 2)]
+    for name, temp in dict.fromkeys((g["method"], g["temperature"]) for g in grows):
+        cells = {g["group"]: g for g in grows if (g["method"], g["temperature"]) == (name, temp)}
+        lines.append(f"| {name} | {temp:g} | " + " | ".join(
+            f"{_f(c['tau'])} / {_f(c['speedup'])} ({c['n']})" if c["n"] else "-"
+            for c in (cells[g] for g in groups)) + " |")
+    return "\n".join(lines)
+
+
+def spread_notes(rows: list[dict], baseline: str = "ar") -> list[str]:
+    """Can this run separate methods? Says so when n is too small, else reads the paired bootstrap intervals."""
+    notes = []
+    for temp in sorted({r["temperature"] for r in rows}):
+        rs = [r for r in rows if r["temperature"] == temp and r["method"] != baseline and r["speedup"] is not None]
+        if not rs:
+            continue
+        n = min(r["n"] for r in rs)
+        if n < MIN_N:
+            notes.append(f"T={temp:g}: n = {n} prompt-turns per method is too small to separate methods (need >= "
+                         f"{MIN_N}; raise --limit): read the speedups as a rough picture, not a verdict")
+            continue
+        faster = [r["method"] for r in rs if r["speedup_ci"] and r["speedup_ci"][0] > 1]
+        slower = [r["method"] for r in rs if r["speedup_ci"] and r["speedup_ci"][1] < 1]
+        tied = [r["method"] for r in rs if r["method"] not in faster + slower]
+        parts = [f"faster than AR: {', '.join(faster) or 'none'}", f"slower: {', '.join(slower) or 'none'}"]
+        if tied:
+            parts.append(f"not separable from AR: {', '.join(tied)}")
+        ranked = sorted((r for r in rs if r["speedup_ci"]), key=lambda r: -r["speedup"])
+        close = [f"{a['method']} ~ {b['method']}" for a, b in zip(ranked, ranked[1:])
+                 if a["speedup_ci"][0] <= b["speedup_ci"][1]]
+        if close:
+            parts.append(f"neighbours whose 90% intervals overlap: {', '.join(close)}")
+        notes.append(f"T={temp:g}, n = {n} prompt-turns: " + "; ".join(parts))
+    return notes
+
+
+def lossless_alarm(rows: list[dict]) -> str | None:
+    bad = [(r["method"], r["mismatches"]) for r in rows if r["mismatches"]]
+    if not bad:
+        return None
+    msg = "\n".join(f"  {m}: differs from AR on {', '.join(ids)}" for m, ids in bad)
+    return "!!! LOSSLESS CHECK FAILED at T=0: these methods' outputs differ from the target's greedy output:\n" + msg
+
+
+def paper_verdicts(rows: list[dict], claims: list[dict] = PAPER_CLAIMS) -> list[dict]:
+    """Each claim: compare two methods' aggregates from this run and say whether it holds here."""
+    out = []
+    idx = {(r["method"], r["temperature"]): r for r in rows}
+    for c in claims:
+        a = idx.get((c["method"], 0.0))
+        b = idx.get((c["baseline"], 0.0)) if c.get("baseline") else None
+        metric = c.get("metric", "speedup")
+        if a is None or a.get(metric) is None or (c.get("baseline") and (b is None or b.get(metric) is None)):
+            out.append({"claim": c["claim"], "paper": c["paper"], "here": None, "holds": None})
+            continue
+        ours = a[metric] / b[metric] if b is not None and c.get("ratio", True) else a[metric]
+        holds = c["range"][0] <= ours <= c["range"][1] if "range" in c else ours >= c["threshold"]
+        out.append({"claim": c["claim"], "paper": c["paper"], "here": ours, "holds": holds})
+    return out
+
+
+def verdict_table(verdicts: list[dict]) -> str:
+    lines = ["| claim | paper | here | verdict |", "|---|---|---|---|"]
+    for v in verdicts:
+        if v["here"] is None:
+            lines.append(f"| {v['claim']} | {v['paper']} | - | not measured (method skipped) |")
+        else:
+            lines.append(f"| {v['claim']} | {v['paper']} | {v['here']:.2f} | "
+                         f"{'holds here' if v['holds'] else 'does not hold here'} |")
+    return "\n".join(lines)
+
+
+def header(suite: str, target_name: str, sets_line: str, first_turn_only: bool, max_new: int, temps, load: dict,
+           threads: int, device: str) -> str:
+    lines = [f"## graft-block bench: suite={suite} target={target_name} device={device} threads={threads}",
+             f"prompts: {sets_line}; first-turn-only: {'yes' if first_turn_only else 'no'}; max_new_tokens "
+             f"{max_new}; T {','.join(f'{t:g}' for t in temps)}",
+             "speedup vs AR = decode tokens / decode seconds over the same prompt-turns, total over total "
+             "(per-prompt median [IQR] and a paired-bootstrap 90% interval beside it)"]
+    banner = machine.busy_banner(load)
+    if banner:
+        lines.append("")
+        lines.append(banner)
+    elif load.get("busy") is None:
+        lines.append("(machine load could not be read here: no busy-machine check)")
+    return "\n".join(lines)

@@ -1,0 +1,369 @@
+"""Drafter training data shared by every drafter: target-regenerated answers (or teacher-forced text) with the
+target features and soft labels captured on the way, cached under the user cache dir.
+
+Data (``generate_data``): first-turn ShareGPT *train* prompts (chat template), answered by the target (greedy, or
+sampled several times per prompt, as MFD's T=0.7 regenerated data) with a batched loop that keeps its own KV cache
+(left padding; ~2x HF ``generate`` on CPU). While generating, the
+loop captures for free, through forward hooks, everything a drafter trainer needs, and caches it under
+``<cache dir>/train-data/<name>/`` (``GRAFT_BLOCK_DATA`` overrides) as ``shard_XXXX.pt`` files plus ``meta.json``:
+  - ``ids`` [L] int32: prompt + response (the response ends with EOS when the target stopped);
+  - ``prompt_len``: loss is on response tokens only (assistant-only loss mask);
+  - ``feats`` [L, n_layers * H] fp16: target hidden states for the layers in ``meta["feature_layers"]`` (HF
+    ``hidden_states`` indices, concatenated in that order); the last row is zero (the last token never entered
+    the target);
+  - ``top_ids`` [L, k] int32 / ``top_logp`` [L, k] fp16: the target's top-k next-token log-probs at every response
+    position t >= prompt_len - 1 (row t = distribution of token t + 1), rows before that are zero.
+Cheaper data (``teacher_forced_data``): one forward over ShareGPT train conversations (user turn + human reference
+reply) with no generation (~3-8x more tokens per CPU-minute here). Its records add ``labels`` [L] = the target's
+own argmax at every position, so the k=1 block row learns exactly the target's next token given real context
+(rows k >= 2 are approximate: the in-between tokens are human, not the target's). Several caches can be trained
+on together (``data="a,b"``); the held-out sequences are the first ones of the first cache.
+Design choice: features are cached (not recomputed) because on 2 CPU cores the target forward (~300-450 tok/s)
+would cost more than the drafter step itself. The default layer list is the union that both block drafters need:
+DFlash ``target_layer_ids`` [1, 14, 26] = hidden_states [2, 15, 27] = EAGLE3's "layers 2, N//2, N-3" for SmolLM2.
+A trainer asking for other layers gets a clear error naming the cached layers (regenerate with ``--layers``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .errors import ConfigError
+from .target import default_feature_layers, feature_module
+
+
+def data_root() -> Path:
+    """Training-data caches live under the user cache dir (never inside the installed package)."""
+    from .target import cache_root
+
+    return Path(os.environ.get("GRAFT_BLOCK_DATA", cache_root() / "train-data"))
+
+
+# ---- data generation ---------------------------------------------------------------------------------------
+def _chat_ids(target, text: str) -> list[int]:
+    return target.encode([{"role": "user", "content": text}]).tolist()
+
+
+def _layer_modules(model, layers: Sequence[int]):
+    return [feature_module(model, i) for i in layers]
+
+
+def _pending_batches(order, meta: dict, time_limit_s, log, max_shards: int | None = None):
+    """Batch indices still to generate: skips shards already on disk (resume) and stops at the time limit or
+    after the first ``max_shards`` batches of ``order`` (a fixed, reproducible data set)."""
+    t0 = time.time()
+    done = {s["batch"] for s in meta["shards"]}
+    for bi in order[:max_shards]:
+        if bi in done:
+            continue
+        if time_limit_s is not None and time.time() - t0 > time_limit_s:
+            log(f"time limit reached after {len(meta['shards'])} shards")
+            return
+        yield bi
+
+
+@torch.inference_mode()
+def answer_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], layers: Sequence[int], topk: int,
+                 pad_id: int = 0, sampling=None, generator: torch.Generator | None = None):
+    """The target's answers to a batch of prompts with one left-padded KV cache: greedy, or drawn with ``sampling``
+    (a ``SamplingConfig``; HF warpers) from ``generator``. Returns one record per prompt with the cached features
+    (``layers``) and the top-k next-token log-probs (of the raw, T=1 distribution) at every response position."""
+    from transformers import DynamicCache
+
+    from .sampling import SamplingConfig, choose
+
+    rule = sampling or SamplingConfig()  # choose() is argmax when greedy
+
+    dev = model.get_input_embeddings().weight.device
+    b = len(prompts)
+    plen = [len(p) for p in prompts]
+    P = max(plen)
+    ids = torch.full((b, P), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, P), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, P - len(p):] = torch.tensor(p)
+        mask[r, P - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    captured: dict[int, torch.Tensor] = {}
+
+    def make_hook(j):
+        def hook(_m, _i, out):
+            captured[j] = (out[0] if isinstance(out, tuple) else out).detach()
+        return hook
+
+    hooks = [m.register_forward_hook(make_hook(j)) for j, m in enumerate(_layer_modules(model, layers))]
+    try:
+        cache = DynamicCache(config=model.config)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                    logits_to_keep=1)
+        feats_steps = [torch.cat([captured[j] for j in range(len(layers))], -1).half().cpu()]  # [b, P, F]
+        logp = torch.log_softmax(out.logits[:, -1].float(), -1)
+        tv, ti = logp.topk(topk, -1)
+        top_steps = [(ti.int().cpu(), tv.half().cpu())]
+        nxt = choose(logp, rule, generator)
+        gen = [nxt.cpu()]
+        done = torch.tensor([int(t) in eos for t in nxt.tolist()])
+        last_pos = pos[:, -1]
+        for _ in range(max_new - 1):
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], -1)
+            last_pos = last_pos + 1
+            out = model(input_ids=nxt.view(b, 1), attention_mask=mask, position_ids=last_pos.view(b, 1),
+                        cache=cache, use_cache=True)
+            feats_steps.append(torch.cat([captured[j] for j in range(len(layers))], -1).half().cpu())
+            logp = torch.log_softmax(out.logits[:, -1].float(), -1)
+            tv, ti = logp.topk(topk, -1)
+            top_steps.append((ti.int().cpu(), tv.half().cpu()))
+            nxt = choose(logp, rule, generator)
+            gen.append(nxt.cpu())
+            done |= torch.tensor([int(t) in eos for t in nxt.tolist()])
+    finally:
+        for h in hooks:
+            h.remove()
+    gen_t = torch.stack(gen, 1)  # [b, S]
+    feats = torch.cat(feats_steps, 1)  # [b, P + S - 1, F]
+    top_i = torch.stack([t[0] for t in top_steps], 1)  # [b, S, k]: step s = distribution of generated token s
+    top_v = torch.stack([t[1] for t in top_steps], 1)
+    recs = []
+    for r in range(b):
+        g = gen_t[r].tolist()
+        n = len(g)
+        for j, t in enumerate(g):
+            if t in eos:
+                n = j + 1
+                break
+        L = plen[r] + n
+        f = torch.zeros((L, feats.shape[-1]), dtype=torch.float16)
+        f[: L - 1] = feats[r, P - plen[r]: P - plen[r] + L - 1]
+        ti = torch.zeros((L, topk), dtype=torch.int32)
+        tv = torch.zeros((L, topk), dtype=torch.float16)
+        ti[plen[r] - 1: L - 1] = top_i[r, :n]
+        tv[plen[r] - 1: L - 1] = top_v[r, :n]
+        recs.append({"ids": torch.tensor(prompts[r] + g[:n], dtype=torch.int32), "prompt_len": plen[r],
+                     "feats": f, "top_ids": ti, "top_logp": tv})
+    return recs
+
+
+def generate_data(target, name: str, num_prompts: int = 2000, max_prompt_tokens: int = 320, max_new: int = 160,
+                  batch_size: int = 48, layers: Sequence[int] | None = None, topk: int = 8,
+                  time_limit_s: float | None = None, log=print, prompts: list[list[int]] | None = None,
+                  folder: str | Path | None = None, sampling=None, samples: int = 1, seed: int = 0,
+                  max_shards: int | None = None) -> Path:
+    """Regenerate responses to ShareGPT *train* prompts (or the given token-id ``prompts``) with the target;
+    resumable (existing shards are kept). ``folder`` overrides ``data_root() / name``. Greedy by default; with
+    ``sampling`` (a ``SamplingConfig`` with T > 0) each prompt is answered ``samples`` times, so one context carries
+    several futures (what a mixture drafter's modes can split; mfd.md 1.5). Shard ``b`` draws from seed ``seed``
+    + ``b``, so a resumed run gives the same data; ``max_shards`` caps the set at the first N shards of the
+    (fixed) shuffled batch order, whatever the time limits of the runs that made it."""
+    from .data import sharegpt
+
+    sampled = sampling is not None and not sampling.greedy
+    if samples < 1 or (samples > 1 and not sampled):
+        raise ConfigError(f"samples={samples}: need samples >= 1, and samples > 1 only with temperature > 0 "
+                          "(greedy answers to one prompt are identical)")
+    how = (f"target sampled T={sampling.temperature} top_p={sampling.top_p} top_k={sampling.top_k}, {samples} "
+           f"per prompt, seed {seed}") if sampled else "target greedy"
+
+    out = Path(folder) if folder is not None else data_root() / name
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path = out / "meta.json"
+    layers = list(layers or default_feature_layers(target.num_layers))
+    meta = {"feature_layers": list(layers), "topk": topk, "max_new": max_new, "max_prompt_tokens": max_prompt_tokens,
+            "target": target.name, "hidden_size": target.hidden_size, "source": "sharegpt train split, first turn, "
+            f"chat template, {how}", "shards": []}
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        if old["feature_layers"] != list(layers) or old["topk"] != topk or not old["source"].endswith(how):
+            raise ConfigError(f"{out} holds other data ({old['source']}, layers {old['feature_layers']}); use "
+                              "another name")
+        meta = old
+    if prompts is None:
+        prompts = []
+        for rec in sharegpt("train", limit=num_prompts):
+            ids = _chat_ids(target, rec["turns"][0])
+            if len(ids) <= max_prompt_tokens:
+                prompts.append(ids)
+    else:
+        meta["source"] = f"given prompts, {how}"
+        prompts = [list(map(int, p)) for p in prompts]
+    prompts.sort(key=len)  # similar lengths per batch: less padding
+    prompts = [p for p in prompts for _ in range(samples)]  # a prompt's samples sit side by side
+    batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+    rng = random.Random(0)
+    order = list(range(len(batches)))
+    rng.shuffle(order)  # a time-limited run still covers short and long prompts
+    eos = target.eos_token_ids
+    t0 = time.time()
+    for bi in _pending_batches(order, meta, time_limit_s, log, max_shards):
+        t1 = time.time()
+        g = torch.Generator(device=target.device).manual_seed(seed + bi) if sampled else None
+        recs = answer_batch(target.model, batches[bi], max_new, eos, layers, topk, sampling=sampling, generator=g)
+        fname = f"shard_{bi:04d}.pt"
+        torch.save(recs, out / fname)
+        gen_tok = sum(len(r["ids"]) - r["prompt_len"] for r in recs)
+        all_tok = sum(len(r["ids"]) for r in recs)
+        meta["shards"].append({"batch": bi, "file": fname, "sequences": len(recs), "response_tokens": gen_tok,
+                               "tokens": all_tok, "seconds": time.time() - t1})
+        meta_path.write_text(json.dumps(meta, indent=1))
+        dt = time.time() - t1
+        log(f"shard {bi}: {len(recs)} seqs, {gen_tok} response tok in {dt:.0f}s ({gen_tok / dt:.0f} tok/s), "
+            f"total {sum(s['response_tokens'] for s in meta['shards'])} response tok, {time.time() - t0:.0f}s")
+    return out
+
+
+# ---- dataset -----------------------------------------------------------------------------------------------
+def load_records(name_or_path: str | Path, feature_layers: Sequence[int] | None = None, limit: int | None = None):
+    """Cached sequences; ``feats`` reduced to ``feature_layers`` (HF hidden_states indices, in that order)."""
+    if isinstance(name_or_path, str) and "," in name_or_path:  # several caches, same feature layers
+        recs, meta = [], None
+        for part in name_or_path.split(","):
+            r, m = load_records(part.strip(), feature_layers, limit)
+            if meta is not None and m["feature_layers"] != meta["feature_layers"]:
+                raise ConfigError(f"data caches {part} and the first one hold different feature layers")
+            recs, meta = recs + r, meta or m
+        return recs, meta
+    folder = Path(name_or_path)
+    if not folder.exists():
+        folder = data_root() / str(name_or_path)
+    meta_path = folder / "meta.json"
+    if not meta_path.exists():
+        raise ConfigError(f"no training data at {folder}: generate it first (python -m graft_block.drafters.train --generate)")
+    meta = json.loads(meta_path.read_text())
+    cached = list(meta["feature_layers"])
+    H = int(meta["hidden_size"])
+    cols = None
+    if feature_layers is not None:
+        missing = [i for i in feature_layers if i not in cached]
+        if missing:
+            raise ConfigError(f"training data {folder} caches hidden_states {cached}; the drafter needs {missing} "
+                              "too: regenerate with --layers covering them")
+        cols = torch.cat([torch.arange(cached.index(i) * H, (cached.index(i) + 1) * H) for i in feature_layers])
+    recs = []
+    for shard in sorted(meta["shards"], key=lambda s: s["batch"]):
+        for r in torch.load(folder / shard["file"]):
+            if cols is not None and not torch.equal(cols, torch.arange(len(cached) * H)):
+                r["feats"] = r["feats"][:, cols].contiguous()
+            recs.append(r)
+            if limit and len(recs) >= limit:
+                return recs, meta
+    return recs, meta
+
+
+def draft_vocab_from_data(recs, size: int) -> torch.Tensor:
+    """The ``size`` most frequent ids among response tokens and the target's top-k candidates (sorted)."""
+    counts: dict[int, int] = {}
+    for r in recs:
+        resp = r["ids"][r["prompt_len"]:].tolist()
+        top = r["top_ids"][r["prompt_len"] - 1: len(r["ids"]) - 1].reshape(-1).tolist()
+        for t in resp:
+            counts[t] = counts.get(t, 0) + 4  # real labels weigh more than alternatives
+        for t in top:
+            counts[t] = counts.get(t, 0) + 1
+    ids = sorted(counts, key=lambda t: -counts[t])[:size]
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def collate(recs, device) -> dict:
+    b = len(recs)
+    L = max(len(r["ids"]) for r in recs)
+    F_ = recs[0]["feats"].shape[-1]
+    k = recs[0]["top_ids"].shape[-1]
+    ids = torch.zeros((b, L), dtype=torch.long)
+    feats = torch.zeros((b, L, F_), dtype=torch.float32)
+    top_ids = torch.zeros((b, L, k), dtype=torch.long)
+    top_logp = torch.zeros((b, L, k), dtype=torch.float32)
+    labels = torch.zeros((b, L), dtype=torch.long)
+    for i, r in enumerate(recs):
+        n = len(r["ids"])
+        ids[i, :n] = r["ids"].long()
+        labels[i, :n] = (r["labels"] if "labels" in r else r["ids"]).long()
+        feats[i, :n] = r["feats"].float()
+        top_ids[i, :n] = r["top_ids"].long()
+        top_logp[i, :n] = r["top_logp"].float()
+    return {"ids": ids.to(device), "labels": labels.to(device), "feats": feats.to(device), "top_ids": top_ids.to(device),
+            "top_logp": top_logp.to(device), "lengths": torch.tensor([len(r["ids"]) for r in recs], device=device),
+            "prompt_len": torch.tensor([r["prompt_len"] for r in recs], device=device)}
+
+
+# ---- cheaper data: the target's own next-token distributions over offline text -----------------------------
+@torch.inference_mode()
+def teacher_forced_data(target, name: str, num_convs: int = 3000, max_len: int = 384, batch_size: int = 8,
+                        layers: Sequence[int] | None = None, topk: int = 8, time_limit_s: float | None = None,
+                        skip: int = 0, log=print, folder: str | Path | None = None) -> Path:
+    """One teacher-forced forward over ShareGPT *train* conversations (user turn + the human reference reply,
+    chat template): no generation, so ~3x more tokens per second than ``generate_data``. Records carry
+    ``labels`` [L] = the target's own greedy token at every position (``labels[t] = argmax p(. | ids[:t])``), so a
+    drafter learns the *target's* next token given real context; ``prompt_len`` is kept small (anchors anywhere
+    after the chat header). Same file format as ``generate_data``."""
+    from .data import sharegpt
+
+    out = Path(folder) if folder is not None else data_root() / name
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path = out / "meta.json"
+    layers = list(layers or default_feature_layers(target.num_layers))
+    meta = {"feature_layers": list(layers), "topk": topk, "max_len": max_len, "target": target.name,
+            "hidden_size": target.hidden_size, "source": "sharegpt train split, user turn + reference reply, "
+            "teacher-forced target distributions (labels = target argmax)", "shards": []}
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+    seqs = []
+    for rec in sharegpt("train", limit=num_convs + skip)[skip:]:
+        if not rec.get("reference"):
+            continue
+        msgs = [{"role": "user", "content": rec["turns"][0]}, {"role": "assistant", "content": str(rec["reference"])}]
+        ids = target.tokenizer.apply_chat_template(msgs, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        if len(ids) >= 48:
+            seqs.append(list(ids)[:max_len])
+    seqs.sort(key=len)
+    batches = [seqs[i: i + batch_size] for i in range(0, len(seqs), batch_size)]
+    order = list(range(len(batches)))
+    random.Random(0).shuffle(order)
+    mods = _layer_modules(target.model, layers)
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda _m, _i, o, j=j: captured.__setitem__(j, o[0] if isinstance(o, tuple)
+                                                                                     else o)) for j, m in enumerate(mods)]
+    t0 = time.time()
+    try:
+        for bi in _pending_batches(order, meta, time_limit_s, log):
+            t1 = time.time()
+            batch = batches[bi]
+            L = max(len(s) for s in batch)
+            ids = torch.zeros((len(batch), L), dtype=torch.long)
+            att = torch.zeros((len(batch), L), dtype=torch.long)
+            for r, s in enumerate(batch):
+                ids[r, : len(s)] = torch.tensor(s)
+                att[r, : len(s)] = 1
+            logits = target.model(input_ids=ids.to(target.device), attention_mask=att.to(target.device)).logits
+            feats = torch.cat([captured[j] for j in range(len(layers))], -1).half().cpu()
+            lp = torch.log_softmax(logits.float(), -1)
+            tv, ti = lp.topk(topk, -1)
+            recs = []
+            for r, s in enumerate(batch):
+                n = len(s)
+                lab = torch.zeros(n, dtype=torch.int32)
+                lab[1:] = ti[r, : n - 1, 0].int().cpu()
+                recs.append({"ids": torch.tensor(s, dtype=torch.int32), "prompt_len": 16, "labels": lab,
+                             "feats": feats[r, :n].clone(), "top_ids": ti[r, :n].int().cpu(),
+                             "top_logp": tv[r, :n].half().cpu()})
+            fname = f"shard_{bi:04d}.pt"
+            torch.save(recs, out / fname)
+            ntok = sum(len(s) for s in batch)
+            meta["shards"].append({"batch": bi, "file": fname, "sequences": len(batch), "tokens": ntok,
+                                   "response_tokens": ntok, "seconds": time.time() - t1})
+            meta_path.write_text(json.dumps(meta, indent=1))
+            log(f"tf shard {bi}: {len(batch)} seqs, {ntok} tok in {time.time() - t1:.1f}s, total "
+                f"{sum(s['tokens'] for s in meta['shards'])} tok, {time.time() - t0:.0f}s")
+    finally:
+        for h in hooks:
+            h.remove()
+    return out

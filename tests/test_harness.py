@@ -1,0 +1,218 @@
+"""The benchmark's measurement core without a real model: prompt files, method discovery, the speedup definition,
+the spread verdict, the busy-machine guard and the cost-curve cache."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from graft_block.errors import ConfigError
+from graft_block.eval import cli, machine, measure, presets, report, run_block
+from graft_block.eval.prompts import describe_sets, prompt_records, read_jsonl
+from graft_block.testing import tiny_target
+
+
+def _write(path, lines):
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+# ---- prompt files -----------------------------------------------------------------------------------------
+def test_jsonl_shapes(tmp_path):
+    f = _write(tmp_path / "mine.jsonl", [
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},
+        {"id": "b", "prompt": "Explain KV caches."},
+        {"text": "Plain text record.", "category": "coding"},
+        "",
+        {"turns": [[1, 2, 3]]},  # token ids, for tokenizer-less targets
+    ])
+    recs = read_jsonl(f)
+    assert [r["id"] for r in recs] == ["mine/81", "mine/b", "mine/3", "mine/5"]  # default id: the line number
+    assert [r["category"] for r in recs] == ["writing", None, "coding", None]
+    assert recs[0]["turns"] == ["Write a poem.", "Now shorter."] and recs[1]["turns"] == ["Explain KV caches."]
+    assert recs[3]["turns"] == [[1, 2, 3]]
+    used, info = prompt_records([str(f)], limit=0, first_turn_only=True)
+    assert len(used) == 4 and all(len(r["turns"]) == 1 for r in used) and used[0]["set"] == "mine"
+    used, info = prompt_records([str(f)], limit=1)
+    assert len(used) == 1 and len(used[0]["turns"]) == 2
+    assert describe_sets(info, 1) == "mine (limit 1 of 4 prompts, 2 turns)"
+    assert describe_sets(prompt_records([str(f)], 0)[1], 0) == "mine (all 4 prompts, 5 turns)"
+
+
+@pytest.mark.parametrize("line,needle", [
+    ("{not json", "mine.jsonl:1: not valid JSON"),
+    ('["a list"]', "expected a JSON object"),
+    ('{"question": "x"}', "give 'turns' (a list of user turns), 'prompt' or 'text' (found keys: question)"),
+    ('{"turns": []}', "'turns' must be a non-empty list"),
+    ('{"turns": ["ok", 3]}', "turns[1] must be non-empty text"),
+    ('{"prompt": "x", "category": 5}', "category must be a string"),
+    ('{"id": 1, "prompt": "x"}\n{"id": 1, "prompt": "y"}', "mine.jsonl:2: id '1' repeats line 1"),
+])
+def test_jsonl_errors_name_the_line_and_the_fix(tmp_path, line, needle):
+    f = tmp_path / "mine.jsonl"
+    f.write_text(line + "\n")
+    with pytest.raises(ConfigError) as exc:
+        read_jsonl(f)
+    assert needle in str(exc.value) and "--prompt-field" not in str(exc.value)
+
+
+def test_unknown_prompt_set_and_bad_limit_name_the_real_options(tmp_path):
+    with pytest.raises(ConfigError, match="humaneval, mtbench, sharegpt or paths to JSONL files"):
+        prompt_records(["mybench"], 1)
+    with pytest.raises(ConfigError, match=r"no such file"):
+        prompt_records([str(tmp_path / "missing.jsonl")], 1)
+    with pytest.raises(ConfigError, match="--limit must be >= 0"):
+        prompt_records(["mtbench"], -1)
+
+
+# ---- method discovery (no model) --------------------------------------------------------------------------
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any attempt to load a target fails the test."""
+    import graft_block.target
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(graft_block.target, "load_target", boom)
+
+
+def test_list_methods_loads_no_model(no_model, capsys):
+    out = run_block.main(["--list-methods"])
+    text = capsys.readouterr().out
+    for name in presets.PRESETS:
+        assert f"| {name} |" in text
+    rows = {r["name"]: r for r in out["methods"]}
+    assert rows["eagle3_graft"]["graft"] == "graft" and rows["eagle3_graft"]["budget"] == 16
+    assert rows["dflash_tail"]["graft"] == "tail" and "dflash-smollm2" in rows["dflash_tail"]["checkpoint"]
+    assert rows["ar"]["checkpoint"] == "-" and "quick" in rows["ar"]["suites"]
+    assert cli.main(["bench", "--list-methods"]) == 0
+
+
+def test_missing_checkpoint_is_listed_as_missing(no_model, tmp_path):
+    extra = {"mine": {"drafter": {"type": "dflash", "checkpoint": "@no-such-drafter"}, "about": "x"}}
+    rows = {r["name"]: r for r in presets.method_rows(extra)}
+    assert rows["mine"]["checkpoint"] == "no-such-drafter: MISSING"
+
+
+def test_unknown_method_fails_before_any_model_loads(no_model, tmp_path, capsys):
+    args = ["--methods", "ar,eagle_three", "--out", str(tmp_path / "o")]
+    with pytest.raises(ConfigError, match=r"unknown method 'eagle_three'; presets: ar, hf.*--list-methods"):
+        run_block.main(args)
+    assert cli.main(["bench", *args]) == 2
+    assert "graft-block bench: error: unknown method 'eagle_three'" in capsys.readouterr().err
+    assert cli.main(["nope"]) == 2
+
+
+# ---- the speedup definition -------------------------------------------------------------------------------
+def _rec(method, pid, tokens, secs, rounds=None):
+    return {"method": method, "prompt_id": pid, "turn": 0, "temperature": 0.0, "budget": None, "tokens": [1],
+            "decode_tokens": tokens, "decode_s": secs, "rounds": rounds, "set": "s", "category": None}
+
+
+def test_aggregate_speedup_is_total_over_total_beside_the_median():
+    """One slow method record moves the aggregate, not the median: both are reported, and the aggregate equals
+    the row's tok/s over AR's tok/s (so a peer's speedup is consistent with its tok/s)."""
+    recs = [_rec("ar", f"p{i}", 100, 1.0, 100) for i in range(3)]
+    recs += [_rec("m", "p0", 100, 0.5, 50), _rec("m", "p1", 100, 0.5, 50), _rec("m", "p2", 100, 5.0, 50)]
+    measure.pair_with(recs)
+    assert [r["speedup"] for r in recs if r["method"] == "m"] == [2.0, 2.0, 0.2]
+    rows = {r["method"]: r for r in report.summarize(recs)}
+    m, ar = rows["m"], rows["ar"]
+    assert m["speedup"] == pytest.approx(0.5)  # (300 tokens / 6 s) / (300 tokens / 3 s)
+    assert m["speedup_median"] == pytest.approx(2.0)
+    assert m["speedup"] == pytest.approx(m["tok_s"] / ar["tok_s"]) and ar["speedup"] == pytest.approx(1.0)
+    assert m["tau"] == pytest.approx(2.0)  # 300 emitted tokens / 150 rounds
+    assert measure.speedup([recs[3]], [recs[0]]) == pytest.approx(2.0)  # per prompt: the same function
+    notes = report.spread_notes(report.summarize(recs))
+    assert "n = 3 prompt-turns per method is too small to separate methods" in notes[0]
+
+
+def test_spread_separates_methods_with_enough_prompts():
+    recs = []
+    for i in range(8):
+        recs.append(_rec("ar", f"p{i}", 100, 1.0 + 0.05 * i))
+        recs.append(_rec("fast", f"p{i}", 100, 0.5 + 0.02 * i))
+        recs.append(_rec("same", f"p{i}", 100, (1.0 + 0.05 * i) * (1.1 if i % 2 else 0.9)))
+    measure.pair_with(recs)
+    rows = {r["method"]: r for r in report.summarize(recs)}
+    lo, hi = rows["fast"]["speedup_ci"]
+    assert 1.0 < lo <= rows["fast"]["speedup"] <= hi
+    note = report.spread_notes(list(rows.values()))[0]
+    assert "faster than AR: fast" in note and "not separable from AR: same" in note
+
+
+# ---- the busy-machine guard -------------------------------------------------------------------------------
+def test_judge_thresholds():
+    quiet = machine.judge({"wall_s": 1.0, "own_cpu_s": 1.0, "others_cpu_s": 0.02, "runq_s": 0.01, "steal_s": 0.0})
+    assert quiet["busy"] is False and quiet["reasons"] == []
+    loud = machine.judge({"wall_s": 2.0, "own_cpu_s": 1.0, "others_cpu_s": 1.6, "runq_s": 0.8, "steal_s": 0.0})
+    assert loud["busy"] is True and len(loud["reasons"]) == 2
+    assert machine.judge({**loud, "wall_s": 0.05})["busy"] is None  # too short to judge alone
+    assert machine.judge({"wall_s": 2.0, "own_cpu_s": 1.0, "others_cpu_s": 1.6, "runq_s": 0.0, "steal_s": 0.0},
+                         expected_cores=1.0)["busy"] is False  # sibling torchrun ranks are expected
+    pooled = machine.pool([{"wall_s": 0.1, "own_cpu_s": 0.1, "others_cpu_s": 0.1, "runq_s": 0.0, "steal_s": 0.0}] * 5)
+    assert pooled["busy"] is True and pooled["wall_s"] == pytest.approx(0.5)
+
+
+@pytest.fixture
+def tiny_folder(tmp_path):
+    folder = tmp_path / "tiny"
+    tiny_target("llama").model.save_pretrained(folder)
+    prompts = _write(tmp_path / "p.jsonl", [{"id": f"p{i}", "turns": [[(5 * i + j) % 100 + 1 for j in range(8)]]}
+                                            for i in range(4)])
+    return folder, prompts
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the load signals read Linux /proc")
+def test_busy_flag_set_when_a_cpu_bound_process_competes(tiny_folder, tmp_path, capsys, monkeypatch):
+    folder, prompts = tiny_folder
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
+    spin = "import time\nend = time.time() + 60\nwhile time.time() < end:\n    pass\n"  # bounded even if orphaned
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.3)
+        rep = run_block.main(["--target", str(folder), "--methods", "ar,pld", "--prompts", str(prompts),
+                              "--limit", "0", "--max-new-tokens", "64", "--threads", "1", "--no-progress",
+                              "--no-plots", "--out", str(tmp_path / "run")])
+    finally:
+        for p in hogs:
+            p.kill()
+            p.wait()
+    text = capsys.readouterr().out
+    data = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert data["busy"] is True and rep["load"]["during"]["busy"] is True and rep["load"]["before"]["busy"] is True
+    assert "!!! BUSY MACHINE" in text.split("| method |")[0]  # loud, in the table header
+    assert rep["verify_cost_curve"]["busy"] is True  # and a cost curve measured then is never cached
+    assert not list((tmp_path / "cache" / "cost").glob("*.json"))
+
+
+# ---- the verify-cost cache --------------------------------------------------------------------------------
+def test_cost_cache_key_holds_what_changes_the_curve(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
+    t = tiny_target("llama")
+    key = measure.cost_key(t, (1, 2), 32, 2)
+    assert {"target", "dtype", "device", "threads", "torch", "context", "sizes", "engine", "attn"} <= set(key)
+    assert measure.cost_key(t, (1, 2), 64, 2) != key and measure.cost_key(t, (1, 4), 32, 2) != key
+    monkeypatch.setattr(machine, "judge", lambda w, e=0.0: {**w, "busy": False, "reasons": []})  # a quiet machine
+    first = measure.verify_cost_curve(t, sizes=(1, 2), context=32, reps=2)
+    again = measure.verify_cost_curve(t, sizes=(1, 2), context=32, reps=2)
+    other = measure.verify_cost_curve(t, sizes=(1, 2), context=48, reps=2)
+    assert first["source"].startswith("measured now") and again["source"].startswith("cached")
+    assert again["median_s"] == first["median_s"] and other["source"].startswith("measured now")
+    assert measure.verify_cost_curve(t, sizes=(1, 2), context=32, reps=2, fresh=True)["source"].startswith("measured")
+
+
+def test_budget_auto_picks_from_the_measured_curve(tiny_folder, tmp_path, monkeypatch, capsys):
+    """--budget auto lives in the harness: pilot tau per candidate budget x the verify-cost curve, no drafter timing."""
+    folder, prompts = tiny_folder
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
+    rep = run_block.main(["--target", str(folder), "--methods", "ar,pld", "--prompts", str(prompts), "--limit", "1",
+                          "--max-new-tokens", "8", "--budget", "auto", "--no-progress", "--no-plots",
+                          "--out", str(tmp_path / "run")])
+    auto = rep["auto_budget"]["pld"]
+    assert set(auto["pilot"]) == {4, 8, 16, 32, 64} and auto["best"] in auto["pilot"]
+    assert {r["budget"] for r in rep["records"] if r["method"] == "pld"} == {auto["best"]}
+    assert "auto budget for pld" in capsys.readouterr().out
