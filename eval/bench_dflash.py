@@ -126,22 +126,18 @@ def main(argv=None):
                     help="greedy tau by teacher-forced replay of the AR output (no timing); '' = skip")
     args, rest = ap.parse_known_args(argv)
     table = arms(args.arms.split(","), args.drafter)
-    from graft_block import load_target
     from graft_block.eval.presets import resolve_bundled
 
-    run_args = ["--methods", ",".join(["ar", *table]), "--first-turn-only", "--max-new-tokens", "128",
-                "--limit", "5", "--out", "runs/bench_dflash", *rest]
-    opts = run_block.parse_args(run_args)
-    if opts.list_methods:
-        return run_block.main(run_args, methods=table)
-    target = load_target(opts.target, device=opts.device, dtype=opts.dtype)
-    rep = run_block.main(run_args, methods=table, target=target)
+    rep, target = run_block.run_arms(table, ["--first-turn-only", "--max-new-tokens", "128", "--limit", "5",
+                                             "--out", "runs/bench_dflash"], rest)
+    if target is None:
+        return rep
     sim = [s for s in args.sim.split(",") if s]
     if sim and rep.get("records"):
         rep["greedy_tau_simulated"] = simulate(rep, target, resolve_bundled(args.drafter, "bench_dflash"), sim)
         for n, v in rep["greedy_tau_simulated"].items():
             print(f"  sim {n:9s} " + " ".join(f"{k} {x:.3f}" for k, x in v.items()))
-        out = Path(opts.out) / "greedy_tau_simulated.json"
+        out = Path(rep["args"]["out"]) / "greedy_tau_simulated.json"
         out.write_text(json.dumps(rep["greedy_tau_simulated"], indent=1))
     return rep
 

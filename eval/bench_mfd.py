@@ -67,15 +67,10 @@ def main(argv=None):
     ap.add_argument("--futures-rounds", type=int, default=6, help="rounds per arm for protocol (a); 0 = skip")
     args, rest = ap.parse_known_args(argv)
     table, recorders = arms(args)
-    run_args = ["--methods", ",".join(["ar", *table]), "--first-turn-only", "--max-new-tokens", "128",
-                "--limit", "5", "--out", "runs/bench_mfd", *rest]
-    opts = run_block.parse_args(run_args)
-    if opts.list_methods:
-        return run_block.main(run_args, methods=table)
-    from graft_block import load_target
-
-    target = load_target(opts.target, device=opts.device, dtype=opts.dtype)
-    rep = run_block.main(run_args, methods=table, target=target)
+    rep, target = run_block.run_arms(table, ["--first-turn-only", "--max-new-tokens", "128", "--limit", "5",
+                                             "--out", "runs/bench_mfd"], rest)
+    if target is None:
+        return rep
     if recorders and rep.get("records"):
         target.set_feature_layers(())
         sampled = {}
@@ -90,7 +85,7 @@ def main(argv=None):
             print(f"| {name} | {len(recs)} | {d.get('chimeric', float('nan')):.3f} | "
                   f"{d.get('coherent', float('nan')):.3f} | {d.get('off_support', float('nan')):.3f} |")
         rep["chimeric_sampled"] = sampled
-        (Path(opts.out) / "chimeric_sampled.json").write_text(json.dumps(sampled, indent=1, default=str))
+        (Path(rep["args"]["out"]) / "chimeric_sampled.json").write_text(json.dumps(sampled, indent=1, default=str))
     return rep
 
 

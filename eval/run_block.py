@@ -118,6 +118,19 @@ def build_methods(names, extra, target, budgets, curve, prompts, chimeric):
     return methods, skipped, auto
 
 
+def run_arms(table: dict, defaults: list[str], rest: list[str]) -> tuple[dict, object]:
+    """The bench scripts' entry: ``table``'s arms beside AR through ``main`` (``rest`` overrides ``defaults``).
+    Returns (report, target); the target is None for ``--list-methods``, which loads no model."""
+    from graft_block import load_target
+
+    run_args = ["--methods", ",".join(["ar", *table]), *defaults, *rest]
+    opts = parse_args(run_args)
+    if opts.list_methods:
+        return main(run_args, methods=table), None
+    target = load_target(opts.target, device=opts.device, dtype=opts.dtype)
+    return main(run_args, methods=table, target=target), target
+
+
 def main(argv=None, methods: dict | None = None, target=None, prog: str | None = None) -> dict:
     """Run a benchmark; returns the report (also written as results.json). ``methods``: extra named presets for
     this run (the bench_*.py scripts' arms); ``target``: an already loaded Target."""
