@@ -5,6 +5,11 @@ Two steps, both resumable: ``--generate`` caches target answers (greedy, or ``--
 top-k soft labels (graft_block.train_data.generate_data); then training runs the drafter's ``training_model`` /
 ``training_loss`` through the shared loop and writes its public checkpoint to ``--out``. Works under torchrun.
 
+From the committed on-policy ids (features recomputed by one teacher-forced forward, cached under the user
+cache dir), then training resumed from a bundled checkpoint:
+    python -m graft_block.drafters.train --generate --from-onpolicy drafters/data/smollm2-sharegpt --data onpolicy-v1
+    python -m graft_block.drafters.train --type dflash --data onpolicy-v1 --init drafters/checkpoints/dflash-smollm2 ...
+
 Example (the bundled default, on 2 CPU cores; see drafters/checkpoints/dflash-smollm2/TRAINING.md):
     python -m graft_block.drafters.train --generate --data smollm2-sharegpt --num-prompts 4000 --max-new 160 --gen-batch 48 \\
         --gen-minutes 13
@@ -33,6 +38,10 @@ def main(argv=None):
     ap.add_argument("--generate", action="store_true", help="(re)generate/extend the data cache, then exit")
     ap.add_argument("--teacher-forced", action="store_true",
                     help="with --generate: cheap data = target distributions over ShareGPT reference replies")
+    ap.add_argument("--from-onpolicy", default=None, metavar="FOLDER",
+                    help="with --generate: recompute features and soft labels for a committed on-policy dataset "
+                         "(e.g. drafters/data/smollm2-sharegpt; graft_block.onpolicy makes and extends it)")
+    ap.add_argument("--kinds", default=None, help="--from-onpolicy: shard kinds to use (e.g. greedy), default all")
     ap.add_argument("--max-len", type=int, default=384, help="--teacher-forced: tokens per conversation")
     ap.add_argument("--num-prompts", type=int, default=4000)
     ap.add_argument("--gen-minutes", type=float, default=None)
@@ -70,20 +79,27 @@ def main(argv=None):
     from graft_block.training import train
 
     target = load_target(args.target, device=args.device)
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    gen_limit = None if args.gen_minutes is None else args.gen_minutes * 60
+    if args.generate and args.from_onpolicy:
+        from graft_block.train_data import onpolicy_data
+
+        onpolicy_data(target, args.from_onpolicy, args.data, args.kinds.split(",") if args.kinds else None,
+                      batch_size=args.gen_batch, layers=layers, time_limit_s=gen_limit,
+                      log=lambda s: print(s, flush=True))
+        return
     if args.generate and args.teacher_forced:
         from graft_block.train_data import teacher_forced_data
 
         teacher_forced_data(target, args.data, num_convs=args.num_prompts, max_len=args.max_len,
-                            batch_size=args.gen_batch, layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
-                            time_limit_s=None if args.gen_minutes is None else args.gen_minutes * 60,
+                            batch_size=args.gen_batch, layers=layers, time_limit_s=gen_limit,
                             log=lambda s: print(s, flush=True))
         return
     if args.generate:
         from graft_block.sampling import SamplingConfig
 
         generate_data(target, args.data, num_prompts=args.num_prompts, max_new=args.max_new,
-                      batch_size=args.gen_batch, layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
-                      time_limit_s=None if args.gen_minutes is None else args.gen_minutes * 60,
+                      batch_size=args.gen_batch, layers=layers, time_limit_s=gen_limit,
                       log=lambda s: print(s, flush=True),
                       sampling=SamplingConfig(args.temperature, args.top_k, args.top_p), samples=args.samples,
                       seed=args.seed, max_shards=args.gen_shards)

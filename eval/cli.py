@@ -1,8 +1,9 @@
-"""The ``graft-block`` command: ``graft-block bench|train|calibrate [options]`` (each passes its options through).
+"""The ``graft-block`` command: ``graft-block bench|train|calibrate|physics [options]`` (options pass through).
 
     graft-block bench ...       = python eval/run_block.py ...   (the benchmark and main job)
     graft-block train ...       = python -m graft_block.drafters.train ...
     graft-block calibrate ...   = python -m graft_block.calibrate ...
+    graft-block physics ...     = python -m graft_block.eval.physics ...   (bandwidth, peak, linear layers, verify)
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ COMMANDS = {
     "bench": ("graft_block.eval.run_block", "benchmark methods side by side (the main job; --list-methods)"),
     "train": ("graft_block.drafters.train", "train a drafter (dflash, eagle3, mfd) with the shared loop"),
     "calibrate": ("graft_block.calibrate", "calibrate Graft's pruning thresholds"),
+    "physics": ("graft_block.eval.physics", "bandwidth, matrix-product peak, linear layers vs verify"),
 }
 
 

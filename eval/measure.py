@@ -79,6 +79,8 @@ def cost_key(target, sizes, context: int, reps: int) -> dict:
     """Everything that changes a verify-cost curve: the cache is keyed by all of it."""
     import graft_block
 
+    from .physics import engine_label  # imported here: physics imports this module
+
     cls = type(target)
     engine = "".join(inspect.getsource(getattr(cls, f)) for f in ("prefill", "verify", "compact"))
     return {"target": str(target.name), "target_class": f"{cls.__module__}.{cls.__qualname__}",
@@ -86,7 +88,8 @@ def cost_key(target, sizes, context: int, reps: int) -> dict:
             "device": str(target.device),
             "device_name": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "graft_block": graft_block.__version__,
-            "engine": hashlib.sha1(engine.encode()).hexdigest()[:12], "context": context,
+            "engine": hashlib.sha1(engine.encode()).hexdigest()[:12], "engine_path": engine_label(target),
+            "context": context,
             "sizes": [int(s) for s in sizes], "reps": reps}
 
 

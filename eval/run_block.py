@@ -13,6 +13,8 @@ Speedup vs AR = decode tokens / decode seconds of the method over the same for o
 prompt-turns (total over total), with the per-prompt median, IQR and a paired-bootstrap interval beside it.
 At temperature 0 every method's tokens are compared with AR's and any mismatch is flagged loudly. The machine's
 load is sampled before, during and after: a busy machine is flagged in the header and in the JSON.
+After the table comes the physics report (eval/physics.py: bandwidth, matrix-product peak, linear layers vs the
+verify curve measured above); --no-physics skips it.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ if not __package__ and (Path(__file__).resolve().parents[1] / "graft_block").is_
 import torch  # noqa: E402
 
 from graft_block.errors import ConfigError  # noqa: E402
-from graft_block.eval import machine, measure, presets, report  # noqa: E402
+from graft_block.eval import machine, measure, physics, presets, report  # noqa: E402
 from graft_block.eval.methods import load_method_files, lookup, make_method  # noqa: E402
 from graft_block.eval.plots import plots  # noqa: E402
 from graft_block.eval.prompts import describe_sets, encode_turn, prompt_records  # noqa: E402
@@ -77,6 +79,8 @@ def parse_args(argv=None, prog: str | None = None):
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--chimeric", action="store_true", help="add the one-pass chimeric proxy column")
+    ap.add_argument("--no-physics", action="store_true",
+                    help="skip the physics report after the table (bandwidth, matrix-product peak, linear layers)")
     return ap.parse_args(argv)
 
 
@@ -180,14 +184,18 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     measure.pair_with(records)
     rows = report.summarize(records)
     load = guard.report([r["load"] for r in records])
+    rss = machine.peak_rss_mb()  # the benchmark's own, before the physics report's copy buffers (2 x 256 MB on CPU)
+    # after the timed runs, with their own load guard; the verify curve measured above is reused, not re-timed
+    phys = None if args.no_physics else physics.measure_physics(target, curve=curve, probe_s=0.3)
     wall = time.time() - t_start
     rep = {
         "suite": args.suite, "args": vars(args), "methods": {m.name: m.config for m in runs}, "skipped": skipped,
         "environment": machine.environment(), "target": str(target.name), "prompt_sets": set_info, "limit": limit,
         "max_new_tokens": max_new, "temperatures": temps, "busy": load["busy"], "load": load,
-        "verify_cost_curve": curve, "auto_budget": auto, "wall_s": wall, "peak_rss_mb": machine.peak_rss_mb(),
+        "verify_cost_curve": curve, "auto_budget": auto, "wall_s": wall, "peak_rss_mb": rss,
         "speedup_definition": "sum(decode_tokens)/sum(decode_s) of the method / the same for ar, same prompt-turns",
         "summary": rows, "spread": report.spread_notes(rows), "records": records, "world_size": world,
+        "physics": phys,
     }
     print()
     print(report.header(args.suite, str(target.name), describe_sets(set_info, limit), args.first_turn_only, max_new,
@@ -209,6 +217,8 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         est = {k: round(v["est_speedup"], 2) for k, v in a["pilot"].items()}
         print(f"auto budget for {n}: {a['best']} (pilot est. speedup {json.dumps(est)})"
               + (" - cost curve measured on a busy machine" if a["curve_busy"] else ""))
+    if phys is not None:
+        print("\n" + physics.format_report(phys))
     if args.suite == "paper":
         rep["paper_verdicts"] = report.paper_verdicts(rows)
         print("\n" + report.verdict_table(rep["paper_verdicts"]))
@@ -219,10 +229,12 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     banner = machine.busy_banner(load)
     if banner:
         print("\n" + banner.splitlines()[0], file=sys.stderr)
+    if phys is not None and phys["busy"]:
+        print("physics report: " + machine.busy_banner(phys["load"]).splitlines()[0], file=sys.stderr)
     if not args.no_plots:
         rep["plots"] = plots(out, rows)
     (out / "results.json").write_text(json.dumps(rep, indent=1, default=str))
-    print(f"\nwall {wall:.0f}s, peak RSS {machine.peak_rss_mb():.0f} MB; wrote {out / 'results.json'}"
+    print(f"\nwall {wall:.0f}s, peak RSS {rss:.0f} MB; wrote {out / 'results.json'}"
           + (f" and {', '.join(rep['plots'])}" if rep.get("plots") else ""))
     return rep
 

@@ -70,15 +70,30 @@ def _pending_batches(order, meta: dict, time_limit_s, log, max_shards: int | Non
 
 @torch.inference_mode()
 def answer_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], layers: Sequence[int], topk: int,
-                 pad_id: int = 0, sampling=None, generator: torch.Generator | None = None):
+                 pad_id: int = 0, sampling=None, generator: torch.Generator | list[torch.Generator] | None = None):
     """The target's answers to a batch of prompts with one left-padded KV cache: greedy, or drawn with ``sampling``
-    (a ``SamplingConfig``; HF warpers) from ``generator``. Returns one record per prompt with the cached features
-    (``layers``) and the top-k next-token log-probs (of the raw, T=1 distribution) at every response position."""
+    (a ``SamplingConfig``; HF warpers) from ``generator`` (one for the batch, or one per row: then a row's draws do
+    not depend on its batch-mates). Returns one record per prompt with the cached features (``layers``; none when
+    empty) and the top-k next-token log-probs (of the raw, T=1 distribution; none when ``topk`` is 0) at every
+    response position."""
     from transformers import DynamicCache
 
-    from .sampling import SamplingConfig, choose
+    from .sampling import SamplingConfig, choose, target_probs
 
     rule = sampling or SamplingConfig()  # choose() is argmax when greedy
+
+    def pick(logp):
+        if isinstance(generator, list) and not rule.greedy:  # warpers batched, one draw per row from its own stream
+            probs = target_probs(logp, rule)
+            return torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generator)])
+        return choose(logp, rule, None if isinstance(generator, list) else generator)
+
+    def features():
+        return torch.cat([captured[j] for j in range(len(layers))], -1).half().cpu() if layers else None
+
+    def top(logp):
+        tv, ti = logp.topk(topk, -1) if topk else (logp[:, :0], logp[:, :0].long())
+        return ti.int().cpu(), tv.half().cpu()
 
     dev = model.get_input_embeddings().weight.device
     b = len(prompts)
@@ -103,11 +118,10 @@ def answer_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], l
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                     logits_to_keep=1)
-        feats_steps = [torch.cat([captured[j] for j in range(len(layers))], -1).half().cpu()]  # [b, P, F]
+        feats_steps = [features()]  # [b, P, F]
         logp = torch.log_softmax(out.logits[:, -1].float(), -1)
-        tv, ti = logp.topk(topk, -1)
-        top_steps = [(ti.int().cpu(), tv.half().cpu())]
-        nxt = choose(logp, rule, generator)
+        top_steps = [top(logp)]
+        nxt = pick(logp)
         gen = [nxt.cpu()]
         done = torch.tensor([int(t) in eos for t in nxt.tolist()])
         last_pos = pos[:, -1]
@@ -118,18 +132,17 @@ def answer_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], l
             last_pos = last_pos + 1
             out = model(input_ids=nxt.view(b, 1), attention_mask=mask, position_ids=last_pos.view(b, 1),
                         cache=cache, use_cache=True)
-            feats_steps.append(torch.cat([captured[j] for j in range(len(layers))], -1).half().cpu())
+            feats_steps.append(features())
             logp = torch.log_softmax(out.logits[:, -1].float(), -1)
-            tv, ti = logp.topk(topk, -1)
-            top_steps.append((ti.int().cpu(), tv.half().cpu()))
-            nxt = choose(logp, rule, generator)
+            top_steps.append(top(logp))
+            nxt = pick(logp)
             gen.append(nxt.cpu())
             done |= torch.tensor([int(t) in eos for t in nxt.tolist()])
     finally:
         for h in hooks:
             h.remove()
     gen_t = torch.stack(gen, 1)  # [b, S]
-    feats = torch.cat(feats_steps, 1)  # [b, P + S - 1, F]
+    feats = torch.cat(feats_steps, 1) if layers else None  # [b, P + S - 1, F]
     top_i = torch.stack([t[0] for t in top_steps], 1)  # [b, S, k]: step s = distribution of generated token s
     top_v = torch.stack([t[1] for t in top_steps], 1)
     recs = []
@@ -141,14 +154,16 @@ def answer_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], l
                 n = j + 1
                 break
         L = plen[r] + n
-        f = torch.zeros((L, feats.shape[-1]), dtype=torch.float16)
-        f[: L - 1] = feats[r, P - plen[r]: P - plen[r] + L - 1]
-        ti = torch.zeros((L, topk), dtype=torch.int32)
-        tv = torch.zeros((L, topk), dtype=torch.float16)
-        ti[plen[r] - 1: L - 1] = top_i[r, :n]
-        tv[plen[r] - 1: L - 1] = top_v[r, :n]
-        recs.append({"ids": torch.tensor(prompts[r] + g[:n], dtype=torch.int32), "prompt_len": plen[r],
-                     "feats": f, "top_ids": ti, "top_logp": tv})
+        rec = {"ids": torch.tensor(prompts[r] + g[:n], dtype=torch.int32), "prompt_len": plen[r]}
+        if layers:
+            rec["feats"] = torch.zeros((L, feats.shape[-1]), dtype=torch.float16)
+            rec["feats"][: L - 1] = feats[r, P - plen[r]: P - plen[r] + L - 1]
+        if topk:
+            rec["top_ids"] = torch.zeros((L, topk), dtype=torch.int32)
+            rec["top_logp"] = torch.zeros((L, topk), dtype=torch.float16)
+            rec["top_ids"][plen[r] - 1: L - 1] = top_i[r, :n]
+            rec["top_logp"][plen[r] - 1: L - 1] = top_v[r, :n]
+        recs.append(rec)
     return recs
 
 
@@ -305,15 +320,6 @@ def teacher_forced_data(target, name: str, num_convs: int = 3000, max_len: int =
     after the chat header). Same file format as ``generate_data``."""
     from .data import sharegpt
 
-    out = Path(folder) if folder is not None else data_root() / name
-    out.mkdir(parents=True, exist_ok=True)
-    meta_path = out / "meta.json"
-    layers = list(layers or default_feature_layers(target.num_layers))
-    meta = {"feature_layers": list(layers), "topk": topk, "max_len": max_len, "target": target.name,
-            "hidden_size": target.hidden_size, "source": "sharegpt train split, user turn + reference reply, "
-            "teacher-forced target distributions (labels = target argmax)", "shards": []}
-    if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
     seqs = []
     for rec in sharegpt("train", limit=num_convs + skip)[skip:]:
         if not rec.get("reference"):
@@ -323,8 +329,47 @@ def teacher_forced_data(target, name: str, num_convs: int = 3000, max_len: int =
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         if len(ids) >= 48:
-            seqs.append(list(ids)[:max_len])
-    seqs.sort(key=len)
+            seqs.append((list(ids)[:max_len], 16))
+    source = "sharegpt train split, user turn + reference reply, teacher-forced target distributions (labels = target argmax)"
+    return forward_cache(target, seqs, Path(folder) if folder is not None else data_root() / name, source,
+                         batch_size, layers, topk, time_limit_s, log, labels=True, extra_meta={"max_len": max_len})
+
+
+def onpolicy_data(target, dataset: str | Path, name: str, kinds: list[str] | None = None, batch_size: int = 8,
+                  layers: Sequence[int] | None = None, topk: int = 8, time_limit_s: float | None = None,
+                  log=print, folder: str | Path | None = None) -> Path:
+    """Training cache from a committed on-policy dataset (``graft_block.onpolicy``: the target's own answers as
+    ids): one teacher-forced forward recomputes the features and top-k soft labels; ``prompt_len`` is the real
+    one (loss on the answer only). Same file format as ``generate_data``; resumable."""
+    from .onpolicy import fingerprint, read
+
+    manifest = json.loads((Path(dataset) / "manifest.json").read_text()) if (Path(dataset) / "manifest.json").exists() \
+        else None
+    if manifest is not None and manifest["target_fingerprint"] != fingerprint(target):
+        raise ConfigError(f"{dataset} holds answers of another target ({manifest['target']}); recompute features "
+                          "only with the target that generated them")
+    seqs = [(r["ids"].tolist(), r["prompt_len"]) for r in read(dataset, kinds)]
+    source = f"on-policy dataset {Path(dataset).name} ({', '.join(kinds) if kinds else 'all kinds'}), teacher-forced"
+    return forward_cache(target, seqs, Path(folder) if folder is not None else data_root() / name, source,
+                         batch_size, layers, topk, time_limit_s, log)
+
+
+def forward_cache(target, seqs: list[tuple[list[int], int]], out: Path, source: str, batch_size: int = 8,
+                  layers: Sequence[int] | None = None, topk: int = 8, time_limit_s: float | None = None, log=print,
+                  labels: bool = False, extra_meta: dict | None = None) -> Path:
+    """Teacher-forced records of (ids, prompt_len) sequences with hooked features and top-k soft labels, in
+    shards of ``batch_size`` (similar lengths, shuffled order: a time-limited run covers short and long)."""
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path = out / "meta.json"
+    layers = list(layers or default_feature_layers(target.num_layers))
+    meta = {"feature_layers": list(layers), "topk": topk, "target": target.name, "hidden_size": target.hidden_size,
+            "source": source, "shards": [], **(extra_meta or {})}
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if meta["feature_layers"] != list(layers) or meta["topk"] != topk or meta["source"] != source:
+            raise ConfigError(f"{out} holds other data ({meta['source']}, layers {meta['feature_layers']}); use "
+                              "another name")
+    seqs = sorted(seqs, key=lambda s: len(s[0]))
     batches = [seqs[i: i + batch_size] for i in range(0, len(seqs), batch_size)]
     order = list(range(len(batches)))
     random.Random(0).shuffle(order)
@@ -337,31 +382,34 @@ def teacher_forced_data(target, name: str, num_convs: int = 3000, max_len: int =
         for bi in _pending_batches(order, meta, time_limit_s, log):
             t1 = time.time()
             batch = batches[bi]
-            L = max(len(s) for s in batch)
+            L = max(len(s) for s, _ in batch)
             ids = torch.zeros((len(batch), L), dtype=torch.long)
             att = torch.zeros((len(batch), L), dtype=torch.long)
-            for r, s in enumerate(batch):
+            for r, (s, _) in enumerate(batch):
                 ids[r, : len(s)] = torch.tensor(s)
                 att[r, : len(s)] = 1
-            logits = target.model(input_ids=ids.to(target.device), attention_mask=att.to(target.device)).logits
+            with torch.inference_mode():
+                logits = target.model(input_ids=ids.to(target.device), attention_mask=att.to(target.device)).logits
             feats = torch.cat([captured[j] for j in range(len(layers))], -1).half().cpu()
             lp = torch.log_softmax(logits.float(), -1)
             tv, ti = lp.topk(topk, -1)
             recs = []
-            for r, s in enumerate(batch):
+            for r, (s, plen) in enumerate(batch):
                 n = len(s)
-                lab = torch.zeros(n, dtype=torch.int32)
-                lab[1:] = ti[r, : n - 1, 0].int().cpu()
-                recs.append({"ids": torch.tensor(s, dtype=torch.int32), "prompt_len": 16, "labels": lab,
-                             "feats": feats[r, :n].clone(), "top_ids": ti[r, :n].int().cpu(),
-                             "top_logp": tv[r, :n].half().cpu()})
+                rec = {"ids": torch.tensor(s, dtype=torch.int32), "prompt_len": plen, "feats": feats[r, :n].clone(),
+                       "top_ids": ti[r, :n].int().cpu(), "top_logp": tv[r, :n].half().cpu()}
+                if labels:
+                    rec["labels"] = torch.zeros(n, dtype=torch.int32)
+                    rec["labels"][1:] = ti[r, : n - 1, 0].int().cpu()
+                recs.append(rec)
             fname = f"shard_{bi:04d}.pt"
             torch.save(recs, out / fname)
-            ntok = sum(len(s) for s in batch)
+            ntok = sum(len(s) for s, _ in batch)
+            resp = sum(len(s) - p for s, p in batch)
             meta["shards"].append({"batch": bi, "file": fname, "sequences": len(batch), "tokens": ntok,
-                                   "response_tokens": ntok, "seconds": time.time() - t1})
+                                   "response_tokens": ntok if labels else resp, "seconds": time.time() - t1})
             meta_path.write_text(json.dumps(meta, indent=1))
-            log(f"tf shard {bi}: {len(batch)} seqs, {ntok} tok in {time.time() - t1:.1f}s, total "
+            log(f"forward shard {bi}: {len(batch)} seqs, {ntok} tok in {time.time() - t1:.1f}s, total "
                 f"{sum(s['tokens'] for s in meta['shards'])} tok, {time.time() - t0:.0f}s")
     finally:
         for h in hooks:

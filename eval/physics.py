@@ -1,0 +1,260 @@
+"""The physics report: what this machine can do, and how far the target's forward is from it (gpt-fast's GB/s line).
+
+    graft-block physics [--target smollm2-135m --device cpu --threads 2 --sizes 1,2,4,8,16,32,64 --json OUT]
+    python -m graft_block.eval.physics ...        # the same; run_block prints it after its table (--no-physics)
+
+All in one process, medians of a few reps (machines of one kind differ 2-3x: only ratios from one run compare):
+- copy bandwidth: GB/s moved (read + write) copying one large tensor;
+- matrix-product peak: GFLOP/s of one NxN product in the target's dtype;
+- all linear layers alone: F.linear of an [n, in] input through every nn.Linear weight (LM head included, tied
+  weights once) per row count n, against the floor max(weight bytes / bandwidth, FLOPs / peak);
+- the full verify at the same row counts, from ``measure.verify_cost_curve`` (the one verify timer).
+Non-GEMM share of a decode step = (verify(1) - linear(1)) / verify(1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from graft_block.errors import ConfigError
+from graft_block.eval import machine, measure
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def engine_label(target) -> str:
+    """The path that computes the forward, e.g. ``hf-sdpa-float32``; a target on another path names it itself."""
+    own = getattr(target, "engine_label", None)  # the hook for a compiled/custom engine; today's Target has none
+    if own:
+        return str(own)
+    attn = getattr(target.config, "_attn_implementation", None) or "default"
+    return f"hf-{attn}-{str(target.dtype).removeprefix('torch.')}"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _median_s(fn, device: torch.device, reps: int) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls after one untimed warm-up (allocator, kernel selection)."""
+    times = []
+    for rep in range(reps + 1):
+        if device.type == "cuda":  # GPU work is asynchronous: time only what has finished
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def linear_weights(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, bias) of every nn.Linear in the model, each weight once (a tied LM head counts once)."""
+    seen, out = set(), []
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear) and id(mod.weight) not in seen:
+            seen.add(id(mod.weight))
+            out.append((mod.weight, mod.bias))
+    if not out:
+        raise ConfigError(f"{type(model).__name__} has no nn.Linear layers: the physics report times F.linear "
+                          "through them (a quantised or fused model needs its own engine label and sweep)")
+    return out
+
+
+def linear_flops(weights, n: int) -> int:
+    """Multiply-adds x 2 of an [n, in] input through every weight: 2 * n * sum(in * out)."""
+    return 2 * n * sum(w.shape[0] * w.shape[1] for w, _ in weights)
+
+
+def copy_bandwidth(device: torch.device, mb: int, reps: int = 5) -> float:
+    """GB/s of ``dst.copy_(src)`` on an ``mb``-MB tensor, read and write both counted."""
+    src = torch.ones(mb * 2**20 // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    s = _median_s(lambda: dst.copy_(src), device, reps)
+    return 2 * src.numel() * 4 / s / 1e9
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 3) -> float:
+    """Practical GFLOP/s: one n x n by n x n product (2 n^3 FLOPs)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    s = _median_s(lambda: torch.mm(a, b), device, reps)
+    return 2 * n**3 / s / 1e9
+
+
+def linear_sweep(weights, sizes, device: torch.device, dtype: torch.dtype, reps: int = 3) -> dict[int, float]:
+    """Median seconds of F.linear of an [n, in] input through every weight, per row count n."""
+    out = {}
+    for n in sizes:
+        xs = {w.shape[1]: torch.randn(n, w.shape[1], device=device).to(dtype) for w, _ in weights}
+
+        def stack():
+            for w, b in weights:
+                F.linear(xs[w.shape[1]], w, b)
+
+        out[int(n)] = _median_s(stack, device, reps)
+    return out
+
+
+@torch.no_grad()
+def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool = True, fresh: bool = False,
+                    reps: int = 3, copy_mb: int | None = None, peak_n: int | None = None, context: int = 200,
+                    verify_reps: int = 5, probe_s: float = 0.5) -> dict:
+    """Every figure of the report as a dict, at row counts ``sizes`` (default: the curve's, else SIZES). ``curve``:
+    a verify-cost curve already measured in this run (reused, not re-timed); otherwise ``measure.verify_cost_curve``
+    with ``cache``/``fresh``, ``context``, ``verify_reps``."""
+    dev, dtype = target.device, target.dtype
+    gpu = dev.type == "cuda"
+    copy_mb = copy_mb or (1024 if gpu else 256)  # well past the last-level cache, cheap to copy
+    peak_n = peak_n or (8192 if gpu else 2048)
+    sizes = [int(n) for n in (sizes or (sorted(int(k) for k in curve["median_s"]) if curve else SIZES))]
+    t0 = time.perf_counter()
+    guard = machine.LoadGuard(probe_s)
+    guard.before()
+    with guard.measure():
+        bw = copy_bandwidth(dev, copy_mb)
+    with guard.measure():
+        peak = matmul_peak(dev, dtype, peak_n)
+    weights = linear_weights(target.model)
+    with guard.measure():
+        lin = linear_sweep(weights, sizes, dev, dtype, reps)
+    if curve is None:
+        with guard.measure():
+            curve = measure.verify_cost_curve(target, sizes, context, verify_reps, cache=cache, fresh=fresh)
+    guard.after()
+    load = guard.report()
+    if curve.get("busy"):  # a busy verify curve distorts every ratio below
+        why = curve.get("load", {}).get("reasons") or ["measured on a busy machine"]
+        load = {**load, "busy": True, "reasons": load["reasons"] + [f"verify curve: {r}" for r in why]}
+    nbytes = sum(w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
+                 for w, b in weights)
+    mem_floor = nbytes / (bw * 1e9)
+    verify = {int(k): v for k, v in curve["median_s"].items()}
+    rows = []
+    for n in sizes:
+        flops = linear_flops(weights, n)
+        v = verify.get(n)
+        rows.append({"n": n, "linear_ms": 1e3 * lin[n], "gflop": flops / 1e9, "gflops": flops / lin[n] / 1e9,
+                     "pct_peak": 100 * flops / lin[n] / 1e9 / peak,
+                     "floor_ms": 1e3 * max(mem_floor, flops / (peak * 1e9)),
+                     "verify_ms": None if v is None else 1e3 * v,
+                     "verify_ratio": None if v is None or 1 not in verify else v / verify[1],
+                     "linear_share": None if v is None else lin[n] / v})
+    non_gemm = (verify[1] - lin[1]) / verify[1] if 1 in verify and 1 in lin else None
+    return {"target": str(target.name), "device": str(dev), "device_name": device_name(dev),
+            "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "engine": engine_label(target), "bandwidth_gbs": bw, "copy_mb": copy_mb, "peak_gflops": peak,
+            "peak_n": peak_n, "linear": {"count": len(weights), "params": sum(w.numel() for w, _ in weights),
+                                         "bytes": nbytes, "mem_floor_ms": 1e3 * mem_floor},
+            "rows": rows, "non_gemm_share": non_gemm, "verify_source": curve.get("source", "given"),
+            "verify_context": curve.get("key", {}).get("context", context), "busy": load["busy"], "load": load,
+            "reps": reps, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": time.perf_counter() - t0}
+
+
+def _ms(x) -> str:
+    return "-" if x is None else format(x, ".2f" if x < 10 else ".1f")  # GPU and tiny-model times are sub-10 ms
+
+
+def format_report(p: dict) -> str:
+    """The markdown report: the machine's limits, then per row count the linear layers and the full verify."""
+    lin = p["linear"]
+    lines = [f"## physics: target={p['target']} device={p['device']} ({p['device_name']}) threads={p['threads']} "
+             f"engine={p['engine']}"]
+    banner = machine.busy_banner(p["load"])
+    if banner:
+        lines += ["", banner]
+    elif p["busy"] is None:
+        lines += ["(machine load could not be read here: no busy-machine check)"]
+    lines += [
+        "",
+        f"- memory copy bandwidth: {p['bandwidth_gbs']:.1f} GB/s (read+write, a {p['copy_mb']} MB copy, median)",
+        f"- matrix-product peak: {p['peak_gflops']:.1f} GFLOP/s ({p['peak_n']}x{p['peak_n']} {p['dtype']} "
+        "product, median)",
+        f"- linear layers: {lin['count']} weights, {lin['params'] / 1e6:.1f}M parameters, {lin['bytes'] / 1e6:.0f} MB;"
+        f" memory-bound floor {_ms(lin['mem_floor_ms'])} ms per forward (bytes / bandwidth)",
+    ]
+    if p["non_gemm_share"] is not None:
+        r1 = p["rows"][[r["n"] for r in p["rows"]].index(1)]
+        lines.append(f"- non-GEMM share of a decode step: {100 * p['non_gemm_share']:.0f}% (verify(1) "
+                     f"{_ms(r1['verify_ms'])} ms, linear layers alone {_ms(r1['linear_ms'])} ms)")
+    stale = " (an earlier run: --fresh-cost times it now)" if p["verify_source"].startswith("cached") else ""
+    lines += [f"- verify: {p['verify_context']}-token cache, {p['verify_source']}{stale}", "",
+              "| rows | linear ms | GFLOP | GFLOP/s | % of peak | floor ms | verify ms | verify(n)/verify(1) "
+              "| linear share of verify |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in p["rows"]:
+        lines.append(f"| {r['n']} | {_ms(r['linear_ms'])} | {r['gflop']:.2f} | {r['gflops']:.1f} | "
+                     f"{r['pct_peak']:.0f}% | {_ms(r['floor_ms'])} | {_ms(r['verify_ms'])} | "
+                     f"{'-' if r['verify_ratio'] is None else format(r['verify_ratio'], '.2f')} | "
+                     f"{'-' if r['linear_share'] is None else format(100 * r['linear_share'], '.0f') + '%'} |")
+    return "\n".join(lines)
+
+
+def sizes_of(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--sizes takes a comma list of row counts >= 1, e.g. 1,2,4,8,16,32,64; got {text!r}")
+    return sizes
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m", help="embedded name or local HF model folder")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="row counts (tree nodes) to time")
+    ap.add_argument("--reps", type=int, default=3, help="timed reps per linear-layer sweep (median)")
+    ap.add_argument("--fresh-cost", action="store_true", help="re-measure the verify-cost curve (ignore the cache)")
+    ap.add_argument("--no-cost-cache", action="store_true", help="neither read nor write the verify-cost cache")
+    ap.add_argument("--json", default=None, help="also write the figures as JSON to this path")
+    return ap.parse_args(argv)
+
+
+def main(argv=None, target=None) -> dict:
+    """Measure and print the report; ``target``: an already loaded Target (else ``--target`` is loaded)."""
+    args = parse_args(argv)
+    sizes = sizes_of(args.sizes)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if target is None:
+        from graft_block import load_target
+
+        target = load_target(args.target, device=args.device, dtype=args.dtype)
+    phys = measure_physics(target, sizes, cache=not args.no_cost_cache, fresh=args.fresh_cost, reps=args.reps)
+    print(format_report(phys))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(phys, fh, indent=1)
+        print(f"\nwrote {args.json}")
+    if phys["busy"]:
+        print(machine.busy_banner(phys["load"]).splitlines()[0], file=sys.stderr)
+    return phys
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as exc:
+        print(f"physics: error: {exc}", file=sys.stderr)
+        sys.exit(2)

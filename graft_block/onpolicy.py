@@ -1,0 +1,260 @@
+"""The on-policy dataset: the target's own answers to ShareGPT *train* prompts, stored as token ids only.
+
+The expensive part of drafter data is the target's generations; features and soft labels are cheap to recompute
+with one teacher-forced forward, so only ids are kept (small enough to commit, and shared by every drafter).
+
+Layout of a dataset folder:
+- ``manifest.json``: target name and fingerprint, generator version, prompt source, the command, one entry per
+  shard (file, kind, sampling, seed, prompt-index range, sequences, response tokens, seconds, device);
+- ``<kind>_<first>-<end>.npz`` (compressed): the answers to train-split prompt indices [first, end). ``kind`` is
+  ``greedy`` or e.g. ``t0.7-p0.8-k20-x4`` (4 sampled answers per prompt). Arrays: ``ids`` (uint16 when the vocab
+  fits, all sequences concatenated, prompt + response), ``starts`` (offsets, one more than sequences),
+  ``prompt_len``, ``prompt_index``, ``sample``.
+
+Deterministic by prompt index: a shard always covers the same fixed chunk of indices, batched the same way, and
+sample j of prompt i is drawn from its own generator seeded by (seed, i, j), so a resumed or extended run
+regenerates nothing and changes nothing; new chunks append new shards.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+from .sampling import SamplingConfig
+from .train_data import answer_batch
+
+GENERATOR_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def kind_name(sampling: SamplingConfig | None, samples: int) -> str:
+    if sampling is None or sampling.greedy:
+        return "greedy"
+    return f"t{sampling.temperature:g}-p{sampling.top_p:g}-k{sampling.top_k}-x{samples}"
+
+
+def train_prompts(target, max_prompt_tokens: int) -> list[tuple[int, list[int]]]:
+    """(train-split index, chat-template ids) of every ShareGPT train prompt that fits; indices never shift."""
+    from .data import sharegpt
+
+    out = []
+    for i, rec in enumerate(sharegpt("train")):
+        ids = target.encode([{"role": "user", "content": rec["turns"][0]}]).tolist()
+        if len(ids) <= max_prompt_tokens:
+            out.append((i, ids))
+    return out
+
+
+def fingerprint(target) -> str:
+    """A short hash of the target's input embedding: data made by another model (or another quantisation) is
+    refused instead of silently mixed."""
+    w = target.model.get_input_embeddings().weight.detach().float().cpu().contiguous()
+    return hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
+
+
+def row_generator(seed: int, index: int, sample: int, device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + index) * 257 + sample)
+
+
+def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk: int = 64, samples: int = 1,
+             sampling: SamplingConfig | None = None, seed: int = 0, max_new: int = 160, batch_size: int = 64,
+             max_prompt_tokens: int = 320, time_limit_s: float | None = None, max_files: int | None = None,
+             prompts: list[tuple[int, list[int]]] | None = None, command: str | None = None, log=print) -> dict:
+    """Answer train-split prompt indices [first, first + count) in chunks of ``chunk`` indices, one shard each
+    (skipping shards that exist); stop before a new shard once ``time_limit_s`` has passed or ``max_files`` new
+    shards were written. ``prompts`` (index, ids) replaces ShareGPT (tests, tokenizer-less targets). Returns the
+    manifest."""
+    sampled = sampling is not None and not sampling.greedy
+    if samples < 1 or (samples > 1 and not sampled):
+        raise ConfigError(f"samples={samples}: need samples >= 1, and samples > 1 only with temperature > 0")
+    if count < 1 or chunk < 1 or first < 0:
+        raise ConfigError(f"need first >= 0, count >= 1 and chunk >= 1, got {first}, {count}, {chunk}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    kind = kind_name(sampling, samples)
+    fp = fingerprint(target)
+    manifest_path = folder / MANIFEST
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {
+        "target": str(target.name), "target_fingerprint": fp, "vocab_size": target.vocab_size,
+        "generator_version": GENERATOR_VERSION, "max_prompt_tokens": max_prompt_tokens, "max_new": max_new,
+        "source": "ShareGPT train split (graft_block.data.sharegpt('train')), first turn, chat template; "
+                  "prompt_index = position in that split", "commands": [], "shards": []}
+    if manifest["target_fingerprint"] != fp:
+        raise ConfigError(f"{folder} holds answers of another target ({manifest['target']}, fingerprint "
+                          f"{manifest['target_fingerprint']}, this one {fp}); use another folder")
+    for key, val in (("max_new", max_new), ("max_prompt_tokens", max_prompt_tokens)):
+        if manifest[key] != val:
+            raise ConfigError(f"{folder} was generated with {key}={manifest[key]}, not {val}: keep it, or use "
+                              "another folder")
+    if command:
+        manifest["commands"].append(command)
+    pool = dict(prompts if prompts is not None else train_prompts(target, max_prompt_tokens))
+    dtype = np.uint16 if target.vocab_size <= 1 << 16 else np.int32
+    eos = target.eos_token_ids
+    t0, written = time.time(), 0
+    for a in range(first, first + count, chunk):
+        b = min(a + chunk, first + count)
+        name = f"{kind}_{a:06d}-{b:06d}.npz"
+        if (folder / name).exists():
+            continue
+        if (time_limit_s is not None and time.time() - t0 > time_limit_s) or (max_files and written >= max_files):
+            log(f"stopping before {name}: {'time limit' if max_files is None or written < max_files else 'max files'}")
+            break
+        rows = sorted(((i, j) for i in range(a, b) if i in pool for j in range(samples)),
+                      key=lambda r: (len(pool[r[0]]), r))  # similar lengths per batch: less padding
+        if not rows:
+            continue
+        t1 = time.time()
+        recs = []
+        for s in range(0, len(rows), batch_size):
+            part = rows[s: s + batch_size]
+            gens = [row_generator(seed, i, j, target.device) for i, j in part] if sampled else None
+            out = answer_batch(target.model, [pool[i] for i, _ in part], max_new, eos, [], 0,
+                               sampling=sampling, generator=gens)
+            recs += [(i, j, r) for (i, j), r in zip(part, out)]
+        recs.sort(key=lambda x: (x[0], x[1]))
+        seqs = [r["ids"].numpy() for _, _, r in recs]
+        starts = np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64)
+        np.savez_compressed(folder / name, ids=np.concatenate(seqs).astype(dtype), starts=starts,
+                            prompt_len=np.array([r["prompt_len"] for _, _, r in recs], dtype=np.int32),
+                            prompt_index=np.array([i for i, _, _ in recs], dtype=np.int32),
+                            sample=np.array([j for _, j, _ in recs], dtype=np.int16))
+        resp = int(sum(len(r["ids"]) - r["prompt_len"] for _, _, r in recs))
+        dt = time.time() - t1
+        manifest["shards"].append({"file": name, "kind": kind, "first": a, "end": b, "seed": seed,
+                                   "sampling": None if not sampled else vars(sampling), "samples": samples,
+                                   "sequences": len(recs), "response_tokens": resp, "seconds": round(dt, 1),
+                                   "device": str(target.device), "dtype": str(target.dtype),
+                                   "batch_size": batch_size})
+        manifest["shards"].sort(key=lambda e: (e["kind"], e["first"]))
+        manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+        written += 1
+        log(f"{name}: {len(recs)} sequences, {resp} response tokens in {dt:.0f}s ({resp / dt:.0f} tok/s); dataset "
+            f"{sum(e['response_tokens'] for e in manifest['shards'])} response tokens")
+    return manifest
+
+
+def read(folder: str | Path, kinds: list[str] | None = None) -> list[dict]:
+    """Every sequence of a dataset folder: {"ids" LongTensor, "prompt_len", "prompt_index", "sample", "kind"}."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).exists():
+        raise ConfigError(f"{folder} is not an on-policy dataset (no {MANIFEST}); make one with "
+                          "python -m graft_block.onpolicy --out FOLDER")
+    out = []
+    for entry in json.loads((folder / MANIFEST).read_text())["shards"]:
+        if kinds and entry["kind"] not in kinds:
+            continue
+        try:
+            z = np.load(folder / entry["file"])
+            ids, starts = z["ids"].astype(np.int64), z["starts"]
+            meta = [z[k] for k in ("prompt_len", "prompt_index", "sample")]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"shard {folder / entry['file']} is missing or corrupt ({exc}); regenerate it by "
+                              "deleting it and rerunning the manifest's command") from exc
+        for n in range(len(starts) - 1):
+            out.append({"ids": torch.from_numpy(ids[starts[n]: starts[n + 1]].copy()), "prompt_len": int(meta[0][n]),
+                        "prompt_index": int(meta[1][n]), "sample": int(meta[2][n]), "kind": entry["kind"]})
+    return out
+
+
+def next_index(folder: str | Path, kind: str) -> int:
+    """The first prompt index after the shards of ``kind`` in ``folder`` (0 when it has none): where to extend."""
+    path = Path(folder) / MANIFEST
+    shards = json.loads(path.read_text())["shards"] if path.exists() else []
+    return max([e["end"] for e in shards if e["kind"] == kind], default=0)
+
+
+def merge(src: str | Path, dst: str | Path, log=print) -> dict:
+    """Add the shards of dataset ``src`` (e.g. one made on a GPU machine) to ``dst``: same target, settings and
+    generator; a shard whose prompt indices overlap a shard of the same kind in ``dst`` is refused."""
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    a = json.loads((src / MANIFEST).read_text())
+    if not (dst / MANIFEST).exists():
+        dst.mkdir(parents=True, exist_ok=True)
+        b = {**a, "shards": [], "commands": []}
+    else:
+        b = json.loads((dst / MANIFEST).read_text())
+    for key in ("target_fingerprint", "max_new", "max_prompt_tokens", "generator_version"):
+        if a[key] != b[key]:
+            raise ConfigError(f"cannot merge {src} into {dst}: {key} differs ({a[key]} vs {b[key]})")
+    for e in a["shards"]:
+        clash = [f["file"] for f in b["shards"] if f["kind"] == e["kind"] and f["first"] < e["end"] and e["first"] < f["end"]]
+        if clash:
+            raise ConfigError(f"cannot merge {e['file']}: its prompt indices overlap {clash[0]} in {dst}")
+        shutil.copy2(src / e["file"], dst / e["file"])
+        b["shards"].append(e)
+        log(f"merged {e['file']} ({e['response_tokens']} response tokens, made on {e['device']})")
+    b["commands"] += a.get("commands", [])
+    b["shards"].sort(key=lambda e: (e["kind"], e["first"]))
+    (dst / MANIFEST).write_text(json.dumps(b, indent=1) + "\n")
+    return b
+
+
+def totals(folder: str | Path) -> dict:
+    """Sequences and response tokens per kind, from the manifest."""
+    shards = json.loads((Path(folder) / MANIFEST).read_text())["shards"]
+    out: dict[str, dict] = {}
+    for e in shards:
+        t = out.setdefault(e["kind"], {"shards": 0, "sequences": 0, "response_tokens": 0, "seconds": 0.0})
+        for k in ("sequences", "response_tokens", "seconds"):
+            t[k] += e[k]
+        t["shards"] += 1
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Generate (or extend) an on-policy dataset: the target's answers to "
+                                             "ShareGPT train prompts, token ids only")
+    ap.add_argument("--out", required=True, help="dataset folder (created or extended)")
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 on a GPU")
+    ap.add_argument("--first", type=int, default=0, help="first train-split prompt index")
+    ap.add_argument("--after", default=None, metavar="FOLDER",
+                    help="start after the last shard of the same kind in this dataset (extending it elsewhere)")
+    ap.add_argument("--merge", default=None, metavar="FOLDER", help="only merge this dataset's shards into --out")
+    ap.add_argument("--count", type=int, default=1024, help="prompt indices to cover from --first")
+    ap.add_argument("--chunk", type=int, default=64, help="prompt indices per shard (fixed: it sets the batching)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--samples", type=int, default=1, help="answers per prompt (sampled only)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new", type=int, default=160)
+    ap.add_argument("--max-prompt-tokens", type=int, default=320)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--minutes", type=float, default=None, help="start no new shard after this")
+    ap.add_argument("--max-files", type=int, default=None, help="write at most this many new shards")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.merge:
+        merge(args.merge, args.out)
+        print(json.dumps(totals(args.out), indent=1))
+        return
+    from .target import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    sampling = SamplingConfig(args.temperature, top_k=args.top_k, top_p=args.top_p) if args.temperature > 0 else None
+    command = "python -m graft_block.onpolicy " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    first = next_index(args.after, kind_name(sampling, args.samples)) if args.after else args.first
+    generate(target, args.out, first, args.count, args.chunk, args.samples, sampling, args.seed, args.max_new,
+             args.batch, args.max_prompt_tokens, None if args.minutes is None else 60 * args.minutes,
+             args.max_files, command=command)
+    print(json.dumps(totals(args.out), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The on-policy dataset: ids-only shards that are deterministic by prompt index, resumable and appendable, and
+whose greedy answers are the target's own; the committed SmolLM2 data passes the same check."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from graft_block import SpeculativeDecoder
+from graft_block import onpolicy as OP
+from graft_block.errors import ConfigError
+from graft_block.sampling import SamplingConfig
+from graft_block.testing import tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+COMMITTED = Path(__file__).resolve().parents[1] / "drafters" / "data" / "smollm2-sharegpt"
+
+
+@pytest.fixture(scope="module")
+def target():
+    t = tiny_target("llama", vocab_size=96)
+    t.model.generation_config.eos_token_id = 3  # so some answers stop early
+    return t
+
+
+def prompts(n=12):
+    g = torch.Generator().manual_seed(0)
+    return [(i, torch.randint(4, 96, (3 + i % 5,), generator=g).tolist()) for i in range(n)]
+
+
+def test_greedy_shards_are_the_targets_own_answers(tmp_path, target):
+    man = OP.generate(target, tmp_path, 0, 8, chunk=4, max_new=10, batch_size=3, prompts=prompts(), log=lambda *_: None)
+    assert [s["file"] for s in man["shards"]] == ["greedy_000000-000004.npz", "greedy_000004-000008.npz"]
+    z = np.load(tmp_path / man["shards"][0]["file"])
+    assert z["ids"].dtype == np.uint16  # vocab 96 fits 16 bits
+    recs = OP.read(tmp_path)
+    assert [r["prompt_index"] for r in recs] == list(range(8))
+    pool = dict(prompts())
+    for r in recs:  # re-decode: one prompt at a time, our own loop, no batching or padding
+        p = pool[r["prompt_index"]]
+        assert r["ids"][: r["prompt_len"]].tolist() == p
+        ref = SpeculativeDecoder(target).generate(torch.tensor(p), max_new_tokens=10).tokens
+        assert r["ids"][r["prompt_len"]:].tolist() == ref, r["prompt_index"]
+    assert OP.totals(tmp_path)["greedy"]["sequences"] == 8
+
+
+def test_sampled_rows_depend_only_on_index_and_resume_appends(tmp_path, target):
+    cfg = SamplingConfig(1.0, top_k=8)
+    kw = dict(chunk=4, samples=2, sampling=cfg, seed=5, max_new=8, prompts=prompts(), log=lambda *_: None)
+    OP.generate(target, tmp_path / "a", 0, 8, batch_size=8, **kw)
+    OP.generate(target, tmp_path / "b", 0, 4, batch_size=3, **kw)   # other batching, first chunk only
+    first = (tmp_path / "b" / "t1-p1-k8-x2_000000-000004.npz").stat().st_mtime_ns
+    man = OP.generate(target, tmp_path / "b", 0, 8, batch_size=3, **kw)  # resume: appends the second chunk
+    assert (tmp_path / "b" / "t1-p1-k8-x2_000000-000004.npz").stat().st_mtime_ns == first
+    assert len(man["shards"]) == 2 and man["shards"][1]["first"] == 4
+    a, b = OP.read(tmp_path / "a"), OP.read(tmp_path / "b")
+    key = lambda r: (r["prompt_index"], r["sample"])  # noqa: E731
+    assert [key(r) for r in a] == [key(r) for r in b] == [(i, j) for i in range(8) for j in range(2)]
+    assert all(torch.equal(x["ids"], y["ids"]) for x, y in zip(a, b))
+    assert any(not torch.equal(a[2 * i]["ids"], a[2 * i + 1]["ids"]) for i in range(8))  # two futures per prompt
+
+
+def test_errors_name_the_problem(tmp_path, target):
+    with pytest.raises(ConfigError, match="samples > 1 only with temperature > 0"):
+        OP.generate(target, tmp_path, 0, 4, samples=2, prompts=prompts())
+    OP.generate(target, tmp_path, 0, 4, chunk=4, max_new=6, prompts=prompts(), log=lambda *_: None)
+    with pytest.raises(ConfigError, match="max_new=6, not 9"):
+        OP.generate(target, tmp_path, 4, 4, chunk=4, max_new=9, prompts=prompts())
+    other = tiny_target("llama", vocab_size=96, seed=1)
+    with pytest.raises(ConfigError, match="another target"):
+        OP.generate(other, tmp_path, 4, 4, chunk=4, max_new=6, prompts=prompts())
+    (tmp_path / "greedy_000000-000004.npz").write_bytes(b"not a zip")
+    with pytest.raises(ConfigError, match="corrupt"):
+        OP.read(tmp_path)
+    with pytest.raises(ConfigError, match="not an on-policy dataset"):
+        OP.read(tmp_path / "nothing")
+
+
+@pytest.mark.slow
+def test_committed_smollm2_data_is_on_policy(smollm2):
+    """A few committed greedy answers, teacher-forced through SmolLM2: every response token is the target's argmax
+    (a near-tie within 1e-4 may go either way: batched generation pads, so sums run in another order)."""
+    if not (COMMITTED / OP.MANIFEST).exists():
+        pytest.skip(f"{COMMITTED} is not committed")
+    man = json.loads((COMMITTED / OP.MANIFEST).read_text())
+    assert man["target_fingerprint"] == OP.fingerprint(smollm2)
+    recs = [r for r in OP.read(COMMITTED, kinds=["greedy"])][:: 97][:4]
+    assert recs
+    with torch.inference_mode():
+        for r in recs:
+            ids, p = r["ids"], r["prompt_len"]
+            logits = smollm2.model(input_ids=ids[None]).logits[0, p - 1: len(ids) - 1].float()
+            best = logits.max(-1).values
+            chosen = logits.gather(-1, ids[p:, None]).squeeze(-1)
+            assert bool((best - chosen <= 1e-4 * best.abs().clamp(min=1)).all()), r["prompt_index"]
+
+
+def test_training_cache_from_onpolicy_ids(tmp_path, target):
+    """Features and soft labels are recomputed from the committed ids by one forward, in the trainer's format."""
+    from graft_block import train_data as TD
+
+    OP.generate(target, tmp_path / "ds", 0, 6, chunk=3, max_new=8, prompts=prompts(), log=lambda *_: None)
+    cache = TD.onpolicy_data(target, tmp_path / "ds", "x", batch_size=4, layers=[1, 3], topk=4,
+                             folder=tmp_path / "cache", log=lambda *_: None)
+    recs, meta = TD.load_records(cache)
+    src = {r["ids"].tolist()[0:3].__repr__(): r for r in OP.read(tmp_path / "ds")}
+    assert len(recs) == 6 and meta["feature_layers"] == [1, 3]
+    for r in recs:
+        ids = r["ids"].long()
+        assert r["prompt_len"] == src[ids.tolist()[0:3].__repr__()]["prompt_len"]  # the real prompt, not a guess
+        assert r["feats"].shape == (len(ids), 2 * target.hidden_size)
+        # on-policy greedy ids: the target's top-1 at each answer position is the next id
+        p = r["prompt_len"]
+        assert r["top_ids"][p - 1: len(ids) - 1, 0].tolist() == ids[p:].tolist()
+    with pytest.raises(ConfigError, match="another target"):
+        TD.onpolicy_data(tiny_target("llama", vocab_size=96, seed=1), tmp_path / "ds", "y", folder=tmp_path / "c2")
+
+
+def test_merge_a_dataset_made_elsewhere(tmp_path, target):
+    """What a GPU machine returns is merged in: extension starts after the last shard; overlaps are refused."""
+    kw = dict(chunk=4, max_new=6, prompts=prompts(), log=lambda *_: None)
+    OP.generate(target, tmp_path / "main", 0, 4, **kw)
+    assert OP.next_index(tmp_path / "main", "greedy") == 4
+    OP.generate(target, tmp_path / "gpu", OP.next_index(tmp_path / "main", "greedy"), 8, **kw)
+    man = OP.merge(tmp_path / "gpu", tmp_path / "main", log=lambda *_: None)
+    assert [(e["first"], e["end"]) for e in man["shards"]] == [(0, 4), (4, 8), (8, 12)]
+    assert [r["prompt_index"] for r in OP.read(tmp_path / "main")] == list(range(12))
+    with pytest.raises(ConfigError, match="overlap"):
+        OP.merge(tmp_path / "gpu", tmp_path / "main")
+
+
+@pytest.mark.slow
+def test_gpu_generation_script_runs_on_cpu(tmp_path, smollm2):
+    """scripts/gpu_generate.sh, shrunk to a smoke run on the CPU: the format, the size limits and the continuation
+    after the committed data are those a GPU run returns."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu"
+    env = {**os.environ, "GRAFT_BLOCK_DEVICE": "cpu", "GRAFT_BLOCK_GEN_SCALE": "0.002", "PYTHON": sys.executable}
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_generate.sh"
+    res = subprocess.run(["bash", str(script), str(out), "0"], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    files = list(out.iterdir())
+    assert len(files) <= 8 and all(f.stat().st_size <= 16 << 20 for f in files)
+    man = json.loads((out / OP.MANIFEST).read_text())
+    assert {e["kind"] for e in man["shards"]} == {"greedy", "t0.7-p0.8-k20-x4"}
+    start = OP.next_index(COMMITTED, "greedy")
+    assert min(e["first"] for e in man["shards"] if e["kind"] == "greedy") == start
+    recs = OP.read(out)
+    assert recs and all(r["prompt_index"] >= start for r in recs if r["kind"] == "greedy")

@@ -1,0 +1,111 @@
+"""The physics report on a tiny target: every field, sane numbers, the FLOP count, the engine label in the cache key,
+the standalone command's and run_block's arguments."""
+import json
+import math
+
+import pytest
+
+from graft_block.errors import ConfigError
+from graft_block.eval import cli, measure, physics, run_block
+from graft_block.testing import tiny_target
+
+TINY = dict(sizes=(1, 2, 4), reps=1, copy_mb=8, peak_n=128, context=16, verify_reps=1, probe_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def phys(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRAFT_BLOCK_CACHE", str(tmp_path_factory.mktemp("cache")))
+        return physics.measure_physics(tiny_target("llama"), **TINY)
+
+
+def test_report_has_every_field_and_sane_numbers(phys):
+    for k in ("target", "device", "device_name", "dtype", "threads", "engine", "bandwidth_gbs", "peak_gflops",
+              "linear", "rows", "non_gemm_share", "verify_source", "busy", "load", "wall_s"):
+        assert k in phys, k
+    for v in (phys["bandwidth_gbs"], phys["peak_gflops"], phys["linear"]["mem_floor_ms"]):
+        assert math.isfinite(v) and v > 0
+    assert [r["n"] for r in phys["rows"]] == [1, 2, 4]
+    for r in phys["rows"]:
+        for k in ("linear_ms", "gflop", "gflops", "pct_peak", "floor_ms", "verify_ms", "verify_ratio", "linear_share"):
+            assert r[k] is not None and math.isfinite(r[k]) and r[k] > 0, (r["n"], k)
+    assert phys["rows"][0]["verify_ratio"] == pytest.approx(1.0) and math.isfinite(phys["non_gemm_share"])
+    text = physics.format_report(phys)
+    for s in ("memory copy bandwidth", "matrix-product peak", "memory-bound floor", "non-GEMM share",
+              "| rows | linear ms", "hf-sdpa-float32"):
+        assert s in text, s
+    assert len([ln for ln in text.splitlines() if ln.startswith("| ")]) == 1 + 3  # header + one row per size
+    json.dumps(phys)  # goes into results.json as is
+
+
+def test_linear_flops_match_a_hand_count():
+    t = tiny_target("llama")  # hidden 64, intermediate 128, 4 heads of 16, 2 kv heads, 4 layers, vocab 128
+    per_layer = 64 * 64 + 2 * (64 * 32) + 64 * 64 + 3 * (64 * 128)  # q, k+v, o, gate+up+down
+    total = 4 * per_layer + 64 * 128  # + the LM head
+    w = physics.linear_weights(t.model)
+    assert len(w) == 4 * 7 + 1
+    assert physics.linear_flops(w, 1) == 2 * total and physics.linear_flops(w, 16) == 2 * 16 * total
+    t.model.lm_head.weight = t.model.model.embed_tokens.weight  # tied: the embedding is no nn.Linear
+    t.model.model.layers[1].self_attn.q_proj = t.model.model.layers[0].self_attn.q_proj  # one module used twice
+    assert len(physics.linear_weights(t.model)) == 4 * 7  # counted once
+
+
+def test_engine_label_keys_the_cost_cache():
+    t = tiny_target("llama")
+    assert physics.engine_label(t) == "hf-sdpa-float32"
+    assert measure.cost_key(t, (1, 2), 32, 2)["engine_path"] == "hf-sdpa-float32"
+    eager = tiny_target("llama", attn_implementation="eager")
+    assert measure.cost_key(eager, (1, 2), 32, 2)["engine_path"] == "hf-eager-float32"
+    t.engine_label = "compiled-cpp-gemm"  # a target on another path names it, and its curves are cached apart
+    assert measure.cost_key(t, (1, 2), 32, 2)["engine_path"] == "compiled-cpp-gemm"
+
+
+def test_busy_machine_is_loud(phys, monkeypatch):
+    busy = {**phys, "busy": True, "load": {**phys["load"], "busy": True, "reasons": ["during: other processes"]}}
+    assert "!!! BUSY MACHINE" in physics.format_report(busy)
+    curve = {"median_s": {"1": 0.01}, "busy": True, "load": {"reasons": ["hogs"]}, "source": "measured now"}
+    out = physics.measure_physics(tiny_target("llama"), curve=curve, **{**TINY, "sizes": (1,)})
+    assert out["busy"] is True and "verify curve: hogs" in out["load"]["reasons"]
+
+
+def test_standalone_command_arguments(tmp_path, monkeypatch, capsys):
+    a = physics.parse_args(["--target", "x", "--device", "cpu", "--dtype", "float32", "--threads", "1",
+                            "--sizes", "1,8", "--fresh-cost", "--json", "o.json"])
+    assert (a.target, a.threads, a.fresh_cost, a.json) == ("x", 1, True, "o.json")
+    assert physics.sizes_of(a.sizes) == [1, 8] and physics.parse_args([]).sizes == "1,2,4,8,16,32,64"
+    with pytest.raises(ConfigError, match="--sizes"):
+        physics.sizes_of("1,0")
+    assert "physics" in cli.COMMANDS and "physics" in cli.usage()
+    assert cli.main(["physics", "--sizes", "a,b"]) == 2  # a one-line error before any model loads
+    assert "--sizes takes" in capsys.readouterr().err
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
+    real, small = physics.measure_physics, {k: v for k, v in TINY.items() if k not in ("sizes", "reps")}
+    monkeypatch.setattr(physics, "measure_physics", lambda t, s, **kw: real(t, s, **kw, **small))
+    out = physics.main(["--sizes", "1,2", "--reps", "1", "--no-cost-cache", "--json", str(tmp_path / "p.json")],
+                       target=tiny_target("llama"))
+    assert json.loads((tmp_path / "p.json").read_text())["engine"] == out["engine"] == "hf-sdpa-float32"
+    assert "## physics: target=tiny-llama" in capsys.readouterr().out
+
+
+def test_run_block_accepts_no_physics():
+    assert run_block.parse_args(["--no-physics"]).no_physics is True
+    assert run_block.parse_args([]).no_physics is False
+
+
+def test_run_block_prints_physics_and_reuses_its_verify_curve(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "tiny"
+    tiny_target("llama").model.save_pretrained(folder)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "p0", "turns": [[1, 2, 3, 4, 5, 6] * 2]}) + "\n")
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
+    calls, real_curve, real_phys = [], measure.verify_cost_curve, physics.measure_physics
+    monkeypatch.setattr(measure, "verify_cost_curve", lambda *a, **k: calls.append(1) or real_curve(*a, **k))
+    monkeypatch.setattr(physics, "measure_physics", lambda t, **kw: real_phys(t, **kw, copy_mb=8, peak_n=128))
+    rep = run_block.main(["--target", str(folder), "--methods", "ar", "--prompts", str(tmp_path / "p.jsonl"),
+                          "--limit", "1", "--max-new-tokens", "4", "--threads", "1", "--no-progress", "--no-plots",
+                          "--out", str(tmp_path / "run")])
+    text = capsys.readouterr().out
+    assert len(calls) == 1  # the physics report reused run_block's verify curve
+    assert text.index("| method |") < text.index("## physics") and "non-GEMM share" in text
+    data = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert data["physics"]["engine"] == "hf-sdpa-float32" == rep["verify_cost_curve"]["key"]["engine_path"]
+    assert [r["n"] for r in data["physics"]["rows"]] == [1, 2, 4, 8, 16, 32, 64]
