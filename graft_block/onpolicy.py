@@ -97,6 +97,7 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
                               "another folder")
     if command:
         manifest["commands"].append(command)
+    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
     pool = dict(prompts if prompts is not None else train_prompts(target, max_prompt_tokens))
     dtype = np.uint16 if target.vocab_size <= 1 << 16 else np.int32
     eos = target.eos_token_ids
