@@ -82,11 +82,11 @@ def main(argv=None):
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     gen_limit = None if args.gen_minutes is None else args.gen_minutes * 60
     if args.generate and args.from_onpolicy:
-        from graft_block.train_data import onpolicy_data
+        from graft_block.onpolicy import training_cache
 
-        onpolicy_data(target, args.from_onpolicy, args.data, args.kinds.split(",") if args.kinds else None,
-                      batch_size=args.gen_batch, layers=layers, time_limit_s=gen_limit,
-                      log=lambda s: print(s, flush=True))
+        training_cache(target, args.from_onpolicy, args.data, args.kinds.split(",") if args.kinds else None,
+                       batch_size=args.gen_batch, layers=layers, time_limit_s=gen_limit,
+                       log=lambda s: print(s, flush=True))
         return
     if args.generate and args.teacher_forced:
         from graft_block.train_data import teacher_forced_data

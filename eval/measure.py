@@ -75,11 +75,19 @@ def _sync(target):
         torch.cuda.synchronize(target.device)
 
 
+def engine_label(target) -> str:
+    """The path that computes the forward, e.g. ``hf-sdpa-float32``; a target on another path names it itself."""
+    own = getattr(target, "engine_label", None)  # the hook for a compiled/custom engine; today's Target has none
+    if own:
+        return str(own)
+    attn = getattr(target.config, "_attn_implementation", None) or "default"
+    return f"hf-{attn}-{str(target.dtype).removeprefix('torch.')}"
+
+
 def cost_key(target, sizes, context: int, reps: int) -> dict:
     """Everything that changes a verify-cost curve: the cache is keyed by all of it."""
     import graft_block
 
-    from .physics import engine_label  # imported here: physics imports this module
 
     cls = type(target)
     engine = "".join(inspect.getsource(getattr(cls, f)) for f in ("prefill", "verify", "compact"))

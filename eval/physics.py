@@ -29,15 +29,6 @@ from graft_block.eval import machine, measure
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def engine_label(target) -> str:
-    """The path that computes the forward, e.g. ``hf-sdpa-float32``; a target on another path names it itself."""
-    own = getattr(target, "engine_label", None)  # the hook for a compiled/custom engine; today's Target has none
-    if own:
-        return str(own)
-    attn = getattr(target.config, "_attn_implementation", None) or "default"
-    return f"hf-{attn}-{str(target.dtype).removeprefix('torch.')}"
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -161,7 +152,7 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
     non_gemm = (verify[1] - lin[1]) / verify[1] if 1 in verify and 1 in lin else None
     return {"target": str(target.name), "device": str(dev), "device_name": device_name(dev),
             "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "engine": engine_label(target), "bandwidth_gbs": bw, "copy_mb": copy_mb, "peak_gflops": peak,
+            "engine": measure.engine_label(target), "bandwidth_gbs": bw, "copy_mb": copy_mb, "peak_gflops": peak,
             "peak_n": peak_n, "linear": {"count": len(weights), "params": sum(w.numel() for w, _ in weights),
                                          "bytes": nbytes, "mem_floor_ms": 1e3 * mem_floor},
             "rows": rows, "non_gemm_share": non_gemm, "verify_source": curve.get("source", "given"),

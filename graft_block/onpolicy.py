@@ -24,13 +24,14 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from .errors import ConfigError
 from .sampling import SamplingConfig
-from .train_data import answer_batch
+from .train_data import answer_batch, data_root, forward_cache
 
 GENERATOR_VERSION = 1
 MANIFEST = "manifest.json"
@@ -212,6 +213,23 @@ def totals(folder: str | Path) -> dict:
             t[k] += e[k]
         t["shards"] += 1
     return out
+
+
+def training_cache(target, dataset: str | Path, name: str, kinds: list[str] | None = None, batch_size: int = 8,
+                  layers: Sequence[int] | None = None, topk: int = 8, time_limit_s: float | None = None,
+                  log=print, folder: str | Path | None = None) -> Path:
+    """Training cache from a committed on-policy dataset (``graft_block.onpolicy``: the target's own answers as
+    ids): one teacher-forced forward recomputes the features and top-k soft labels; ``prompt_len`` is the real
+    one (loss on the answer only). Same file format as ``generate_data``; resumable."""
+    path = Path(dataset) / MANIFEST
+    manifest = json.loads(path.read_text()) if path.exists() else None
+    if manifest is not None and manifest["target_fingerprint"] != fingerprint(target):
+        raise ConfigError(f"{dataset} holds answers of another target ({manifest['target']}); recompute features "
+                          "only with the target that generated them")
+    seqs = [(r["ids"].tolist(), r["prompt_len"]) for r in read(dataset, kinds)]
+    source = f"on-policy dataset {Path(dataset).name} ({', '.join(kinds) if kinds else 'all kinds'}), teacher-forced"
+    return forward_cache(target, seqs, Path(folder) if folder is not None else data_root() / name, source,
+                         batch_size, layers, topk, time_limit_s, log)
 
 
 def main(argv=None):

@@ -335,25 +335,6 @@ def teacher_forced_data(target, name: str, num_convs: int = 3000, max_len: int =
                          batch_size, layers, topk, time_limit_s, log, labels=True, extra_meta={"max_len": max_len})
 
 
-def onpolicy_data(target, dataset: str | Path, name: str, kinds: list[str] | None = None, batch_size: int = 8,
-                  layers: Sequence[int] | None = None, topk: int = 8, time_limit_s: float | None = None,
-                  log=print, folder: str | Path | None = None) -> Path:
-    """Training cache from a committed on-policy dataset (``graft_block.onpolicy``: the target's own answers as
-    ids): one teacher-forced forward recomputes the features and top-k soft labels; ``prompt_len`` is the real
-    one (loss on the answer only). Same file format as ``generate_data``; resumable."""
-    from .onpolicy import fingerprint, read
-
-    manifest = json.loads((Path(dataset) / "manifest.json").read_text()) if (Path(dataset) / "manifest.json").exists() \
-        else None
-    if manifest is not None and manifest["target_fingerprint"] != fingerprint(target):
-        raise ConfigError(f"{dataset} holds answers of another target ({manifest['target']}); recompute features "
-                          "only with the target that generated them")
-    seqs = [(r["ids"].tolist(), r["prompt_len"]) for r in read(dataset, kinds)]
-    source = f"on-policy dataset {Path(dataset).name} ({', '.join(kinds) if kinds else 'all kinds'}), teacher-forced"
-    return forward_cache(target, seqs, Path(folder) if folder is not None else data_root() / name, source,
-                         batch_size, layers, topk, time_limit_s, log)
-
-
 def forward_cache(target, seqs: list[tuple[list[int], int]], out: Path, source: str, batch_size: int = 8,
                   layers: Sequence[int] | None = None, topk: int = 8, time_limit_s: float | None = None, log=print,
                   labels: bool = False, extra_meta: dict | None = None) -> Path:

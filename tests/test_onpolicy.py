@@ -101,7 +101,7 @@ def test_training_cache_from_onpolicy_ids(tmp_path, target):
     from graft_block import train_data as TD
 
     OP.generate(target, tmp_path / "ds", 0, 6, chunk=3, max_new=8, prompts=prompts(), log=lambda *_: None)
-    cache = TD.onpolicy_data(target, tmp_path / "ds", "x", batch_size=4, layers=[1, 3], topk=4,
+    cache = OP.training_cache(target, tmp_path / "ds", "x", batch_size=4, layers=[1, 3], topk=4,
                              folder=tmp_path / "cache", log=lambda *_: None)
     recs, meta = TD.load_records(cache)
     src = {r["ids"].tolist()[0:3].__repr__(): r for r in OP.read(tmp_path / "ds")}
@@ -114,7 +114,7 @@ def test_training_cache_from_onpolicy_ids(tmp_path, target):
         p = r["prompt_len"]
         assert r["top_ids"][p - 1: len(ids) - 1, 0].tolist() == ids[p:].tolist()
     with pytest.raises(ConfigError, match="another target"):
-        TD.onpolicy_data(tiny_target("llama", vocab_size=96, seed=1), tmp_path / "ds", "y", folder=tmp_path / "c2")
+        OP.training_cache(tiny_target("llama", vocab_size=96, seed=1), tmp_path / "ds", "y", folder=tmp_path / "c2")
 
 
 def test_merge_a_dataset_made_elsewhere(tmp_path, target):

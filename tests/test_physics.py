@@ -52,7 +52,7 @@ def test_linear_flops_match_a_hand_count():
 
 def test_engine_label_keys_the_cost_cache():
     t = tiny_target("llama")
-    assert physics.engine_label(t) == "hf-sdpa-float32"
+    assert measure.engine_label(t) == "hf-sdpa-float32"
     assert measure.cost_key(t, (1, 2), 32, 2)["engine_path"] == "hf-sdpa-float32"
     eager = tiny_target("llama", attn_implementation="eager")
     assert measure.cost_key(eager, (1, 2), 32, 2)["engine_path"] == "hf-eager-float32"
