@@ -92,14 +92,12 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
 
         hooks.append(TimedHook(proxy_hook()))
     dec = SpeculativeDecoder(target, drafter, graft=graft, round_hooks=hooks)
-    layers = tuple(getattr(drafter, "feature_layers", ()) or ())
     proxies = [h for h in hooks if hasattr(h.hook, "rows")]
 
     def run(ids, max_new_tokens, temperature, seed):
         for h in proxies:
             h.rows.clear()
         hook_s0 = sum(h.seconds for h in hooks)
-        target.set_feature_layers(layers)  # methods are interleaved: each captures its own drafter's layers
         res = dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         out = {"tokens": res.tokens, **res.stats.to_dict()}
         hook_s = sum(h.seconds for h in hooks) - hook_s0

@@ -168,8 +168,8 @@ class SpeculativeDecoder:
         self.round_hooks = list(round_hooks)
         self.check_trees = check_trees
         self._cuda = target.device.type == "cuda"
-        layers = tuple(getattr(drafter, "feature_layers", ()) or ())
-        target.set_feature_layers(layers)
+        self.feature_layers = tuple(getattr(drafter, "feature_layers", ()) or ())
+        target.set_feature_layers(self.feature_layers)
 
     @property
     def budget(self) -> int | None:
@@ -200,6 +200,8 @@ class SpeculativeDecoder:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         target = self.target
+        # Decoders may share one target (interleaved benchmarks): capture this drafter's layers (no-op if unchanged).
+        target.set_feature_layers(self.feature_layers)
         prompt_ids = target.encode(prompt)
         if prompt_ids.numel() + max_new_tokens > target.max_positions:
             raise ConfigError(

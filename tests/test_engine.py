@@ -185,3 +185,16 @@ def test_sampling_distribution_matches_plain_sampling(cfg):
         counts[tuple(res.tokens)] += 1
     stat, dof, p = chi_square_test(counts, exact)
     assert p > 1e-3, f"{cfg}: speculative sampling differs from the target (chi2={stat:.1f}, dof={dof}, p={p:.2g})"
+
+
+def test_decoders_sharing_a_target_each_capture_their_drafters_layers(tiny_llama, one_thread):
+    """Interleaved decoders on one target (as in the benchmark): every generate captures its own drafter's layers."""
+    featured = Drafter.from_config({"type": "pld", "budget": 4})
+    featured.feature_layers = (1, 3)
+    a = SpeculativeDecoder(tiny_llama, featured)
+    b = SpeculativeDecoder(tiny_llama, Drafter.from_config({"type": "pld", "budget": 4}))
+    assert tiny_llama.feature_layers == ()  # the last one built
+    a.generate(torch.tensor([5, 6, 7]), max_new_tokens=4)
+    assert tiny_llama.feature_layers == (1, 3)
+    b.generate(torch.tensor([5, 6, 7]), max_new_tokens=4)
+    assert tiny_llama.feature_layers == ()
