@@ -31,7 +31,7 @@ import torch
 
 from .errors import ConfigError
 from .sampling import SamplingConfig
-from .train_data import answer_batch, data_root, forward_cache
+from .train_data import answer_batch, data_root, forward_cache, train_prompts
 
 GENERATOR_VERSION = 1
 MANIFEST = "manifest.json"
@@ -41,18 +41,6 @@ def kind_name(sampling: SamplingConfig | None, samples: int) -> str:
     if sampling is None or sampling.greedy:
         return "greedy"
     return f"t{sampling.temperature:g}-p{sampling.top_p:g}-k{sampling.top_k}-x{samples}"
-
-
-def train_prompts(target, max_prompt_tokens: int) -> list[tuple[int, list[int]]]:
-    """(train-split index, chat-template ids) of every ShareGPT train prompt that fits; indices never shift."""
-    from .data import sharegpt
-
-    out = []
-    for i, rec in enumerate(sharegpt("train")):
-        ids = target.encode([{"role": "user", "content": rec["turns"][0]}]).tolist()
-        if len(ids) <= max_prompt_tokens:
-            out.append((i, ids))
-    return out
 
 
 def fingerprint(target) -> str:

@@ -46,8 +46,17 @@ def data_root() -> Path:
 
 
 # ---- data generation ---------------------------------------------------------------------------------------
-def _chat_ids(target, text: str) -> list[int]:
-    return target.encode([{"role": "user", "content": text}]).tolist()
+def train_prompts(target, max_prompt_tokens: int, limit: int | None = None) -> list[tuple[int, list[int]]]:
+    """(train-split index, chat-template ids) of the first ``limit`` ShareGPT train prompts, those that fit
+    ``max_prompt_tokens`` kept; an index is the prompt's position in the split, so it never shifts."""
+    from .data import sharegpt
+
+    out = []
+    for i, rec in enumerate(sharegpt("train", limit=limit)):
+        ids = target.encode([{"role": "user", "content": rec["turns"][0]}]).tolist()
+        if len(ids) <= max_prompt_tokens:
+            out.append((i, ids))
+    return out
 
 
 def _layer_modules(model, layers: Sequence[int]):
@@ -178,7 +187,6 @@ def generate_data(target, name: str, num_prompts: int = 2000, max_prompt_tokens:
     several futures (what a mixture drafter's modes can split; mfd.md 1.5). Shard ``b`` draws from seed ``seed``
     + ``b``, so a resumed run gives the same data; ``max_shards`` caps the set at the first N shards of the
     (fixed) shuffled batch order, whatever the time limits of the runs that made it."""
-    from .data import sharegpt
 
     sampled = sampling is not None and not sampling.greedy
     if samples < 1 or (samples > 1 and not sampled):
@@ -201,11 +209,7 @@ def generate_data(target, name: str, num_prompts: int = 2000, max_prompt_tokens:
                               "another name")
         meta = old
     if prompts is None:
-        prompts = []
-        for rec in sharegpt("train", limit=num_prompts):
-            ids = _chat_ids(target, rec["turns"][0])
-            if len(ids) <= max_prompt_tokens:
-                prompts.append(ids)
+        prompts = [ids for _, ids in train_prompts(target, max_prompt_tokens, num_prompts)]
     else:
         meta["source"] = f"given prompts, {how}"
         prompts = [list(map(int, p)) for p in prompts]
