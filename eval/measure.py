@@ -70,11 +70,6 @@ def pair_with(records: list[dict], baseline: str = "ar") -> None:
 
 
 # ---- the verify-cost timer ----------------------------------------------------------------------------------
-def _sync(target):
-    if target.device.type == "cuda":
-        torch.cuda.synchronize(target.device)
-
-
 def engine_label(target) -> str:
     """The path that computes the forward, e.g. ``hf-sdpa-float32``; a target on another path names it itself."""
     own = getattr(target, "engine_label", None)  # the hook for a compiled/custom engine; today's Target has none
@@ -127,10 +122,10 @@ def verify_cost_curve(target, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 200
         tr = chain(int(ids[-1]), torch.randint(0, target.vocab_size, (n - 1,), generator=gen))
         times = []
         for rep in range(reps + 1):  # the first forward of each shape is a warm-up, not timed
-            _sync(target)
+            target.synchronize()
             t0 = time.perf_counter()
             target.verify(tr)
-            _sync(target)
+            target.synchronize()
             if rep:
                 times.append(time.perf_counter() - t0)
             target.compact(tr.size, torch.arange(0))  # drop the appended entries: same context every time

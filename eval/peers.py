@@ -35,7 +35,7 @@ def hf_runner(target, kwargs: dict):
     (``{"prompt_lookup_num_tokens": 10}`` = HF prompt lookup)."""
     if "prompt_lookup_num_tokens" in kwargs and target.tokenizer is None:
         raise ConfigError("HF prompt lookup needs a tokenizer-backed target")
-    sync = (lambda: torch.cuda.synchronize(target.device)) if target.device.type == "cuda" else (lambda: None)
+    sync = target.synchronize
 
     def run(ids, max_new_tokens, temperature, seed):
         inp = ids.view(1, -1).to(target.device)

@@ -167,7 +167,6 @@ class SpeculativeDecoder:
         self.graft = graft
         self.round_hooks = list(round_hooks)
         self.check_trees = check_trees
-        self._cuda = target.device.type == "cuda"
         self.feature_layers = tuple(getattr(drafter, "feature_layers", ()) or ())
         target.set_feature_layers(self.feature_layers)
 
@@ -180,8 +179,7 @@ class SpeculativeDecoder:
         return None
 
     def _sync(self):
-        if self._cuda:
-            torch.cuda.synchronize(self.target.device)
+        self.target.synchronize()
 
     @torch.no_grad()
     def generate(

@@ -87,6 +87,11 @@ class Target:
         return self.model.get_output_embeddings()(hidden)
 
     # ---- feature capture --------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for the device (timings on a GPU must not stop before its queued work ends); a no-op on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def set_feature_layers(self, indices: Sequence[int]) -> None:
         """Capture exactly these HF hidden-state indices (in this order) on every later forward."""
         indices = tuple(int(i) for i in indices)
