@@ -72,7 +72,7 @@ def pair_with(records: list[dict], baseline: str = "ar") -> None:
 # ---- the verify-cost timer ----------------------------------------------------------------------------------
 def engine_label(target) -> str:
     """The path that computes the forward, e.g. ``hf-sdpa-float32``; a target on another path names it itself."""
-    own = getattr(target, "engine_label", None)  # the hook for a compiled/custom engine; today's Target has none
+    own = getattr(target, "engine_label", None)  # Target names its engine; a custom adapter may not
     if own:
         return str(own)
     attn = getattr(target.config, "_attn_implementation", None) or "default"
@@ -86,6 +86,9 @@ def cost_key(target, sizes, context: int, reps: int) -> dict:
 
     cls = type(target)
     engine = "".join(inspect.getsource(getattr(cls, f)) for f in ("prefill", "verify", "compact"))
+    lean = getattr(target, "lean", None)
+    if lean is not None:  # the lean forward's own code changes the curve too
+        engine += inspect.getsource(inspect.getmodule(type(lean)))
     return {"target": str(target.name), "target_class": f"{cls.__module__}.{cls.__qualname__}",
             "attn": getattr(target.config, "_attn_implementation", None), "dtype": str(target.dtype),
             "device": str(target.device),
@@ -156,14 +159,19 @@ def cost_at(curve: dict, nodes: int) -> float:
     return tb + (tb - ta) * (nodes - b) / (b - a)
 
 
-def auto_budget(build, curve: dict, pilot_ids, candidates=(4, 8, 16, 32, 64), max_new_tokens: int = 48) -> dict:
-    """--budget auto: the budget b maximising tau(b) * cost(1) / cost(b + 1), with tau from one greedy pilot
-    prompt per candidate and cost from the measured verify curve. ``build(b)`` -> Method."""
+def auto_budget(build, curve: dict, pilot_ids, candidates=(4, 8, 16, 32), max_new_tokens: int = 48) -> dict:
+    """Cost-aware budget: the b maximising tau(b) * cost(1) / (cost(b + 1) + draft(b)), with tau and draft(b) (the
+    seconds per round spent outside the verify: drafting, tree building, commit) from one greedy pilot prompt per
+    candidate, and cost from the measured verify curve. ``build(b)`` -> Method."""
     rows = {}
     for b in candidates:
         r = build(b).run(pilot_ids, max_new_tokens, 0.0, 0)
         tau = r.get("tau") or 1.0
-        rows[b] = {"tau": tau, "est_speedup": tau * cost_at(curve, 1) / cost_at(curve, b + 1)}
+        rounds = r.get("rounds") or 0
+        phases = r.get("phase_s") or {}
+        side = sum(v for k, v in phases.items() if k not in ("verify", "overhead")) / rounds if rounds else 0.0
+        rows[b] = {"tau": tau, "draft_ms": 1e3 * side, "verify_ms": 1e3 * cost_at(curve, b + 1),
+                   "est_speedup": tau * cost_at(curve, 1) / (cost_at(curve, b + 1) + side)}
     best = max(rows, key=lambda b: rows[b]["est_speedup"])
     return {"best": best, "pilot": rows, "curve_busy": curve.get("busy", False)}
 

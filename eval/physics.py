@@ -8,8 +8,10 @@ All in one process, medians of a few reps (machines of one kind differ 2-3x: onl
 - matrix-product peak: GFLOP/s of one NxN product in the target's dtype;
 - all linear layers alone: F.linear of an [n, in] input through every nn.Linear weight (LM head included, tied
   weights once) per row count n, against the floor max(weight bytes / bandwidth, FLOPs / peak);
-- the full verify at the same row counts, from ``measure.verify_cost_curve`` (the one verify timer).
-Non-GEMM share of a decode step = (verify(1) - linear(1)) / verify(1).
+- the full verify at the same row counts, from ``measure.verify_cost_curve`` (the one verify timer), on the
+  target's engine and, for comparison in the same run, on HF's own forward (the eager path) when the target
+  runs the lean engine.
+Non-GEMM share of a decode step = (verify(1) - linear(1)) / verify(1), for each engine.
 """
 from __future__ import annotations
 
@@ -108,10 +110,11 @@ def linear_sweep(weights, sizes, device: torch.device, dtype: torch.dtype, reps:
 @torch.no_grad()
 def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool = True, fresh: bool = False,
                     reps: int = 3, copy_mb: int | None = None, peak_n: int | None = None, context: int = 200,
-                    verify_reps: int = 5, probe_s: float = 0.5) -> dict:
+                    verify_reps: int = 5, probe_s: float = 0.5, compare: bool = True) -> dict:
     """Every figure of the report as a dict, at row counts ``sizes`` (default: the curve's, else SIZES). ``curve``:
     a verify-cost curve already measured in this run (reused, not re-timed); otherwise ``measure.verify_cost_curve``
-    with ``cache``/``fresh``, ``context``, ``verify_reps``."""
+    with ``cache``/``fresh``, ``context``, ``verify_reps``. ``compare``: also time HF's eager forward on the same
+    weights when the target runs another engine (the before/after of the engine, one run)."""
     dev, dtype = target.device, target.dtype
     gpu = dev.type == "cuda"
     copy_mb = copy_mb or (1024 if gpu else 256)  # well past the last-level cache, cheap to copy
@@ -130,15 +133,25 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
     if curve is None:
         with guard.measure():
             curve = measure.verify_cost_curve(target, sizes, context, verify_reps, cache=cache, fresh=fresh)
+    eager = None
+    if compare and getattr(target, "engine", "hf") != "hf":
+        from graft_block.target import Target
+
+        hf = Target(target.model, target.tokenizer, name=target.name, engine="hf")
+        with guard.measure():
+            eager = measure.verify_cost_curve(hf, sizes, curve.get("key", {}).get("context", context), verify_reps,
+                                              cache=cache, fresh=fresh)
     guard.after()
     load = guard.report()
-    if curve.get("busy"):  # a busy verify curve distorts every ratio below
-        why = curve.get("load", {}).get("reasons") or ["measured on a busy machine"]
-        load = {**load, "busy": True, "reasons": load["reasons"] + [f"verify curve: {r}" for r in why]}
+    for c in (curve, eager or {}):
+        if c.get("busy"):  # a busy verify curve distorts every ratio below
+            why = c.get("load", {}).get("reasons") or ["measured on a busy machine"]
+            load = {**load, "busy": True, "reasons": load["reasons"] + [f"verify curve: {r}" for r in why]}
     nbytes = sum(w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
                  for w, b in weights)
     mem_floor = nbytes / (bw * 1e9)
     verify = {int(k): v for k, v in curve["median_s"].items()}
+    base = {int(k): v for k, v in eager["median_s"].items()} if eager else {}
     rows = []
     for n in sizes:
         flops = linear_flops(weights, n)
@@ -148,14 +161,18 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
                      "floor_ms": 1e3 * max(mem_floor, flops / (peak * 1e9)),
                      "verify_ms": None if v is None else 1e3 * v,
                      "verify_ratio": None if v is None or 1 not in verify else v / verify[1],
-                     "linear_share": None if v is None else lin[n] / v})
+                     "linear_share": None if v is None else lin[n] / v,
+                     "eager_ms": 1e3 * base[n] if n in base else None,
+                     "engine_gain": base[n] / v if n in base and v else None})
     non_gemm = (verify[1] - lin[1]) / verify[1] if 1 in verify and 1 in lin else None
+    eager_non_gemm = (base[1] - lin[1]) / base[1] if 1 in base and 1 in lin else None
     return {"target": str(target.name), "device": str(dev), "device_name": device_name(dev),
             "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "engine": measure.engine_label(target), "bandwidth_gbs": bw, "copy_mb": copy_mb, "peak_gflops": peak,
             "peak_n": peak_n, "linear": {"count": len(weights), "params": sum(w.numel() for w, _ in weights),
                                          "bytes": nbytes, "mem_floor_ms": 1e3 * mem_floor},
-            "rows": rows, "non_gemm_share": non_gemm, "verify_source": curve.get("source", "given"),
+            "rows": rows, "non_gemm_share": non_gemm, "eager_non_gemm_share": eager_non_gemm,
+            "eager_engine": measure.engine_label(hf) if eager else None, "verify_source": curve.get("source", "given"),
             "verify_context": curve.get("key", {}).get("context", context), "busy": load["busy"], "load": load,
             "reps": reps, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": time.perf_counter() - t0}
 
@@ -185,16 +202,22 @@ def format_report(p: dict) -> str:
     if p["non_gemm_share"] is not None:
         r1 = p["rows"][[r["n"] for r in p["rows"]].index(1)]
         lines.append(f"- non-GEMM share of a decode step: {100 * p['non_gemm_share']:.0f}% (verify(1) "
-                     f"{_ms(r1['verify_ms'])} ms, linear layers alone {_ms(r1['linear_ms'])} ms)")
+                     f"{_ms(r1['verify_ms'])} ms, linear layers alone {_ms(r1['linear_ms'])} ms)"
+                     + ("" if p.get("eager_non_gemm_share") is None else
+                        f"; {100 * p['eager_non_gemm_share']:.0f}% on {p['eager_engine']} ({_ms(r1['eager_ms'])} ms)"))
     stale = " (an earlier run: --fresh-cost times it now)" if p["verify_source"].startswith("cached") else ""
     lines += [f"- verify: {p['verify_context']}-token cache, {p['verify_source']}{stale}", "",
               "| rows | linear ms | GFLOP | GFLOP/s | % of peak | floor ms | verify ms | verify(n)/verify(1) "
-              "| linear share of verify |", "|---|---|---|---|---|---|---|---|---|"]
+              "| linear share of verify |" + (f" {p['eager_engine']} verify ms | engine gain |" if p.get("eager_engine")
+                                              else ""),
+              "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if p.get("eager_engine") else "")]
     for r in p["rows"]:
+        extra = "" if not p.get("eager_engine") else (
+            f" {_ms(r['eager_ms'])} | {'-' if r['engine_gain'] is None else format(r['engine_gain'], '.2f') + 'x'} |")
         lines.append(f"| {r['n']} | {_ms(r['linear_ms'])} | {r['gflop']:.2f} | {r['gflops']:.1f} | "
                      f"{r['pct_peak']:.0f}% | {_ms(r['floor_ms'])} | {_ms(r['verify_ms'])} | "
                      f"{'-' if r['verify_ratio'] is None else format(r['verify_ratio'], '.2f')} | "
-                     f"{'-' if r['linear_share'] is None else format(100 * r['linear_share'], '.0f') + '%'} |")
+                     f"{'-' if r['linear_share'] is None else format(100 * r['linear_share'], '.0f') + '%'} |" + extra)
     return "\n".join(lines)
 
 
@@ -219,6 +242,8 @@ def parse_args(argv=None):
     ap.add_argument("--fresh-cost", action="store_true", help="re-measure the verify-cost curve (ignore the cache)")
     ap.add_argument("--no-cost-cache", action="store_true", help="neither read nor write the verify-cost cache")
     ap.add_argument("--json", default=None, help="also write the figures as JSON to this path")
+    ap.add_argument("--engine", default="auto", choices=("auto", "lean", "hf"), help="the forward to measure")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the lean forward's layers")
     return ap.parse_args(argv)
 
 
@@ -231,7 +256,8 @@ def main(argv=None, target=None) -> dict:
     if target is None:
         from graft_block import load_target
 
-        target = load_target(args.target, device=args.device, dtype=args.dtype)
+        target = load_target(args.target, device=args.device, dtype=args.dtype, engine=args.engine,
+                             compile=args.compile)
     phys = measure_physics(target, sizes, cache=not args.no_cost_cache, fresh=args.fresh_cost, reps=args.reps)
     print(format_report(phys))
     if args.json:

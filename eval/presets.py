@@ -59,8 +59,9 @@ PAPER = ["ar", "pld", "eagle3", "eagle3_prune", "eagle3_fixed", "eagle3_graft", 
 # Per suite: prompt sets, prompts per set (the --limit default), new tokens, temperatures, methods.
 SUITES: dict[str, dict] = {
     # quick: 2 HumanEval + 2 two-turn MT-Bench prompts = 6 prompt-turns per method (a few minutes on 2 cores)
+    # budgets "auto": each method's budget picked from the verify curve, its drafting cost and a pilot tau
     "quick": {"prompts": ["humaneval", "mtbench"], "limit": 2, "max_new_tokens": 80, "temperatures": [0.0],
-              "methods": QUICK},
+              "methods": QUICK, "budget": "auto"},
     "paper": {"prompts": ["humaneval", "mtbench"], "limit": 2, "max_new_tokens": 96, "temperatures": [0.0],
               "methods": PAPER},
     "full": {"prompts": ["humaneval", "mtbench", "sharegpt"], "limit": 20, "max_new_tokens": 256,

@@ -34,16 +34,19 @@ def _tau(rs):
     return sum(r["decode_tokens"] for r in rs) / rounds if rounds else None
 
 
-def summarize(records: list[dict], baseline: str = "ar") -> list[dict]:
+def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf") -> list[dict]:
     """One row per (method, temperature, budget). Aggregates are sums over the same prompt-turns (tau = emitted
-    tokens / rounds, tok/s = tokens / seconds, speedup vs AR = ``measure.speedup``); per-prompt spreads beside."""
+    tokens / rounds, tok/s = tokens / seconds, speedup vs AR = ``measure.speedup``); per-prompt spreads beside.
+    ``speedup_vs_hf``: the same ratio against ``peer`` (HF ``generate``: what a transformers user gets)."""
     base = {_key(r): r for r in records if r["method"] == baseline}
+    hf = {_key(r): r for r in records if r["method"] == peer}
     groups: dict = {}
     for r in records:
         groups.setdefault((r["method"], r["temperature"], r.get("budget")), []).append(r)
     rows = []
     for (name, temp, budget), rs in groups.items():
         pairs = [(r, base[_key(r)]) for r in rs if _key(r) in base]
+        hf_pairs = [(r, hf[_key(r)]) for r in rs if _key(r) in hf]
         phase_tot: dict = {}
         hist: dict = {}
         for r in rs:
@@ -60,6 +63,7 @@ def summarize(records: list[dict], baseline: str = "ar") -> list[dict]:
             "tau_iqr": _iqr([r.get("tau") for r in rs]),
             "tok_s": rate(rs),
             "speedup": speedup([m for m, _ in pairs], [a for _, a in pairs]) if pairs else None,
+            "speedup_vs_hf": speedup([m for m, _ in hf_pairs], [a for _, a in hf_pairs]) if hf_pairs else None,
             "speedup_median": _med(per_prompt), "speedup_iqr": _iqr(per_prompt),
             "speedup_ci": speedup_interval(pairs) if len(pairs) >= MIN_N and name != baseline else None,
             "time_split": {k: v / tot for k, v in phase_tot.items()},
@@ -85,8 +89,9 @@ def _pair(p, fmt="{:.2f}"):
 
 def markdown_table(rows: list[dict]) -> str:
     head = ("| method | T | budget | n | tau | tok/s | speedup vs AR | per-prompt median [IQR] | 90% interval | "
-            "draft/tree/verify/commit/overhead % | chimeric | graft hit | state B | busy | lossless |")
-    lines = [head, "|" + "---|" * 15]
+            "speedup vs HF generate | draft/tree/verify/commit/overhead % | chimeric | graft hit | state B | busy | "
+            "lossless |")
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         ts = r["time_split"]
         split = "/".join(f"{100 * ts.get(k, 0):.0f}" for k in PHASES) if ts else "-"
@@ -100,7 +105,8 @@ def markdown_table(rows: list[dict]) -> str:
         busy = f"**{r['busy_records']}/{r['n']}**" if r["busy_records"] else "0"
         lines.append(
             f"| {r['method']} | {r['temperature']:g} | {r['budget'] or '-'} | {r['n']} | {_f(r['tau'])} | "
-            f"{_f(r['tok_s'], '{:.1f}')} | {_f(r['speedup'])} | {med} | {_pair(r['speedup_ci'])} | {split} | "
+            f"{_f(r['tok_s'], '{:.1f}')} | {_f(r['speedup'])} | {med} | {_pair(r['speedup_ci'])} | "
+            f"{_f(r.get('speedup_vs_hf'))} | {split} | "
             f"{_f(r['chimeric_share'])} | {_f(r['graft_hit_rate'])} | {r['retrieval_state_bytes'] or '-'} | "
             f"{busy} | {loss} |")
     return "\n".join(lines)

@@ -38,8 +38,8 @@ from graft_block.eval.prompts import describe_sets, encode_turn, prompt_records 
 
 
 def _suite_defaults(key: str) -> str:
-    return ", ".join(f"{name} {v[key] if not isinstance(v[key], list) else ','.join(map(str, v[key]))}"
-                     for name, v in presets.SUITES.items())
+    vals = {name: v.get(key, "preset") for name, v in presets.SUITES.items()}
+    return ", ".join(f"{name} {x if not isinstance(x, list) else ','.join(map(str, x))}" for name, x in vals.items())
 
 
 def parse_args(argv=None, prog: str | None = None):
@@ -51,6 +51,11 @@ def parse_args(argv=None, prog: str | None = None):
                     "(default smollm2-135m)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
+    ap.add_argument("--engine", default="auto", choices=("auto", "lean", "hf"),
+                    help="the target forward under AR and every method: lean (static KV cache, fused and packed "
+                         "products; Llama family) or hf (the model's own forward); auto = lean where it can")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the lean forward's layers (opt-in: no "
+                    "gain measured on 2 CPU cores; compile time is spent in the untimed warm-up)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--methods", default=None,
                     help=f"comma list of methods (default: the suite's); one of {', '.join(presets.PRESETS)} "
@@ -69,8 +74,9 @@ def parse_args(argv=None, prog: str | None = None):
     ap.add_argument("--temperature", default=None,
                     help=f"comma list, e.g. 0,1 (default: the suite's: {_suite_defaults('temperatures')})")
     ap.add_argument("--budget", default=None,
-                    help="int, comma list (a sweep) or 'auto' (from the measured verify-cost curve); default: "
-                         "each method's default budget (--list-methods)")
+                    help="int, comma list (a sweep), 'auto' (cost-aware: pilot tau and drafting cost against the "
+                         "measured verify-cost curve) or 'preset' (each method's default budget, --list-methods); "
+                         f"default: the suite's ({_suite_defaults('budget')})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="output folder (default runs/<suite>-<time>)")
     ap.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up generation per method (0 = none)")
@@ -94,14 +100,14 @@ def method_names(args, suite: dict, extra: dict) -> list[str]:
 
 
 def budgets_of(text: str | None) -> list:
-    if text is None:
+    if text is None or text == "preset":
         return [None]
     if text == "auto":
         return ["auto"]
     try:
         return [int(b) for b in text.split(",")]
     except ValueError:
-        raise ConfigError(f"--budget takes an int, a comma list of ints or 'auto', got {text!r}") from None
+        raise ConfigError(f"--budget takes an int, a comma list of ints, 'auto' or 'preset', got {text!r}") from None
 
 
 def build_methods(names, extra, target, budgets, curve, prompts, chimeric):
@@ -131,7 +137,7 @@ def run_arms(table: dict, defaults: list[str], rest: list[str]) -> tuple[dict, o
     opts = parse_args(run_args)
     if opts.list_methods:
         return main(run_args, methods=table), None
-    target = load_target(opts.target, device=opts.device, dtype=opts.dtype)
+    target = load_target(opts.target, device=opts.device, dtype=opts.dtype, engine=opts.engine, compile=opts.compile)
     return main(run_args, methods=table, target=target), target
 
 
@@ -146,7 +152,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         return {"methods": rows}
     suite = presets.SUITES[args.suite]
     names = method_names(args, suite, extra)
-    budgets = budgets_of(args.budget)
+    budgets = budgets_of(args.budget if args.budget is not None else suite.get("budget"))
     limit = suite["limit"] if args.limit is None else args.limit
     sets = args.prompts.split(",") if args.prompts else suite["prompts"]
     prompts, set_info = prompt_records(sets, limit, args.first_turn_only)
@@ -168,7 +174,8 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     if target is None:
         from graft_block import load_target
 
-        target = load_target(args.target, device=args.device, dtype=args.dtype)
+        target = load_target(args.target, device=args.device, dtype=args.dtype, engine=args.engine,
+                             compile=args.compile)
     curve = measure.verify_cost_curve(target, fresh=args.fresh_cost)
     runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric)
     if rank == 0:
@@ -199,7 +206,8 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     }
     print()
     print(report.header(args.suite, str(target.name), describe_sets(set_info, limit), args.first_turn_only, max_new,
-                        temps, load, torch.get_num_threads(), str(target.device)))
+                        temps, load, torch.get_num_threads(),
+                        f"{target.device} engine={measure.engine_label(target)} (AR and every method)"))
     print()
     print(report.markdown_table(rows))
     for by in ("set", "category"):

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from graft_block.tree import Tree, attention_mask, position_ids
 
+from .engine import LeanForward, unsupported_reason
 from .errors import ConfigError
 
 EMBEDDED_TARGETS = {
@@ -37,7 +38,7 @@ class Target:
     map to ``id + 1``; EAGLE3's "inputs of layers 2, N//2, N-3" map to ``2, N//2, N-3``.
     """
 
-    def __init__(self, model, tokenizer=None, name: str | None = None):
+    def __init__(self, model, tokenizer=None, name: str | None = None, engine: str = "auto", compile: bool = False):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -56,6 +57,23 @@ class Target:
         self.feature_layers: tuple[int, ...] = ()
         self._hooks = []
         self._captured: dict[int, torch.Tensor] = {}
+        # The forward under prefill/verify/compact: "lean" (static KV cache, fused products; Llama family) or "hf"
+        # (the model's own forward with a DynamicCache). "auto" takes lean where the architecture allows.
+        if engine not in ("auto", "lean", "hf"):
+            raise ConfigError(f"engine must be 'auto', 'lean' or 'hf', got {engine!r}")
+        if engine == "auto":
+            engine = "hf" if unsupported_reason(model) else "lean"
+        self.lean = LeanForward(model, compile=compile) if engine == "lean" else None
+        self.engine = engine
+        self.compiled = bool(compile and engine == "lean")
+
+    @property
+    def engine_label(self) -> str:
+        """The path that computes the forward, e.g. ``lean-float32`` or ``hf-sdpa-float32`` (keys cached costs)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.lean is not None:
+            return f"lean-{dtype}" + ("+compile" if self.compiled else "")
+        return f"hf-{getattr(self.config, '_attn_implementation', None) or 'default'}-{dtype}"
 
     # ---- properties -------------------------------------------------------------------------------------
     @property
@@ -68,6 +86,8 @@ class Target:
 
     @property
     def cache_len(self) -> int:
+        if self.lean is not None:
+            return self.lean.len
         return 0 if self.cache is None else int(self.cache.get_seq_length())
 
     @property
@@ -103,10 +123,12 @@ class Target:
                 )
         if indices == self.feature_layers:
             return
+        self.feature_layers = indices
+        if self.lean is not None:  # the lean forward returns the requested states itself
+            return
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self.feature_layers = indices
         for i in sorted(set(indices)):
             self._hooks.append(feature_module(self.model, i).register_forward_hook(self._make_hook(i)))
 
@@ -129,7 +151,21 @@ class Target:
 
     # ---- forwards ---------------------------------------------------------------------------------------
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        if self.lean is not None:
+            self.lean.reset()
+        else:
+            self.cache = DynamicCache(config=self.model.config)
+
+    def cached_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values cached for one layer, [kv_heads, len, head_dim] each, whichever engine runs."""
+        if self.lean is not None:
+            return self.lean.kv(layer)
+        lay = self.cache.layers[layer]
+        return lay.keys[0], lay.values[0]
+
+    def _lean_forward(self, ids, pos, mask, last_only=False):
+        logits, feats = self.lean.forward(ids, pos, mask, self.feature_layers, last_only=last_only)
+        return logits, (torch.cat(feats, dim=-1) if feats else None)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -141,6 +177,9 @@ class Target:
                 "shorten the prompt or use a target with a longer context"
             )
         self.reset()
+        if self.lean is not None:
+            logits, feats = self._lean_forward(ids[0], torch.arange(ids.shape[1], device=self.device), None, True)
+            return logits[-1], feats
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1], self._take_features()
 
@@ -153,6 +192,8 @@ class Target:
         pos = position_ids(tree, start, self.device)
         # A single root node is one plain decoding step: the default causal mask is the same and cheaper.
         mask = None if tree.size == 1 else attention_mask(tree, start, self.dtype, self.device)
+        if self.lean is not None:
+            return self._lean_forward(ids[0], pos[0], mask)
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache, use_cache=True)
         return out.logits[0], self._take_features()
 
@@ -160,6 +201,8 @@ class Target:
     def compact(self, n_new: int, keep: torch.Tensor) -> None:
         """Keep, of the ``n_new`` entries the last ``verify`` appended, those at ``keep`` (path order), contiguously."""
         keep = keep.to(self.device)
+        if self.lean is not None:
+            return self.lean.compact(n_new, keep)
         m = int(keep.numel())
         identity = bool(torch.equal(keep, torch.arange(m, device=self.device)))
         for layer in self.cache.layers:
@@ -250,6 +293,8 @@ def load_target(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
     attn_implementation: str = "sdpa",
+    engine: str = "auto",
+    compile: bool = False,
 ) -> Target:
     """Load the embedded default (``"smollm2-135m"``) or any local HF causal-LM folder. Never touches a hub."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -274,4 +319,4 @@ def load_target(
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError):
         tok = None
-    return Target(model, tok, name=str(name_or_path))
+    return Target(model, tok, name=str(name_or_path), engine=engine, compile=compile)

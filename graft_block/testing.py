@@ -1,6 +1,8 @@
 """Tiny random targets for tests and examples (no download, seconds to build)."""
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig
 
@@ -11,10 +13,11 @@ _CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "m
 
 def tiny_target(arch: str = "llama", vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 4,
                 heads: int = 4, kv_heads: int = 2, seed: int = 0, max_positions: int = 512,
-                dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> Target:
+                dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", engine: str = "auto") -> Target:
     """A randomly initialised causal LM of the given family, wrapped as a Target (EOS disabled).
 
-    ``initializer_range`` 0.3 (not HF's 0.02) so greedy text depends on context instead of repeating one token."""
+    ``initializer_range`` 0.3 (not HF's 0.02) so greedy text depends on context instead of repeating one token.
+    The device is ``GRAFT_BLOCK_TEST_DEVICE`` (default cpu): the GPU check runs the lossless tests on CUDA."""
     cfg_cls = _CONFIGS[arch]
     kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
               num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -27,9 +30,10 @@ def tiny_target(arch: str = "llama", vocab_size: int = 128, hidden_size: int = 6
     cfg = cfg_cls(**kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
+    model.to(os.environ.get("GRAFT_BLOCK_TEST_DEVICE", "cpu"))
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    return Target(model, None, name=f"tiny-{arch}")
+    return Target(model, None, name=f"tiny-{arch}", engine=engine)
 
 
 def chi_square_test(counts: dict, probs: dict, min_expected: float = 5.0) -> tuple[float, int, float]:

@@ -83,6 +83,48 @@ def evaluate(klass, model, target, recs, batch_size: int, seed: int = 1234) -> d
     return {k: v / max(1, n) for k, v in tot.items()}
 
 
+def write_learning_curve(log_path: str | Path, out_dir: str | Path) -> Path | None:
+    """``learning_curve.csv`` (+ ``.png`` when matplotlib is installed) beside a checkpoint: every held-out
+    evaluation of the run's log (step, minutes, tokens seen, each metric), across resumed runs in order."""
+    log_path, out_dir = Path(log_path), Path(out_dir)
+    if not log_path.exists():
+        return None
+    evals = [r for r in map(json.loads, log_path.read_text().splitlines()) if r.get("eval")]
+    if not evals:
+        return None
+    keys = sorted({k for r in evals for k in r["eval"]})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv = out_dir / "learning_curve.csv"
+    lines = [",".join(["step", "minutes", "tokens_seen", *keys])]
+    for r in evals:
+        lines.append(",".join([str(r["step"]), f"{r.get('minutes', 0):.3f}", str(r.get("tokens_seen", "")),
+                               *(f"{r['eval'][k]:.6g}" if k in r["eval"] else "" for k in keys)]))
+    csv.write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return csv
+    shown = [k for k in keys if k.startswith(("tau", "acc"))] or keys[:2]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, xk, label in ((axes[0], "tokens_seen", "training tokens seen"), (axes[1], "minutes", "training minutes")):
+        for k in shown:
+            pts = [(r.get(xk), r["eval"][k]) for r in evals if r.get(xk) is not None and k in r["eval"]]
+            if pts:
+                ax.plot(*zip(*pts), marker=".", label=k)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out metric")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"learning curve: {out_dir.name}")
+    fig.tight_layout()
+    fig.savefig(out_dir / "learning_curve.png", dpi=110)
+    plt.close(fig)
+    return csv
+
+
 def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: str | Path, cfg: dict | None = None,
           init: str | None = None, epochs: float = 1.0, lr: float = 6e-4, warmup: float = 0.04, clip: float = 1.0,
           weight_decay: float = 0.0, batch_size: int = 4, holdout: int = 24, eval_every: int = 100,
@@ -130,6 +172,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, epoch0, elapsed0 = state["step"], state["epoch"], state.get("elapsed", 0.0)
+    seen = state.get("tokens_seen", 0) if state is not None else 0  # training tokens consumed (the curve's x axis)
     steps_per_epoch = len(epoch_batches(len(train_recs), batch_size, 0, seed, rank, world))
     if steps is not None and steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
@@ -143,8 +186,9 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         if rank != 0:
             return
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
-                    "elapsed": elapsed0 + time.time() - t0, "cfg": cfg}, state_path)
+                    "elapsed": elapsed0 + time.time() - t0, "cfg": cfg, "tokens_seen": seen}, state_path)
         klass.save_trained(model, out_dir, cfg)
+        write_learning_curve(run_dir / "log.jsonl", out_dir)
 
     def write(rec):
         if logf is not None:
@@ -153,7 +197,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
 
     if rank == 0 and step == 0 and holdout:
         ev = evaluate(klass, model, target, eval_recs, batch_size)
-        write({"step": 0, "minutes": elapsed0 / 60, "eval": ev})
+        write({"step": 0, "minutes": elapsed0 / 60, "tokens_seen": seen, "eval": ev})
         log("[eval] step 0: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
     t0 = time.time()
     model.train()
@@ -168,6 +212,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             if step >= total:
                 break
             batch = collate([train_recs[i] for i in bi], target.device)
+            seen += sum(len(train_recs[i]["ids"]) for i in bi) * world
             cur_lr = lr_at(step, total, lr, warmup)
             for gr in opt.param_groups:
                 gr["lr"] = cur_lr
@@ -194,7 +239,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                     f" ({rows / max(1e-6, time.time() - t0):.0f} rows/s)")
             if rank == 0 and holdout and eval_every and step % eval_every == 0:
                 ev = evaluate(klass, model, target, eval_recs, batch_size)
-                write({"step": step, "minutes": minutes, "eval": ev})
+                write({"step": step, "minutes": minutes, "tokens_seen": seen, "eval": ev})
                 log(f"[eval] step {step}: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
                 save()
             if time_limit_s is not None and time.time() - t0 > time_limit_s:
@@ -205,7 +250,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             epoch += 1
     ev = evaluate(klass, model, target, eval_recs, batch_size) if rank == 0 and holdout else {}
     minutes = (elapsed0 + time.time() - t0) / 60
-    write({"step": step, "minutes": minutes, "eval": ev, "final": True})
+    write({"step": step, "minutes": minutes, "tokens_seen": seen, "eval": ev, "final": True})
     if ev:
         log(f"[eval] final step {step} ({minutes:.1f} min): " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
     save()

@@ -206,13 +206,19 @@ def test_cost_cache_key_holds_what_changes_the_curve(tmp_path, monkeypatch):
 
 
 def test_budget_auto_picks_from_the_measured_curve(tiny_folder, tmp_path, monkeypatch, capsys):
-    """--budget auto lives in the harness: pilot tau per candidate budget x the verify-cost curve, no drafter timing."""
+    """--budget auto lives in the harness: pilot tau and drafting cost per candidate budget x the verify-cost curve."""
     folder, prompts = tiny_folder
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
     rep = run_block.main(["--target", str(folder), "--methods", "ar,pld", "--prompts", str(prompts), "--limit", "1",
                           "--max-new-tokens", "8", "--budget", "auto", "--no-progress", "--no-plots",
                           "--out", str(tmp_path / "run")])
     auto = rep["auto_budget"]["pld"]
-    assert set(auto["pilot"]) == {4, 8, 16, 32, 64} and auto["best"] in auto["pilot"]
+    assert set(auto["pilot"]) == {4, 8, 16, 32} and auto["best"] in auto["pilot"]
     assert {r["budget"] for r in rep["records"] if r["method"] == "pld"} == {auto["best"]}
+    curve = rep["verify_cost_curve"]
+    for b, row in auto["pilot"].items():  # the estimate charges each round its verify and its drafting cost
+        assert row["draft_ms"] > 0
+        want = row["tau"] * measure.cost_at(curve, 1) / (measure.cost_at(curve, b + 1) + row["draft_ms"] / 1e3)
+        assert row["est_speedup"] == pytest.approx(want)
+    assert auto["best"] == max(auto["pilot"], key=lambda b: auto["pilot"][b]["est_speedup"])
     assert "auto budget for pld" in capsys.readouterr().out

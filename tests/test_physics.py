@@ -32,8 +32,11 @@ def test_report_has_every_field_and_sane_numbers(phys):
     assert phys["rows"][0]["verify_ratio"] == pytest.approx(1.0) and math.isfinite(phys["non_gemm_share"])
     text = physics.format_report(phys)
     for s in ("memory copy bandwidth", "matrix-product peak", "memory-bound floor", "non-GEMM share",
-              "| rows | linear ms", "hf-sdpa-float32"):
+              "| rows | linear ms", "lean-float32", "hf-sdpa-float32 verify ms", "engine gain"):
         assert s in text, s
+    # the lean engine is compared with HF's eager forward in the same run, row by row
+    for r in phys["rows"]:
+        assert r["eager_ms"] > 0 and r["engine_gain"] == pytest.approx(r["eager_ms"] / r["verify_ms"])
     assert len([ln for ln in text.splitlines() if ln.startswith("| ")]) == 1 + 3  # header + one row per size
     json.dumps(phys)  # goes into results.json as is
 
@@ -52,12 +55,17 @@ def test_linear_flops_match_a_hand_count():
 
 def test_engine_label_keys_the_cost_cache():
     t = tiny_target("llama")
-    assert measure.engine_label(t) == "hf-sdpa-float32"
-    assert measure.cost_key(t, (1, 2), 32, 2)["engine_path"] == "hf-sdpa-float32"
-    eager = tiny_target("llama", attn_implementation="eager")
+    assert measure.engine_label(t) == "lean-float32"  # Llama family runs the lean forward by default
+    hf = tiny_target("llama", engine="hf")
+    assert measure.cost_key(hf, (1, 2), 32, 2)["engine_path"] == "hf-sdpa-float32"
+    eager = tiny_target("llama", attn_implementation="eager", engine="hf")
     assert measure.cost_key(eager, (1, 2), 32, 2)["engine_path"] == "hf-eager-float32"
-    t.engine_label = "compiled-cpp-gemm"  # a target on another path names it, and its curves are cached apart
-    assert measure.cost_key(t, (1, 2), 32, 2)["engine_path"] == "compiled-cpp-gemm"
+    # each engine's curves are cached apart, and the lean forward's own source is part of the key
+    assert measure.cost_key(t, (1, 2), 32, 2)["engine"] != measure.cost_key(hf, (1, 2), 32, 2)["engine"]
+
+    class Custom:  # an adapter on another path names it itself
+        engine_label = "compiled-cpp-gemm"
+    assert measure.engine_label(Custom()) == "compiled-cpp-gemm"
 
 
 def test_busy_machine_is_loud(phys, monkeypatch):
@@ -83,7 +91,8 @@ def test_standalone_command_arguments(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(physics, "measure_physics", lambda t, s, **kw: real(t, s, **kw, **small))
     out = physics.main(["--sizes", "1,2", "--reps", "1", "--no-cost-cache", "--json", str(tmp_path / "p.json")],
                        target=tiny_target("llama"))
-    assert json.loads((tmp_path / "p.json").read_text())["engine"] == out["engine"] == "hf-sdpa-float32"
+    assert json.loads((tmp_path / "p.json").read_text())["engine"] == out["engine"] == "lean-float32"
+    assert out["eager_engine"] == "hf-sdpa-float32"
     assert "## physics: target=tiny-llama" in capsys.readouterr().out
 
 
@@ -98,14 +107,16 @@ def test_run_block_prints_physics_and_reuses_its_verify_curve(tmp_path, monkeypa
     (tmp_path / "p.jsonl").write_text(json.dumps({"id": "p0", "turns": [[1, 2, 3, 4, 5, 6] * 2]}) + "\n")
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
     calls, real_curve, real_phys = [], measure.verify_cost_curve, physics.measure_physics
-    monkeypatch.setattr(measure, "verify_cost_curve", lambda *a, **k: calls.append(1) or real_curve(*a, **k))
+    monkeypatch.setattr(measure, "verify_cost_curve",
+                        lambda *a, **k: calls.append(measure.engine_label(a[0])) or real_curve(*a, **k))
     monkeypatch.setattr(physics, "measure_physics", lambda t, **kw: real_phys(t, **kw, copy_mb=8, peak_n=128))
     rep = run_block.main(["--target", str(folder), "--methods", "ar", "--prompts", str(tmp_path / "p.jsonl"),
                           "--limit", "1", "--max-new-tokens", "4", "--threads", "1", "--no-progress", "--no-plots",
                           "--out", str(tmp_path / "run")])
     text = capsys.readouterr().out
-    assert len(calls) == 1  # the physics report reused run_block's verify curve
+    # the physics report reused run_block's verify curve and timed only HF's eager forward beside it
+    assert calls == ["lean-float32", "hf-sdpa-float32"]
     assert text.index("| method |") < text.index("## physics") and "non-GEMM share" in text
     data = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert data["physics"]["engine"] == "hf-sdpa-float32" == rep["verify_cost_curve"]["key"]["engine_path"]
+    assert data["physics"]["engine"] == "lean-float32" == rep["verify_cost_curve"]["key"]["engine_path"]
     assert [r["n"] for r in data["physics"]["rows"]] == [1, 2, 4, 8, 16, 32, 64]

@@ -140,6 +140,14 @@ def test_resume_continues(tiny, data, tmp_path):
     r1 = T.train("dflash", tiny, str(data), tmp_path / "ck", tmp_path / "run", epochs=1, **kw)
     r2 = T.train("dflash", tiny, str(data), tmp_path / "ck", tmp_path / "run", epochs=2, resume=True, **kw)
     assert r2["step"] == 2 * r1["step"]
+    # the learning curve beside the checkpoint spans both runs; tokens seen keep counting across the resume
+    rows = (tmp_path / "ck" / "learning_curve.csv").read_text().splitlines()
+    head = rows[0].split(",")
+    assert head[:3] == ["step", "minutes", "tokens_seen"] and "loss" in head
+    table = [dict(zip(head, r.split(","))) for r in rows[1:]]
+    assert [int(r["step"]) for r in table] == [0, r1["step"], 2 * r1["step"]]
+    seen = [int(r["tokens_seen"]) for r in table]
+    assert seen[0] == 0 < seen[1] < seen[2] and seen[2] == 2 * seen[1]
     with pytest.raises(ConfigError, match="unknown drafter type"):
         T.train("nope", tiny, str(data), tmp_path / "x", tmp_path / "y")
 
