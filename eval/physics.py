@@ -72,6 +72,40 @@ def linear_weights(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     return out
 
 
+@torch.no_grad()
+def paired_verify(a, b, sizes, context: int = 200, reps: int = 5) -> dict:
+    """Two targets (two engines on the same weights) timed alternately, rep by rep, after the same cached context:
+    machine drift over minutes hits both alike. Returns per row count the median seconds of each ("a_s",
+    "b_s") and the median of the paired ratios b / a ("gain")."""
+    from graft_block.tree import chain
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, a.vocab_size, (context,), generator=gen)
+    saved = [(t, t.feature_layers) for t in (a, b)]
+    for t in (a, b):
+        t.set_feature_layers([])
+        t.prefill(ids)
+    out = {"a_s": {}, "b_s": {}, "gain": {}}
+    for n in sizes:
+        tr = chain(int(ids[-1]), torch.randint(0, a.vocab_size, (n - 1,), generator=gen))
+        ta, tb = [], []
+        for rep in range(reps + 1):  # the first pair warms both up
+            for t, acc in ((a, ta), (b, tb)):
+                t.synchronize()
+                t0 = time.perf_counter()
+                t.verify(tr)
+                t.synchronize()
+                if rep:
+                    acc.append(time.perf_counter() - t0)
+                t.compact(tr.size, torch.arange(0))
+        out["a_s"][int(n)] = statistics.median(ta)
+        out["b_s"][int(n)] = statistics.median(tb)
+        out["gain"][int(n)] = statistics.median(y / x for x, y in zip(ta, tb))
+    for t, layers in saved:
+        t.set_feature_layers(layers)
+    return out
+
+
 def linear_flops(weights, n: int) -> int:
     """Multiply-adds x 2 of an [n, in] input through every weight: 2 * n * sum(in * out)."""
     return 2 * n * sum(w.shape[0] * w.shape[1] for w, _ in weights)
@@ -139,11 +173,10 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
 
         hf = Target(target.model, target.tokenizer, name=target.name, engine="hf")
         with guard.measure():
-            eager = measure.verify_cost_curve(hf, sizes, curve.get("key", {}).get("context", context), verify_reps,
-                                              cache=cache, fresh=fresh)
+            eager = paired_verify(target, hf, sizes, curve.get("key", {}).get("context", context), verify_reps)
     guard.after()
     load = guard.report()
-    for c in (curve, eager or {}):
+    for c in (curve,):
         if c.get("busy"):  # a busy verify curve distorts every ratio below
             why = c.get("load", {}).get("reasons") or ["measured on a busy machine"]
             load = {**load, "busy": True, "reasons": load["reasons"] + [f"verify curve: {r}" for r in why]}
@@ -151,7 +184,7 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
                  for w, b in weights)
     mem_floor = nbytes / (bw * 1e9)
     verify = {int(k): v for k, v in curve["median_s"].items()}
-    base = {int(k): v for k, v in eager["median_s"].items()} if eager else {}
+    base = eager["b_s"] if eager else {}
     rows = []
     for n in sizes:
         flops = linear_flops(weights, n)
@@ -162,10 +195,13 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
                      "verify_ms": None if v is None else 1e3 * v,
                      "verify_ratio": None if v is None or 1 not in verify else v / verify[1],
                      "linear_share": None if v is None else lin[n] / v,
+                     "paired_ms": 1e3 * eager["a_s"][n] if eager else None,
                      "eager_ms": 1e3 * base[n] if n in base else None,
-                     "engine_gain": base[n] / v if n in base and v else None})
+                     "engine_gain": eager["gain"][n] if eager else None})
     non_gemm = (verify[1] - lin[1]) / verify[1] if 1 in verify and 1 in lin else None
     eager_non_gemm = (base[1] - lin[1]) / base[1] if 1 in base and 1 in lin else None
+    if eager and 1 in lin:  # the share on this engine from the same interleaved timing, for a like-for-like pair
+        non_gemm = (eager["a_s"][1] - lin[1]) / eager["a_s"][1] if 1 in eager["a_s"] else non_gemm
     return {"target": str(target.name), "device": str(dev), "device_name": device_name(dev),
             "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "engine": measure.engine_label(target), "bandwidth_gbs": bw, "copy_mb": copy_mb, "peak_gflops": peak,
@@ -202,18 +238,20 @@ def format_report(p: dict) -> str:
     if p["non_gemm_share"] is not None:
         r1 = p["rows"][[r["n"] for r in p["rows"]].index(1)]
         lines.append(f"- non-GEMM share of a decode step: {100 * p['non_gemm_share']:.0f}% (verify(1) "
-                     f"{_ms(r1['verify_ms'])} ms, linear layers alone {_ms(r1['linear_ms'])} ms)"
+                     f"{_ms(r1.get('paired_ms') or r1['verify_ms'])} ms, linear layers alone {_ms(r1['linear_ms'])} ms)"
                      + ("" if p.get("eager_non_gemm_share") is None else
-                        f"; {100 * p['eager_non_gemm_share']:.0f}% on {p['eager_engine']} ({_ms(r1['eager_ms'])} ms)"))
+                        f"; {100 * p['eager_non_gemm_share']:.0f}% on {p['eager_engine']} ({_ms(r1['eager_ms'])} ms), both "
+                        "from the interleaved timing"))
     stale = " (an earlier run: --fresh-cost times it now)" if p["verify_source"].startswith("cached") else ""
     lines += [f"- verify: {p['verify_context']}-token cache, {p['verify_source']}{stale}", "",
               "| rows | linear ms | GFLOP | GFLOP/s | % of peak | floor ms | verify ms | verify(n)/verify(1) "
-              "| linear share of verify |" + (f" {p['eager_engine']} verify ms | engine gain |" if p.get("eager_engine")
-                                              else ""),
-              "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if p.get("eager_engine") else "")]
+              "| linear share of verify |" + (f" interleaved: {p['engine']} ms | {p['eager_engine']} ms | engine gain "
+                                              "(median paired ratio) |" if p.get("eager_engine") else ""),
+              "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if p.get("eager_engine") else "")]
     for r in p["rows"]:
         extra = "" if not p.get("eager_engine") else (
-            f" {_ms(r['eager_ms'])} | {'-' if r['engine_gain'] is None else format(r['engine_gain'], '.2f') + 'x'} |")
+            f" {_ms(r['paired_ms'])} | {_ms(r['eager_ms'])} | "
+            f"{'-' if r['engine_gain'] is None else format(r['engine_gain'], '.2f') + 'x'} |")
         lines.append(f"| {r['n']} | {_ms(r['linear_ms'])} | {r['gflop']:.2f} | {r['gflops']:.1f} | "
                      f"{r['pct_peak']:.0f}% | {_ms(r['floor_ms'])} | {_ms(r['verify_ms'])} | "
                      f"{'-' if r['verify_ratio'] is None else format(r['verify_ratio'], '.2f')} | "

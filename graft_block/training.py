@@ -125,6 +125,24 @@ def write_learning_curve(log_path: str | Path, out_dir: str | Path) -> Path | No
     return csv
 
 
+def split_holdout(recs: list[dict], holdout: int) -> tuple[list[dict], list[dict]]:
+    """(held-out, train): ``holdout`` records spread evenly over the list (caches are stored in length buckets,
+    so the first records would all be one length), and no training record whose answer equals a held-out
+    answer (on-policy data repeats canned answers to different prompts: a copy in training leaks the test)."""
+    if holdout <= 0:
+        return [], list(recs)
+    if holdout >= len(recs):
+        raise ConfigError(f"holdout {holdout} leaves no training data ({len(recs)} sequences)")
+    picks = {round(i * (len(recs) - 1) / max(1, holdout - 1)) for i in range(holdout)} if holdout > 1 else {0}
+    held = [recs[i] for i in sorted(picks)]
+
+    def answer(r):
+        return tuple(r["ids"][int(r.get("prompt_len", 0)):].tolist())
+
+    seen = {answer(r) for r in held}
+    return held, [r for i, r in enumerate(recs) if i not in picks and answer(r) not in seen]
+
+
 def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: str | Path, cfg: dict | None = None,
           init: str | None = None, epochs: float = 1.0, lr: float = 6e-4, warmup: float = 0.04, clip: float = 1.0,
           weight_decay: float = 0.0, batch_size: int = 4, holdout: int = 24, eval_every: int = 100,
@@ -150,8 +168,9 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     if state is not None:
         cfg = {**state["cfg"], **cfg}
     recs, meta = load_records(data, None, limit)
+    eval_recs, train_recs = split_holdout(recs, holdout)
     if draft_vocab_size and cfg.get("draft_vocab") is None:
-        cfg["draft_vocab"] = draft_vocab_from_data(recs[holdout:], draft_vocab_size).tolist()
+        cfg["draft_vocab"] = draft_vocab_from_data(train_recs, draft_vocab_size).tolist()
     model = klass.training_model(target, cfg, init if state is None else None)
     layers = list(getattr(model, "feature_layers", ()) or ())
     H = int(meta["hidden_size"])
@@ -161,9 +180,8 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                           "the data with --layers covering them")
     if layers != cached:
         cols = torch.cat([torch.arange(cached.index(i) * H, (cached.index(i) + 1) * H) for i in layers])
-        for r in recs:
+        for r in eval_recs + train_recs:
             r["feats"] = r["feats"][:, cols].contiguous()
-    eval_recs, train_recs = recs[:holdout], recs[holdout:]
     lengths = [len(r["ids"]) for r in train_recs]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)

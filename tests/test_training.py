@@ -160,3 +160,18 @@ def test_warm_start_copies_target_layers(tiny):
     assert torch.equal(model.layers[1].mlp.down_proj.weight, src.mlp.down_proj.weight)
     H = tiny.hidden_size
     assert torch.equal(model.fc.weight[:, H:], torch.eye(H)) and not model.fc.weight[:, :H].any()
+
+
+def test_holdout_spreads_over_lengths_and_drops_copied_answers():
+    """Caches come in length buckets and on-policy answers repeat (canned replies to different prompts): the
+    held-out set must span the list, and no training sequence may carry a held-out answer."""
+    recs = [{"ids": torch.tensor([i, 100 + i, 7, 8 + i]), "prompt_len": 2} for i in range(40)]
+    recs[5]["ids"] = torch.tensor([55, 56, 7, 8])  # same answer [7, 8] as record 0, another prompt
+    held, train = T.split_holdout(recs, 4)
+    assert [int(r["ids"][0]) for r in held] == [0, 13, 26, 39]  # evenly spread, not the first four
+    assert len(train) == 40 - 4 - 1 and all(r is not recs[5] for r in train)
+    answers = {tuple(r["ids"][2:].tolist()) for r in held}
+    assert not any(tuple(r["ids"][2:].tolist()) in answers for r in train)
+    assert T.split_holdout(recs, 0) == ([], recs)
+    with pytest.raises(ConfigError, match="holdout 40 leaves no training data"):
+        T.split_holdout(recs, 40)
