@@ -399,7 +399,7 @@ def test_denoise_steps_lossless(tiny_qwen3):
 @pytest.mark.slow
 def test_smollm2_default_lossless(smollm2):
     """The bundled checkpoint on the real target: chain and DDTree outputs equal HF greedy token for token, with
-    drafts accepted (tau > 1) in every generation. One HF reference per prompt serves both proposals: a code prompt
+    drafts accepted on the code prompt. One HF reference per prompt serves both proposals: a code prompt
     (long accepted runs) and one that stops on EOS inside a block. The T=1 law is checked on a tiny target
     (``test_sampling_matches_target_distribution``): the real one adds nothing to that check but minutes."""
     from graft_block.drafter import bundled_checkpoint
@@ -417,7 +417,11 @@ def test_smollm2_default_lossless(smollm2):
         d = Drafter.from_config({"type": "dflash", "checkpoint": str(folder), "proposal": proposal, "budget": budget},
                                 target=smollm2)
         dec = SpeculativeDecoder(smollm2, d)
+        taus = []
         for p, ref in zip(prompts, refs):
             res = dec.generate(p, max_new_tokens=n)
             assert res.tokens == ref, proposal
-            assert res.stats.tau > 1.0, proposal
+            taus.append(res.stats.tau)
+        # drafts really were accepted (so accepted paths were compacted): surely on the code prompt; a one-line
+        # answer that stops on EOS after 8 tokens may accept none
+        assert taus[0] > 1.2, (proposal, taus)

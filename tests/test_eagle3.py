@@ -509,3 +509,17 @@ def test_greedy_identity_smollm2_trained(smollm2):
         assert res.tokens == ref[: len(res.tokens)] and len(res.tokens) == len(ref)
         taus.append(res.stats.tau)
     assert sum(taus) / len(taus) > 1.15, taus  # a random head gives ~1.0; the trained one ~1.5 (TRAINING.md)
+
+
+def test_continuing_a_checkpoint_in_place_keeps_its_tree_defaults(tiny_llama, tmp_path):
+    t = tiny_llama
+    counts = torch.ones(t.vocab_size, dtype=torch.long)
+    model = Eagle3Drafter.training_model(t, {"draft_vocab_size": 32, "token_counts": counts, "feature_layers": (2, 2, 1)})
+    Eagle3Drafter.save_trained(model, tmp_path, {"budget": 7, "depth": 4, "top_k": 4})
+    Eagle3Drafter.save_trained(model, tmp_path, {})  # a resumed run whose cfg names no tree shape
+    assert json.loads((tmp_path / "config.json").read_text())["drafter_defaults"] == {"budget": 7, "depth": 4,
+                                                                                        "top_k": 4}
+    fresh = tmp_path / "new"
+    Eagle3Drafter.save_trained(model, fresh, {})
+    assert json.loads((fresh / "config.json").read_text())["drafter_defaults"] == {"budget": 15, "depth": 5,
+                                                                                    "top_k": 8}

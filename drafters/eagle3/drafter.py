@@ -221,5 +221,11 @@ class Eagle3Drafter(Drafter):
     @classmethod
     def save_trained(cls, model, out_dir, cfg: dict) -> None:
         defaults = {k: cfg[k] for k in ("budget", "depth", "top_k") if k in cfg}
+        if not defaults:  # continuing a checkpoint in place keeps its tree defaults
+            import json
+            from pathlib import Path
+
+            old = Path(out_dir) / "config.json"
+            defaults = json.loads(old.read_text()).get("drafter_defaults", {}) if old.exists() else {}
         extra = {"type": "eagle3", "drafter_defaults": defaults or {"budget": 15, "depth": 5, "top_k": 8}}
         save_head(model, out_dir, extra)
