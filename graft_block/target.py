@@ -34,7 +34,8 @@ class Target:
     """A frozen causal LM with one KV cache (batch 1).
 
     Features are the HF ``hidden_states`` indices in ``feature_layers`` (0 = embeddings, i = output of decoder
-    layer i-1), captured with forward hooks so only the requested layers are kept. DFlash's ``target_layer_ids``
+    layer i-1), returned by the lean forward itself or, on HF's forward, captured with forward hooks; either way
+    only the requested layers are kept. DFlash's ``target_layer_ids``
     map to ``id + 1``; EAGLE3's "inputs of layers 2, N//2, N-3" map to ``2, N//2, N-3``.
     """
 
