@@ -99,6 +99,18 @@ def cost_key(target, sizes, context: int, reps: int) -> dict:
             "sizes": [int(s) for s in sizes], "reps": reps}
 
 
+def timed_verify(target, tree) -> float:
+    """Seconds of one ``target.verify(tree)`` (device-synchronised); its cache entries are dropped again, so
+    the next call sees the same context."""
+    target.synchronize()
+    t0 = time.perf_counter()
+    target.verify(tree)
+    target.synchronize()
+    s = time.perf_counter() - t0
+    target.compact(tree.size, torch.arange(0))
+    return s
+
+
 def verify_cost_curve(target, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 200, reps: int = 5,
                       cache: bool = True, fresh: bool = False) -> dict:
     """Median seconds of one ``target.verify`` over n tree nodes (a chain) after ``context`` cached tokens.
@@ -123,15 +135,7 @@ def verify_cost_curve(target, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 200
     med = {}
     for n in sizes:
         tr = chain(int(ids[-1]), torch.randint(0, target.vocab_size, (n - 1,), generator=gen))
-        times = []
-        for rep in range(reps + 1):  # the first forward of each shape is a warm-up, not timed
-            target.synchronize()
-            t0 = time.perf_counter()
-            target.verify(tr)
-            target.synchronize()
-            if rep:
-                times.append(time.perf_counter() - t0)
-            target.compact(tr.size, torch.arange(0))  # drop the appended entries: same context every time
+        times = [timed_verify(target, tr) for _ in range(reps + 1)][1:]  # the first of each shape warms up
         med[str(n)] = statistics.median(times)
     load = machine.window(a, machine.snapshot())
     target.set_feature_layers(saved_layers)

@@ -88,16 +88,8 @@ def paired_verify(a, b, sizes, context: int = 200, reps: int = 5) -> dict:
     out = {"a_s": {}, "b_s": {}, "gain": {}}
     for n in sizes:
         tr = chain(int(ids[-1]), torch.randint(0, a.vocab_size, (n - 1,), generator=gen))
-        ta, tb = [], []
-        for rep in range(reps + 1):  # the first pair warms both up
-            for t, acc in ((a, ta), (b, tb)):
-                t.synchronize()
-                t0 = time.perf_counter()
-                t.verify(tr)
-                t.synchronize()
-                if rep:
-                    acc.append(time.perf_counter() - t0)
-                t.compact(tr.size, torch.arange(0))
+        pairs = [(measure.timed_verify(a, tr), measure.timed_verify(b, tr)) for _ in range(reps + 1)][1:]
+        ta, tb = [x for x, _ in pairs], [y for _, y in pairs]  # the first pair warmed both up
         out["a_s"][int(n)] = statistics.median(ta)
         out["b_s"][int(n)] = statistics.median(tb)
         out["gain"][int(n)] = statistics.median(y / x for x, y in zip(ta, tb))
