@@ -168,10 +168,9 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
             eager = paired_verify(target, hf, sizes, curve.get("key", {}).get("context", context), verify_reps)
     guard.after()
     load = guard.report()
-    for c in (curve,):
-        if c.get("busy"):  # a busy verify curve distorts every ratio below
-            why = c.get("load", {}).get("reasons") or ["measured on a busy machine"]
-            load = {**load, "busy": True, "reasons": load["reasons"] + [f"verify curve: {r}" for r in why]}
+    if curve.get("busy"):  # a busy verify curve distorts every ratio below
+        why = curve.get("load", {}).get("reasons") or ["measured on a busy machine"]
+        load = {**load, "busy": True, "reasons": load["reasons"] + [f"verify curve: {r}" for r in why]}
     nbytes = sum(w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
                  for w, b in weights)
     mem_floor = nbytes / (bw * 1e9)

@@ -399,7 +399,7 @@ def test_denoise_steps_lossless(tiny_qwen3):
 @pytest.mark.slow
 def test_smollm2_default_lossless(smollm2):
     """The bundled checkpoint on the real target: chain and DDTree outputs equal HF greedy token for token, with
-    drafts accepted on the code prompt. One HF reference per prompt serves both proposals: a code prompt
+    drafts accepted (every DDTree generation; the chain on the code prompt). One HF reference per prompt serves both proposals: a code prompt
     (long accepted runs) and one that stops on EOS inside a block. The T=1 law is checked on a tiny target
     (``test_sampling_matches_target_distribution``): the real one adds nothing to that check but minutes."""
     from graft_block.drafter import bundled_checkpoint
@@ -422,6 +422,6 @@ def test_smollm2_default_lossless(smollm2):
             res = dec.generate(p, max_new_tokens=n)
             assert res.tokens == ref, proposal
             taus.append(res.stats.tau)
-        # drafts really were accepted (so accepted paths were compacted): surely on the code prompt; a one-line
-        # answer that stops on EOS after 8 tokens may accept none
-        assert taus[0] > 1.2, (proposal, taus)
+        # drafts really were accepted (so accepted paths were compacted) in every DDTree generation; a 15-token
+        # chain may miss the whole 8-token EOS answer, so the chain must accept on the code prompt
+        assert all(t > 1.0 for t in (taus if proposal == "ddtree" else taus[:1])), (proposal, taus)
