@@ -36,7 +36,8 @@ def arms(args) -> tuple[dict[str, dict], dict]:
     def add(name, drafter, budget):
         spec = {"drafter": {**drafter, "budget": budget}, "chimeric": True}
         if args.futures_rounds and budget == bmax:
-            recorders[name] = futures_recorder(count=1, first=2)  # one round per prompt, from the 3rd round on
+            # from the 3rd round on, every 3rd round, so a few prompts give the --futures-rounds records
+            recorders[name] = futures_recorder(count=args.futures_per_prompt, every=3, first=2)
             spec["hooks"] = [recorders[name]]
         table[name] = spec
 
@@ -54,6 +55,13 @@ def arms(args) -> tuple[dict[str, dict], dict]:
     return table, recorders
 
 
+def spread(items: list, n: int) -> list:
+    """``n`` items evenly spaced over the list (all when there are fewer), so every prompt contributes."""
+    if len(items) <= n:
+        return list(items)
+    return [items[round(i * (len(items) - 1) / max(1, n - 1))] for i in range(n)] if n > 1 else items[:n]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--control", default="@mfd-smollm2-k1", help="K=1 control checkpoint (the DDTree arm)")
@@ -64,7 +72,8 @@ def main(argv=None):
     ap.add_argument("--k-sweep", nargs="*", default=[], metavar="CKPT",
                     help="more MFD checkpoints (other K, same recipe) to run at the largest budget")
     ap.add_argument("--futures", type=int, default=64, help="N sampled target futures per recorded round")
-    ap.add_argument("--futures-rounds", type=int, default=6, help="rounds per arm for protocol (a); 0 = skip")
+    ap.add_argument("--futures-rounds", type=int, default=20, help="rounds per arm for protocol (a); 0 = skip")
+    ap.add_argument("--futures-per-prompt", type=int, default=4, help="protocol (a): rounds recorded per prompt")
     args, rest = ap.parse_known_args(argv)
     table, recorders = arms(args)
     rep, target = run_block.run_arms(table, ["--first-turn-only", "--max-new-tokens", "128", "--limit", "5",
@@ -77,7 +86,7 @@ def main(argv=None):
         print(f"\nprotocol (a): {args.futures} sampled futures + the greedy one per recorded round")
         print("| arm | rounds | chimeric (a) | coherent (a) | off-support (a) |\n|---|---|---|---|---|")
         for name, rec in recorders.items():
-            recs = rec.records[: args.futures_rounds]
+            recs = spread(rec.records, args.futures_rounds)
             if not recs:
                 continue
             sampled[name] = sampled_report(target, recs, n=args.futures, seed=0)

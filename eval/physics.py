@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -119,17 +120,31 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 3)
     return 2 * n**3 / s / 1e9
 
 
-def linear_sweep(weights, sizes, device: torch.device, dtype: torch.dtype, reps: int = 3) -> dict[int, float]:
-    """Median seconds of F.linear of an [n, in] input through every weight, per row count n."""
+def linear_sweep(weights, sizes, device: torch.device, dtype: torch.dtype, reps: int = 3,
+                 kernel: str = "torch") -> dict[int, float]:
+    """Median seconds of an [n, in] input through every weight, per row count n: ``F.linear`` (kernel "torch" or
+    "mkl"), or numpy's OpenBLAS ("openblas", as the lean forward calls it: torch on one thread meanwhile)."""
     out = {}
+    arrays = [np.ascontiguousarray(w.detach().numpy().T) for w, _ in weights] if kernel == "openblas" else None
+    threads = torch.get_num_threads()
     for n in sizes:
         xs = {w.shape[1]: torch.randn(n, w.shape[1], device=device).to(dtype) for w, _ in weights}
+        xn = {k: v.numpy() for k, v in xs.items()} if arrays is not None else None
 
         def stack():
+            if arrays is not None:
+                for a in arrays:
+                    xn[a.shape[0]] @ a
+                return
             for w, b in weights:
                 F.linear(xs[w.shape[1]], w, b)
 
-        out[int(n)] = _median_s(stack, device, reps)
+        if arrays is not None:
+            torch.set_num_threads(1)
+        try:
+            out[int(n)] = _median_s(stack, device, reps)
+        finally:
+            torch.set_num_threads(threads)
     return out
 
 
@@ -154,8 +169,10 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
     with guard.measure():
         peak = matmul_peak(dev, dtype, peak_n)
     weights = linear_weights(target.model)
+    lean = getattr(target, "lean", None)
+    kernel = getattr(lean, "gemm", None) or "torch"  # the products as the engine runs them
     with guard.measure():
-        lin = linear_sweep(weights, sizes, dev, dtype, reps)
+        lin = linear_sweep(weights, sizes, dev, dtype, reps, kernel="openblas" if kernel == "openblas" else "torch")
     if curve is None:
         with guard.measure():
             curve = measure.verify_cost_curve(target, sizes, context, verify_reps, cache=cache, fresh=fresh)
@@ -195,7 +212,8 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
         non_gemm = (eager["a_s"][1] - lin[1]) / eager["a_s"][1] if 1 in eager["a_s"] else non_gemm
     return {"target": str(target.name), "device": str(dev), "device_name": device_name(dev),
             "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "engine": measure.engine_label(target), "bandwidth_gbs": bw, "copy_mb": copy_mb, "peak_gflops": peak,
+            "engine": measure.engine_label(target), "gemm": kernel,
+            "gemm_times": getattr(lean, "gemm_times", None), "bandwidth_gbs": bw, "copy_mb": copy_mb, "peak_gflops": peak,
             "peak_n": peak_n, "linear": {"count": len(weights), "params": sum(w.numel() for w, _ in weights),
                                          "bytes": nbytes, "mem_floor_ms": 1e3 * mem_floor},
             "rows": rows, "non_gemm_share": non_gemm, "eager_non_gemm_share": eager_non_gemm,
@@ -226,6 +244,13 @@ def format_report(p: dict) -> str:
         f"- linear layers: {lin['count']} weights, {lin['params'] / 1e6:.1f}M parameters, {lin['bytes'] / 1e6:.0f} MB;"
         f" memory-bound floor {_ms(lin['mem_floor_ms'])} ms per forward (bytes / bandwidth)",
     ]
+    if p.get("gemm_times"):  # the engine's measured kernel choice: which product wins at which row count
+        t = p["gemm_times"]
+        per = "; ".join(f"{k} " + "/".join(_ms(t[k].get(n)) for n in sorted(t["mkl"])) for k in t if t[k])
+        lines.append(f"- products: {p['gemm']}, chosen by measuring one layer + the LM head at rows "
+                     f"{'/'.join(str(n) for n in sorted(t['mkl']))} (ms): {per}")
+    elif p.get("gemm"):
+        lines.append(f"- products: {p['gemm']}")
     if p["non_gemm_share"] is not None:
         r1 = p["rows"][[r["n"] for r in p["rows"]].index(1)]
         lines.append(f"- non-GEMM share of a decode step: {100 * p['non_gemm_share']:.0f}% (verify(1) "
@@ -235,7 +260,7 @@ def format_report(p: dict) -> str:
                         "from the interleaved timing"))
     stale = " (an earlier run: --fresh-cost times it now)" if p["verify_source"].startswith("cached") else ""
     lines += [f"- verify: {p['verify_context']}-token cache, {p['verify_source']}{stale}", "",
-              "| rows | linear ms | GFLOP | GFLOP/s | % of peak | floor ms | verify ms | verify(n)/verify(1) "
+              f"| rows | linear ms ({p.get('gemm') or 'torch'}) | GFLOP | GFLOP/s | % of peak | floor ms | verify ms | verify(n)/verify(1) "
               "| linear share of verify |" + (f" interleaved: {p['engine']} ms | {p['eager_engine']} ms | engine gain "
                                               "(median paired ratio) |" if p.get("eager_engine") else ""),
               "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if p.get("eager_engine") else "")]

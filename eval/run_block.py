@@ -28,6 +28,7 @@ from pathlib import Path
 if not __package__ and (Path(__file__).resolve().parents[1] / "graft_block").is_dir():
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # `python eval/run_block.py` in an uninstalled checkout
 
+import graft_block  # noqa: E402,F401 - first: it sets the BLAS thread policy before numpy loads
 import torch  # noqa: E402
 
 from graft_block.errors import ConfigError  # noqa: E402

@@ -7,12 +7,17 @@ pre-allocated and written in place, q/k/v and gate/up are one product each, and 
 additive ancestor mask over a view of the cache. ``Target`` calls it for prefill / verify / compact when
 ``engine="lean"``; every drafter and the AR baseline go through it alike (one verification path).
 
-Small-row products: MKL's packed GEMM (``cblas_sgemm_pack``, the kernel inductor's max-autotune picks on CPU)
-beats the plain ``F.linear`` by 1.3-1.5x at 8-16 rows on these CPUs, but a pack serves one row count. So on CPU
-fp32 the weights are packed for a few row buckets (``pack_rows``, default 8 and 16) and a forward of more than a
-quarter of a bucket is padded up to it: padded rows are masked out of every real row's attention, their cache entries
-lie past ``len`` and are overwritten later, and their logits are dropped. One row (a decode step) stays on
-``F.linear``: it is bound by streaming the weights, which no kernel changes.
+Small-row products: which BLAS is fastest at 1-16 rows depends on the CPU, by up to 2x, so on CPU fp32 the
+forward picks its matrix-product kernel by measuring the candidates once per machine (``choose_gemm``; cached
+under the user cache dir; ``GRAFT_BLOCK_GEMM=mkl|openblas`` overrides):
+- ``mkl``: torch's own ``F.linear``, plus MKL's packed GEMM (``cblas_sgemm_pack``, the kernel inductor's
+  max-autotune picks on CPU) for the row buckets where it wins (8 and 16 on Intel Xeon: 1.3-1.5x). A pack serves
+  one row count, so a forward of more than a quarter of a bucket is padded up to it: padded rows are masked out of
+  every real row's attention, their cache entries lie past ``len`` and are overwritten later, and their logits
+  are dropped.
+- ``openblas``: the OpenBLAS that numpy ships, called on the same memory. On AMD EPYC it is 2x MKL at 1 row (MKL
+  stays far from the bandwidth floor there) and 1.5-2x at 8-16 rows. Its own threads do the products, so torch
+  runs the forward's small ops on one thread: two thread pools spinning on 2 cores slow each other 3-10x.
 
 Optional: ``compile=True`` wraps each decoder layer in ``torch.compile`` (dynamic shapes, one graph for every
 row count). Measured on 2 Xeon cores it gained nothing over eager (the products dominate) and cost ~20 s of
@@ -20,10 +25,21 @@ compile per process, so it is off by default.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from contextlib import contextmanager
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
+
+GEMMS = ("mkl", "openblas")
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -52,7 +68,8 @@ def _bias(*mods):
 class LeanForward:
     """Weights borrowed from ``model`` (q/k/v and gate/up concatenated once) and a KV cache [layers, kv, cap, hd]."""
 
-    def __init__(self, model, compile: bool = False, pack_rows: tuple[int, ...] | None = None):
+    def __init__(self, model, compile: bool = False, pack_rows: tuple[int, ...] | None = None,
+                 gemm: str | None = None):
         reason = unsupported_reason(model)
         if reason:
             raise ConfigError(f"engine='lean' cannot run this target: {reason}; use engine='hf'")
@@ -84,11 +101,30 @@ class LeanForward:
         self.len = 0
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self._layer = torch.compile(_layer, dynamic=True) if compile else _layer
+        cpu32 = self.device.type == "cpu" and self.dtype == torch.float32
+        gemm = gemm or os.environ.get("GRAFT_BLOCK_GEMM") or None
+        if gemm is not None and gemm not in GEMMS:
+            raise ConfigError(f"gemm must be one of {', '.join(GEMMS)} (or unset: measured), got {gemm!r}")
+        if gemm is not None and not cpu32:
+            raise ConfigError(f"gemm={gemm!r} is a CPU float32 kernel choice; this target is {self.dtype} on "
+                              f"{self.device} (unset GRAFT_BLOCK_GEMM)")
+        self.gemm_times = None  # the measurement behind an automatic choice (physics prints it)
+        if not cpu32:
+            gemm = "torch"  # GPU / half precision: torch's own GEMM
+        elif compile:
+            gemm = "mkl"  # compiled graphs call torch's kernels; a numpy call would break them
+        elif gemm is None:
+            gemm, pack_rows_measured, self.gemm_times = choose_gemm(self)
+            pack_rows = pack_rows_measured if pack_rows is None else pack_rows
+        self.gemm = gemm
         if pack_rows is None:
-            pack_rows = (8, 16) if packed_gemm_available(self.device, self.dtype) and not compile else ()
-        elif pack_rows and not packed_gemm_available(self.device, self.dtype):
-            raise ConfigError("pack_rows needs MKL's packed GEMM: a CPU float32 target on a torch built with MKL")
+            pack_rows = (8, 16) if gemm == "mkl" and packed_gemm_available(self.device, self.dtype) else ()
+        elif pack_rows and (gemm != "mkl" or not packed_gemm_available(self.device, self.dtype)):
+            raise ConfigError("pack_rows needs MKL's packed GEMM: a CPU float32 target on a torch built with MKL, "
+                              "with gemm='mkl'")
         self.packs = {int(r): self._pack(int(r)) for r in sorted(pack_rows)}
+        # OpenBLAS takes each weight as a C-contiguous [in, out] array (its fastest layout here)
+        self.blas = self._blas() if gemm == "openblas" else None
 
     def _pack(self, rows: int) -> list[dict]:
         """Per layer, the MKL-packed q/k/v, o, gate/up and down weights for ``rows``-row inputs (+ the LM head)."""
@@ -96,6 +132,28 @@ class LeanForward:
                for w in self.layers]
         out.append({"head": torch.ops.mkl._mkl_reorder_linear_weight(self.head.weight, rows)})
         return out
+
+    def _blas(self) -> list[dict]:
+        """Per layer, every weight as a numpy [in, out] array for OpenBLAS (+ the LM head)."""
+        def t(w):
+            return np.ascontiguousarray(w.detach().numpy().T)
+
+        out = [{k: t(w[k]) for k in ("qkv", "o", "gu", "d")} for w in self.layers]
+        out.append({"head": t(self.head.weight)})
+        return out
+
+    @contextmanager
+    def _threads(self):
+        """OpenBLAS runs the products on its own threads: torch's small ops stay on this one meanwhile."""
+        n = torch.get_num_threads()
+        if self.gemm != "openblas" or n == 1:
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(n)
 
     def bucket(self, n: int) -> int | None:
         """The packed row count a forward of n rows is padded to (None: plain F.linear)."""
@@ -153,6 +211,10 @@ class LeanForward:
             if mask is not None:
                 full[:n, : start + n] = mask.view(n, start + n)
             mask = full
+        with self._threads():
+            return self._forward(ids, pos, mask, features, last_only, n, start, causal, rows)
+
+    def _forward(self, ids, pos, mask, features, last_only, n, start, causal, rows):
         m = ids.numel()
         self._reserve(start + m)
         x = F.embedding(ids.view(1, -1), self.embed)  # [1, m, H]
@@ -161,7 +223,7 @@ class LeanForward:
         got = {0: x[0, :n]} if 0 in want else {}
         if mask is not None:
             mask = mask.view(1, 1, m, start + m)
-        packs = self.packs.get(rows) if rows is not None else None
+        packs = self.blas if self.blas is not None else self.packs.get(rows) if rows is not None else None
         for i, w in enumerate(self.layers):
             x = self._layer(x, w, None if packs is None else packs[i], self.k[i], self.v[i], start, cos, sin, mask,
                             causal, self.heads, self.kv_heads, self.head_dim, self.scaling)
@@ -186,11 +248,92 @@ def packed_gemm_available(device, dtype) -> bool:
 
 
 def _linear(x, weight, bias, packed=None):
-    """x [1, n, in] through ``weight``; with ``packed`` (MKL-packed for exactly n rows) through the packed GEMM."""
+    """x [1, n, in] through ``weight``; with ``packed`` through that kernel: a numpy [in, out] array (OpenBLAS) or
+    an MKL pack for exactly n rows."""
     if packed is None:
         return F.linear(x, weight, bias)
     n = x.shape[1]
+    if isinstance(packed, np.ndarray):
+        y = torch.from_numpy(x.reshape(n, -1).numpy() @ packed)
+        return (y if bias is None else y.add_(bias)).view(1, n, -1)
     return torch.ops.mkl._mkl_linear(x.reshape(n, -1), packed, weight, bias, n).view(1, n, -1)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_gemms(weights: list[torch.Tensor], rows=(1, 8, 16), reps: int = 5) -> dict:
+    """Median ms of pushing an [n, in] input through every weight, per kernel and row count: ``mkl`` (F.linear),
+    ``mkl_packed`` (packed for exactly n rows; n > 1) and ``openblas`` (numpy, torch on one thread meanwhile).
+    One kernel at a time, warmed up first: interleaving them call by call lets one pool's spinning threads
+    slow the other."""
+    out: dict[str, dict[int, float]] = {"mkl": {}, "mkl_packed": {}, "openblas": {}}
+    n_threads = torch.get_num_threads()
+    mkl_pack = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    for n in rows:
+        xs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
+        runs = {"mkl": lambda: [F.linear(xs[w.shape[1]], w) for w in weights]}
+        if mkl_pack and n > 1:
+            packs = [torch.ops.mkl._mkl_reorder_linear_weight(w, n) for w in weights]
+            runs["mkl_packed"] = lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, n)
+                                          for w, p in zip(weights, packs)]
+        arrays = [np.ascontiguousarray(w.numpy().T) for w in weights]
+        xn = {k: v.numpy() for k, v in xs.items()}
+        runs["openblas"] = lambda: [xn[a.shape[0]] @ a for a in arrays]
+        for name, fn in runs.items():
+            torch.set_num_threads(1 if name == "openblas" else n_threads)
+            try:
+                fn(), fn()
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+            finally:
+                torch.set_num_threads(n_threads)
+            out[name][n] = statistics.median(times) * 1e3
+    return out
+
+
+def pick_gemm(times: dict) -> tuple[str, tuple[int, ...]]:
+    """(kernel, MKL pack buckets) from ``measure_gemms``: the kernel with the lower total over the row counts
+    (MKL counting its packed GEMM wherever that beats F.linear), and the buckets where the pack wins."""
+    mkl, packed, blas = times["mkl"], times.get("mkl_packed", {}), times["openblas"]
+    buckets = tuple(n for n in sorted(packed) if packed[n] < mkl[n])
+    mkl_total = sum(min(mkl[n], packed.get(n, float("inf"))) for n in mkl)
+    return ("openblas", ()) if sum(blas.values()) < mkl_total else ("mkl", buckets)
+
+
+def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict]:
+    """Measure the kernels on one decoder layer's weights and the LM head (the shapes of every product), once per
+    machine, torch/numpy build, thread count and model shape; the choice is cached under the user cache dir."""
+    from .target import cache_root
+
+    weights = [lean.layers[0][k].detach() for k in ("qkv", "o", "gu", "d")] + [lean.head.weight.detach()]
+    key = {"cpu": _cpu_name(), "torch": torch.__version__, "numpy": np.__version__,
+           "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights]}
+    path = cache_root() / "gemm" / (hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == key:
+                times = {k: {int(n): v for n, v in d.items()} for k, d in data["times"].items()}
+                return data["gemm"], tuple(data["pack_rows"]), times
+        except (ValueError, KeyError):
+            pass  # a damaged cache file is measured again
+    times = measure_gemms(weights)
+    gemm, buckets = pick_gemm(times)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "gemm": gemm, "pack_rows": list(buckets), "times": times}, indent=1))
+    return gemm, buckets, times
 
 
 def _rms(x, w, eps):

@@ -39,7 +39,8 @@ class Target:
     map to ``id + 1``; EAGLE3's "inputs of layers 2, N//2, N-3" map to ``2, N//2, N-3``.
     """
 
-    def __init__(self, model, tokenizer=None, name: str | None = None, engine: str = "auto", compile: bool = False):
+    def __init__(self, model, tokenizer=None, name: str | None = None, engine: str = "auto", compile: bool = False,
+                 gemm: str | None = None):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -64,16 +65,19 @@ class Target:
             raise ConfigError(f"engine must be 'auto', 'lean' or 'hf', got {engine!r}")
         if engine == "auto":
             engine = "hf" if unsupported_reason(model) else "lean"
-        self.lean = LeanForward(model, compile=compile) if engine == "lean" else None
+        # gemm (lean, CPU fp32): "mkl" | "openblas" | None = measured once per machine (engine.choose_gemm)
+        self.lean = LeanForward(model, compile=compile, gemm=gemm) if engine == "lean" else None
         self.engine = engine
         self.compiled = bool(compile and engine == "lean")
 
     @property
     def engine_label(self) -> str:
-        """The path that computes the forward, e.g. ``lean-float32`` or ``hf-sdpa-float32`` (keys cached costs)."""
+        """The path that computes the forward, e.g. ``lean-openblas-float32`` (lean forward, OpenBLAS products),
+        ``lean-bfloat16`` (torch's own GEMM) or ``hf-sdpa-float32`` (keys cached costs)."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.lean is not None:
-            return f"lean-{dtype}" + ("+compile" if self.compiled else "")
+            gemm = "" if self.lean.gemm == "torch" else f"{self.lean.gemm}-"
+            return f"lean-{gemm}{dtype}" + ("+compile" if self.compiled else "")
         return f"hf-{getattr(self.config, '_attn_implementation', None) or 'default'}-{dtype}"
 
     # ---- properties -------------------------------------------------------------------------------------
@@ -296,6 +300,7 @@ def load_target(
     attn_implementation: str = "sdpa",
     engine: str = "auto",
     compile: bool = False,
+    gemm: str | None = None,
 ) -> Target:
     """Load the embedded default (``"smollm2-135m"``) or any local HF causal-LM folder. Never touches a hub."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -320,4 +325,4 @@ def load_target(
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError):
         tok = None
-    return Target(model, tok, name=str(name_or_path), engine=engine, compile=compile)
+    return Target(model, tok, name=str(name_or_path), engine=engine, compile=compile, gemm=gemm)

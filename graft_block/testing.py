@@ -13,7 +13,8 @@ _CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "m
 
 def tiny_target(arch: str = "llama", vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 4,
                 heads: int = 4, kv_heads: int = 2, seed: int = 0, max_positions: int = 512,
-                dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", engine: str = "auto") -> Target:
+                dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", engine: str = "auto",
+                gemm: str | None = None) -> Target:
     """A randomly initialised causal LM of the given family, wrapped as a Target (EOS disabled).
 
     ``initializer_range`` 0.3 (not HF's 0.02) so greedy text depends on context instead of repeating one token.
@@ -33,7 +34,7 @@ def tiny_target(arch: str = "llama", vocab_size: int = 128, hidden_size: int = 6
     model.to(os.environ.get("GRAFT_BLOCK_TEST_DEVICE", "cpu"))
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    return Target(model, None, name=f"tiny-{arch}", engine=engine)
+    return Target(model, None, name=f"tiny-{arch}", engine=engine, gemm=gemm)
 
 
 def chi_square_test(counts: dict, probs: dict, min_expected: float = 5.0) -> tuple[float, int, float]:

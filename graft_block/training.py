@@ -127,8 +127,9 @@ def write_learning_curve(log_path: str | Path, out_dir: str | Path) -> Path | No
 
 def split_holdout(recs: list[dict], holdout: int) -> tuple[list[dict], list[dict]]:
     """(held-out, train): ``holdout`` records spread evenly over the list (caches are stored in length buckets,
-    so the first records would all be one length), and no training record whose answer equals a held-out
-    answer (on-policy data repeats canned answers to different prompts: a copy in training leaks the test)."""
+    so the first records would all be one length), and no training record whose answer or prompt equals a
+    held-out one (on-policy data repeats canned answers to different prompts, and multi-future data answers one
+    prompt several times: either copy in training leaks the test)."""
     if holdout <= 0:
         return [], list(recs)
     if holdout >= len(recs):
@@ -139,8 +140,14 @@ def split_holdout(recs: list[dict], holdout: int) -> tuple[list[dict], list[dict
     def answer(r):
         return tuple(r["ids"][int(r.get("prompt_len", 0)):].tolist())
 
+    def prompt(r):  # None without a prompt (teacher-forced text): nothing to share
+        n = int(r.get("prompt_len", 0))
+        return tuple(r["ids"][:n].tolist()) if n else None
+
     seen = {answer(r) for r in held}
-    return held, [r for i, r in enumerate(recs) if i not in picks and answer(r) not in seen]
+    prompts = {prompt(r) for r in held} - {None}
+    return held, [r for i, r in enumerate(recs)
+                  if i not in picks and answer(r) not in seen and prompt(r) not in prompts]
 
 
 def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: str | Path, cfg: dict | None = None,

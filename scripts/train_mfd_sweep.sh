@@ -9,13 +9,14 @@ cd "$(dirname "$0")/.."
 OUT=${1:-runs/mfd-sweep}
 shift || true
 KS=${*:-1 2 4 8}
-DATA=smollm2-sharegpt-t07x4
-STEPS=${STEPS:-120}
-# 1) the target's own answers to ShareGPT train prompts at the paper's sampling (T=0.7, top-p 0.8, top-k 20), four
-#    per prompt, so one context carries several futures: the first 22 batches of 48 (264 prompts x 4 answers);
-#    resumable; about 28 min on 2 cores.
-python -m graft_block.drafters.train --generate --data $DATA --num-prompts 4000 --max-new 128 --gen-batch 48 \
-    --temperature 0.7 --top-p 0.8 --top-k 20 --samples 4 --seed 0 --gen-shards 22
+DATA=${DATA:-onpolicy-sampled-v2}
+STEPS=${STEPS:-200}
+# 1) features of the committed multi-future data: SmolLM2's own answers to ShareGPT train prompts at the paper's
+#    sampling (T=0.7, top-p 0.8, top-k 20), four per prompt, so one context carries several futures
+#    (drafters/data/smollm2-sharegpt, kind t0.7-p0.8-k20-x4). One teacher-forced forward per sequence, cached under
+#    the user cache dir; resumable; about 12 min on 2 cores.
+python -m graft_block.drafters.train --generate --from-onpolicy drafters/data/smollm2-sharegpt --data $DATA \
+    --kinds t0.7-p0.8-k20-x4 --gen-batch 16
 # 2) one run per K; --steps fixes the step count, so every K sees the same sequences in the same order
 for K in $KS; do
     python -m graft_block.drafters.train --type mfd --data $DATA --threads 2 --init drafters/checkpoints/dflash-smollm2 \

@@ -1,10 +1,11 @@
 """The lean forward (graft_block/engine.py) against HF's own forward on the same weights: logits, features, the
-padded packed-GEMM buckets, the static cache, the compiled path, and the errors."""
+padded packed-GEMM buckets, the OpenBLAS products, the measured kernel choice, the static cache, the compiled path,
+and the errors."""
 import pytest
 import torch
 
 from graft_block import SpeculativeDecoder
-from graft_block.engine import packed_gemm_available
+from graft_block.engine import LeanForward, packed_gemm_available, pick_gemm
 from graft_block.errors import ConfigError
 from graft_block.target import Target
 from graft_block.testing import hf_greedy, tiny_target
@@ -16,10 +17,13 @@ def _pair(arch, **kw):
     return lean, Target(lean.model, None, name="hf", engine="hf")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-def test_logits_and_features_match_hf_for_every_tree_size(arch):
-    """Sizes across the pack buckets: plain rows (1-2), padded to 8 (3-7), exactly 8, padded to 16, past 16."""
-    lean, hf = _pair(arch)
+@pytest.mark.parametrize("arch,gemm", [("llama", "mkl"), ("qwen2", "mkl"), ("qwen3", "mkl"), ("mistral", "mkl"),
+                                       ("llama", "openblas"), ("qwen3", "openblas")])
+def test_logits_and_features_match_hf_for_every_tree_size(arch, gemm):
+    """Sizes across the pack buckets: plain rows (1-2), padded to 8 (3-7), exactly 8, padded to 16, past 16; and
+    the same through OpenBLAS (no buckets)."""
+    lean, hf = _pair(arch, gemm=gemm)
+    assert lean.lean.gemm == gemm and (lean.lean.blas is not None) == (gemm == "openblas")
     assert lean.engine == "lean" and hf.engine == "hf"
     for t in (lean, hf):
         t.set_feature_layers([0, 2, 4])  # embeddings, a middle layer, the final norm
@@ -43,7 +47,7 @@ def test_logits_and_features_match_hf_for_every_tree_size(arch):
 def test_padded_verify_then_compact_continues_like_a_fresh_prefill():
     """A 5-node tree runs padded to the 8-row bucket; after compaction the cache holds exactly the accepted
     path, and the next decode step equals a sequential prefill's."""
-    lean, hf = _pair("llama")
+    lean, hf = _pair("llama", gemm="mkl")
     if packed_gemm_available(lean.device, lean.dtype):
         assert lean.lean.bucket(5) == 8 and lean.lean.bucket(1) is None and lean.lean.bucket(2) is None
     prompt = [3, 1, 4, 1, 5]
@@ -74,7 +78,7 @@ def test_compiled_layers_stay_lossless():
     """The opt-in torch.compile path on a tiny target (CI compiles this, not every shape of SmolLM2)."""
     t = tiny_target("llama")
     compiled = Target(t.model, None, engine="lean", compile=True)
-    assert compiled.engine_label == "lean-float32+compile"
+    assert compiled.engine_label == "lean-mkl-float32+compile"  # compiled graphs keep torch's own kernels
     prompt = [2, 7, 1, 8]
     assert SpeculativeDecoder(compiled).generate(prompt, max_new_tokens=24).tokens == hf_greedy(t, prompt, 24)
 
@@ -89,8 +93,38 @@ def test_unsupported_models_say_which_engine_to_use():
     with pytest.raises(ConfigError, match="engine must be 'auto', 'lean' or 'hf'"):
         Target(gpt2, engine="fast")
     half = tiny_target("llama", dtype=torch.bfloat16, engine="hf")
-    from graft_block.engine import LeanForward
-
-    assert LeanForward(half.model).packs == {}  # no packed GEMM outside CPU fp32: plain products, still lean
+    lean_half = LeanForward(half.model)
+    assert lean_half.packs == {} and lean_half.gemm == "torch"  # outside CPU fp32: torch's GEMM, still lean
+    assert Target(half.model, engine="lean").engine_label == "lean-bfloat16"
     with pytest.raises(ConfigError, match="pack_rows needs MKL's packed GEMM"):
         LeanForward(half.model, pack_rows=(8,))
+    with pytest.raises(ConfigError, match="gemm='openblas' is a CPU float32 kernel choice.*bfloat16"):
+        LeanForward(half.model, gemm="openblas")
+    with pytest.raises(ConfigError, match="gemm must be one of mkl, openblas"):
+        LeanForward(tiny_target("llama", engine="hf").model, gemm="cublas")
+
+
+def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypatch):
+    """The kernel with the lower total wins; MKL keeps its pack only where the pack beat F.linear; a second
+    target on the same machine reads the cached choice instead of measuring again."""
+    amd = {"mkl": {1: 50.0, 8: 70.0, 16: 96.0}, "mkl_packed": {8: 94.0, 16: 121.0},
+           "openblas": {1: 26.0, 8: 51.0, 16: 60.0}}
+    xeon = {"mkl": {1: 31.0, 8: 65.0, 16: 69.0}, "mkl_packed": {8: 46.0, 16: 56.0},
+            "openblas": {1: 31.0, 8: 69.0, 16: 83.0}}
+    assert pick_gemm(amd) == ("openblas", ())
+    assert pick_gemm(xeon) == ("mkl", (8, 16))
+    assert pick_gemm({**xeon, "mkl_packed": {8: 46.0, 16: 80.0}}) == ("mkl", (8,))
+
+    import graft_block.engine as E
+
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path))
+    monkeypatch.delenv("GRAFT_BLOCK_GEMM", raising=False)
+    calls = []
+    monkeypatch.setattr(E, "measure_gemms", lambda w, **k: calls.append(len(w)) or amd)
+    first = tiny_target("llama", engine="lean")
+    second = tiny_target("llama", engine="lean")
+    assert calls == [5]  # one decoder layer's four products + the LM head, measured once
+    assert first.lean.gemm == second.lean.gemm == "openblas" and second.lean.gemm_times["openblas"][16] == 60.0
+    assert first.engine_label == "lean-openblas-float32"
+    monkeypatch.setenv("GRAFT_BLOCK_GEMM", "mkl")  # the override skips the measurement
+    assert tiny_target("llama", engine="lean").lean.gemm == "mkl" and calls == [5]

@@ -16,7 +16,7 @@ TINY = dict(sizes=(1, 2, 4), reps=1, copy_mb=8, peak_n=128, context=16, verify_r
 def phys(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GRAFT_BLOCK_CACHE", str(tmp_path_factory.mktemp("cache")))
-        return physics.measure_physics(tiny_target("llama"), **TINY)
+        return physics.measure_physics(tiny_target("llama", gemm="openblas"), **TINY)
 
 
 def test_report_has_every_field_and_sane_numbers(phys):
@@ -32,8 +32,14 @@ def test_report_has_every_field_and_sane_numbers(phys):
     assert phys["rows"][0]["verify_ratio"] == pytest.approx(1.0) and math.isfinite(phys["non_gemm_share"])
     text = physics.format_report(phys)
     for s in ("memory copy bandwidth", "matrix-product peak", "memory-bound floor", "non-GEMM share",
-              "| rows | linear ms", "lean-float32", "interleaved: lean-float32 ms | hf-sdpa-float32 ms | engine gain"):
+              "| rows | linear ms (openblas)", "lean-openblas-float32", "- products: openblas",
+              "interleaved: lean-openblas-float32 ms | hf-sdpa-float32 ms | engine gain"):
         assert s in text, s
+    # an automatic kernel choice prints what it measured, so the report says which kernel won where
+    times = {"mkl": {1: 50.0, 8: 70.0}, "mkl_packed": {8: 94.0}, "openblas": {1: 26.0, 8: 51.0}}
+    chosen = physics.format_report({**phys, "gemm_times": times})
+    assert "- products: openblas, chosen by measuring one layer + the LM head at rows 1/8 (ms): mkl 50.0/70.0; " \
+           "mkl_packed -/94.0; openblas 26.0/51.0" in chosen
     # the lean engine is compared with HF's eager forward in the same run, row by row
     for r in phys["rows"]:  # timed alternately, rep by rep: the gain is a median of paired ratios
         assert r["eager_ms"] > 0 and r["paired_ms"] > 0 and 0.1 < r["engine_gain"] < 10
@@ -54,14 +60,16 @@ def test_linear_flops_match_a_hand_count():
 
 
 def test_engine_label_keys_the_cost_cache():
-    t = tiny_target("llama")
-    assert measure.engine_label(t) == "lean-float32"  # Llama family runs the lean forward by default
+    t = tiny_target("llama", gemm="mkl")
+    assert measure.engine_label(t) == "lean-mkl-float32"  # Llama family runs the lean forward by default
     hf = tiny_target("llama", engine="hf")
     assert measure.cost_key(hf, (1, 2), 32, 2)["engine_path"] == "hf-sdpa-float32"
     eager = tiny_target("llama", attn_implementation="eager", engine="hf")
     assert measure.cost_key(eager, (1, 2), 32, 2)["engine_path"] == "hf-eager-float32"
     # each engine's curves are cached apart, and the lean forward's own source is part of the key
     assert measure.cost_key(t, (1, 2), 32, 2)["engine"] != measure.cost_key(hf, (1, 2), 32, 2)["engine"]
+    blas = tiny_target("llama", gemm="openblas")  # so is its product kernel
+    assert measure.cost_key(blas, (1, 2), 32, 2)["engine_path"] == "lean-openblas-float32"
 
     class Custom:  # an adapter on another path names it itself
         engine_label = "compiled-cpp-gemm"
@@ -90,8 +98,8 @@ def test_standalone_command_arguments(tmp_path, monkeypatch, capsys):
     real, small = physics.measure_physics, {k: v for k, v in TINY.items() if k not in ("sizes", "reps")}
     monkeypatch.setattr(physics, "measure_physics", lambda t, s, **kw: real(t, s, **kw, **small))
     out = physics.main(["--sizes", "1,2", "--reps", "1", "--no-cost-cache", "--json", str(tmp_path / "p.json")],
-                       target=tiny_target("llama"))
-    assert json.loads((tmp_path / "p.json").read_text())["engine"] == out["engine"] == "lean-float32"
+                       target=tiny_target("llama", gemm="mkl"))
+    assert json.loads((tmp_path / "p.json").read_text())["engine"] == out["engine"] == "lean-mkl-float32"
     assert out["eager_engine"] == "hf-sdpa-float32"
     assert "## physics: target=tiny-llama" in capsys.readouterr().out
 
@@ -106,6 +114,7 @@ def test_run_block_prints_physics_and_reuses_its_verify_curve(tmp_path, monkeypa
     tiny_target("llama").model.save_pretrained(folder)
     (tmp_path / "p.jsonl").write_text(json.dumps({"id": "p0", "turns": [[1, 2, 3, 4, 5, 6] * 2]}) + "\n")
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("GRAFT_BLOCK_GEMM", "mkl")  # pinned: the automatic choice depends on the machine
     calls, real_curve, real_phys = [], measure.verify_cost_curve, physics.measure_physics
     monkeypatch.setattr(measure, "verify_cost_curve",
                         lambda *a, **k: calls.append(measure.engine_label(a[0])) or real_curve(*a, **k))
@@ -115,8 +124,8 @@ def test_run_block_prints_physics_and_reuses_its_verify_curve(tmp_path, monkeypa
                           "--out", str(tmp_path / "run")])
     text = capsys.readouterr().out
     # the physics report reused run_block's verify curve (HF's eager forward is timed beside it, interleaved)
-    assert calls == ["lean-float32"]
+    assert calls == ["lean-mkl-float32"]
     assert text.index("| method |") < text.index("## physics") and "non-GEMM share" in text
     data = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert data["physics"]["engine"] == "lean-float32" == rep["verify_cost_curve"]["key"]["engine_path"]
+    assert data["physics"]["engine"] == "lean-mkl-float32" == rep["verify_cost_curve"]["key"]["engine_path"]
     assert [r["n"] for r in data["physics"]["rows"]] == [1, 2, 4, 8, 16, 32, 64]

@@ -173,5 +173,9 @@ def test_holdout_spreads_over_lengths_and_drops_copied_answers():
     answers = {tuple(r["ids"][2:].tolist()) for r in held}
     assert not any(tuple(r["ids"][2:].tolist()) in answers for r in train)
     assert T.split_holdout(recs, 0) == ([], recs)
+    # multi-future data: another sample answering a held-out prompt must not train either
+    recs[20]["ids"] = torch.tensor([13, 113, 9, 9])  # prompt of held-out record 13, its own answer
+    held, train = T.split_holdout(recs, 4)
+    assert len(train) == 40 - 4 - 2 and all(r is not recs[20] for r in train)
     with pytest.raises(ConfigError, match="holdout 40 leaves no training data"):
         T.split_holdout(recs, 40)
