@@ -15,6 +15,8 @@ import sys
 import time
 import torch
 
+from graft_block.engine import device_name
+
 from . import machine
 from .prompts import encode_turn, warmup_ids
 
@@ -92,10 +94,10 @@ def cost_key(target, sizes, context: int, reps: int) -> dict:
     return {"target": str(target.name), "target_class": f"{cls.__module__}.{cls.__qualname__}",
             "attn": getattr(target.config, "_attn_implementation", None), "dtype": str(target.dtype),
             "device": str(target.device),
-            "device_name": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None,
+            "device_name": device_name(target.device),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "graft_block": graft_block.__version__,
             "engine": hashlib.sha1(engine.encode()).hexdigest()[:12], "engine_path": engine_label(target),
-            "context": context,
+            "pack_rows": sorted(lean.packs) if lean is not None else None, "context": context,
             "sizes": [int(s) for s in sizes], "reps": reps}
 
 

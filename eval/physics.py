@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -26,23 +25,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from graft_block.engine import device_name
 from graft_block.errors import ConfigError
 from graft_block.eval import machine, measure
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _median_s(fn, device: torch.device, reps: int) -> float:
@@ -133,8 +120,10 @@ def linear_sweep(weights, sizes, device: torch.device, dtype: torch.dtype, reps:
 
         def stack():
             if arrays is not None:
-                for a in arrays:
-                    xn[a.shape[0]] @ a
+                for a, (_, b) in zip(arrays, weights):
+                    y = xn[a.shape[0]] @ a
+                    if b is not None:  # as the lean forward adds it
+                        y += b.detach().numpy()
                 return
             for w, b in weights:
                 F.linear(xs[w.shape[1]], w, b)

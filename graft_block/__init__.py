@@ -5,11 +5,14 @@ One distribution namespace: the repository's ``tree/``, ``drafters/`` and ``eval
 nothing but ``graft_block`` lands at top level. Imports point one way: eval -> drafters -> graft_block -> tree.
 """
 import os as _os
+import sys as _sys
 from pathlib import Path as _Path
 
 # OpenBLAS (numpy's; the lean forward's products on CPUs where it beats MKL) keeps its idle threads spinning for
 # ~0.1 s after each product; beside torch's own pool on 2 cores that spinning slowed HF's forward 1.9x (measured).
 # 2^20 cycles (~0.4 ms) still bridges the gaps between one forward's products. Read once, when numpy loads.
+# numpy loaded first (torch imports it) without the variable: the lean engine warns when it picks OpenBLAS.
+OPENBLAS_TIMEOUT_LATE = "numpy" in _sys.modules and "OPENBLAS_THREAD_TIMEOUT" not in _os.environ
 _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "20")
 
 # In a source checkout the three folders sit beside this one; a wheel places them inside it. Searching the

@@ -31,11 +31,14 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+import graft_block
 
 from .errors import ConfigError
 
@@ -102,18 +105,25 @@ class LeanForward:
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self._layer = torch.compile(_layer, dynamic=True) if compile else _layer
         cpu32 = self.device.type == "cpu" and self.dtype == torch.float32
-        gemm = gemm or os.environ.get("GRAFT_BLOCK_GEMM") or None
         if gemm is not None and gemm not in GEMMS:
             raise ConfigError(f"gemm must be one of {', '.join(GEMMS)} (or unset: measured), got {gemm!r}")
         if gemm is not None and not cpu32:
             raise ConfigError(f"gemm={gemm!r} is a CPU float32 kernel choice; this target is {self.dtype} on "
-                              f"{self.device} (unset GRAFT_BLOCK_GEMM)")
+                              f"{self.device}: leave gemm unset")
+        if gemm == "openblas" and compile:
+            raise ConfigError("gemm='openblas' cannot run inside compiled layers (numpy breaks the graph); "
+                              "use compile=False or gemm='mkl'")
+        env = os.environ.get("GRAFT_BLOCK_GEMM") or None
+        if env is not None and env not in GEMMS:
+            raise ConfigError(f"GRAFT_BLOCK_GEMM must be one of {', '.join(GEMMS)} (or unset: measured), got {env!r}")
         self.gemm_times = None  # the measurement behind an automatic choice (physics prints it)
         if not cpu32:
-            gemm = "torch"  # GPU / half precision: torch's own GEMM
-        elif compile:
-            gemm = "mkl"  # compiled graphs call torch's kernels; a numpy call would break them
+            gemm = "torch"  # GPU / half precision: torch's own GEMM (the machine-wide override is for CPU fp32)
+        elif gemm is None and (compile or pack_rows):
+            gemm = "mkl"  # compiled graphs call torch's kernels; explicit pack buckets are MKL's
         elif gemm is None:
+            gemm = env
+        if gemm is None:
             gemm, pack_rows_measured, self.gemm_times = choose_gemm(self)
             pack_rows = pack_rows_measured if pack_rows is None else pack_rows
         self.gemm = gemm
@@ -125,6 +135,10 @@ class LeanForward:
         self.packs = {int(r): self._pack(int(r)) for r in sorted(pack_rows)}
         # OpenBLAS takes each weight as a C-contiguous [in, out] array (its fastest layout here)
         self.blas = self._blas() if gemm == "openblas" else None
+        if self.blas is not None and graft_block.OPENBLAS_TIMEOUT_LATE:
+            warnings.warn("numpy (and OpenBLAS) loaded before graft_block, so OPENBLAS_THREAD_TIMEOUT was not set in "
+                          "time and its idle threads may slow torch's: import graft_block first, or export "
+                          "OPENBLAS_THREAD_TIMEOUT=20", RuntimeWarning, stacklevel=2)
 
     def _pack(self, rows: int) -> list[dict]:
         """Per layer, the MKL-packed q/k/v, o, gate/up and down weights for ``rows``-row inputs (+ the LM head)."""
@@ -259,10 +273,14 @@ def _linear(x, weight, bias, packed=None):
     return torch.ops.mkl._mkl_linear(x.reshape(n, -1), packed, weight, bias, n).view(1, n, -1)
 
 
-def _cpu_name() -> str:
+def device_name(device: torch.device | str = "cpu") -> str:
+    """The GPU's name, or the CPU model from /proc/cpuinfo (keys the kernel choice; physics prints it)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
     except OSError:
@@ -277,7 +295,7 @@ def measure_gemms(weights: list[torch.Tensor], rows=(1, 8, 16), reps: int = 5) -
     slow the other."""
     out: dict[str, dict[int, float]] = {"mkl": {}, "mkl_packed": {}, "openblas": {}}
     n_threads = torch.get_num_threads()
-    mkl_pack = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    mkl_pack = packed_gemm_available("cpu", torch.float32)
     for n in rows:
         xs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
         runs = {"mkl": lambda: [F.linear(xs[w.shape[1]], w) for w in weights]}
@@ -318,21 +336,23 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict]:
     from .target import cache_root
 
     weights = [lean.layers[0][k].detach() for k in ("qkv", "o", "gu", "d")] + [lean.head.weight.detach()]
-    key = {"cpu": _cpu_name(), "torch": torch.__version__, "numpy": np.__version__,
+    key = {"cpu": device_name("cpu"), "torch": torch.__version__, "numpy": np.__version__,
            "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights]}
     path = cache_root() / "gemm" / (hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
-    if path.exists():
-        try:
-            data = json.loads(path.read_text())
-            if data.get("key") == key:
-                times = {k: {int(n): v for n, v in d.items()} for k, d in data["times"].items()}
-                return data["gemm"], tuple(data["pack_rows"]), times
-        except (ValueError, KeyError):
-            pass  # a damaged cache file is measured again
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] == key and data["gemm"] in GEMMS:
+            times = {k: {int(n): float(v) for n, v in d.items()} for k, d in data["times"].items()}
+            return data["gemm"], tuple(int(r) for r in data["pack_rows"]), times
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # no cache yet, or a damaged one: measure again
     times = measure_gemms(weights)
     gemm, buckets = pick_gemm(times)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": key, "gemm": gemm, "pack_rows": list(buckets), "times": times}, indent=1))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key, "gemm": gemm, "pack_rows": list(buckets), "times": times}, indent=1))
+    except OSError:
+        pass  # a read-only cache dir only costs the measurement next time
     return gemm, buckets, times
 
 

@@ -4,6 +4,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import graft_block  # noqa: E402,F401 - first, so OPENBLAS_THREAD_TIMEOUT is set before torch loads numpy
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -1,6 +1,8 @@
 """The lean forward (graft_block/engine.py) against HF's own forward on the same weights: logits, features, the
 padded packed-GEMM buckets, the OpenBLAS products, the measured kernel choice, the static cache, the compiled path,
 and the errors."""
+import os
+
 import pytest
 import torch
 
@@ -12,8 +14,14 @@ from graft_block.testing import hf_greedy, tiny_target
 from graft_block.tree import chain, from_paths, root_only, walk
 
 
-def _pair(arch, **kw):
-    lean = tiny_target(arch, engine="lean", **kw)
+# the GPU check runs this file on CUDA, where the products are torch's own and no CPU kernel can be chosen
+ON_CPU = os.environ.get("GRAFT_BLOCK_TEST_DEVICE", "cpu") == "cpu"
+
+
+def _pair(arch, gemm=None, **kw):
+    if gemm == "openblas" and not ON_CPU:
+        pytest.skip("OpenBLAS is a CPU float32 kernel")
+    lean = tiny_target(arch, engine="lean", gemm=gemm if ON_CPU else None, **kw)
     return lean, Target(lean.model, None, name="hf", engine="hf")
 
 
@@ -23,7 +31,7 @@ def test_logits_and_features_match_hf_for_every_tree_size(arch, gemm):
     """Sizes across the pack buckets: plain rows (1-2), padded to 8 (3-7), exactly 8, padded to 16, past 16; and
     the same through OpenBLAS (no buckets)."""
     lean, hf = _pair(arch, gemm=gemm)
-    assert lean.lean.gemm == gemm and (lean.lean.blas is not None) == (gemm == "openblas")
+    assert lean.lean.gemm == (gemm if ON_CPU else "torch") and (lean.lean.blas is not None) == (gemm == "openblas")
     assert lean.engine == "lean" and hf.engine == "hf"
     for t in (lean, hf):
         t.set_feature_layers([0, 2, 4])  # embeddings, a middle layer, the final norm
@@ -106,7 +114,10 @@ def test_unsupported_models_say_which_engine_to_use():
 
 def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypatch):
     """The kernel with the lower total wins; MKL keeps its pack only where the pack beat F.linear; a second
-    target on the same machine reads the cached choice instead of measuring again."""
+    target on the same machine reads the cached choice instead of measuring again; a damaged cache file is
+    measured again; explicit choices that cannot hold are errors."""
+    if not ON_CPU:
+        pytest.skip("the kernel choice is a CPU float32 matter")
     amd = {"mkl": {1: 50.0, 8: 70.0, 16: 96.0}, "mkl_packed": {8: 94.0, 16: 121.0},
            "openblas": {1: 26.0, 8: 51.0, 16: 60.0}}
     xeon = {"mkl": {1: 31.0, 8: 65.0, 16: 69.0}, "mkl_packed": {8: 46.0, 16: 56.0},
@@ -128,3 +139,16 @@ def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypat
     assert first.engine_label == "lean-openblas-float32"
     monkeypatch.setenv("GRAFT_BLOCK_GEMM", "mkl")  # the override skips the measurement
     assert tiny_target("llama", engine="lean").lean.gemm == "mkl" and calls == [5]
+    monkeypatch.delenv("GRAFT_BLOCK_GEMM")
+    for f in (tmp_path / "gemm").iterdir():
+        f.write_text('["not", "a", "record"]')
+    assert tiny_target("llama", engine="lean").lean.gemm == "openblas" and calls == [5, 5]
+    model = first.model
+    with pytest.raises(ConfigError, match="gemm='openblas' cannot run inside compiled layers"):
+        LeanForward(model, compile=True, gemm="openblas")
+    with pytest.raises(ConfigError, match="pack_rows needs MKL's packed GEMM"):
+        LeanForward(model, gemm="openblas", pack_rows=(8,))
+    assert LeanForward(model, pack_rows=()).gemm == "openblas" and calls == [5, 5]  # cached again
+    monkeypatch.setenv("GRAFT_BLOCK_GEMM", "fast")
+    with pytest.raises(ConfigError, match="GRAFT_BLOCK_GEMM must be one of mkl, openblas"):
+        LeanForward(model)
