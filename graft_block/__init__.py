@@ -24,6 +24,11 @@ if (_checkout / "pyproject.toml").exists() and (_checkout / "tree" / "__init__.p
 
 __version__ = "0.1.0"
 
+
+def cache_root() -> _Path:
+    """Where converted targets, training data, measured costs and kernel choices live (``GRAFT_BLOCK_CACHE``)."""
+    return _Path(_os.environ.get("GRAFT_BLOCK_CACHE", _Path.home() / ".cache" / "graft_block"))
+
 # Public names, loaded on first use so that `import graft_block.tree` stays free of models and transformers.
 _EXPORTS = {
     "DecodeState": "decoder", "Result": "decoder", "SpeculativeDecoder": "decoder", "Stats": "decoder",

