@@ -15,6 +15,7 @@ import sys
 import time
 import torch
 
+import graft_block
 from graft_block.engine import device_name
 
 from . import machine
@@ -83,9 +84,6 @@ def engine_label(target) -> str:
 
 def cost_key(target, sizes, context: int, reps: int) -> dict:
     """Everything that changes a verify-cost curve: the cache is keyed by all of it."""
-    import graft_block
-
-
     cls = type(target)
     engine = "".join(inspect.getsource(getattr(cls, f)) for f in ("prefill", "verify", "compact"))
     lean = getattr(target, "lean", None)
@@ -119,11 +117,10 @@ def verify_cost_curve(target, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 200
 
     Cached under GRAFT_BLOCK_CACHE/cost/ by ``cost_key`` (a property of the hardware and the code), but never a
     curve measured while something else competed (``machine`` load window): that one is returned flagged busy."""
-    from graft_block.target import cache_root
     from graft_block.tree import chain
 
     key = cost_key(target, sizes, context, reps)
-    path = cache_root() / "cost" / (hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    path = graft_block.keyed_cache_file("cost", key)
     if cache and not fresh and path.exists():
         data = json.loads(path.read_text())
         if data.get("key") == key:

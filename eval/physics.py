@@ -21,11 +21,9 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-from graft_block.engine import device_name
+from graft_block.engine import blas_weight, device_name, linear, torch_threads
 from graft_block.errors import ConfigError
 from graft_block.eval import machine, measure
 
@@ -109,31 +107,19 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 3)
 
 def linear_sweep(weights, sizes, device: torch.device, dtype: torch.dtype, reps: int = 3,
                  kernel: str = "torch") -> dict[int, float]:
-    """Median seconds of an [n, in] input through every weight, per row count n: ``F.linear`` (kernel "torch" or
-    "mkl"), or numpy's OpenBLAS ("openblas", as the lean forward calls it: torch on one thread meanwhile)."""
+    """Median seconds of an [n, in] input through every weight, per row count n, with the lean forward's own
+    ``linear``: ``F.linear`` (kernel "torch" or "mkl"), or numpy's OpenBLAS ("openblas": torch on one thread)."""
     out = {}
-    arrays = [np.ascontiguousarray(w.detach().numpy().T) for w, _ in weights] if kernel == "openblas" else None
-    threads = torch.get_num_threads()
+    arrays = [blas_weight(w) for w, _ in weights] if kernel == "openblas" else [None] * len(weights)
     for n in sizes:
-        xs = {w.shape[1]: torch.randn(n, w.shape[1], device=device).to(dtype) for w, _ in weights}
-        xn = {k: v.numpy() for k, v in xs.items()} if arrays is not None else None
+        xs = {w.shape[1]: torch.randn(1, n, w.shape[1], device=device).to(dtype) for w, _ in weights}
 
         def stack():
-            if arrays is not None:
-                for a, (_, b) in zip(arrays, weights):
-                    y = xn[a.shape[0]] @ a
-                    if b is not None:  # as the lean forward adds it
-                        y += b.detach().numpy()
-                return
-            for w, b in weights:
-                F.linear(xs[w.shape[1]], w, b)
+            for (w, b), a in zip(weights, arrays):
+                linear(xs[w.shape[1]], w, b, a)
 
-        if arrays is not None:
-            torch.set_num_threads(1)
-        try:
+        with torch_threads(1 if kernel == "openblas" else None):
             out[int(n)] = _median_s(stack, device, reps)
-        finally:
-            torch.set_num_threads(threads)
     return out
 
 

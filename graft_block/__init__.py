@@ -29,6 +29,15 @@ def cache_root() -> _Path:
     """Where converted targets, training data, measured costs and kernel choices live (``GRAFT_BLOCK_CACHE``)."""
     return _Path(_os.environ.get("GRAFT_BLOCK_CACHE", _Path.home() / ".cache" / "graft_block"))
 
+
+def keyed_cache_file(kind: str, key: dict) -> _Path:
+    """The JSON file under ``cache_root()/kind`` for a measurement keyed by ``key`` (hardware, versions, shapes)."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / kind / f"{digest}.json"
+
 # Public names, loaded on first use so that `import graft_block.tree` stays free of models and transformers.
 _EXPORTS = {
     "DecodeState": "decoder", "Result": "decoder", "SpeculativeDecoder": "decoder", "Stats": "decoder",

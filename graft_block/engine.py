@@ -25,7 +25,6 @@ compile per process, so it is off by default.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -148,26 +147,10 @@ class LeanForward:
         return out
 
     def _blas(self) -> list[dict]:
-        """Per layer, every weight as a numpy [in, out] array for OpenBLAS (+ the LM head)."""
-        def t(w):
-            return np.ascontiguousarray(w.detach().numpy().T)
-
-        out = [{k: t(w[k]) for k in ("qkv", "o", "gu", "d")} for w in self.layers]
-        out.append({"head": t(self.head.weight)})
+        """Per layer, every weight in OpenBLAS's layout (``blas_weight``), + the LM head."""
+        out = [{k: blas_weight(w[k]) for k in ("qkv", "o", "gu", "d")} for w in self.layers]
+        out.append({"head": blas_weight(self.head.weight)})
         return out
-
-    @contextmanager
-    def _threads(self):
-        """OpenBLAS runs the products on its own threads: torch's small ops stay on this one meanwhile."""
-        n = torch.get_num_threads()
-        if self.gemm != "openblas" or n == 1:
-            yield
-            return
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(n)
 
     def bucket(self, n: int) -> int | None:
         """The packed row count a forward of n rows is padded to (None: plain F.linear)."""
@@ -225,7 +208,7 @@ class LeanForward:
             if mask is not None:
                 full[:n, : start + n] = mask.view(n, start + n)
             mask = full
-        with self._threads():
+        with torch_threads(1 if self.blas is not None else None):
             return self._forward(ids, pos, mask, features, last_only, n, start, causal, rows)
 
     def _forward(self, ids, pos, mask, features, last_only, n, start, causal, rows):
@@ -250,7 +233,7 @@ class LeanForward:
         if last_only:
             h = h[:, n - 1 : n]
         if packs is not None:
-            logits = _linear(h, self.head.weight, self.head.bias, packs[-1]["head"])[0, :n]
+            logits = linear(h, self.head.weight, self.head.bias, packs[-1]["head"])[0, :n]
         else:
             logits = self.head(h)[0]
         return logits, [got[f] for f in features]
@@ -261,7 +244,7 @@ def packed_gemm_available(device, dtype) -> bool:
             and hasattr(torch.ops.mkl, "_mkl_linear"))
 
 
-def _linear(x, weight, bias, packed=None):
+def linear(x, weight, bias, packed=None):
     """x [1, n, in] through ``weight``; with ``packed`` through that kernel: a numpy [in, out] array (OpenBLAS) or
     an MKL pack for exactly n rows."""
     if packed is None:
@@ -271,6 +254,26 @@ def _linear(x, weight, bias, packed=None):
         y = torch.from_numpy(x.reshape(n, -1).numpy() @ packed)
         return (y if bias is None else y.add_(bias)).view(1, n, -1)
     return torch.ops.mkl._mkl_linear(x.reshape(n, -1), packed, weight, bias, n).view(1, n, -1)
+
+
+def blas_weight(w: torch.Tensor) -> np.ndarray:
+    """A weight [out, in] as the C-contiguous [in, out] numpy array OpenBLAS multiplies fastest (``linear``)."""
+    return np.ascontiguousarray(w.detach().numpy().T)
+
+
+@contextmanager
+def torch_threads(n: int | None):
+    """Torch on ``n`` threads inside the block (None: unchanged). OpenBLAS runs the products on its own threads,
+    so torch's small ops stay on one meanwhile: two pools spinning on 2 cores slow each other 3-10x."""
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def device_name(device: torch.device | str = "cpu") -> str:
@@ -294,7 +297,6 @@ def measure_gemms(weights: list[torch.Tensor], rows=(1, 8, 16), reps: int = 5) -
     One kernel at a time, warmed up first: interleaving them call by call lets one pool's spinning threads
     slow the other."""
     out: dict[str, dict[int, float]] = {"mkl": {}, "mkl_packed": {}, "openblas": {}}
-    n_threads = torch.get_num_threads()
     mkl_pack = packed_gemm_available("cpu", torch.float32)
     for n in rows:
         xs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
@@ -303,20 +305,17 @@ def measure_gemms(weights: list[torch.Tensor], rows=(1, 8, 16), reps: int = 5) -
             packs = [torch.ops.mkl._mkl_reorder_linear_weight(w, n) for w in weights]
             runs["mkl_packed"] = lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, n)
                                           for w, p in zip(weights, packs)]
-        arrays = [np.ascontiguousarray(w.numpy().T) for w in weights]
+        arrays = [blas_weight(w) for w in weights]
         xn = {k: v.numpy() for k, v in xs.items()}
         runs["openblas"] = lambda: [xn[a.shape[0]] @ a for a in arrays]
         for name, fn in runs.items():
-            torch.set_num_threads(1 if name == "openblas" else n_threads)
-            try:
+            with torch_threads(1 if name == "openblas" else None):
                 fn(), fn()
                 times = []
                 for _ in range(reps):
                     t0 = time.perf_counter()
                     fn()
                     times.append(time.perf_counter() - t0)
-            finally:
-                torch.set_num_threads(n_threads)
             out[name][n] = statistics.median(times) * 1e3
     return out
 
@@ -336,7 +335,7 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict]:
     weights = [lean.layers[0][k].detach() for k in ("qkv", "o", "gu", "d")] + [lean.head.weight.detach()]
     key = {"cpu": device_name("cpu"), "torch": torch.__version__, "numpy": np.__version__,
            "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights]}
-    path = graft_block.cache_root() / "gemm" / (hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    path = graft_block.keyed_cache_file("gemm", key)
     try:
         data = json.loads(path.read_text())
         if data["key"] == key and data["gemm"] in GEMMS:
@@ -373,7 +372,7 @@ def _layer(x, w, pk, kc, vc, start: int, cos, sin, mask, causal: bool, heads: in
     n = x.shape[1]
     pk = pk or {}
     h = _rms(x, w["ln1"], w["eps"])
-    qkv = _linear(h, w["qkv"], w["qkv_b"], pk.get("qkv"))
+    qkv = linear(h, w["qkv"], w["qkv_b"], pk.get("qkv"))
     q, k, v = qkv.split((heads * hd, kv_heads * hd, kv_heads * hd), dim=-1)
     q = q.view(1, n, heads, hd)
     k = k.view(1, n, kv_heads, hd)
@@ -386,7 +385,7 @@ def _layer(x, w, pk, kc, vc, start: int, cos, sin, mask, causal: bool, heads: in
     keys, values = kc[None, :, : start + n], vc[None, :, : start + n]
     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scaling,
                                        enable_gqa=heads != kv_heads)
-    x = x + _linear(o.transpose(1, 2).reshape(1, n, heads * hd), w["o"], w["o_b"], pk.get("o"))
+    x = x + linear(o.transpose(1, 2).reshape(1, n, heads * hd), w["o"], w["o_b"], pk.get("o"))
     h = _rms(x, w["ln2"], w["eps"])
-    g, u = _linear(h, w["gu"], w["gu_b"], pk.get("gu")).chunk(2, dim=-1)
-    return x + _linear(F.silu(g) * u, w["d"], w["d_b"], pk.get("d"))
+    g, u = linear(h, w["gu"], w["gu_b"], pk.get("gu")).chunk(2, dim=-1)
+    return x + linear(F.silu(g) * u, w["d"], w["d_b"], pk.get("d"))
