@@ -9,6 +9,8 @@ From the committed on-policy ids (features recomputed by one teacher-forced forw
 cache dir), then training resumed from a bundled checkpoint:
     python -m graft_block.drafters.train --generate --from-onpolicy drafters/data/smollm2-sharegpt --data onpolicy-v1
     python -m graft_block.drafters.train --type dflash --data onpolicy-v1 --init drafters/checkpoints/dflash-smollm2 ...
+or in one step, the features recomputed inside every training step (no cache; see TRAINING.md for which is faster):
+    python -m graft_block.drafters.train --type dflash --online --data drafters/data/smollm2-sharegpt ...
 
 Example (the bundled default, on 2 CPU cores; see drafters/checkpoints/dflash-smollm2/TRAINING.md):
     python -m graft_block.drafters.train --generate --data smollm2-sharegpt --num-prompts 4000 --max-new 160 --gen-batch 48 \\
@@ -41,7 +43,10 @@ def main(argv=None):
     ap.add_argument("--from-onpolicy", default=None, metavar="FOLDER",
                     help="with --generate: recompute features and soft labels for a committed on-policy dataset "
                          "(e.g. drafters/data/smollm2-sharegpt; graft_block.onpolicy makes and extends it)")
-    ap.add_argument("--kinds", default=None, help="--from-onpolicy: shard kinds to use (e.g. greedy), default all")
+    ap.add_argument("--kinds", default=None,
+                    help="--from-onpolicy / --online: shard kinds to use (e.g. greedy), default all")
+    ap.add_argument("--from-index", type=int, default=0,
+                    help="--from-onpolicy: only prompts from this index on (features for newly added shards)")
     ap.add_argument("--max-len", type=int, default=384, help="--teacher-forced: tokens per conversation")
     ap.add_argument("--num-prompts", type=int, default=4000)
     ap.add_argument("--gen-minutes", type=float, default=None)
@@ -70,6 +75,9 @@ def main(argv=None):
     ap.add_argument("--draft-vocab", type=int, default=None, help="restrict the draft softmax to N frequent ids")
     ap.add_argument("--limit", type=int, default=None, help="use at most N cached sequences")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--online", action="store_true",
+                    help="--data names on-policy dataset folders (comma-separated); features and soft labels come "
+                         "from a target forward in every step instead of a cache (no --generate step)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -86,7 +94,7 @@ def main(argv=None):
 
         training_cache(target, args.from_onpolicy, args.data, args.kinds.split(",") if args.kinds else None,
                        batch_size=args.gen_batch, layers=layers, time_limit_s=gen_limit,
-                       log=lambda s: print(s, flush=True))
+                       log=lambda s: print(s, flush=True), from_index=args.from_index)
         return
     if args.generate and args.teacher_forced:
         from graft_block.train_data import teacher_forced_data
@@ -111,7 +119,7 @@ def main(argv=None):
                 holdout=args.holdout, eval_every=args.eval_every,
                 time_limit_s=None if args.minutes is None else args.minutes * 60, resume=args.resume,
                 seed=args.seed, draft_vocab_size=args.draft_vocab, limit=args.limit, steps=args.steps,
-                log=lambda s: print(s, flush=True))
+                online=args.online, kinds=args.kinds.split(",") if args.kinds else None, log=lambda s: print(s, flush=True))
     print(json.dumps(res))
 
 

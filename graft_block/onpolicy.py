@@ -203,19 +203,28 @@ def totals(folder: str | Path) -> dict:
     return out
 
 
-def training_cache(target, dataset: str | Path, name: str, kinds: list[str] | None = None, batch_size: int = 8,
-                  layers: Sequence[int] | None = None, topk: int = 8, time_limit_s: float | None = None,
-                  log=print, folder: str | Path | None = None) -> Path:
-    """Training cache from a committed on-policy dataset (``graft_block.onpolicy``: the target's own answers as
-    ids): one teacher-forced forward recomputes the features and top-k soft labels; ``prompt_len`` is the real
-    one (loss on the answer only). Same file format as ``generate_data``; resumable."""
+def check_target(target, dataset: str | Path) -> None:
+    """Features and soft labels are recomputed only with the target that wrote the answers (else off-policy)."""
     path = Path(dataset) / MANIFEST
     manifest = json.loads(path.read_text()) if path.exists() else None
     if manifest is not None and manifest["target_fingerprint"] != fingerprint(target):
         raise ConfigError(f"{dataset} holds answers of another target ({manifest['target']}); recompute features "
                           "only with the target that generated them")
-    seqs = [(r["ids"].tolist(), r["prompt_len"]) for r in read(dataset, kinds)]
-    source = f"on-policy dataset {Path(dataset).name} ({', '.join(kinds) if kinds else 'all kinds'}), teacher-forced"
+
+
+def training_cache(target, dataset: str | Path, name: str, kinds: list[str] | None = None, batch_size: int = 8,
+                  layers: Sequence[int] | None = None, topk: int = 8, time_limit_s: float | None = None,
+                  log=print, folder: str | Path | None = None, from_index: int = 0) -> Path:
+    """Training cache from a committed on-policy dataset (``graft_block.onpolicy``: the target's own answers as
+    ids): one teacher-forced forward recomputes the features and top-k soft labels; ``prompt_len`` is the real
+    one (loss on the answer only). Same file format as ``generate_data``; resumable. ``from_index``: only prompts
+    from that index on (a cache for the shards added since an earlier one; train on both with ``data="a,b"``)."""
+    check_target(target, dataset)
+    seqs = [(r["ids"].tolist(), r["prompt_len"]) for r in read(dataset, kinds) if r["prompt_index"] >= from_index]
+    if not seqs:
+        raise ConfigError(f"{dataset} has no sequences of kinds {kinds or 'any'} from prompt index {from_index}")
+    source = f"on-policy dataset {Path(dataset).name} ({', '.join(kinds) if kinds else 'all kinds'}" + \
+        (f", prompts {from_index}+" if from_index else "") + "), teacher-forced"
     return forward_cache(target, seqs, Path(folder) if folder is not None else data_root() / name, source,
                          batch_size, layers, topk, time_limit_s, log)
 

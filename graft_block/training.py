@@ -1,5 +1,7 @@
 """The one training loop shared by every drafter (data: ``graft_block.train_data``).
 
+Data: a feature cache (``load_records``), or with ``online=True`` on-policy id folders whose features come from a
+target forward inside each step (``teacher_forced_records``).
 Loop (``train``): a drafter class plugs in with ``training_model(target, cfg, init)``, ``training_loss(model, target,
 batch)`` and ``save_trained(model, out_dir, cfg)``. The loop does AdamW + warmup + cosine + grad clip, logging
 (every metric the loss returns, e.g. DFlash's teacher-forced accepted length per block), checkpoint/resume
@@ -19,7 +21,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .errors import ConfigError
-from .train_data import collate, draft_vocab_from_data, load_records
+from .target import default_feature_layers
+from .train_data import collate, draft_vocab_from_data, load_records, teacher_forced_records
 
 
 @runtime_checkable
@@ -155,10 +158,12 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
           weight_decay: float = 0.0, batch_size: int = 4, holdout: int = 24, eval_every: int = 100,
           log_every: int = 10, time_limit_s: float | None = None, resume: bool = False, seed: int = 0,
           draft_vocab_size: int | None = None, limit: int | None = None, steps: int | None = None,
-          log=print) -> dict:
-    """Train ``drafter_type``'s ``training_model`` on cached data; save its public checkpoint to ``out_dir`` and
+          online: bool = False, kinds: list[str] | None = None, log=print) -> dict:
+    """Train ``drafter_type``'s ``training_model`` on cached (or ``online``) data; save its public checkpoint to ``out_dir`` and
     the resumable state (``state.pt``) and ``log.jsonl`` to ``run_dir``. ``steps`` (when given) fixes the number of
-    optimiser steps instead of ``epochs`` (equal-step comparisons). Returns the final eval metrics."""
+    optimiser steps instead of ``epochs`` (equal-step comparisons). ``online``: ``data`` names on-policy dataset
+    folders (``graft_block.onpolicy``, comma-separated; ``kinds`` selects shard kinds) and each batch's features
+    and soft labels come from a target forward inside the step instead of a cache. Returns the final eval metrics."""
     from .drafter import drafter_class
 
     klass = drafter_class(drafter_type)
@@ -174,12 +179,36 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     state = torch.load(state_path, weights_only=False) if resume and state_path.exists() else None
     if state is not None:
         cfg = {**state["cfg"], **cfg}
-    recs, meta = load_records(data, None, limit)
+    if online:
+        from .onpolicy import check_target, read
+
+        recs = []
+        for part in data.split(","):
+            check_target(target, part.strip())
+            recs += read(part.strip(), kinds)[:limit or None]
+    else:
+        recs, meta = load_records(data, None, limit)
+    if state is not None and state.get("records", len(recs)) != len(recs):
+        raise ConfigError(f"the run in {run_dir} trained on {state['records']} sequences and the data now holds "
+                          f"{len(recs)}: its held-out split would change; start a new run with --init from its "
+                          "checkpoint instead of --resume")
     eval_recs, train_recs = split_holdout(recs, holdout)
     if draft_vocab_size and cfg.get("draft_vocab") is None:
+        if online:
+            raise ConfigError("draft_vocab_size counts the cached soft labels: drop --draft-vocab, or build a "
+                              "feature cache (--generate --from-onpolicy) to choose the draft vocabulary")
         cfg["draft_vocab"] = draft_vocab_from_data(train_recs, draft_vocab_size).tolist()
     model = klass.training_model(target, cfg, init if state is None else None)
     layers = list(getattr(model, "feature_layers", ()) or ())
+    if online:
+        layers = layers or list(default_feature_layers(target.num_layers))
+        meta = {"feature_layers": layers, "hidden_size": target.hidden_size}
+
+        def featurize(rs):  # the cache's records, computed now (one target forward per batch)
+            return teacher_forced_records(target, [(r["ids"].tolist(), r["prompt_len"]) for r in rs], layers)
+
+        if rank == 0:  # only rank 0 evaluates
+            eval_recs = [x for i in range(0, len(eval_recs), batch_size) for x in featurize(eval_recs[i: i + batch_size])]
     H = int(meta["hidden_size"])
     cached = list(meta["feature_layers"])
     if any(i not in cached for i in layers):
@@ -211,7 +240,8 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         if rank != 0:
             return
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
-                    "elapsed": elapsed0 + time.time() - t0, "cfg": cfg, "tokens_seen": seen}, state_path)
+                    "elapsed": elapsed0 + time.time() - t0, "cfg": cfg, "tokens_seen": seen,
+                    "records": len(recs)}, state_path)
         klass.save_trained(model, out_dir, cfg)
         write_learning_curve(run_dir / "log.jsonl", out_dir)
 
@@ -236,7 +266,8 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         for bi in batches[max(0, skip):]:
             if step >= total:
                 break
-            batch = collate([train_recs[i] for i in bi], target.device)
+            batch_recs = [train_recs[i] for i in bi]
+            batch = collate(featurize(batch_recs) if online else batch_recs, target.device)
             seen += sum(len(train_recs[i]["ids"]) for i in bi) * world
             cur_lr = lr_at(step, total, lr, warmup)
             for gr in opt.param_groups:

@@ -115,6 +115,11 @@ def test_training_cache_from_onpolicy_ids(tmp_path, target):
         assert r["top_ids"][p - 1: len(ids) - 1, 0].tolist() == ids[p:].tolist()
     with pytest.raises(ConfigError, match="another target"):
         OP.training_cache(tiny_target("llama", vocab_size=96, seed=1), tmp_path / "ds", "y", folder=tmp_path / "c2")
+    # a cache for the shards added later holds exactly the prompts from that index on
+    late = OP.training_cache(target, tmp_path / "ds", "z", batch_size=4, layers=[1, 3], topk=4,
+                             folder=tmp_path / "c3", log=lambda *_: None, from_index=3)
+    want = sorted(r["ids"].tolist() for r in OP.read(tmp_path / "ds") if r["prompt_index"] >= 3)
+    assert sorted(r["ids"].tolist() for r in TD.load_records(late)[0]) == want and len(want) == 3
 
 
 def test_merge_a_dataset_made_elsewhere(tmp_path, target):
@@ -151,3 +156,42 @@ def test_gpu_generation_script_runs_on_cpu(tmp_path, smollm2):
     assert min(e["first"] for e in man["shards"] if e["kind"] == "greedy") == start
     recs = OP.read(out)
     assert recs and all(r["prompt_index"] >= start for r in recs if r["kind"] == "greedy")
+
+
+def test_online_training_recomputes_the_cache_features(tmp_path, target, monkeypatch):
+    """``train(online=True)`` feeds each step the features and soft labels the cache holds for the same ids
+    (computed in other batches, so padding must not leak), and it learns: the held-out loss goes down."""
+    from graft_block import train_data as TD
+    from graft_block import training as T
+
+    OP.generate(target, tmp_path / "ds", 0, 12, chunk=6, max_new=16, prompts=prompts(), log=lambda *_: None)
+    cache = OP.training_cache(target, tmp_path / "ds", "x", batch_size=4, layers=[1, 3],
+                              folder=tmp_path / "cache", log=lambda *_: None)
+    cached = {tuple(r["ids"].tolist()): r for r in TD.load_records(cache)[0]}
+    fed = []
+    monkeypatch.setattr(T, "collate", lambda recs, device: fed.extend(recs) or TD.collate(recs, device))
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "num_anchors": 8, "mask_token_id": 95, "block_size": 4}
+    res = T.train("dflash", target, str(tmp_path / "ds"), tmp_path / "ck", tmp_path / "run", cfg=cfg,
+                  init="random", steps=30, lr=3e-3, batch_size=4, holdout=3, eval_every=0, online=True,
+                  log=lambda *_: None)
+    assert len(fed) >= 30  # every step and both evaluations went through collate
+    for rec in fed:
+        ref = cached[tuple(rec["ids"].tolist())]
+        assert rec["prompt_len"] == ref["prompt_len"]
+        assert rec["feats"].shape == ref["feats"].shape == (len(rec["ids"]), 2 * target.hidden_size)
+        assert torch.allclose(rec["feats"].float(), ref["feats"].float(), atol=1e-2, rtol=1e-2)
+        assert torch.equal(rec["top_ids"][:, 0], ref["top_ids"][:, 0])
+        assert torch.allclose(rec["top_logp"].float(), ref["top_logp"].float(), atol=1e-2)
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert res["step"] == 30 and log[-1]["eval"]["loss"] < log[0]["eval"]["loss"] - 0.3, (log[0], log[-1])
+    with pytest.raises(ConfigError, match="draft"):
+        T.train("dflash", target, str(tmp_path / "ds"), tmp_path / "ck2", tmp_path / "run2", cfg=cfg,
+                init="random", steps=1, holdout=2, draft_vocab_size=32, online=True, log=lambda *_: None)
+    with pytest.raises(ConfigError, match="another target"):
+        T.train("dflash", tiny_target("llama", vocab_size=96, seed=1), str(tmp_path / "ds"), tmp_path / "ck3",
+                tmp_path / "run3", cfg=cfg, init="random", steps=1, holdout=2, online=True, log=lambda *_: None)
+    # the data grew since the run started: resuming would reshuffle its held-out split, so it is refused
+    OP.generate(target, tmp_path / "ds", 12, 6, chunk=6, max_new=16, prompts=prompts(18), log=lambda *_: None)
+    with pytest.raises(ConfigError, match="held-out split"):
+        T.train("dflash", target, str(tmp_path / "ds"), tmp_path / "ck", tmp_path / "run", cfg=cfg, steps=40,
+                batch_size=4, holdout=3, resume=True, online=True, log=lambda *_: None)
