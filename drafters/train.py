@@ -119,7 +119,8 @@ def main(argv=None):
                 holdout=args.holdout, eval_every=args.eval_every,
                 time_limit_s=None if args.minutes is None else args.minutes * 60, resume=args.resume,
                 seed=args.seed, draft_vocab_size=args.draft_vocab, limit=args.limit, steps=args.steps,
-                online=args.online, kinds=args.kinds.split(",") if args.kinds else None, log=lambda s: print(s, flush=True))
+                online=args.online, kinds=args.kinds.split(",") if args.kinds else None,
+                log=lambda s: print(s, flush=True))
     print(json.dumps(res))
 
 

@@ -21,7 +21,8 @@ on together (``data="a,b"``); the held-out sequences are the first ones of the f
 Design choice: features are cached by default, and ``training.train(online=True)`` recomputes them inside each
 step instead. Measured on 2 CPU cores (SmolLM2, DFlash, 2026-12-02, alone): building the cache 489 tok/s, a
 cached training step 689 tok/s, an online step 274 tok/s. So E epochs cost 2.04 + 1.45 E ms per token cached
-and 3.65 E online: online wins below ~0.9 epoch (and needs no disk), the cache from one epoch on. The default layer list is the union that both block drafters need:
+and 3.65 E online: online wins below ~0.9 epoch (and needs no disk), the cache from one epoch on.
+The default layer list is the union that both block drafters need:
 DFlash ``target_layer_ids`` [1, 14, 26] = hidden_states [2, 15, 27] = EAGLE3's "layers 2, N//2, N-3" for SmolLM2.
 A trainer asking for other layers gets a clear error naming the cached layers (regenerate with ``--layers``).
 """

@@ -159,11 +159,12 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
           log_every: int = 10, time_limit_s: float | None = None, resume: bool = False, seed: int = 0,
           draft_vocab_size: int | None = None, limit: int | None = None, steps: int | None = None,
           online: bool = False, kinds: list[str] | None = None, log=print) -> dict:
-    """Train ``drafter_type``'s ``training_model`` on cached (or ``online``) data; save its public checkpoint to ``out_dir`` and
-    the resumable state (``state.pt``) and ``log.jsonl`` to ``run_dir``. ``steps`` (when given) fixes the number of
-    optimiser steps instead of ``epochs`` (equal-step comparisons). ``online``: ``data`` names on-policy dataset
-    folders (``graft_block.onpolicy``, comma-separated; ``kinds`` selects shard kinds) and each batch's features
-    and soft labels come from a target forward inside the step instead of a cache. Returns the final eval metrics."""
+    """Train ``drafter_type``'s ``training_model`` on cached (or ``online``) data; save its public checkpoint to
+    ``out_dir`` and the resumable state (``state.pt``) and ``log.jsonl`` to ``run_dir``. ``steps`` (when given)
+    fixes the number of optimiser steps instead of ``epochs`` (equal-step comparisons). ``online``: ``data`` names
+    on-policy dataset folders (``graft_block.onpolicy``, comma-separated; ``kinds`` selects shard kinds) and each
+    batch's features and soft labels come from a target forward inside the step instead of a cache. Returns the
+    final eval metrics."""
     from .drafter import drafter_class
 
     klass = drafter_class(drafter_type)
@@ -208,7 +209,8 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             return teacher_forced_records(target, [(r["ids"].tolist(), r["prompt_len"]) for r in rs], layers)
 
         if rank == 0:  # only rank 0 evaluates
-            eval_recs = [x for i in range(0, len(eval_recs), batch_size) for x in featurize(eval_recs[i: i + batch_size])]
+            eval_recs = [x for i in range(0, len(eval_recs), batch_size)
+                         for x in featurize(eval_recs[i: i + batch_size])]
     H = int(meta["hidden_size"])
     cached = list(meta["feature_layers"])
     if any(i not in cached for i in layers):
