@@ -32,6 +32,7 @@ import json
 import os
 import random
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
@@ -62,8 +63,23 @@ def train_prompts(target, max_prompt_tokens: int, limit: int | None = None) -> l
     return out
 
 
-def _layer_modules(model, layers: Sequence[int]):
-    return [feature_module(model, i) for i in layers]
+@contextmanager
+def hooked_features(model, layers: Sequence[int]):
+    """While open, the dict it yields holds each of ``layers``' latest output (HF hidden_states indices, keyed by
+    position in ``layers``): the features a drafter trains on, captured by forward hooks."""
+    captured: dict[int, torch.Tensor] = {}
+
+    def keep(j):
+        def hook(_m, _i, out):
+            captured[j] = (out[0] if isinstance(out, tuple) else out).detach()
+        return hook
+
+    hooks = [feature_module(model, i).register_forward_hook(keep(j)) for j, i in enumerate(layers)]
+    try:
+        yield captured
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def _pending_batches(order, meta: dict, time_limit_s, log, max_shards: int | None = None):
@@ -117,15 +133,7 @@ def answer_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], l
         ids[r, P - len(p):] = torch.tensor(p)
         mask[r, P - len(p):] = 1
     ids, mask = ids.to(dev), mask.to(dev)
-    captured: dict[int, torch.Tensor] = {}
-
-    def make_hook(j):
-        def hook(_m, _i, out):
-            captured[j] = (out[0] if isinstance(out, tuple) else out).detach()
-        return hook
-
-    hooks = [m.register_forward_hook(make_hook(j)) for j, m in enumerate(_layer_modules(model, layers))]
-    try:
+    with hooked_features(model, layers) as captured:
         cache = DynamicCache(config=model.config)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
@@ -150,9 +158,6 @@ def answer_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], l
             nxt = pick(logp)
             gen.append(nxt.cpu())
             done |= torch.tensor([int(t) in eos for t in nxt.tolist()])
-    finally:
-        for h in hooks:
-            h.remove()
     gen_t = torch.stack(gen, 1)  # [b, S]
     feats = torch.cat(feats_steps, 1) if layers else None  # [b, P + S - 1, F]
     top_i = torch.stack([t[0] for t in top_steps], 1)  # [b, S, k]: step s = distribution of generated token s
@@ -384,21 +389,14 @@ def teacher_forced_records(target, seqs: list[tuple[list[int], int]], layers: Se
     """One padded target forward over (ids, prompt_len) sequences: the records ``collate`` reads (hooked features
     of ``layers``, top-k soft labels, and with ``labels`` the target's argmax). Used by ``forward_cache`` and by
     online training (``train(..., online=True)``)."""
-    mods = _layer_modules(target.model, layers)
-    captured: dict[int, torch.Tensor] = {}
-    hooks = [m.register_forward_hook(lambda _m, _i, o, j=j: captured.__setitem__(j, o[0] if isinstance(o, tuple)
-                                                                                 else o)) for j, m in enumerate(mods)]
-    try:
-        L = max(len(s) for s, _ in seqs)
-        ids = torch.zeros((len(seqs), L), dtype=torch.long)
-        att = torch.zeros((len(seqs), L), dtype=torch.long)
-        for r, (s, _) in enumerate(seqs):
-            ids[r, : len(s)] = torch.as_tensor(s)
-            att[r, : len(s)] = 1
+    L = max(len(s) for s, _ in seqs)
+    ids = torch.zeros((len(seqs), L), dtype=torch.long)
+    att = torch.zeros((len(seqs), L), dtype=torch.long)
+    for r, (s, _) in enumerate(seqs):
+        ids[r, : len(s)] = torch.as_tensor(s)
+        att[r, : len(s)] = 1
+    with hooked_features(target.model, layers) as captured:
         logits = target.model(input_ids=ids.to(target.device), attention_mask=att.to(target.device)).logits
-    finally:
-        for h in hooks:
-            h.remove()
     feats = torch.cat([captured[j] for j in range(len(layers))], -1).half().cpu()
     logits = logits.float()
     tv, ti = logits.topk(topk, -1)
