@@ -213,6 +213,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                          for x in featurize(eval_recs[i: i + batch_size])]
     H = int(meta["hidden_size"])
     cached = list(meta["feature_layers"])
+    layers = layers or cached  # a drafter that names no layers takes all the data holds
     if any(i not in cached for i in layers):
         raise ConfigError(f"training data caches hidden_states {cached}; the drafter needs {layers}: regenerate "
                           "the data with --layers covering them")
