@@ -72,7 +72,10 @@ def main(argv=None):
     ap.add_argument("--holdout", type=int, default=24)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--minutes", type=float, default=None, help="training wall-clock limit")
-    ap.add_argument("--draft-vocab", type=int, default=None, help="restrict the draft softmax to N frequent ids")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="restrict the draft softmax to the data's N most frequent ids; with --init, add them to "
+                         "the checkpoint's draft vocabulary (its ids stay; new EAGLE3 LM-head rows start from the "
+                         "target's, mapped onto the trained rows)")
     ap.add_argument("--limit", type=int, default=None, help="use at most N cached sequences")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--online", action="store_true",

@@ -2,7 +2,7 @@
 # MFD for SmolLM2, the whole recipe: sampled multi-future data, then K = 1, 2, 4, 8 from the DFlash default with the
 # same data, steps, schedule, anchors and seed (K = 1 is the DDTree control). See
 # drafters/checkpoints/mfd-smollm2/TRAINING.md for the measured log. Usage:
-#   [DATA=...] [STEPS=...] [INIT=dflash folder] scripts/train_mfd_sweep.sh [OUT_ROOT] [K ...]
+#   [DATA=...] [STEPS=...] [LR=...] [INIT=dflash folder] scripts/train_mfd_sweep.sh [OUT_ROOT] [K ...]
 #   (default: runs/mfd-sweep, K = 1 2 4 8)
 # The K = 4 and K = 1 results are the bundled mfd-smollm2 and mfd-smollm2-k1 (copy OUT_ROOT/k4/ckpt and k1/ckpt).
 set -euo pipefail
@@ -12,6 +12,7 @@ shift || true
 KS=${*:-1 2 4 8}
 DATA=${DATA:-onpolicy-sampled-v2}
 STEPS=${STEPS:-200}
+LR=${LR:-3e-4}   # peak learning rate (warmup then cosine)
 INIT=${INIT:-drafters/checkpoints/dflash-smollm2}   # the DFlash weights every K starts from
 # 1) features of the committed multi-future data: SmolLM2's own answers to ShareGPT train prompts at the paper's
 #    sampling (T=0.7, top-p 0.8, top-k 20), four per prompt, so one context carries several futures
@@ -22,6 +23,6 @@ python -m graft_block.drafters.train --generate --from-onpolicy drafters/data/sm
 # 2) one run per K; --steps fixes the step count, so every K sees the same sequences in the same order
 for K in $KS; do
     python -m graft_block.drafters.train --type mfd --data $DATA --threads 2 --init $INIT \
-        --config "{\"num_modes\": $K, \"num_anchors\": 8, \"mode_init_scale\": 0.6}" --steps $STEPS --lr 3e-4 \
+        --config "{\"num_modes\": $K, \"num_anchors\": 8, \"mode_init_scale\": 0.6}" --steps $STEPS --lr $LR \
         --batch-size 4 --holdout 16 --eval-every 40 --seed 0 --out $OUT/k$K/ckpt --run $OUT/k$K
 done

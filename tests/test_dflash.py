@@ -180,6 +180,17 @@ def test_checkpoint_with_draft_vocab_round_trip(tmp_path, tiny_llama):
     assert set(d2.last_block_logprobs[0].flatten().tolist()) <= set(vocab.tolist())
 
 
+def test_continuing_with_a_draft_vocab_adds_ids_and_keeps_the_checkpoints(tmp_path, tiny_llama):
+    from graft_block.drafters.dflash.training import training_model
+
+    vocab = torch.tensor([1, 4, 9, 16, 25])
+    D.save_checkpoint(D.new_model(tiny_llama, 1, 6, [1], 127, draft_vocab=vocab), tmp_path / "ck",
+                      dtype=torch.float32, extra={"type": "dflash"})
+    grown = training_model(tiny_llama, {"draft_vocab": [2, 4, 100]}, str(tmp_path / "ck"))
+    assert grown.draft_vocab.tolist() == [1, 2, 4, 9, 16, 25, 100]  # the LM head is the target's: no new weights
+    assert training_model(tiny_llama, {}, str(tmp_path / "ck")).draft_vocab.tolist() == vocab.tolist()
+
+
 def _zlab_folder(path, target, layer_ids=(0, 2), n_layers=2, block_in_dflash_config=False, hidden=None,
                  rope_theta=1000000.0, attention_bias=False, extra=None):
     """A checkpoint written by hand in exactly z-lab's format (Qwen3-like tiny shapes, bf16, no embeddings/head).

@@ -17,6 +17,7 @@ from graft_block.drafters.eagle3 import (
     soft_labels,
     ttt_forward,
     warm_start,
+    widen_draft_vocab,
 )
 from graft_block.decoder import DecodeState, SpeculativeDecoder
 from graft_block.sampling import SamplingConfig
@@ -523,3 +524,32 @@ def test_continuing_a_checkpoint_in_place_keeps_its_tree_defaults(tiny_llama, tm
     Eagle3Drafter.save_trained(model, fresh, {})
     assert json.loads((fresh / "config.json").read_text())["drafter_defaults"] == {"budget": 15, "depth": 5,
                                                                                     "top_k": 8}
+
+
+def test_widening_the_draft_vocab_keeps_trained_rows(tiny_llama, tmp_path):
+    t = tiny_llama
+    head = make_head(t, draft_vocab=80, seed=3)
+    with torch.no_grad():  # a "trained" head: its rows are a fixed linear map of the target's (80 rows > 64 dims)
+        mix = torch.randn(t.hidden_size, t.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.3
+        W = t.model.get_output_embeddings().weight.detach().float()
+        head.lm_head.weight.copy_(W[torch.arange(80) + head.d2t] @ mix)
+    old = (torch.arange(80) + head.d2t).tolist()
+    add = [i for i in range(t.vocab_size) if i not in old][:24] + old[:5]  # 24 new ids, 5 already there
+    wide = widen_draft_vocab(head, t, torch.tensor(add))
+    used = (torch.arange(wide.cfg.draft_vocab_size) + wide.d2t).tolist()
+    assert wide.cfg.draft_vocab_size == 104 and used == sorted(set(old) | set(add))
+    assert int(wide.t2d.sum()) == 104 and bool(wide.t2d[used].all())
+    rows = dict(zip(used, wide.lm_head.weight))
+    assert all(torch.equal(rows[i], r) for i, r in zip(old, head.lm_head.weight))  # trained rows untouched
+    new = [i for i in used if i not in old]
+    assert torch.allclose(torch.stack([rows[i] for i in new]), W[new] @ mix, atol=1e-3)  # the fitted map
+    out = torch.randn(1, 5, t.hidden_size)  # any pre-norm state: old ids' logits must not move
+    assert torch.equal(wide.logits(out)[..., [used.index(i) for i in old]], head.logits(out))
+    save_head(wide, tmp_path)  # round-trips through the strict loader
+    assert load_head(tmp_path, t).cfg.draft_vocab_size == 104
+    # through training: --draft-vocab with --init adds the data's ids and keeps the checkpoint's
+    save_head(head, tmp_path / "init")
+    grown = Eagle3Drafter.training_model(t, {"draft_vocab": add}, str(tmp_path / "init"))
+    assert (torch.arange(104) + grown.d2t.cpu()).tolist() == used
+    with pytest.raises(ConfigError, match="outside the target vocabulary"):
+        widen_draft_vocab(head, t, torch.tensor([t.vocab_size]))

@@ -35,6 +35,7 @@ from .training import (
     ttt_forward,
     ttt_loss,
     warm_start,
+    widen_draft_vocab,
 )
 
 __all__ = [
@@ -42,5 +43,5 @@ __all__ = [
     "Eagle3Head", "Eagle3Layer", "Eagle3MLP", "build_draft_vocab", "check_against_target", "check_vocab_map",
     "default_feature_layers", "head_config_for", "head_from_state_dict", "is_eagle3_config", "load_head",
     "prefix_mask", "read_state_dict", "resolve_checkpoint", "response_token_counts", "save_head", "soft_labels",
-    "training_head", "ttt_forward", "ttt_loss", "warm_start",
+    "training_head", "ttt_forward", "ttt_loss", "warm_start", "widen_draft_vocab",
 ]

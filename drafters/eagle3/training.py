@@ -2,6 +2,7 @@
 the draft vocabulary from cached training data."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -105,10 +106,12 @@ def ttt_loss(head: Eagle3Head, emb_fn, ids, feats, top_ids, top_logp, loss_mask,
         if n <= 0:
             break
         rows = slice(start + 1 + k, start + 1 + k + n)
-        m = lm[:, start + 2 + k: start + 2 + k + n] & inside[:, rows]
-        cnt = int(m.sum())
+        trained = lm[:, start + 2 + k: start + 2 + k + n]
+        m = trained & inside[:, rows]
+        cnt, cnt_all = int(m.sum()), int(trained.sum())
         if k == 0:
             metrics["rows"] = float(cnt)
+            metrics["vocab_cover"] = cnt / max(cnt_all, 1)  # rows whose target argmax the draft vocab can emit
         if cnt == 0:
             continue
         p = probs_all[:, rows][m]
@@ -116,7 +119,9 @@ def ttt_loss(head: Eagle3Head, emb_fn, ids, feats, top_ids, top_logp, loss_mask,
         lk = -(p * logq).sum(-1).mean()
         total = total + (decay ** k) * lk
         metrics[f"loss_{k}"] = float(lk.detach())
-        metrics[f"acc_{k}"] = float((logq.argmax(-1) == p.argmax(-1)).float().mean())
+        hits = (logq.argmax(-1) == p.argmax(-1)).float()
+        metrics[f"acc_{k}"] = float(hits.mean())  # over rows the draft vocab covers
+        metrics[f"acc_all_{k}"] = float(hits.sum()) / max(cnt_all, 1)  # over every trained row
     metrics["loss"] = float(total.detach())
     return total, metrics
 
@@ -206,10 +211,46 @@ def response_token_counts(data: Any, vocab_size: int, skip: int = 0) -> torch.Te
     return counts
 
 
+@torch.no_grad()
+def widen_draft_vocab(head: Eagle3Head, target, add_ids: torch.Tensor) -> Eagle3Head:
+    """A copy of a trained ``head`` whose draft vocabulary also holds ``add_ids`` (target ids). Every old id keeps its
+    trained LM-head row. A new id's row is the target's LM-head row mapped by the least-squares linear map that
+    takes the target's rows to the trained rows over the old ids, so it starts on the trained head's scale and
+    basis instead of at random."""
+    old = torch.arange(head.cfg.draft_vocab_size) + head.d2t.cpu()
+    add_ids = add_ids.long().cpu()
+    if bool(((add_ids < 0) | (add_ids >= head.cfg.vocab_size)).any()):
+        raise ConfigError(f"draft_vocab holds ids outside the target vocabulary 0..{head.cfg.vocab_size - 1}")
+    used = torch.unique(torch.cat([old, add_ids]))  # sorted, as EAGLE's d2t needs
+    if used.numel() == old.numel():
+        return head
+    cfg = dataclasses.replace(head.cfg, draft_vocab_size=int(used.numel()))
+    wide = Eagle3Head(cfg, with_embedding=getattr(head, "embed_tokens", None) is not None).to(head.lm_head.weight)
+    state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    missing, unexpected = wide.load_state_dict(state, strict=False)
+    assert set(missing) == {"lm_head.weight", "d2t", "t2d"} and not unexpected, (missing, unexpected)
+    wide.d2t.copy_(used - torch.arange(used.numel()))
+    wide.t2d.zero_()
+    wide.t2d[used] = True
+    target_rows = target.model.get_output_embeddings().weight.detach().float().cpu()
+    trained = head.lm_head.weight.detach().float().cpu()
+    src = target_rows[old]
+    rows = target_rows[used] @ torch.linalg.lstsq(src, trained).solution  # [H, H] map, rank-deficiency safe
+    keep = torch.searchsorted(used, old)
+    rows[keep] = trained
+    wide.lm_head.weight.copy_(rows.to(wide.lm_head.weight))
+    for name in ("feature_layers", "ttt_steps"):
+        if hasattr(head, name):
+            setattr(wide, name, getattr(head, name))
+    return wide
+
+
 def training_head(target, cfg: dict, init: str | None = None) -> Eagle3Head:
     """A trainable head for ``target`` (``Eagle3Drafter.training_model``; see its docstring for ``cfg``)."""
     if init not in (None, "target", "random"):
         head = load_head(resolve_checkpoint(init), target)
+        if cfg.get("draft_vocab") is not None:
+            head = widen_draft_vocab(head, target, torch.as_tensor(cfg["draft_vocab"], dtype=torch.long))
     else:
         if cfg.get("draft_vocab") is not None:
             used = torch.as_tensor(cfg["draft_vocab"], dtype=torch.long)
