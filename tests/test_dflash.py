@@ -186,8 +186,10 @@ def test_continuing_with_a_draft_vocab_adds_ids_and_keeps_the_checkpoints(tmp_pa
     vocab = torch.tensor([1, 4, 9, 16, 25])
     D.save_checkpoint(D.new_model(tiny_llama, 1, 6, [1], 127, draft_vocab=vocab), tmp_path / "ck",
                       dtype=torch.float32, extra={"type": "dflash"})
-    grown = training_model(tiny_llama, {"draft_vocab": [2, 4, 100]}, str(tmp_path / "ck"))
+    cfg = {"draft_vocab": [2, 4, 100]}
+    grown = training_model(tiny_llama, cfg, str(tmp_path / "ck"))
     assert grown.draft_vocab.tolist() == [1, 2, 4, 9, 16, 25, 100]  # the LM head is the target's: no new weights
+    assert training_model(tiny_llama, cfg, None).draft_vocab.tolist() == grown.draft_vocab.tolist()  # a resume
     assert training_model(tiny_llama, {}, str(tmp_path / "ck")).draft_vocab.tolist() == vocab.tolist()
 
 

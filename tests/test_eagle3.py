@@ -549,7 +549,11 @@ def test_widening_the_draft_vocab_keeps_trained_rows(tiny_llama, tmp_path):
     assert load_head(tmp_path, t).cfg.draft_vocab_size == 104
     # through training: --draft-vocab with --init adds the data's ids and keeps the checkpoint's
     save_head(head, tmp_path / "init")
-    grown = Eagle3Drafter.training_model(t, {"draft_vocab": add}, str(tmp_path / "init"))
+    cfg = {"draft_vocab": add}
+    grown = Eagle3Drafter.training_model(t, cfg, str(tmp_path / "init"))
     assert (torch.arange(104) + grown.d2t.cpu()).tolist() == used
+    resumed = Eagle3Drafter.training_model(t, cfg, None)  # a resume rebuilds from the run state's cfg, no init
+    resumed.load_state_dict(grown.state_dict())
+    assert (torch.arange(104) + resumed.d2t.cpu()).tolist() == used
     with pytest.raises(ConfigError, match="outside the target vocabulary"):
         widen_draft_vocab(head, t, torch.tensor([t.vocab_size]))

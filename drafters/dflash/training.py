@@ -68,7 +68,9 @@ def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:
     if init not in (None, "random", "target"):
         model = load_checkpoint(init, device=target.device, dtype=torch.float32)
         if model.draft_vocab is not None:  # a checkpoint's vocabulary only grows: its ids stay, cfg's are added
-            vocab = model.draft_vocab.cpu() if vocab is None else torch.unique(torch.cat([model.draft_vocab.cpu(), vocab]))
+            own = model.draft_vocab.cpu()
+            vocab = own if vocab is None else torch.unique(torch.cat([own, vocab]))
+            cfg["draft_vocab"] = vocab.tolist()  # the run state keeps cfg: a resume rebuilds this vocabulary
     else:
         ids = opts["target_layer_ids"] or build_target_layer_ids(target.num_layers, 3)
         mask = opts["mask_token_id"] if opts["mask_token_id"] is not None else target.vocab_size - 1

@@ -251,6 +251,8 @@ def training_head(target, cfg: dict, init: str | None = None) -> Eagle3Head:
         head = load_head(resolve_checkpoint(init), target)
         if cfg.get("draft_vocab") is not None:
             head = widen_draft_vocab(head, target, torch.as_tensor(cfg["draft_vocab"], dtype=torch.long))
+            # the run state keeps cfg: a resume (no init) rebuilds exactly this vocabulary
+            cfg["draft_vocab"] = (torch.arange(head.cfg.draft_vocab_size) + head.d2t.cpu()).tolist()
     else:
         if cfg.get("draft_vocab") is not None:
             used = torch.as_tensor(cfg["draft_vocab"], dtype=torch.long)
