@@ -239,9 +239,6 @@ def widen_draft_vocab(head: Eagle3Head, target, add_ids: torch.Tensor) -> Eagle3
     keep = torch.searchsorted(used, old)
     rows[keep] = trained
     wide.lm_head.weight.copy_(rows.to(wide.lm_head.weight))
-    for name in ("feature_layers", "ttt_steps"):
-        if hasattr(head, name):
-            setattr(wide, name, getattr(head, name))
     return wide
 
 
