@@ -1,9 +1,36 @@
-"""Pieces shared by the drafter models (EAGLE3, DFlash, MFD): RMSNorm and rotary position embedding (``Rotary``
-for cos/sin, ``apply_rope`` to rotate)."""
+"""Pieces shared by the drafter models (EAGLE3, DFlash, MFD): RMSNorm, rotary position embedding (``Rotary``
+for cos/sin, ``apply_rope`` to rotate) and ``Linear``, which runs the target engine's product kernel."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from graft_block.engine import inference_linear
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and checkpoint keys) whose no-grad forward runs ``kernel`` when one is set
+    (``use_kernel``): drafting is a few rows per product, where the target engine's kernel choice matters as
+    much as for the verify. Training (gradients on) is plain ``F.linear``."""
+
+    kernel: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None:
+            return F.linear(x, self.weight, self.bias)
+        return inference_linear(x, self.weight, self.bias, self.kernel, self.__dict__.setdefault("_laid_out", {}))
+
+
+def use_kernel(module: nn.Module, kernel: str | None) -> None:
+    """Every linear layer in ``module`` runs its no-grad forwards through ``kernel`` (None: ``F.linear``): a plain
+    ``nn.Linear`` (also inside transformers' modules) becomes a ``Linear``, a class swap that adds no parameter;
+    a module with its own ``kernel`` attribute (DFlash's LM-head product) takes it too."""
+    for m in module.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = Linear
+        if isinstance(m, Linear) or "kernel" in vars(type(m)):
+            m.kernel = kernel
 
 
 class RMSNorm(nn.Module):

@@ -21,9 +21,10 @@ import statistics
 import sys
 import time
 
+import graft_block  # noqa: F401 - first: it sets the BLAS thread policy before numpy loads
 import torch
 
-from graft_block.engine import blas_weight, device_name, linear, torch_threads
+from graft_block.engine import device_name, kernel_weight, linear, torch_threads
 from graft_block.errors import ConfigError
 from graft_block.eval import machine, measure
 
@@ -97,28 +98,37 @@ def copy_bandwidth(device: torch.device, mb: int, reps: int = 5) -> float:
     return 2 * src.numel() * 4 / s / 1e9
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 3) -> float:
-    """Practical GFLOP/s: one n x n by n x n product (2 n^3 FLOPs)."""
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 3, kernels=()) -> float:
+    """Practical GFLOP/s: one n x n by n x n product (2 n^3 FLOPs), the best of ``torch.mm`` and the engine's own
+    ``kernels`` ("openblas", "onednn"; on AMD, MKL's torch.mm stays well below oneDNN)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    s = _median_s(lambda: torch.mm(a, b), device, reps)
-    return 2 * n**3 / s / 1e9
+    best = _median_s(lambda: torch.mm(a, b), device, reps)
+    for k in kernels:
+        w = kernel_weight(b, k)
+        with torch_threads(1 if k == "openblas" else None):
+            best = min(best, _median_s(lambda: linear(a[None], b, None, w), device, reps))
+    return 2 * n**3 / best / 1e9
 
 
 def linear_sweep(weights, sizes, device: torch.device, dtype: torch.dtype, reps: int = 3,
-                 kernel: str = "torch") -> dict[int, float]:
+                 kernel: str = "torch", kernel_1row: str | None = None) -> dict[int, float]:
     """Median seconds of an [n, in] input through every weight, per row count n, with the lean forward's own
-    ``linear``: ``F.linear`` (kernel "torch" or "mkl"), or numpy's OpenBLAS ("openblas": torch on one thread)."""
+    ``linear``: ``F.linear`` (kernel "torch" or "mkl"), numpy's OpenBLAS ("openblas": torch on one thread) or
+    oneDNN on reordered weights ("onednn"); ``kernel_1row`` at n = 1 (default: ``kernel``)."""
     out = {}
-    arrays = [blas_weight(w) for w, _ in weights] if kernel == "openblas" else [None] * len(weights)
+    laid_out = {}
     for n in sizes:
+        k = (kernel_1row or kernel) if n == 1 else kernel
+        if k not in laid_out:
+            laid_out[k] = [kernel_weight(w, k) for w, _ in weights]
         xs = {w.shape[1]: torch.randn(1, n, w.shape[1], device=device).to(dtype) for w, _ in weights}
 
         def stack():
-            for (w, b), a in zip(weights, arrays):
+            for (w, b), a in zip(weights, laid_out[k]):
                 linear(xs[w.shape[1]], w, b, a)
 
-        with torch_threads(1 if kernel == "openblas" else None):
+        with torch_threads(1 if k == "openblas" else None):
             out[int(n)] = _median_s(stack, device, reps)
     return out
 
@@ -141,13 +151,16 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
     guard.before()
     with guard.measure():
         bw = copy_bandwidth(dev, copy_mb)
-    with guard.measure():
-        peak = matmul_peak(dev, dtype, peak_n)
     weights = linear_weights(target.model)
     lean = getattr(target, "lean", None)
     kernel = getattr(lean, "gemm", None) or "torch"  # the products as the engine runs them
+    own = ("openblas", "onednn")
+    one = getattr(lean, "gemm_1row", kernel)
     with guard.measure():
-        lin = linear_sweep(weights, sizes, dev, dtype, reps, kernel="openblas" if kernel == "openblas" else "torch")
+        peak = matmul_peak(dev, dtype, peak_n, kernels=sorted({kernel, one} & set(own)))
+    with guard.measure():
+        lin = linear_sweep(weights, sizes, dev, dtype, reps, kernel=kernel if kernel in own else "torch",
+                           kernel_1row=one if one in own else "torch")
     if curve is None:
         with guard.measure():
             curve = measure.verify_cost_curve(target, sizes, context, verify_reps, cache=cache, fresh=fresh)
@@ -187,7 +200,7 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
         non_gemm = (eager["a_s"][1] - lin[1]) / eager["a_s"][1] if 1 in eager["a_s"] else non_gemm
     return {"target": str(target.name), "device": str(dev), "device_name": device_name(dev),
             "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "engine": measure.engine_label(target), "gemm": kernel,
+            "engine": measure.engine_label(target), "gemm": getattr(lean, "kernel_label", kernel),
             "gemm_times": getattr(lean, "gemm_times", None), "bandwidth_gbs": bw, "copy_mb": copy_mb, "peak_gflops": peak,
             "peak_n": peak_n, "linear": {"count": len(weights), "params": sum(w.numel() for w, _ in weights),
                                          "bytes": nbytes, "mem_floor_ms": 1e3 * mem_floor},

@@ -62,7 +62,7 @@ class Target:
             raise ConfigError(f"engine must be 'auto', 'lean' or 'hf', got {engine!r}")
         if engine == "auto":
             engine = "hf" if unsupported_reason(model) else "lean"
-        # gemm (lean, CPU fp32): "mkl" | "openblas" | None = measured once per machine (engine.choose_gemm)
+        # gemm (lean, CPU fp32): "mkl" | "openblas" | "onednn" | None = measured once per machine (engine.choose_gemm)
         self.lean = LeanForward(model, compile=compile, gemm=gemm) if engine == "lean" else None
         self.engine = engine
         self.compiled = bool(compile and engine == "lean")
@@ -73,7 +73,7 @@ class Target:
         ``lean-bfloat16`` (torch's own GEMM) or ``hf-sdpa-float32`` (keys cached costs)."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.lean is not None:
-            gemm = "" if self.lean.gemm == "torch" else f"{self.lean.gemm}-"
+            gemm = "" if self.lean.gemm == "torch" else f"{self.lean.kernel_label}-"
             return f"lean-{gemm}{dtype}" + ("+compile" if self.compiled else "")
         return f"hf-{getattr(self.config, '_attn_implementation', None) or 'default'}-{dtype}"
 

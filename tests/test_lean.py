@@ -19,19 +19,21 @@ ON_CPU = os.environ.get("GRAFT_BLOCK_TEST_DEVICE", "cpu") == "cpu"
 
 
 def _pair(arch, gemm=None, **kw):
-    if gemm == "openblas" and not ON_CPU:
-        pytest.skip("OpenBLAS is a CPU float32 kernel")
+    if gemm in ("openblas", "onednn") and not ON_CPU:
+        pytest.skip(f"{gemm} is a CPU float32 kernel choice")
     lean = tiny_target(arch, engine="lean", gemm=gemm if ON_CPU else None, **kw)
     return lean, Target(lean.model, None, name="hf", engine="hf")
 
 
 @pytest.mark.parametrize("arch,gemm", [("llama", "mkl"), ("qwen2", "mkl"), ("qwen3", "mkl"), ("mistral", "mkl"),
-                                       ("llama", "openblas"), ("qwen3", "openblas")])
+                                       ("llama", "openblas"), ("qwen3", "openblas"), ("llama", "onednn"),
+                                       ("qwen2", "onednn")])
 def test_logits_and_features_match_hf_for_every_tree_size(arch, gemm):
     """Sizes across the pack buckets: plain rows (1-2), padded to 8 (3-7), exactly 8, padded to 16, past 16; and
-    the same through OpenBLAS (no buckets)."""
+    the same through OpenBLAS and oneDNN (no buckets)."""
     lean, hf = _pair(arch, gemm=gemm)
     assert lean.lean.gemm == (gemm if ON_CPU else "torch") and (lean.lean.blas is not None) == (gemm == "openblas")
+    assert (lean.lean.dnn is not None) == (gemm == "onednn" and ON_CPU)
     assert lean.engine == "lean" and hf.engine == "hf"
     for t in (lean, hf):
         t.set_feature_layers([0, 2, 4])  # embeddings, a middle layer, the final norm
@@ -122,9 +124,14 @@ def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypat
            "openblas": {1: 26.0, 8: 51.0, 16: 60.0}}
     xeon = {"mkl": {1: 31.0, 8: 65.0, 16: 69.0}, "mkl_packed": {8: 46.0, 16: 56.0},
             "openblas": {1: 31.0, 8: 69.0, 16: 83.0}}
-    assert pick_gemm(amd) == ("openblas", ())
-    assert pick_gemm(xeon) == ("mkl", (8, 16))
-    assert pick_gemm({**xeon, "mkl_packed": {8: 46.0, 16: 80.0}}) == ("mkl", (8,))
+    assert pick_gemm(amd) == ("openblas", (), "openblas")
+    assert pick_gemm(xeon) == ("mkl", (8, 16), "mkl")  # OpenBLAS ties at 1 row: not worth a second copy
+    assert pick_gemm({**xeon, "mkl_packed": {8: 46.0, 16: 80.0}}) == ("mkl", (8,), "mkl")
+    zen4 = {**amd, "onednn": {1: 27.0, 8: 30.0, 16: 41.0}}  # far faster at 8-16 rows, within 10% at 1
+    assert pick_gemm(zen4) == ("onednn", (), "onednn")
+    zen4["onednn"][1] = 33.0  # OpenBLAS 21% faster at 1 row: one-row forwards get it
+    assert pick_gemm(zen4) == ("onednn", (), "openblas")
+    assert pick_gemm({**xeon, "onednn": {1: 20.0, 8: 30.0}}) == ("mkl", (8, 16), "mkl")  # not measured at 16
 
     import graft_block.engine as E
 
@@ -150,5 +157,80 @@ def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypat
         LeanForward(model, gemm="openblas", pack_rows=(8,))
     assert LeanForward(model, pack_rows=()).gemm == "openblas" and calls == [5, 5]  # cached again
     monkeypatch.setenv("GRAFT_BLOCK_GEMM", "fast")
-    with pytest.raises(ConfigError, match="GRAFT_BLOCK_GEMM must be one of mkl, openblas"):
+    with pytest.raises(ConfigError, match="GRAFT_BLOCK_GEMM must be one of mkl, openblas, onednn"):
         LeanForward(model)
+    monkeypatch.delenv("GRAFT_BLOCK_GEMM")
+    import graft_block
+
+    monkeypatch.setattr(graft_block, "OPENBLAS_TIMEOUT_LATE", True)  # numpy came first: OpenBLAS's threads spin
+    late = LeanForward(model)
+    assert late.gemm == late.gemm_1row == "mkl" and late.blas is None and calls == [5, 5, 5]  # own cache entry
+
+
+def test_drafter_linears_take_the_engine_kernel_and_follow_weight_updates():
+    """``use_kernel`` turns every nn.Linear (also inside transformers' modules) into a drafters ``Linear``
+    with the same parameters; without gradients it runs oneDNN on a kept layout, redone after an in-place
+    update; with gradients (training) it is F.linear and the gradient reaches the weight."""
+    from torch import nn
+    from torch.nn import functional as F
+
+    from graft_block.drafters.layers import Linear, use_kernel
+    from graft_block.engine import onednn_available
+
+    if not (ON_CPU and onednn_available("cpu", torch.float32)):
+        pytest.skip("oneDNN is a CPU float32 kernel")
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    net = nn.Sequential(lin, nn.ReLU())
+    keys = set(net.state_dict())
+    use_kernel(net, "onednn")
+    assert type(lin) is Linear and lin.kernel == "onednn" and set(net.state_dict()) == keys
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        y = net(x)
+        assert y.shape == (3, 5, 8) and torch.allclose(y, F.linear(x, lin.weight, lin.bias).relu(), atol=1e-5)
+        first = lin._laid_out["w"]
+        lin(x)
+        assert lin._laid_out["w"] is first  # kept, not laid out again per call
+        lin.weight.mul_(2)  # an in-place update (a load, an optimizer step) must be seen
+        assert torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5)
+        assert lin._laid_out["w"] is not first
+    lin(x).sum().backward()  # gradients on: F.linear
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+    use_kernel(net, None)
+    with torch.no_grad():
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_drafters_on_a_onednn_target_draft_through_it_and_stay_lossless(kind):
+    """A target whose engine runs oneDNN hands it to its drafter's products; greedy output stays the target's."""
+    from graft_block import Drafter
+    from graft_block.drafters.layers import Linear
+    from graft_block.engine import onednn_available
+
+    if not (ON_CPU and onednn_available("cpu", torch.float32)):
+        pytest.skip("oneDNN is a CPU float32 kernel")
+    t = tiny_target("llama", engine="lean", gemm="onednn")
+    if kind == "dflash":
+        d = Drafter.from_config({"type": "dflash", "num_layers": 2, "target_layer_ids": [0, 2], "block_size": 6,
+                                 "seed": 1, "proposal": "ddtree", "budget": 8}, target=t)
+    else:
+        from graft_block.drafters.eagle3 import Eagle3Drafter, Eagle3Head, build_draft_vocab, head_config_for, warm_start
+
+        torch.manual_seed(0)
+        head = Eagle3Head(head_config_for(t, 64))
+        d2t, t2d = build_draft_vocab(torch.rand(t.vocab_size, generator=torch.Generator().manual_seed(0)), 64)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+        warm_start(head, t)
+        d = Eagle3Drafter(t, head=head, budget=8, depth=3, top_k=3)
+    model = d.model if kind == "dflash" else d.head
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is Linear and m.kernel == "onednn" for m in linears)
+    dec = SpeculativeDecoder(t, d)
+    for prompt in ([3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 2]):
+        res = dec.generate(prompt, max_new_tokens=20)
+        assert res.tokens == hf_greedy(t, prompt, 20)
+    if kind == "dflash":
+        assert model._laid_out["w"] is not None  # the LM-head product ran through oneDNN too

@@ -16,10 +16,12 @@ from __future__ import annotations
 import torch
 
 from graft_block.drafter import Drafter, check_budget, register
+from graft_block.engine import drafter_kernel
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree, chain
 from graft_block.tree.ddtree import ddtree, topk_logprobs
 
+from ..layers import use_kernel
 from .checkpoint import check_compatible, is_dflash_layout, load_checkpoint, new_model, save_checkpoint
 from .model import DFlashModel
 from .training import training_loss, training_model
@@ -40,6 +42,7 @@ class DFlashDrafter(Drafter):
             raise ConfigError(f"proposal must be 'chain' or 'ddtree', got {proposal!r}")
         check_compatible(model, target)
         self.target, self.model, self.proposal = target, model.eval(), proposal
+        use_kernel(model, drafter_kernel(target))  # drafting runs the target engine's product kernel
         self.block_size = model.block_size if block_size is None else int(block_size)
         if not 2 <= self.block_size <= model.block_size:
             raise ConfigError(f"block_size {block_size} must be in 2..{model.block_size} (the trained block size)")

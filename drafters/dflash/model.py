@@ -32,6 +32,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
 from graft_block.errors import ConfigError
 
+from graft_block.engine import inference_linear
+
 from ..layers import RMSNorm, Rotary, apply_rope
 
 
@@ -94,6 +96,8 @@ class DFlashLayer(nn.Module):
 class DFlashModel(nn.Module):
     """The trainable drafter (no embeddings, no LM head: both are the target's, frozen)."""
 
+    kernel: str | None = None  # the product kernel of no-grad forwards (``layers.use_kernel``)
+
     def __init__(self, config: Qwen3Config, block_size: int, target_layer_ids: Sequence[int], mask_token_id: int,
                  num_target_layers: int | None = None, draft_vocab: torch.Tensor | None = None):
         super().__init__()
@@ -152,7 +156,8 @@ class DFlashModel(nn.Module):
         if self.draft_vocab is not None and not restricted:
             lm_head_weight = lm_head_weight[self.draft_vocab]
             lm_head_bias = None if lm_head_bias is None else lm_head_bias[self.draft_vocab]
-        return F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight, lm_head_bias)
+            return F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight, lm_head_bias)  # a fresh gather: no layout to keep
+        return inference_linear(hidden, lm_head_weight, lm_head_bias, self.kernel, self.__dict__.setdefault("_laid_out", {}))
 
     def to_vocab_ids(self, cols: torch.Tensor) -> torch.Tensor:
         """Logit column indices -> target token ids."""

@@ -12,10 +12,12 @@ import torch
 from torch import nn
 
 from graft_block.drafter import Drafter, check_budget, register
+from graft_block.engine import drafter_kernel
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree, root_only
 from graft_block.tree.eagle import Candidates, expand, next_tree_mask, rerank
 
+from ..layers import use_kernel
 from .checkpoint import (
     MODEL_CONFIG_KEYS,
     check_against_target,
@@ -57,6 +59,7 @@ class Eagle3Drafter(Drafter):
         for p in head.parameters():
             p.requires_grad_(False)
         self.target, self.head = target, head
+        use_kernel(head, drafter_kernel(target))  # drafting runs the target engine's product kernel
         self.checkpoint = None if checkpoint is None else str(checkpoint)
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ConfigError(f"depth must be an int >= 0 (expansion steps after the root step), got {depth!r}")
