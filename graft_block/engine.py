@@ -21,8 +21,11 @@ under the user cache dir; ``GRAFT_BLOCK_GEMM=mkl|openblas|onednn`` overrides):
 - ``onednn``: the oneDNN (MKL-DNN) inside torch, on weights reordered once into its blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``, the op inductor's weight freezing uses). MKL picks its kernels by
   CPU vendor, oneDNN by instruction set, so on AMD EPYC (AVX-512) it is 2-2.5x MKL and OpenBLAS at 8-16 rows and
-  level with OpenBLAS at 1. One reordered copy serves every row count, and a row's output does not depend on how
-  many rows share the product, so a decode step and a tree verify compute the same logits for the same prefix.
+  within 10% of OpenBLAS at 1. One reordered copy serves every row count, and a row's output does not depend on
+  how many rows share the product, so a decode step and a tree verify compute the same logits for the same prefix.
+A one-row forward (a decode step) may use another kernel than the rest when that one is >= 10% faster at 1 row,
+but only one on the same thread pool (MKL and oneDNN share torch's; OpenBLAS has its own): measured, switching
+pools between forwards let one pool's idle threads spin against the other's and slowed the next forward 1.5-2x.
 
 Optional: ``compile=True`` wraps each decoder layer in ``torch.compile`` (dynamic shapes, one graph for every
 row count). Measured on 2 Xeon cores it gained nothing over eager (the products dominate) and cost ~20 s of
@@ -47,6 +50,7 @@ import graft_block
 from .errors import ConfigError
 
 GEMMS = ("mkl", "openblas", "onednn")
+POOL = {"mkl": "torch", "onednn": "torch", "openblas": "openblas"}  # whose threads run each kernel
 
 DNN_PACK_ROWS = 16  # the row hint oneDNN lays its weights out for (measured: one layout serves 1-32 rows)
 
@@ -217,7 +221,8 @@ class LeanForward:
         causal = mask is None and n > 1
         if causal and start:
             raise ValueError("a multi-row forward after cached tokens needs an explicit mask")
-        rows = None if causal else self.bucket(n)
+        kernel = self.gemm_1row if n == 1 else self.gemm
+        rows = None if causal or kernel != "mkl" else self.bucket(n)
         if rows is not None and rows > n:  # pad to the packed bucket; the pad rows see everything, nobody sees them
             ids = torch.cat([ids, ids[-1:].expand(rows - n)])
             pos = torch.cat([pos, pos[-1:].expand(rows - n)])
@@ -226,7 +231,6 @@ class LeanForward:
             if mask is not None:
                 full[:n, : start + n] = mask.view(n, start + n)
             mask = full
-        kernel = self.gemm_1row if ids.numel() == 1 else self.gemm
         with torch_threads(1 if kernel == "openblas" else None):
             return self._forward(ids, pos, mask, features, last_only, n, start, causal, rows, kernel)
 
@@ -396,9 +400,9 @@ def measure_gemms(weights: list[torch.Tensor], rows=(1, 8, 16), reps: int = 5) -
 def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str]:
     """(kernel, MKL pack buckets, one-row kernel) from ``measure_gemms``. The kernel has the lowest total over the
     row counts above 1 (MKL counting its packed GEMM wherever that beats F.linear; the buckets are where it wins).
-    A one-row forward only streams the weights, and another kernel may do that faster: it gets its own when that
-    one is >= 10% faster at 1 row (a second copy of the weights is the price). A kernel not measured at every row
-    count (not built in) does not compete; on a tie the earlier kernel stays."""
+    A one-row forward only streams the weights, and another kernel on the same thread pool may do that faster: it
+    gets its own when that one is >= 10% faster at 1 row. A kernel not measured at every row count (not built in)
+    does not compete; on a tie the earlier kernel stays."""
     mkl, packed = times["mkl"], times.get("mkl_packed", {})
     buckets = tuple(n for n in sorted(packed) if packed[n] < mkl[n])
     per_row = {"mkl": {n: min(t, packed.get(n, float("inf"))) for n, t in mkl.items()}}
@@ -407,7 +411,8 @@ def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str]:
     best = min(per_row, key=lambda k: sum(per_row[k][n] for n in multi))
     one = best
     if 1 in mkl:
-        fastest = min(per_row, key=lambda k: per_row[k][1])
+        same_pool = [k for k in per_row if POOL[k] == POOL[best]]
+        fastest = min(same_pool, key=lambda k: per_row[k][1])
         one = fastest if per_row[fastest][1] < 0.9 * per_row[best][1] else best
     return best, (buckets if best == "mkl" else ()), one
 
@@ -422,7 +427,7 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str]:
     spins = graft_block.OPENBLAS_TIMEOUT_LATE
     key = {"cpu": device_name("cpu"), "torch": torch.__version__, "numpy": np.__version__,
            "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights], "kernels": list(GEMMS),
-           "openblas_spins": spins}
+           "openblas_spins": spins, "one_row_kernel": "same pool"}
     path = graft_block.keyed_cache_file("gemm", key)
     try:
         data = json.loads(path.read_text())
