@@ -29,7 +29,7 @@ def use_kernel(module: nn.Module, kernel: str | None) -> None:
     for m in module.modules():
         if type(m) is nn.Linear:
             m.__class__ = Linear
-        if isinstance(m, Linear) or "kernel" in vars(type(m)):
+        if isinstance(m, Linear) or hasattr(type(m), "kernel"):
             m.kernel = kernel
 
 

@@ -204,7 +204,7 @@ def test_drafter_linears_take_the_engine_kernel_and_follow_weight_updates():
         assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "mfd"])
 def test_drafters_on_a_onednn_target_draft_through_it_and_stay_lossless(kind):
     """A target whose engine runs oneDNN hands it to its drafter's products; greedy output stays the target's."""
     from graft_block import Drafter
@@ -214,9 +214,10 @@ def test_drafters_on_a_onednn_target_draft_through_it_and_stay_lossless(kind):
     if not (ON_CPU and onednn_available("cpu", torch.float32)):
         pytest.skip("oneDNN is a CPU float32 kernel")
     t = tiny_target("llama", engine="lean", gemm="onednn")
-    if kind == "dflash":
-        d = Drafter.from_config({"type": "dflash", "num_layers": 2, "target_layer_ids": [0, 2], "block_size": 6,
-                                 "seed": 1, "proposal": "ddtree", "budget": 8}, target=t)
+    if kind in ("dflash", "mfd"):
+        cfg = {"type": kind, "num_layers": 2, "target_layer_ids": [0, 2], "block_size": 6, "seed": 1, "budget": 8}
+        d = Drafter.from_config({**cfg, "proposal": "ddtree"} if kind == "dflash" else {**cfg, "num_modes": 2},
+                                target=t)
     else:
         from graft_block.drafters.eagle3 import Eagle3Drafter, Eagle3Head, build_draft_vocab, head_config_for, warm_start
 
@@ -227,12 +228,12 @@ def test_drafters_on_a_onednn_target_draft_through_it_and_stay_lossless(kind):
         head.t2d.copy_(t2d)
         warm_start(head, t)
         d = Eagle3Drafter(t, head=head, budget=8, depth=3, top_k=3)
-    model = d.model if kind == "dflash" else d.head
+    model = d.head if kind == "eagle3" else d.model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is Linear and m.kernel == "onednn" for m in linears)
     dec = SpeculativeDecoder(t, d)
     for prompt in ([3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 2]):
         res = dec.generate(prompt, max_new_tokens=20)
         assert res.tokens == hf_greedy(t, prompt, 20)
-    if kind == "dflash":
-        assert model._laid_out["w"] is not None  # the LM-head product ran through oneDNN too
+    if kind != "eagle3":
+        assert model.kernel == "onednn" and model._laid_out["w"] is not None  # the LM-head product too
