@@ -398,23 +398,27 @@ def measure_gemms(weights: list[torch.Tensor], rows=(1, 8, 16), reps: int = 5) -
 
 
 def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str]:
-    """(kernel, MKL pack buckets, one-row kernel) from ``measure_gemms``. The kernel has the lowest total over the
-    row counts above 1 (MKL counting its packed GEMM wherever that beats F.linear; the buckets are where it wins).
-    A one-row forward only streams the weights, and another kernel on the same thread pool may do that faster: it
+    """(kernel, MKL pack buckets, one-row kernel) from ``measure_gemms``: the pair with the lowest total over the
+    row counts (MKL counting its packed GEMM wherever that beats F.linear; the buckets are where it wins). A
+    one-row forward only streams the weights, and another kernel on the same thread pool may do that faster: it
     gets its own when that one is >= 10% faster at 1 row. A kernel not measured at every row count (not built in)
     does not compete; on a tie the earlier kernel stays."""
     mkl, packed = times["mkl"], times.get("mkl_packed", {})
     buckets = tuple(n for n in sorted(packed) if packed[n] < mkl[n])
     per_row = {"mkl": {n: min(t, packed.get(n, float("inf"))) for n, t in mkl.items()}}
     per_row.update({k: times[k] for k in ("openblas", "onednn") if set(times.get(k) or {}) >= set(mkl)})
-    multi = [n for n in mkl if n > 1] or list(mkl)
-    best = min(per_row, key=lambda k: sum(per_row[k][n] for n in multi))
-    one = best
-    if 1 in mkl:
-        same_pool = [k for k in per_row if POOL[k] == POOL[best]]
-        fastest = min(same_pool, key=lambda k: per_row[k][1])
-        one = fastest if per_row[fastest][1] < 0.9 * per_row[best][1] else best
-    return best, (buckets if best == "mkl" else ()), one
+
+    def one_row(k: str) -> str:
+        if 1 not in mkl:
+            return k
+        fastest = min((j for j in per_row if POOL[j] == POOL[k]), key=lambda j: per_row[j][1])
+        return fastest if per_row[fastest][1] < 0.9 * per_row[k][1] else k
+
+    def total(k: str) -> float:
+        return sum(per_row[one_row(k) if n == 1 else k][n] for n in mkl)
+
+    best = min(per_row, key=total)
+    return best, (buckets if best == "mkl" else ()), one_row(best)
 
 
 def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str]:

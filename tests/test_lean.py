@@ -134,6 +134,8 @@ def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypat
     zen4["mkl"][1] = 20.0  # MKL shares torch's pool: one-row forwards get it
     assert pick_gemm(zen4) == ("onednn", (), "mkl")
     assert pick_gemm({**xeon, "onednn": {1: 20.0, 8: 30.0}}) == ("mkl", (8, 16), "mkl")  # not measured at 16
+    # the total counts the one-row kernel: MKL edges OpenBLAS at 8-16 rows, but OpenBLAS halves the 1-row time
+    assert pick_gemm({"mkl": {1: 50.0, 8: 60.0, 16: 70.0}, "openblas": {1: 25.0, 8: 62.0, 16: 72.0}})[0] == "openblas"
 
     import graft_block.engine as E
 
