@@ -19,7 +19,12 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
             return F.linear(x, self.weight, self.bias)
-        return inference_linear(x, self.weight, self.bias, self.kernel, self.__dict__.setdefault("_laid_out", {}))
+        return inference_linear(x, self.weight, self.bias, self.kernel, laid_out(self))
+
+
+def laid_out(module: nn.Module) -> dict:
+    """The module's kept weight layout (``engine.inference_linear``'s cache), outside its parameters and buffers."""
+    return module.__dict__.setdefault("_laid_out", {})
 
 
 def use_kernel(module: nn.Module, kernel: str | None) -> None:

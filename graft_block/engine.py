@@ -150,7 +150,7 @@ class LeanForward:
         self.packs = {int(r): self._pack(int(r)) for r in sorted(pack_rows)}
         # OpenBLAS takes each weight as a C-contiguous [in, out] array (its fastest layout here)
         used = {gemm, gemm_1row}
-        self.blas = self._blas() if "openblas" in used else None
+        self.blas = self._reordered("openblas") if "openblas" in used else None
         self.dnn = self._reordered("onednn") if "onednn" in used else None  # one layout for every row count
         if self.blas is not None and graft_block.OPENBLAS_TIMEOUT_LATE:
             warnings.warn("numpy (and OpenBLAS) loaded before graft_block, so OPENBLAS_THREAD_TIMEOUT was not set in "
@@ -163,10 +163,6 @@ class LeanForward:
                for w in self.layers]
         out.append({"head": torch.ops.mkl._mkl_reorder_linear_weight(self.head.weight, rows)})
         return out
-
-    def _blas(self) -> list[dict]:
-        """Per layer, every weight in OpenBLAS's layout (``blas_weight``), + the LM head."""
-        return self._reordered("openblas")
 
     def _reordered(self, kernel: str) -> list[dict]:
         """Per layer, every weight in ``kernel``'s own layout (``kernel_weight``), + the LM head."""

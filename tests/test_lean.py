@@ -221,7 +221,8 @@ def test_drafters_on_a_onednn_target_draft_through_it_and_stay_lossless(kind):
         d = Drafter.from_config({**cfg, "proposal": "ddtree"} if kind == "dflash" else {**cfg, "num_modes": 2},
                                 target=t)
     else:
-        from graft_block.drafters.eagle3 import Eagle3Drafter, Eagle3Head, build_draft_vocab, head_config_for, warm_start
+        from graft_block.drafters.eagle3 import (Eagle3Drafter, Eagle3Head, build_draft_vocab, head_config_for,
+                                                 warm_start)
 
         torch.manual_seed(0)
         head = Eagle3Head(head_config_for(t, 64))

@@ -30,11 +30,10 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
+from graft_block.engine import inference_linear
 from graft_block.errors import ConfigError
 
-from graft_block.engine import inference_linear
-
-from ..layers import RMSNorm, Rotary, apply_rope
+from ..layers import RMSNorm, Rotary, apply_rope, laid_out
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -156,8 +155,9 @@ class DFlashModel(nn.Module):
         if self.draft_vocab is not None and not restricted:
             lm_head_weight = lm_head_weight[self.draft_vocab]
             lm_head_bias = None if lm_head_bias is None else lm_head_bias[self.draft_vocab]
-            return F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight, lm_head_bias)  # a fresh gather: no layout to keep
-        return inference_linear(hidden, lm_head_weight, lm_head_bias, self.kernel, self.__dict__.setdefault("_laid_out", {}))
+            # a fresh gather every call: no layout worth keeping
+            return F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight, lm_head_bias)
+        return inference_linear(hidden, lm_head_weight, lm_head_bias, self.kernel, laid_out(self))
 
     def to_vocab_ids(self, cols: torch.Tensor) -> torch.Tensor:
         """Logit column indices -> target token ids."""
