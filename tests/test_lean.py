@@ -240,3 +240,33 @@ def test_drafters_on_a_onednn_target_draft_through_it_and_stay_lossless(kind):
         assert res.tokens == hf_greedy(t, prompt, 20)
     if kind != "eagle3":
         assert model.kernel == "onednn" and model._laid_out["w"] is not None  # the LM-head product too
+
+
+def test_a_one_row_kernel_of_the_same_pool_runs_decode_steps_and_stays_exact(monkeypatch, tmp_path):
+    """When the measurement gives decode steps their own kernel (MKL beside oneDNN), one-row forwards run it and
+    every other forward runs the main one; logits match HF's either way, and the label names both."""
+    from graft_block.engine import onednn_available
+
+    if not (ON_CPU and onednn_available("cpu", torch.float32)):
+        pytest.skip("a CPU float32 kernel choice")
+    import graft_block.engine as E
+
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path))
+    monkeypatch.delenv("GRAFT_BLOCK_GEMM", raising=False)
+    times = {"mkl": {1: 20.0, 8: 70.0, 16: 96.0}, "openblas": {1: 26.0, 8: 51.0, 16: 60.0},
+             "onednn": {1: 33.0, 8: 30.0, 16: 41.0}}
+    monkeypatch.setattr(E, "measure_gemms", lambda w, **k: times)
+    lean = tiny_target("llama", engine="lean")
+    hf = Target(lean.model, None, engine="hf")
+    assert (lean.lean.gemm, lean.lean.gemm_1row) == ("onednn", "mkl") and lean.lean.blas is None
+    assert lean.engine_label == "lean-onednn+mkl@1row-float32"
+    used = []
+    real = E.linear
+    monkeypatch.setattr(E, "linear", lambda x, w, b, p=None: used.append(type(p).__name__) or real(x, w, b, p))
+    prompt = torch.tensor([5, 9, 2, 7, 11])
+    for tree in (root_only(4), chain(4, torch.tensor([8, 1, 3, 6]))):
+        lean.prefill(prompt), hf.prefill(prompt)
+        used.clear()
+        (va, _), (vb, _) = lean.verify(tree), hf.verify(tree)
+        assert torch.allclose(va, vb, atol=1e-4) and torch.equal(va.argmax(-1), vb.argmax(-1))
+        assert set(used) == ({"NoneType"} if tree.size == 1 else {"DnnWeight"})  # F.linear at 1 row, else oneDNN
