@@ -32,7 +32,7 @@ def use_kernel(module: nn.Module, kernel: str | None) -> None:
     ``nn.Linear`` (also inside transformers' modules) becomes a ``Linear``, a class swap that adds no parameter;
     a module with its own ``kernel`` attribute (DFlash's LM-head product) takes it too."""
     for m in module.modules():
-        if type(m) is nn.Linear:
+        if type(m) is nn.Linear and kernel is not None:  # without a kernel the module stays as it was built
             m.__class__ = Linear
         if isinstance(m, Linear) or hasattr(type(m), "kernel"):
             m.kernel = kernel
