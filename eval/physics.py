@@ -161,13 +161,11 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
     weights = linear_weights(target.model)
     lean = getattr(target, "lean", None)
     kernel = getattr(lean, "gemm", None) or "torch"  # the products as the engine runs them
-    own = ("openblas", "onednn")
     one = getattr(lean, "gemm_1row", kernel)
-    with guard.measure():
-        peak = matmul_peak(dev, dtype, peak_n, kernels=sorted({kernel, one} & set(own)))
-    with guard.measure():
-        lin = linear_sweep(weights, sizes, dev, dtype, reps, kernel=kernel if kernel in own else "torch",
-                           kernel_1row=one if one in own else "torch")
+    with guard.measure():  # torch.mm stands for MKL and torch's own kernels
+        peak = matmul_peak(dev, dtype, peak_n, kernels=sorted({kernel, one} & {"openblas", "onednn"}))
+    with guard.measure():  # MKL's packs are not swept: F.linear stands for them
+        lin = linear_sweep(weights, sizes, dev, dtype, reps, kernel=kernel, kernel_1row=one)
     if curve is None:
         with guard.measure():
             curve = measure.verify_cost_curve(target, sizes, context, verify_reps, cache=cache, fresh=fresh)

@@ -147,8 +147,7 @@ class LeanForward:
         elif pack_rows and (gemm != "mkl" or not packed_gemm_available(self.device, self.dtype)):
             raise ConfigError("pack_rows needs MKL's packed GEMM: a CPU float32 target on a torch built with MKL, "
                               "with gemm='mkl'")
-        self.packs = {int(r): self._pack(int(r)) for r in sorted(pack_rows)}
-        # OpenBLAS takes each weight as a C-contiguous [in, out] array (its fastest layout here)
+        self.packs = {int(r): self._reordered("mkl_packed", int(r)) for r in sorted(pack_rows)}
         used = {gemm, gemm_1row}
         self.blas = self._reordered("openblas") if "openblas" in used else None
         self.dnn = self._reordered("onednn") if "onednn" in used else None  # one layout for every row count
@@ -157,17 +156,11 @@ class LeanForward:
                           "time and its idle threads may slow torch's: import graft_block first, or export "
                           "OPENBLAS_THREAD_TIMEOUT=20", RuntimeWarning, stacklevel=2)
 
-    def _pack(self, rows: int) -> list[dict]:
-        """Per layer, the MKL-packed q/k/v, o, gate/up and down weights for ``rows``-row inputs (+ the LM head)."""
-        out = [{k: torch.ops.mkl._mkl_reorder_linear_weight(w[k], rows) for k in ("qkv", "o", "gu", "d")}
-               for w in self.layers]
-        out.append({"head": torch.ops.mkl._mkl_reorder_linear_weight(self.head.weight, rows)})
-        return out
-
-    def _reordered(self, kernel: str) -> list[dict]:
-        """Per layer, every weight in ``kernel``'s own layout (``kernel_weight``), + the LM head."""
-        out = [{k: kernel_weight(w[k], kernel) for k in ("qkv", "o", "gu", "d")} for w in self.layers]
-        out.append({"head": kernel_weight(self.head.weight, kernel)})
+    def _reordered(self, kernel: str, rows: int | None = None) -> list[dict]:
+        """Per layer, the q/k/v, o, gate/up and down weights in ``kernel``'s own layout (``kernel_weight``; MKL's
+        pack for exactly ``rows``-row inputs), + the LM head."""
+        out = [{k: kernel_weight(w[k], kernel, rows) for k in ("qkv", "o", "gu", "d")} for w in self.layers]
+        out.append({"head": kernel_weight(self.head.weight, kernel, rows)})
         return out
 
     def bucket(self, n: int) -> int | None:
@@ -244,8 +237,7 @@ class LeanForward:
         got = {0: x[0, :n]} if 0 in want else {}
         if mask is not None:
             mask = mask.view(1, 1, m, start + m)
-        packs = {"openblas": self.blas, "onednn": self.dnn}.get(kernel) or (
-            self.packs.get(rows) if rows is not None else None)
+        packs = self.blas if kernel == "openblas" else self.dnn if kernel == "onednn" else self.packs.get(rows)
         for i, w in enumerate(self.layers):
             x = self._layer(x, w, None if packs is None else packs[i], self.k[i], self.v[i], start, cos, sin, mask,
                             causal, self.heads, self.kv_heads, self.head_dim, self.scaling)
@@ -322,12 +314,15 @@ def blas_weight(w: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(w.detach().numpy().T)
 
 
-def kernel_weight(w: torch.Tensor, kernel: str):
-    """A weight [out, in] in the layout ``linear`` hands to ``kernel`` (None: F.linear on the weight itself)."""
+def kernel_weight(w: torch.Tensor, kernel: str, rows: int | None = None):
+    """A weight [out, in] in the layout ``linear`` hands to ``kernel`` (None: F.linear on the weight itself);
+    ``mkl_packed`` needs the exact row count of its inputs."""
     if kernel == "openblas":
         return blas_weight(w)
     if kernel == "onednn":
         return DnnWeight(w)
+    if kernel == "mkl_packed":
+        return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows)
     return None
 
 
@@ -373,7 +368,7 @@ def measure_gemms(weights: list[torch.Tensor], rows=(1, 8, 16), reps: int = 5) -
         xs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
         runs = {"mkl": lambda: [F.linear(xs[w.shape[1]], w) for w in weights]}
         if mkl_pack and n > 1:
-            packs = [torch.ops.mkl._mkl_reorder_linear_weight(w, n) for w in weights]
+            packs = [kernel_weight(w, "mkl_packed", n) for w in weights]
             runs["mkl_packed"] = lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, n)
                                           for w, p in zip(weights, packs)]
         arrays = [blas_weight(w) for w in weights]
@@ -464,7 +459,7 @@ def _rope(x, cos, sin):
 def _layer(x, w, pk, kc, vc, start: int, cos, sin, mask, causal: bool, heads: int, kv_heads: int, hd: int,
            scaling: float):
     """One pre-norm decoder layer on x [1, n, H]; writes this layer's n keys/values at cache rows start..start+n.
-    ``pk``: this layer's MKL-packed weights for exactly n rows, or None."""
+    ``pk``: this layer's weights in the forward's kernel layout (``kernel_weight``), or None for F.linear."""
     n = x.shape[1]
     pk = pk or {}
     h = _rms(x, w["ln1"], w["eps"])
