@@ -24,8 +24,11 @@ under the user cache dir; ``GRAFT_BLOCK_GEMM=mkl|openblas|onednn`` overrides):
   within 10% of OpenBLAS at 1. One reordered copy serves every row count, and a row's output does not depend on
   how many rows share the product, so a decode step and a tree verify compute the same logits for the same prefix.
 A one-row forward (a decode step) may use another kernel than the rest when that one is >= 10% faster at 1 row,
-but only one on the same thread pool (MKL and oneDNN share torch's; OpenBLAS has its own): measured, switching
-pools between forwards let one pool's idle threads spin against the other's and slowed the next forward 1.5-2x.
+but only one on the same thread pool (MKL, oneDNN and ``gemv`` share torch's; OpenBLAS has its own): measured,
+switching pools between forwards let one pool's idle threads spin against the other's and slowed the next forward
+1.5-2x. ``gemv`` (graft_block/gemv.py) is a one-row kernel only: it reads the weights at the bandwidth floor,
+1.7x oneDNN's one-row rate on AMD EPYC. A decode step and a tree verify then differ in the last bits of their
+logits (as HF's and the engine's do); the choice is measured and ``GRAFT_BLOCK_GEMM=onednn`` keeps one kernel.
 
 Optional: ``compile=True`` wraps each decoder layer in ``torch.compile`` (dynamic shapes, one graph for every
 row count). Measured on 2 Xeon cores it gained nothing over eager (the products dominate) and cost ~20 s of
@@ -48,13 +51,34 @@ import torch.nn.functional as F
 import graft_block
 
 from .errors import ConfigError
+from .gemv import gemv
+from . import gemv as gemv_kernel
 
 GEMMS = ("mkl", "openblas", "onednn")
-POOL = {"mkl": "torch", "onednn": "torch", "openblas": "openblas"}  # whose threads run each kernel
+ONE_ROW = ("gemv",)  # kernels for one-row products only (graft_block/gemv.py)
+POOL = {"mkl": "torch", "onednn": "torch", "openblas": "openblas", "gemv": "torch"}  # whose threads run each kernel
 
 DNN_PACK_ROWS = 16  # the row hint oneDNN lays its weights out for (measured: one layout serves 1-32 rows)
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _kernel_pair(spec: str | None, source: str) -> tuple[str | None, str | None]:
+    """A kernel choice as given (``gemm=`` or ``GRAFT_BLOCK_GEMM``): "onednn", or "onednn+gemv" for a one-row
+    kernel of its own -> (multi-row kernel, one-row kernel or None)."""
+    if spec is None:
+        return None, None
+    main, _, one = spec.partition("+")
+    if main not in GEMMS or (one and one not in GEMMS + ONE_ROW):
+        raise ConfigError(f"{source} must be one of {', '.join(GEMMS)}, optionally + a one-row kernel (one of "
+                          f"{', '.join(GEMMS + ONE_ROW)}, e.g. 'onednn+gemv'), or unset: measured; got {spec!r}")
+    if one and POOL[one] != POOL[main]:
+        raise ConfigError(f"{source}={spec!r} pairs kernels of two thread pools ({main}: {POOL[main]}'s, {one}: "
+                          f"{POOL[one]}'s), whose idle threads spin against each other: pair kernels of one pool")
+    if one == "gemv" and not gemv_kernel.available():
+        raise ConfigError(f"{source}={spec!r}: the gemv kernel cannot run here ({gemv_kernel.why_not()}); "
+                          "drop '+gemv'")
+    return main, one or None
 
 
 def unsupported_reason(model) -> str | None:
@@ -115,28 +139,26 @@ class LeanForward:
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self._layer = torch.compile(_layer, dynamic=True) if compile else _layer
         cpu32 = self.device.type == "cpu" and self.dtype == torch.float32
-        if gemm is not None and gemm not in GEMMS:
-            raise ConfigError(f"gemm must be one of {', '.join(GEMMS)} (or unset: measured), got {gemm!r}")
+        gemm, gemm_1row = _kernel_pair(gemm, "gemm")
         if gemm is not None and not cpu32:
             raise ConfigError(f"gemm={gemm!r} is a CPU float32 kernel choice; this target is {self.dtype} on "
                               f"{self.device}: leave gemm unset")
-        if gemm in ("openblas", "onednn") and compile:
-            raise ConfigError(f"gemm={gemm!r} cannot run inside compiled layers (compiled graphs call torch's own "
+        own = next((k for k in (gemm, gemm_1row) if k in ("openblas", "onednn", "gemv")), None)
+        if own and compile:
+            raise ConfigError(f"gemm={own!r} cannot run inside compiled layers (compiled graphs call torch's own "
                               "kernels); use compile=False or gemm='mkl'")
         if gemm == "onednn" and not onednn_available(self.device, self.dtype):
             raise ConfigError("gemm='onednn' needs a torch built with oneDNN (torch.backends.mkldnn.is_available()); "
                               "use gemm='mkl' or 'openblas'")
-        env = os.environ.get("GRAFT_BLOCK_GEMM") or None
-        if env is not None and env not in GEMMS:
-            raise ConfigError(f"GRAFT_BLOCK_GEMM must be one of {', '.join(GEMMS)} (or unset: measured), got {env!r}")
+        env, env_1row = _kernel_pair(os.environ.get("GRAFT_BLOCK_GEMM") or None, "GRAFT_BLOCK_GEMM")
         self.gemm_times = None  # the measurement behind an automatic choice (physics prints it)
         if not cpu32:
             gemm = "torch"  # GPU / half precision: torch's own GEMM (the machine-wide override is for CPU fp32)
         elif gemm is None and (compile or pack_rows):
             gemm = "mkl"  # compiled graphs call torch's kernels; explicit pack buckets are MKL's
         elif gemm is None:
-            gemm = env
-        gemm_1row = gemm
+            gemm, gemm_1row = env, env_1row
+        gemm_1row = gemm_1row or gemm
         if gemm is None:
             gemm, pack_rows_measured, self.gemm_times, gemm_1row = choose_gemm(self)
             pack_rows = pack_rows_measured if pack_rows is None else pack_rows
@@ -151,6 +173,7 @@ class LeanForward:
         used = {gemm, gemm_1row}
         self.blas = self._reordered("openblas") if "openblas" in used else None
         self.dnn = self._reordered("onednn") if "onednn" in used else None  # one layout for every row count
+        self.rowk = self._reordered("gemv") if "gemv" in used else None  # the weights themselves, no copy
         if self.blas is not None and graft_block.OPENBLAS_TIMEOUT_LATE:
             warnings.warn("numpy (and OpenBLAS) loaded before graft_block, so OPENBLAS_THREAD_TIMEOUT was not set in "
                           "time and its idle threads may slow torch's: import graft_block first, or export "
@@ -237,7 +260,8 @@ class LeanForward:
         got = {0: x[0, :n]} if 0 in want else {}
         if mask is not None:
             mask = mask.view(1, 1, m, start + m)
-        packs = self.blas if kernel == "openblas" else self.dnn if kernel == "onednn" else self.packs.get(rows)
+        packs = (self.blas if kernel == "openblas" else self.dnn if kernel == "onednn" else
+                 self.rowk if kernel == "gemv" else self.packs.get(rows))
         for i, w in enumerate(self.layers):
             x = self._layer(x, w, None if packs is None else packs[i], self.k[i], self.v[i], start, cos, sin, mask,
                             causal, self.heads, self.kv_heads, self.head_dim, self.scaling)
@@ -261,6 +285,14 @@ def packed_gemm_available(device, dtype) -> bool:
             and hasattr(torch.ops.mkl, "_mkl_linear"))
 
 
+class RowWeight:
+    """A weight [out, in] for the one-row ``gemv`` kernel: the tensor itself (it reads row-major weights)."""
+    __slots__ = ("w",)
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w.detach()
+
+
 class DnnWeight:
     """A weight reordered into oneDNN's blocked layout; it serves any row count (an MKL pack, also an mkldnn
     tensor, serves exactly one)."""
@@ -277,13 +309,17 @@ def onednn_available(device, dtype) -> bool:
 
 def linear(x, weight, bias, packed=None):
     """x [1, n, in] through ``weight``; with ``packed`` through that kernel: a numpy [in, out] array (OpenBLAS), a
-    oneDNN-reordered weight (any n), or an MKL pack for exactly n rows."""
+    oneDNN-reordered weight (any n), the weight for ``gemv`` (n = 1), or an MKL pack for exactly n rows."""
     if packed is None:
         return F.linear(x, weight, bias)
     n = x.shape[1]
     if isinstance(packed, np.ndarray):
         y = torch.from_numpy(x.reshape(n, -1).numpy() @ packed)
         return (y if bias is None else y.add_(bias)).view(1, n, -1)
+    if isinstance(packed, RowWeight):
+        if n != 1:
+            raise ValueError(f"the gemv kernel multiplies one row, got {n}")
+        return gemv(x, packed.w, bias)
     if isinstance(packed, DnnWeight):
         return torch.ops.mkldnn._linear_pointwise(x.reshape(n, -1), packed.w, bias, "none", [], "").view(1, n, -1)
     return torch.ops.mkl._mkl_linear(x.reshape(n, -1), packed, weight, bias, n).view(1, n, -1)
@@ -321,6 +357,8 @@ def kernel_weight(w: torch.Tensor, kernel: str, rows: int | None = None):
         return blas_weight(w)
     if kernel == "onednn":
         return DnnWeight(w)
+    if kernel == "gemv":
+        return RowWeight(w)
     if kernel == "mkl_packed":
         return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows)
     return None
@@ -358,10 +396,10 @@ def device_name(device: torch.device | str = "cpu") -> str:
 
 def measure_gemms(weights: list[torch.Tensor], rows=(1, 8, 16), reps: int = 5) -> dict:
     """Median ms of pushing an [n, in] input through every weight, per kernel and row count: ``mkl`` (F.linear),
-    ``mkl_packed`` (packed for exactly n rows; n > 1), ``openblas`` (numpy, torch on one thread meanwhile) and
-    ``onednn`` (reordered once). One kernel at a time, warmed up first: interleaving them call by call lets one
+    ``mkl_packed`` (packed for exactly n rows; n > 1), ``openblas`` (numpy, torch on one thread meanwhile),
+    ``onednn`` (reordered once) and ``gemv`` (n = 1; where it builds). One kernel at a time, warmed up first: interleaving them call by call lets one
     pool's spinning threads slow the other."""
-    out: dict[str, dict[int, float]] = {"mkl": {}, "mkl_packed": {}, "openblas": {}, "onednn": {}}
+    out: dict[str, dict[int, float]] = {"mkl": {}, "mkl_packed": {}, "openblas": {}, "onednn": {}, "gemv": {}}
     mkl_pack = packed_gemm_available("cpu", torch.float32)
     dnn = [kernel_weight(w, "onednn") for w in weights] if onednn_available("cpu", torch.float32) else None
     for n in rows:
@@ -376,6 +414,8 @@ def measure_gemms(weights: list[torch.Tensor], rows=(1, 8, 16), reps: int = 5) -
         runs["openblas"] = lambda: [xn[a.shape[0]] @ a for a in arrays]
         if dnn is not None:
             runs["onednn"] = lambda: [linear(xs[w.shape[1]][None], w, None, p) for w, p in zip(weights, dnn)]
+        if n == 1 and gemv_kernel.available():
+            runs["gemv"] = lambda: [gemv(xs[w.shape[1]], w) for w in weights]
         for name, fn in runs.items():
             with torch_threads(1 if name == "openblas" else None):
                 fn(), fn()
@@ -392,21 +432,23 @@ def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str]:
     """(kernel, MKL pack buckets, one-row kernel) from ``measure_gemms``: the pair with the lowest total over the
     row counts (MKL counting its packed GEMM wherever that beats F.linear; the buckets are where it wins). A
     one-row forward only streams the weights, and another kernel on the same thread pool may do that faster: it
-    gets its own when that one is >= 10% faster at 1 row. A kernel not measured at every row count (not built in)
-    does not compete; on a tie the earlier kernel stays."""
+    gets its own when that one is >= 10% faster at 1 row (a one-row-only kernel, ``gemv``, competes there alone).
+    A kernel not measured at every row count (not built in) does not compete; on a tie the earlier kernel stays."""
     mkl, packed = times["mkl"], times.get("mkl_packed", {})
     buckets = tuple(n for n in sorted(packed) if packed[n] < mkl[n])
     per_row = {"mkl": {n: min(t, packed.get(n, float("inf"))) for n, t in mkl.items()}}
     per_row.update({k: times[k] for k in ("openblas", "onednn") if set(times.get(k) or {}) >= set(mkl)})
+    at_1 = {k: t[1] for k, t in per_row.items() if 1 in t}
+    at_1.update({k: times[k][1] for k in ONE_ROW if 1 in (times.get(k) or {})})
 
     def one_row(k: str) -> str:
         if 1 not in mkl:
             return k
-        fastest = min((j for j in per_row if POOL[j] == POOL[k]), key=lambda j: per_row[j][1])
-        return fastest if per_row[fastest][1] < 0.9 * per_row[k][1] else k
+        fastest = min((j for j in at_1 if POOL[j] == POOL[k]), key=at_1.get)
+        return fastest if at_1[fastest] < 0.9 * at_1[k] else k
 
     def total(k: str) -> float:
-        return sum(per_row[one_row(k) if n == 1 else k][n] for n in mkl)
+        return sum(at_1[one_row(k)] if n == 1 else per_row[k][n] for n in mkl)
 
     best = min(per_row, key=total)
     return best, (buckets if best == "mkl" else ()), one_row(best)
@@ -421,12 +463,13 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str]:
     weights = [lean.layers[0][k].detach() for k in ("qkv", "o", "gu", "d")] + [lean.head.weight.detach()]
     spins = graft_block.OPENBLAS_TIMEOUT_LATE
     key = {"cpu": device_name("cpu"), "torch": torch.__version__, "numpy": np.__version__,
-           "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights], "kernels": list(GEMMS),
+           "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights], "kernels": list(GEMMS + ONE_ROW),
+           "gemv": gemv_kernel.available(),
            "openblas_spins": spins, "one_row_kernel": "same pool"}
     path = graft_block.keyed_cache_file("gemm", key)
     try:
         data = json.loads(path.read_text())
-        if data["key"] == key and data["gemm"] in GEMMS and data["gemm_1row"] in GEMMS:
+        if data["key"] == key and data["gemm"] in GEMMS and data["gemm_1row"] in GEMMS + ONE_ROW:
             times = {k: {int(n): float(v) for n, v in d.items()} for k, d in data["times"].items()}
             return data["gemm"], tuple(int(r) for r in data["pack_rows"]), times, data["gemm_1row"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from graft_block import SpeculativeDecoder
 from graft_block.engine import LeanForward, packed_gemm_available, pick_gemm
@@ -136,6 +137,10 @@ def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypat
     assert pick_gemm({**xeon, "onednn": {1: 20.0, 8: 30.0}}) == ("mkl", (8, 16), "mkl")  # not measured at 16
     # the total counts the one-row kernel: MKL edges OpenBLAS at 8-16 rows, but OpenBLAS halves the 1-row time
     assert pick_gemm({"mkl": {1: 50.0, 8: 60.0, 16: 70.0}, "openblas": {1: 25.0, 8: 62.0, 16: 72.0}})[0] == "openblas"
+    # gemv is a one-row kernel on torch's pool: it takes decode steps beside oneDNN or MKL, never beside OpenBLAS
+    assert pick_gemm({**zen4, "gemv": {1: 17.0}}) == ("onednn", (), "gemv")
+    assert pick_gemm({**amd, "gemv": {1: 17.0}}) == ("openblas", (), "openblas")
+    assert pick_gemm({**xeon, "gemv": {1: 29.0}}) == ("mkl", (8, 16), "mkl")  # under 10% faster: one kernel
 
     import graft_block.engine as E
 
@@ -163,6 +168,13 @@ def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypat
     monkeypatch.setenv("GRAFT_BLOCK_GEMM", "fast")
     with pytest.raises(ConfigError, match="GRAFT_BLOCK_GEMM must be one of mkl, openblas, onednn"):
         LeanForward(model)
+    monkeypatch.setenv("GRAFT_BLOCK_GEMM", "onednn+openblas")
+    with pytest.raises(ConfigError, match="pairs kernels of two thread pools"):
+        LeanForward(model)
+    with pytest.raises(ConfigError, match="optionally \\+ a one-row kernel"):
+        LeanForward(model, gemm="gemv")  # a one-row kernel cannot run trees
+    monkeypatch.setenv("GRAFT_BLOCK_GEMM", "onednn+mkl")
+    assert (LeanForward(model).gemm, LeanForward(model).gemm_1row) == ("onednn", "mkl") and calls == [5, 5]
     monkeypatch.delenv("GRAFT_BLOCK_GEMM")
     import graft_block
 
@@ -242,24 +254,28 @@ def test_drafters_on_a_onednn_target_draft_through_it_and_stay_lossless(kind):
         assert model.kernel == "onednn" and model._laid_out["w"] is not None  # the LM-head product too
 
 
-def test_a_one_row_kernel_of_the_same_pool_runs_decode_steps_and_stays_exact(monkeypatch, tmp_path):
-    """When the measurement gives decode steps their own kernel (MKL beside oneDNN), one-row forwards run it and
-    every other forward runs the main one; logits match HF's either way, and the label names both."""
+@pytest.mark.parametrize("one,layout", [("mkl", "NoneType"), ("gemv", "RowWeight")])
+def test_a_one_row_kernel_of_the_same_pool_runs_decode_steps_and_stays_exact(monkeypatch, tmp_path, one, layout):
+    """When the measurement gives decode steps their own kernel (MKL or gemv beside oneDNN), one-row forwards run
+    it and every other forward runs the main one; logits match HF's either way, and the label names both."""
+    from graft_block import gemv
     from graft_block.engine import onednn_available
 
     if not (ON_CPU and onednn_available("cpu", torch.float32)):
         pytest.skip("a CPU float32 kernel choice")
+    if one == "gemv" and not gemv.available():
+        pytest.skip(f"the gemv kernel does not build here: {gemv.why_not()}")
     import graft_block.engine as E
 
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path))
     monkeypatch.delenv("GRAFT_BLOCK_GEMM", raising=False)
-    times = {"mkl": {1: 20.0, 8: 70.0, 16: 96.0}, "openblas": {1: 26.0, 8: 51.0, 16: 60.0},
-             "onednn": {1: 33.0, 8: 30.0, 16: 41.0}}
+    times = {"mkl": {1: 20.0 if one == "mkl" else 50.0, 8: 70.0, 16: 96.0}, "openblas": {1: 26.0, 8: 51.0, 16: 60.0},
+             "onednn": {1: 33.0, 8: 30.0, 16: 41.0}, "gemv": {1: 17.0} if one == "gemv" else {}}
     monkeypatch.setattr(E, "measure_gemms", lambda w, **k: times)
     lean = tiny_target("llama", engine="lean")
     hf = Target(lean.model, None, engine="hf")
-    assert (lean.lean.gemm, lean.lean.gemm_1row) == ("onednn", "mkl") and lean.lean.blas is None
-    assert lean.engine_label == "lean-onednn+mkl@1row-float32"
+    assert (lean.lean.gemm, lean.lean.gemm_1row) == ("onednn", one) and lean.lean.blas is None
+    assert lean.engine_label == f"lean-onednn+{one}@1row-float32"
     used = []
     real = E.linear
     monkeypatch.setattr(E, "linear", lambda x, w, b, p=None: used.append(type(p).__name__) or real(x, w, b, p))
@@ -269,4 +285,53 @@ def test_a_one_row_kernel_of_the_same_pool_runs_decode_steps_and_stays_exact(mon
         used.clear()
         (va, _), (vb, _) = lean.verify(tree), hf.verify(tree)
         assert torch.allclose(va, vb, atol=1e-4) and torch.equal(va.argmax(-1), vb.argmax(-1))
-        assert set(used) == ({"NoneType"} if tree.size == 1 else {"DnnWeight"})  # F.linear at 1 row, else oneDNN
+        assert set(used) == ({layout} if tree.size == 1 else {"DnnWeight"})  # the one-row kernel, else oneDNN
+
+
+def test_gemv_equals_f_linear_on_awkward_shapes_whatever_the_thread_count():
+    """The one-row kernel: rows and columns off its 16/64-float steps, with and without bias, within float32
+    rounding of a float64 product; a row's value is the same on 1 or 2 threads (each row is summed whole by one
+    thread), and what it cannot take is refused by name."""
+    from graft_block import gemv
+
+    if not ON_CPU or not gemv.available():
+        pytest.skip(f"the gemv kernel does not build here: {gemv.why_not()}")
+    g = torch.Generator().manual_seed(0)
+    for out, n_in in [(1, 1), (7, 5), (33, 100), (130, 577), (3, 64), (1000, 1536)]:
+        w, x, b = (torch.randn(*s, generator=g) for s in ((out, n_in), (1, 1, n_in), (out,)))
+        want = F.linear(x.double(), w.double(), b.double())
+        for bias in (b, None):
+            y = gemv.gemv(x, w, bias)
+            ref = want if bias is not None else want - b.double()
+            assert y.shape == (1, 1, out) and y.dtype == torch.float32
+            assert (y.double() - ref).abs().max() <= 1e-6 * n_in ** 0.5 * (w.abs() @ x.abs().view(-1)).max()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            one = gemv.gemv(x, w)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, gemv.gemv(x, w))
+    with pytest.raises(ValueError, match="one float32 CPU row"):
+        gemv.gemv(torch.randn(2, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="one float32 CPU row"):
+        gemv.gemv(torch.randn(1, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
+
+
+def test_gemv_without_a_compiler_is_left_out_and_says_why(monkeypatch, tmp_path):
+    """No C compiler: the kernel reports why, the measurement leaves it out, and asking for it is a clear error."""
+    import graft_block.engine as E
+    from graft_block import gemv
+
+    if not ON_CPU:
+        pytest.skip("a CPU float32 kernel")
+    monkeypatch.setattr(gemv, "_lib", None)
+    monkeypatch.setattr(gemv, "_why_not", None)
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path))
+    assert not gemv.available() and "no C compiler" in gemv.why_not()
+    times = E.measure_gemms([torch.randn(8, 16)], rows=(1,), reps=1)
+    assert times["gemv"] == {} and 1 in times["mkl"]
+    model = tiny_target("llama", engine="hf").model
+    with pytest.raises(ConfigError, match="the gemv kernel cannot run here .*no C compiler"):
+        LeanForward(model, gemm="onednn+gemv")
