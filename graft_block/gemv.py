@@ -62,15 +62,19 @@ def _openmp_runtimes() -> set[str]:
         return {line.split()[-1] for line in fh if any(k in line for k in ("libgomp", "libiomp", "libomp"))}
 
 
+def _cpu_flags() -> str:
+    """This CPU's instruction sets (-march=native builds for them; two "AMD EPYC" machines differed in AVX-512)."""
+    with open("/proc/cpuinfo") as fh:
+        return next((line for line in fh if line.startswith(("flags", "Features"))), "")
+
+
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-    from .engine import device_name  # the CPU model: -march=native builds for this one
-
-    key = hashlib.sha1(repr((SOURCE, version, flags, device_name("cpu"))).encode()).hexdigest()[:16]
+    key = hashlib.sha1(repr((SOURCE, version, flags, _cpu_flags())).encode()).hexdigest()[:16]
     path = graft_block.cache_root() / "gemv" / f"gemv-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
