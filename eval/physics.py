@@ -119,14 +119,14 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 3,
 
 
 def linear_sweep(weights, sizes, device: torch.device, dtype: torch.dtype, reps: int = 3,
-                 kernel: str = "torch", kernel_1row: str | None = None) -> dict[int, float]:
+                 kernel: str = "torch", kernel_small: str | None = None, small_rows: int = 0) -> dict[int, float]:
     """Median seconds of an [n, in] input through every weight, per row count n, with the lean forward's own
     ``linear``: ``F.linear`` (kernel "torch" or "mkl"), numpy's OpenBLAS ("openblas": torch on one thread) or
-    oneDNN on reordered weights ("onednn"); ``kernel_1row`` at n = 1 (default: ``kernel``)."""
+    oneDNN on reordered weights ("onednn"); ``kernel_small`` up to ``small_rows`` rows (the engine's pair)."""
     out = {}
     laid_out = {}
     for n in sizes:
-        k = (kernel_1row or kernel) if n == 1 else kernel
+        k = kernel_small if kernel_small and n <= small_rows else kernel
         if k not in laid_out:
             laid_out[k] = [kernel_weight(w, k) for w, _ in weights]
         xs = {w.shape[1]: torch.randn(1, n, w.shape[1], device=device).to(dtype) for w, _ in weights}
@@ -161,11 +161,12 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
     weights = linear_weights(target.model)
     lean = getattr(target, "lean", None)
     kernel = getattr(lean, "gemm", None) or "torch"  # the products as the engine runs them
-    one = getattr(lean, "gemm_1row", kernel)
+    small, small_rows = getattr(lean, "gemm_small", None), getattr(lean, "small_rows", 0)
     with guard.measure():  # torch.mm stands for MKL and torch's own kernels
-        peak = matmul_peak(dev, dtype, peak_n, kernels=sorted({kernel, one} & {"openblas", "onednn"}))
+        peak = matmul_peak(dev, dtype, peak_n, kernels=sorted({kernel, small} & {"openblas", "onednn"}))
     with guard.measure():  # MKL's packs are not swept: F.linear stands for them
-        lin = linear_sweep(weights, sizes, dev, dtype, reps, kernel=kernel, kernel_1row=one)
+        lin = linear_sweep(weights, sizes, dev, dtype, reps, kernel=kernel, kernel_small=small,
+                            small_rows=small_rows)
     if curve is None:
         with guard.measure():
             curve = measure.verify_cost_curve(target, sizes, context, verify_reps, cache=cache, fresh=fresh)

@@ -23,12 +23,14 @@ under the user cache dir; ``GRAFT_BLOCK_GEMM=mkl|openblas|onednn`` overrides):
   CPU vendor, oneDNN by instruction set, so on AMD EPYC (AVX-512) it is 2-2.5x MKL and OpenBLAS at 8-16 rows and
   within 10% of OpenBLAS at 1. One reordered copy serves every row count, and a row's output does not depend on
   how many rows share the product, so a decode step and a tree verify compute the same logits for the same prefix.
-A one-row forward (a decode step) may use another kernel than the rest when that one is >= 10% faster at 1 row,
-but only one on the same thread pool (MKL, oneDNN and ``gemv`` share torch's; OpenBLAS has its own): measured,
-switching pools between forwards let one pool's idle threads spin against the other's and slowed the next forward
-1.5-2x. ``gemv`` (graft_block/gemv.py) is a one-row kernel only: it reads the weights at the bandwidth floor,
-1.7x oneDNN's one-row rate on AMD EPYC. A decode step and a tree verify then differ in the last bits of their
-logits (as HF's and the engine's do); the choice is measured and ``GRAFT_BLOCK_GEMM=onednn`` keeps one kernel.
+- ``skinny`` (graft_block/skinny.py), for forwards of up to 16 rows only (decode steps, tree verifies): C built on
+  first use, on weights packed once into 32-output blocks; near the bandwidth floor at 1-8 rows, 1.2-1.8x oneDNN
+  at 1-16 rows on AMD EPYC. A row's output does not depend on the row count either.
+Small forwards may use another kernel than the rest when that one is >= 10% faster over the row counts it covers
+and slower at none: ``skinny`` up to the largest measured row count where it wins, another main kernel at 1 row
+only (a decode step). Only a kernel on the same thread pool qualifies (MKL, oneDNN and skinny share torch's;
+OpenBLAS has its own): measured, switching pools between forwards let one pool's idle threads spin against the
+other's and slowed the next forward 1.5-2x.
 
 Optional: ``compile=True`` wraps each decoder layer in ``torch.compile`` (dynamic shapes, one graph for every
 row count). Measured on 2 Xeon cores it gained nothing over eager (the products dominate) and cost ~20 s of
@@ -51,12 +53,11 @@ import torch.nn.functional as F
 import graft_block
 
 from .errors import ConfigError
-from .gemv import gemv
-from . import gemv as gemv_kernel
+from . import skinny
 
 GEMMS = ("mkl", "openblas", "onednn")
-ONE_ROW = ("gemv",)  # kernels for one-row products only (graft_block/gemv.py)
-POOL = {"mkl": "torch", "onednn": "torch", "openblas": "openblas", "gemv": "torch"}  # whose threads run each kernel
+SMALL = {"skinny": 16}  # kernels for small forwards only (graft_block/skinny.py), and the most rows they may take
+POOL = {"mkl": "torch", "onednn": "torch", "openblas": "openblas", "skinny": "torch"}  # whose threads run each kernel
 
 DNN_PACK_ROWS = 16  # the row hint oneDNN lays its weights out for (measured: one layout serves 1-32 rows)
 
@@ -64,21 +65,22 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def _kernel_pair(spec: str | None, source: str) -> tuple[str | None, str | None]:
-    """A kernel choice as given (``gemm=`` or ``GRAFT_BLOCK_GEMM``): "onednn", or "onednn+gemv" for a one-row
-    kernel of its own -> (multi-row kernel, one-row kernel or None)."""
+    """A kernel choice as given (``gemm=`` or ``GRAFT_BLOCK_GEMM``): "onednn", or "onednn+skinny" for a kernel of
+    its own for small forwards (skinny: up to 16 rows; another main kernel: 1 row) -> (main, small or None)."""
     if spec is None:
         return None, None
-    main, _, one = spec.partition("+")
-    if main not in GEMMS or (one and one not in GEMMS + ONE_ROW):
-        raise ConfigError(f"{source} must be one of {', '.join(GEMMS)}, optionally + a one-row kernel (one of "
-                          f"{', '.join(GEMMS + ONE_ROW)}, e.g. 'onednn+gemv'), or unset: measured; got {spec!r}")
-    if one and POOL[one] != POOL[main]:
-        raise ConfigError(f"{source}={spec!r} pairs kernels of two thread pools ({main}: {POOL[main]}'s, {one}: "
-                          f"{POOL[one]}'s), whose idle threads spin against each other: pair kernels of one pool")
-    if one == "gemv" and not gemv_kernel.available():
-        raise ConfigError(f"{source}={spec!r}: the gemv kernel cannot run here ({gemv_kernel.why_not()}); "
-                          "drop '+gemv'")
-    return main, one or None
+    main, _, small = spec.partition("+")
+    kinds = GEMMS + tuple(SMALL)
+    if main not in GEMMS or (small and small not in kinds):
+        raise ConfigError(f"{source} must be one of {', '.join(GEMMS)}, optionally + a kernel for small forwards "
+                          f"(one of {', '.join(kinds)}, e.g. 'onednn+skinny'), or unset: measured; got {spec!r}")
+    if small and POOL[small] != POOL[main]:
+        raise ConfigError(f"{source}={spec!r} pairs kernels of two thread pools ({main}: {POOL[main]}'s, {small}: "
+                          f"{POOL[small]}'s), whose idle threads spin against each other: pair kernels of one pool")
+    if small == "skinny" and not skinny.available():
+        raise ConfigError(f"{source}={spec!r}: the skinny kernel cannot run here ({skinny.why_not()}); "
+                          "drop '+skinny'")
+    return main, small or None
 
 
 def unsupported_reason(model) -> str | None:
@@ -139,41 +141,43 @@ class LeanForward:
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self._layer = torch.compile(_layer, dynamic=True) if compile else _layer
         cpu32 = self.device.type == "cpu" and self.dtype == torch.float32
-        gemm, gemm_1row = _kernel_pair(gemm, "gemm")
+        gemm, gemm_small = _kernel_pair(gemm, "gemm")
         if gemm is not None and not cpu32:
             raise ConfigError(f"gemm={gemm!r} is a CPU float32 kernel choice; this target is {self.dtype} on "
                               f"{self.device}: leave gemm unset")
-        own = next((k for k in (gemm, gemm_1row) if k in ("openblas", "onednn", "gemv")), None)
+        own = next((k for k in (gemm, gemm_small) if k in ("openblas", "onednn", "skinny")), None)
         if own and compile:
             raise ConfigError(f"gemm={own!r} cannot run inside compiled layers (compiled graphs call torch's own "
                               "kernels); use compile=False or gemm='mkl'")
         if gemm == "onednn" and not onednn_available(self.device, self.dtype):
             raise ConfigError("gemm='onednn' needs a torch built with oneDNN (torch.backends.mkldnn.is_available()); "
                               "use gemm='mkl' or 'openblas'")
-        env, env_1row = _kernel_pair(os.environ.get("GRAFT_BLOCK_GEMM") or None, "GRAFT_BLOCK_GEMM")
+        env, env_small = _kernel_pair(os.environ.get("GRAFT_BLOCK_GEMM") or None, "GRAFT_BLOCK_GEMM")
         self.gemm_times = None  # the measurement behind an automatic choice (physics prints it)
         if not cpu32:
             gemm = "torch"  # GPU / half precision: torch's own GEMM (the machine-wide override is for CPU fp32)
         elif gemm is None and (compile or pack_rows):
             gemm = "mkl"  # compiled graphs call torch's kernels; explicit pack buckets are MKL's
         elif gemm is None:
-            gemm, gemm_1row = env, env_1row
-        gemm_1row = gemm_1row or gemm
+            gemm, gemm_small = env, env_small
+        gemm_small = gemm_small or gemm
+        small_rows = SMALL.get(gemm_small, 1)
         if gemm is None:
-            gemm, pack_rows_measured, self.gemm_times, gemm_1row = choose_gemm(self)
+            gemm, pack_rows_measured, self.gemm_times, gemm_small, small_rows = choose_gemm(self)
             pack_rows = pack_rows_measured if pack_rows is None else pack_rows
-        self.gemm = gemm  # the products of multi-row forwards (tree verify, prefill)
-        self.gemm_1row = gemm_1row  # those of a one-row forward (a decode step): bound by streaming the weights
+        self.gemm = gemm  # the products of forwards past small_rows (prefill, large trees)
+        self.gemm_small = gemm_small  # those of forwards of <= small_rows rows (decode steps, tree verifies)
+        self.small_rows = small_rows if gemm_small != gemm else 0
         if pack_rows is None:
             pack_rows = (8, 16) if gemm == "mkl" and packed_gemm_available(self.device, self.dtype) else ()
         elif pack_rows and (gemm != "mkl" or not packed_gemm_available(self.device, self.dtype)):
             raise ConfigError("pack_rows needs MKL's packed GEMM: a CPU float32 target on a torch built with MKL, "
                               "with gemm='mkl'")
         self.packs = {int(r): self._reordered("mkl_packed", int(r)) for r in sorted(pack_rows)}
-        used = {gemm, gemm_1row}
+        used = {gemm, gemm_small}
         self.blas = self._reordered("openblas") if "openblas" in used else None
         self.dnn = self._reordered("onednn") if "onednn" in used else None  # one layout for every row count
-        self.rowk = self._reordered("gemv") if "gemv" in used else None  # the weights themselves, no copy
+        self.skinny = self._reordered("skinny") if "skinny" in used else None  # one packed copy, 1-16 rows
         if self.blas is not None and graft_block.OPENBLAS_TIMEOUT_LATE:
             warnings.warn("numpy (and OpenBLAS) loaded before graft_block, so OPENBLAS_THREAD_TIMEOUT was not set in "
                           "time and its idle threads may slow torch's: import graft_block first, or export "
@@ -233,7 +237,7 @@ class LeanForward:
         causal = mask is None and n > 1
         if causal and start:
             raise ValueError("a multi-row forward after cached tokens needs an explicit mask")
-        kernel = self.gemm_1row if n == 1 else self.gemm
+        kernel = self.gemm_small if n <= self.small_rows else self.gemm
         rows = None if causal or kernel != "mkl" else self.bucket(n)
         if rows is not None and rows > n:  # pad to the packed bucket; the pad rows see everything, nobody sees them
             ids = torch.cat([ids, ids[-1:].expand(rows - n)])
@@ -248,8 +252,11 @@ class LeanForward:
 
     @property
     def kernel_label(self) -> str:
-        """The products as run: ``onednn``, or ``onednn+openblas@1row`` when one-row forwards use another kernel."""
-        return self.gemm if self.gemm_1row == self.gemm else f"{self.gemm}+{self.gemm_1row}@1row"
+        """The products as run: ``onednn``, or ``onednn+skinny@16rows`` / ``onednn+mkl@1row`` when forwards of up
+        to that many rows use another kernel."""
+        if not self.small_rows:
+            return self.gemm
+        return f"{self.gemm}+{self.gemm_small}@{'1row' if self.small_rows == 1 else f'{self.small_rows}rows'}"
 
     def _forward(self, ids, pos, mask, features, last_only, n, start, causal, rows, kernel):
         m = ids.numel()
@@ -261,7 +268,7 @@ class LeanForward:
         if mask is not None:
             mask = mask.view(1, 1, m, start + m)
         packs = (self.blas if kernel == "openblas" else self.dnn if kernel == "onednn" else
-                 self.rowk if kernel == "gemv" else self.packs.get(rows))
+                 self.skinny if kernel == "skinny" else self.packs.get(rows))
         for i, w in enumerate(self.layers):
             x = self._layer(x, w, None if packs is None else packs[i], self.k[i], self.v[i], start, cos, sin, mask,
                             causal, self.heads, self.kv_heads, self.head_dim, self.scaling)
@@ -285,14 +292,6 @@ def packed_gemm_available(device, dtype) -> bool:
             and hasattr(torch.ops.mkl, "_mkl_linear"))
 
 
-class RowWeight:
-    """A weight [out, in] for the one-row ``gemv`` kernel: the tensor itself (it reads row-major weights)."""
-    __slots__ = ("w",)
-
-    def __init__(self, w: torch.Tensor):
-        self.w = w.detach()
-
-
 class DnnWeight:
     """A weight reordered into oneDNN's blocked layout; it serves any row count (an MKL pack, also an mkldnn
     tensor, serves exactly one)."""
@@ -309,40 +308,47 @@ def onednn_available(device, dtype) -> bool:
 
 def linear(x, weight, bias, packed=None):
     """x [1, n, in] through ``weight``; with ``packed`` through that kernel: a numpy [in, out] array (OpenBLAS), a
-    oneDNN-reordered weight (any n), the weight for ``gemv`` (n = 1), or an MKL pack for exactly n rows."""
+    oneDNN-reordered weight (any n), a skinny pack (a few rows), or an MKL pack for exactly n rows."""
     if packed is None:
         return F.linear(x, weight, bias)
     n = x.shape[1]
     if isinstance(packed, np.ndarray):
         y = torch.from_numpy(x.reshape(n, -1).numpy() @ packed)
         return (y if bias is None else y.add_(bias)).view(1, n, -1)
-    if isinstance(packed, RowWeight):
-        if n != 1:
-            raise ValueError(f"the gemv kernel multiplies one row, got {n}")
-        return gemv(x, packed.w, bias)
+    if isinstance(packed, skinny.SkinnyWeight):
+        return skinny.linear(x, packed, bias)
     if isinstance(packed, DnnWeight):
         return torch.ops.mkldnn._linear_pointwise(x.reshape(n, -1), packed.w, bias, "none", [], "").view(1, n, -1)
     return torch.ops.mkl._mkl_linear(x.reshape(n, -1), packed, weight, bias, n).view(1, n, -1)
 
 
 def inference_linear(x: torch.Tensor, weight: torch.Tensor, bias, kernel: str | None, cache: dict) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through ``kernel`` ("onednn") when one is given and no gradient is wanted
-    (CPU float32): the weight's layout is kept in ``cache`` and redone when the weight changes (an in-place update
-    bumps its version; a new tensor its address). For drafters, whose few-row products MKL runs 2-3x slower on AMD."""
-    if kernel != "onednn" or torch.is_grad_enabled() or x.device.type != "cpu" or weight.dtype != torch.float32:
+    """``F.linear(x, weight, bias)``, through ``kernel`` when one is given and no gradient is wanted (CPU float32):
+    "onednn", or "skinny" (products of up to ``SMALL["skinny"]`` rows; oneDNN past that). The weight's layouts are
+    kept in ``cache`` and redone when the weight changes (an in-place update bumps its version; a new tensor its
+    address). For drafters, whose few-row products MKL runs 2-3x slower on AMD."""
+    if kernel not in ("onednn", "skinny") or torch.is_grad_enabled() or x.device.type != "cpu" \
+            or weight.dtype != torch.float32:
         return F.linear(x, weight, bias)
+    lead = x.shape[:-1]
+    x = x.reshape(1, -1, x.shape[-1]).to(weight.dtype)
+    kind = "skinny" if kernel == "skinny" and x.shape[1] <= SMALL["skinny"] else "onednn"
     key = (weight.data_ptr(), weight._version, tuple(weight.shape))
     if cache.get("key") != key:
-        cache["key"], cache["w"] = key, DnnWeight(weight)
-    lead = x.shape[:-1]
-    return linear(x.reshape(1, -1, x.shape[-1]).to(weight.dtype), weight, bias, cache["w"]).view(*lead, -1)
+        cache.clear()
+        cache["key"] = key
+    if kind not in cache:
+        cache[kind] = kernel_weight(weight, kind)
+    return linear(x, weight, bias, cache[kind]).view(*lead, -1)
 
 
 def drafter_kernel(target) -> str | None:
-    """The product kernel a drafter's inference forwards share with ``target``: oneDNN when the target's lean
-    engine chose it for its multi-row products, else None (``F.linear``, torch's own)."""
+    """The product kernel a drafter's inference forwards share with ``target``: skinny (few rows) with oneDNN
+    when the target's lean engine runs that pair, oneDNN when it runs oneDNN, else None (``F.linear``)."""
     lean = getattr(target, "lean", None)
-    return "onednn" if getattr(lean, "gemm", None) == "onednn" else None
+    if getattr(lean, "gemm", None) != "onednn":
+        return None
+    return "skinny" if getattr(lean, "gemm_small", None) == "skinny" else "onednn"
 
 
 def blas_weight(w: torch.Tensor) -> np.ndarray:
@@ -357,8 +363,8 @@ def kernel_weight(w: torch.Tensor, kernel: str, rows: int | None = None):
         return blas_weight(w)
     if kernel == "onednn":
         return DnnWeight(w)
-    if kernel == "gemv":
-        return RowWeight(w)
+    if kernel == "skinny":
+        return skinny.SkinnyWeight(w)
     if kernel == "mkl_packed":
         return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows)
     return None
@@ -397,11 +403,12 @@ def device_name(device: torch.device | str = "cpu") -> str:
 def measure_gemms(weights: list[torch.Tensor], rows=(1, 8, 16), reps: int = 5) -> dict:
     """Median ms of pushing an [n, in] input through every weight, per kernel and row count: ``mkl`` (F.linear),
     ``mkl_packed`` (packed for exactly n rows; n > 1), ``openblas`` (numpy, torch on one thread meanwhile),
-    ``onednn`` (reordered once) and ``gemv`` (n = 1; where it builds). One kernel at a time, warmed up first: interleaving them call by call lets one
+    ``onednn`` (reordered once) and ``skinny`` (packed once; where it builds). One kernel at a time, warmed up first: interleaving them call by call lets one
     pool's spinning threads slow the other."""
-    out: dict[str, dict[int, float]] = {"mkl": {}, "mkl_packed": {}, "openblas": {}, "onednn": {}, "gemv": {}}
+    out: dict[str, dict[int, float]] = {"mkl": {}, "mkl_packed": {}, "openblas": {}, "onednn": {}, "skinny": {}}
     mkl_pack = packed_gemm_available("cpu", torch.float32)
     dnn = [kernel_weight(w, "onednn") for w in weights] if onednn_available("cpu", torch.float32) else None
+    thin = [kernel_weight(w, "skinny") for w in weights] if skinny.available() else None
     for n in rows:
         xs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
         runs = {"mkl": lambda: [F.linear(xs[w.shape[1]], w) for w in weights]}
@@ -414,8 +421,8 @@ def measure_gemms(weights: list[torch.Tensor], rows=(1, 8, 16), reps: int = 5) -
         runs["openblas"] = lambda: [xn[a.shape[0]] @ a for a in arrays]
         if dnn is not None:
             runs["onednn"] = lambda: [linear(xs[w.shape[1]][None], w, None, p) for w, p in zip(weights, dnn)]
-        if n == 1 and gemv_kernel.available():
-            runs["gemv"] = lambda: [gemv(xs[w.shape[1]], w) for w in weights]
+        if thin is not None and n <= SMALL["skinny"]:
+            runs["skinny"] = lambda: [linear(xs[w.shape[1]][None], w, None, p) for w, p in zip(weights, thin)]
         for name, fn in runs.items():
             with torch_threads(1 if name == "openblas" else None):
                 fn(), fn()
@@ -428,33 +435,48 @@ def measure_gemms(weights: list[torch.Tensor], rows=(1, 8, 16), reps: int = 5) -
     return out
 
 
-def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str]:
-    """(kernel, MKL pack buckets, one-row kernel) from ``measure_gemms``: the pair with the lowest total over the
-    row counts (MKL counting its packed GEMM wherever that beats F.linear; the buckets are where it wins). A
-    one-row forward only streams the weights, and another kernel on the same thread pool may do that faster: it
-    gets its own when that one is >= 10% faster at 1 row (a one-row-only kernel, ``gemv``, competes there alone).
-    A kernel not measured at every row count (not built in) does not compete; on a tie the earlier kernel stays."""
+def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str, int]:
+    """(kernel, MKL pack buckets, small-forward kernel, rows it takes) from ``measure_gemms``: the pair with the
+    lowest total over the measured row counts (MKL counting its packed GEMM wherever that beats F.linear; the
+    buckets are where it wins). A small forward mostly streams the weights, and another kernel on the same thread
+    pool may do that faster. It takes the forwards up to some row count when it is >= 10% faster over the
+    measured row counts it covers and slower at none of them: ``skinny`` up to the largest measured row count
+    where that holds (at most 16), another main kernel at 1 row only. A main kernel not measured at every row
+    count (not built in) does not compete; on a tie the earlier kernel stays."""
     mkl, packed = times["mkl"], times.get("mkl_packed", {})
+    rows = sorted(mkl)
     buckets = tuple(n for n in sorted(packed) if packed[n] < mkl[n])
     per_row = {"mkl": {n: min(t, packed.get(n, float("inf"))) for n, t in mkl.items()}}
     per_row.update({k: times[k] for k in ("openblas", "onednn") if set(times.get(k) or {}) >= set(mkl)})
-    at_1 = {k: t[1] for k, t in per_row.items() if 1 in t}
-    at_1.update({k: times[k][1] for k in ONE_ROW if 1 in (times.get(k) or {})})
+    small = {k: (t, 1) for k, t in per_row.items()}
+    small.update({k: (times[k], cap) for k, cap in SMALL.items() if times.get(k)})
 
-    def one_row(k: str) -> str:
-        if 1 not in mkl:
-            return k
-        fastest = min((j for j in at_1 if POOL[j] == POOL[k]), key=at_1.get)
-        return fastest if at_1[fastest] < 0.9 * at_1[k] else k
+    def partner(k: str) -> tuple[str, int]:
+        best, best_rows, best_total = k, 0, total(k, k, 0)
+        for j, (t, cap) in small.items():
+            if j == k or POOL[j] != POOL[k]:
+                continue
+            covered = []
+            for n in rows:  # the longest run of row counts from the smallest up where j wins
+                if n > cap or n not in t or t[n] > per_row[k][n]:
+                    break
+                covered.append(n)
+            if covered and sum(t[n] for n in covered) < 0.9 * sum(per_row[k][n] for n in covered):
+                upto = cap if len(covered) == len(rows) else covered[-1]
+                if total(k, j, upto) < best_total:
+                    best, best_rows, best_total = j, upto, total(k, j, upto)
+        return best, best_rows
 
-    def total(k: str) -> float:
-        return sum(at_1[one_row(k)] if n == 1 else per_row[k][n] for n in mkl)
+    def total(k: str, j: str, upto: int) -> float:
+        return sum(small[j][0][n] if n <= upto else per_row[k][n] for n in rows)
 
-    best = min(per_row, key=total)
-    return best, (buckets if best == "mkl" else ()), one_row(best)
+    # on a tie (the small kernel covering every measured row count) the main kernel's own total decides: it runs
+    # prefill and the larger trees
+    best = min(per_row, key=lambda k: (total(k, *partner(k)), total(k, k, 0)))
+    return (best, (buckets if best == "mkl" else ())) + partner(best)
 
 
-def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str]:
+def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, int]:
     """Measure the kernels on one decoder layer's weights and the LM head (the shapes of every product), once per
     machine, torch/numpy build, thread count and model shape; the choice is cached under the user cache dir.
     OpenBLAS does not compete when numpy loaded before graft_block (``import torch`` first loads it): its idle
@@ -463,26 +485,27 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str]:
     weights = [lean.layers[0][k].detach() for k in ("qkv", "o", "gu", "d")] + [lean.head.weight.detach()]
     spins = graft_block.OPENBLAS_TIMEOUT_LATE
     key = {"cpu": device_name("cpu"), "torch": torch.__version__, "numpy": np.__version__,
-           "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights], "kernels": list(GEMMS + ONE_ROW),
-           "gemv": gemv_kernel.available(),
-           "openblas_spins": spins, "one_row_kernel": "same pool"}
+           "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights],
+           "kernels": list(GEMMS) + list(SMALL), "skinny": skinny.available() and skinny.SOURCE,
+           "openblas_spins": spins, "small_kernel": "same pool"}
     path = graft_block.keyed_cache_file("gemm", key)
     try:
         data = json.loads(path.read_text())
-        if data["key"] == key and data["gemm"] in GEMMS and data["gemm_1row"] in GEMMS + ONE_ROW:
+        if data["key"] == key and data["gemm"] in GEMMS and data["gemm_small"] in GEMMS + tuple(SMALL):
             times = {k: {int(n): float(v) for n, v in d.items()} for k, d in data["times"].items()}
-            return data["gemm"], tuple(int(r) for r in data["pack_rows"]), times, data["gemm_1row"]
+            return (data["gemm"], tuple(int(r) for r in data["pack_rows"]), times, data["gemm_small"],
+                    int(data["small_rows"]))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # no cache yet, or a damaged one: measure again
     times = measure_gemms(weights)
-    gemm, buckets, gemm_1row = pick_gemm({k: v for k, v in times.items() if not (spins and k == "openblas")})
+    gemm, buckets, small, small_rows = pick_gemm({k: v for k, v in times.items() if not (spins and k == "openblas")})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": key, "gemm": gemm, "gemm_1row": gemm_1row, "pack_rows": list(buckets),
-                                    "times": times}, indent=1))
+        path.write_text(json.dumps({"key": key, "gemm": gemm, "gemm_small": small, "small_rows": small_rows,
+                                    "pack_rows": list(buckets), "times": times}, indent=1))
     except OSError:
         pass  # a read-only cache dir only costs the measurement next time
-    return gemm, buckets, times, gemm_1row
+    return gemm, buckets, times, small, small_rows
 
 
 def _rms(x, w, eps):

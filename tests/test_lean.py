@@ -125,22 +125,33 @@ def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypat
            "openblas": {1: 26.0, 8: 51.0, 16: 60.0}}
     xeon = {"mkl": {1: 31.0, 8: 65.0, 16: 69.0}, "mkl_packed": {8: 46.0, 16: 56.0},
             "openblas": {1: 31.0, 8: 69.0, 16: 83.0}}
-    assert pick_gemm(amd) == ("openblas", (), "openblas")
-    assert pick_gemm(xeon) == ("mkl", (8, 16), "mkl")  # OpenBLAS ties at 1 row: not worth a second copy
-    assert pick_gemm({**xeon, "mkl_packed": {8: 46.0, 16: 80.0}}) == ("mkl", (8,), "mkl")
+    assert pick_gemm(amd) == ("openblas", (), "openblas", 0)
+    assert pick_gemm(xeon) == ("mkl", (8, 16), "mkl", 0)  # OpenBLAS ties at 1 row: not worth a second copy
+    assert pick_gemm({**xeon, "mkl_packed": {8: 46.0, 16: 80.0}}) == ("mkl", (8,), "mkl", 0)
     zen4 = {**amd, "onednn": {1: 27.0, 8: 30.0, 16: 41.0}}  # far faster at 8-16 rows, within 10% at 1
-    assert pick_gemm(zen4) == ("onednn", (), "onednn")
+    assert pick_gemm(zen4) == ("onednn", (), "onednn", 0)
     zen4["onednn"][1] = 33.0  # OpenBLAS 21% faster at 1 row, but on its own thread pool: never mixed
-    assert pick_gemm(zen4) == ("onednn", (), "onednn")
+    assert pick_gemm(zen4) == ("onednn", (), "onednn", 0)
     zen4["mkl"][1] = 20.0  # MKL shares torch's pool: one-row forwards get it
-    assert pick_gemm(zen4) == ("onednn", (), "mkl")
-    assert pick_gemm({**xeon, "onednn": {1: 20.0, 8: 30.0}}) == ("mkl", (8, 16), "mkl")  # not measured at 16
+    assert pick_gemm(zen4) == ("onednn", (), "mkl", 1)
+    assert pick_gemm({**xeon, "onednn": {1: 20.0, 8: 30.0}}) == ("mkl", (8, 16), "mkl", 0)  # not measured at 16
     # the total counts the one-row kernel: MKL edges OpenBLAS at 8-16 rows, but OpenBLAS halves the 1-row time
     assert pick_gemm({"mkl": {1: 50.0, 8: 60.0, 16: 70.0}, "openblas": {1: 25.0, 8: 62.0, 16: 72.0}})[0] == "openblas"
-    # gemv is a one-row kernel on torch's pool: it takes decode steps beside oneDNN or MKL, never beside OpenBLAS
-    assert pick_gemm({**zen4, "gemv": {1: 17.0}}) == ("onednn", (), "gemv")
-    assert pick_gemm({**amd, "gemv": {1: 17.0}}) == ("openblas", (), "openblas")
-    assert pick_gemm({**xeon, "gemv": {1: 29.0}}) == ("mkl", (8, 16), "mkl")  # under 10% faster: one kernel
+    # skinny (small forwards only, torch's pool) takes them up to the last row count where it wins, never beside
+    # OpenBLAS, and not when it is not 10% faster over what it would cover
+    zen4["mkl"][1] = 50.0
+    assert pick_gemm({**zen4, "skinny": {1: 17.0, 8: 25.0, 16: 38.0}}) == ("onednn", (), "skinny", 16)
+    assert pick_gemm({**zen4, "skinny": {1: 17.0, 8: 25.0, 16: 45.0}}) == ("onednn", (), "skinny", 8)
+    # slower than oneDNN at 1 row, so never beside it; beside MKL it wins every row count, and that pair's total wins
+    assert pick_gemm({**zen4, "skinny": {1: 34.0, 8: 25.0, 16: 38.0}}) == ("mkl", (), "skinny", 16)
+    assert pick_gemm({**zen4, "skinny": {1: 34.0, 8: 25.0, 16: 99.0}}) == ("onednn", (), "onednn", 0)
+    # 42% faster than OpenBLAS at 1 row, but on torch's pool: OpenBLAS keeps every row count
+    assert pick_gemm({**amd, "skinny": {1: 15.0, 8: 55.0, 16: 75.0}}) == ("openblas", (), "openblas", 0)
+    assert pick_gemm({**xeon, "skinny": {1: 29.0, 8: 45.0, 16: 55.0}}) == ("mkl", (8, 16), "mkl", 0)
+    # a kernel that only wins with skinny beside it is picked for the pair's total: MKL + skinny beats OpenBLAS
+    assert pick_gemm({**amd, "skinny": {1: 10.0, 8: 20.0, 16: 30.0}}) == ("mkl", (), "skinny", 16)
+    # skinny covering every measured row count beside MKL or oneDNN: the faster one alone keeps prefill
+    assert pick_gemm({**zen4, "skinny": {1: 10.0, 8: 20.0, 16: 30.0}}) == ("onednn", (), "skinny", 16)
 
     import graft_block.engine as E
 
@@ -171,46 +182,55 @@ def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypat
     monkeypatch.setenv("GRAFT_BLOCK_GEMM", "onednn+openblas")
     with pytest.raises(ConfigError, match="pairs kernels of two thread pools"):
         LeanForward(model)
-    with pytest.raises(ConfigError, match="optionally \\+ a one-row kernel"):
-        LeanForward(model, gemm="gemv")  # a one-row kernel cannot run trees
+    with pytest.raises(ConfigError, match="optionally \\+ a kernel for small forwards"):
+        LeanForward(model, gemm="skinny")  # a small-forward kernel cannot run prefill
     monkeypatch.setenv("GRAFT_BLOCK_GEMM", "onednn+mkl")
-    assert (LeanForward(model).gemm, LeanForward(model).gemm_1row) == ("onednn", "mkl") and calls == [5, 5]
+    forced = LeanForward(model)
+    assert (forced.gemm, forced.gemm_small, forced.small_rows) == ("onednn", "mkl", 1) and calls == [5, 5]
     monkeypatch.delenv("GRAFT_BLOCK_GEMM")
     import graft_block
 
     monkeypatch.setattr(graft_block, "OPENBLAS_TIMEOUT_LATE", True)  # numpy came first: OpenBLAS's threads spin
     late = LeanForward(model)
-    assert late.gemm == late.gemm_1row == "mkl" and late.blas is None and calls == [5, 5, 5]  # own cache entry
+    assert late.gemm == late.gemm_small == "mkl" and late.blas is None and calls == [5, 5, 5]  # own cache entry
 
 
-def test_drafter_linears_take_the_engine_kernel_and_follow_weight_updates():
+@pytest.mark.parametrize("kernel", ["onednn", "skinny"])
+def test_drafter_linears_take_the_engine_kernel_and_follow_weight_updates(kernel):
     """``use_kernel`` turns every nn.Linear (also inside transformers' modules) into a drafters ``Linear``
-    with the same parameters; without gradients it runs oneDNN on a kept layout, redone after an in-place
-    update; with gradients (training) it is F.linear and the gradient reaches the weight."""
+    with the same parameters; without gradients it runs the kernel on a kept layout (skinny up to 16 rows,
+    oneDNN past that), redone after an in-place update; with gradients (training) it is F.linear and the gradient
+    reaches the weight."""
     from torch import nn
     from torch.nn import functional as F
 
+    from graft_block import skinny
     from graft_block.drafters.layers import Linear, use_kernel
     from graft_block.engine import onednn_available
 
     if not (ON_CPU and onednn_available("cpu", torch.float32)):
         pytest.skip("oneDNN is a CPU float32 kernel")
+    if kernel == "skinny" and not skinny.available():
+        pytest.skip(f"the skinny kernel does not build here: {skinny.why_not()}")
     torch.manual_seed(0)
     lin = nn.Linear(16, 8)
     net = nn.Sequential(lin, nn.ReLU())
     keys = set(net.state_dict())
-    use_kernel(net, "onednn")
-    assert type(lin) is Linear and lin.kernel == "onednn" and set(net.state_dict()) == keys
-    x = torch.randn(3, 5, 16)
+    use_kernel(net, kernel)
+    assert type(lin) is Linear and lin.kernel == kernel and set(net.state_dict()) == keys
+    x = torch.randn(3, 5, 16)  # 15 rows: skinny's when it is the kernel
     with torch.no_grad():
         y = net(x)
         assert y.shape == (3, 5, 8) and torch.allclose(y, F.linear(x, lin.weight, lin.bias).relu(), atol=1e-5)
-        first = lin._laid_out["w"]
+        first = lin._laid_out[kernel]
         lin(x)
-        assert lin._laid_out["w"] is first  # kept, not laid out again per call
+        assert lin._laid_out[kernel] is first  # kept, not laid out again per call
         lin.weight.mul_(2)  # an in-place update (a load, an optimizer step) must be seen
         assert torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5)
-        assert lin._laid_out["w"] is not first
+        assert lin._laid_out[kernel] is not first
+        wide = torch.randn(3, 7, 16)  # 21 rows: oneDNN either way
+        assert torch.allclose(lin(wide), F.linear(wide, lin.weight, lin.bias), atol=1e-5)
+        assert "onednn" in lin._laid_out
     lin(x).sum().backward()  # gradients on: F.linear
     assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
     use_kernel(net, None)
@@ -218,16 +238,21 @@ def test_drafter_linears_take_the_engine_kernel_and_follow_weight_updates():
         assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash", "mfd"])
-def test_drafters_on_a_onednn_target_draft_through_it_and_stay_lossless(kind):
-    """A target whose engine runs oneDNN hands it to its drafter's products; greedy output stays the target's."""
-    from graft_block import Drafter
+@pytest.mark.parametrize("kind,gemm", [("eagle3", "onednn"), ("dflash", "onednn"), ("mfd", "onednn"),
+                                       ("eagle3", "onednn+skinny"), ("mfd", "onednn+skinny")])
+def test_drafters_on_a_onednn_target_draft_through_it_and_stay_lossless(kind, gemm):
+    """A target whose engine runs oneDNN (with skinny for small forwards) hands its kernel to its drafter's
+    products; greedy output stays the target's."""
+    from graft_block import Drafter, skinny
     from graft_block.drafters.layers import Linear
     from graft_block.engine import onednn_available
 
     if not (ON_CPU and onednn_available("cpu", torch.float32)):
         pytest.skip("oneDNN is a CPU float32 kernel")
-    t = tiny_target("llama", engine="lean", gemm="onednn")
+    if "skinny" in gemm and not skinny.available():
+        pytest.skip(f"the skinny kernel does not build here: {skinny.why_not()}")
+    kernel = "skinny" if "skinny" in gemm else "onednn"
+    t = tiny_target("llama", engine="lean", gemm=gemm)
     if kind in ("dflash", "mfd"):
         cfg = {"type": kind, "num_layers": 2, "target_layer_ids": [0, 2], "block_size": 6, "seed": 1, "budget": 8}
         d = Drafter.from_config({**cfg, "proposal": "ddtree"} if kind == "dflash" else {**cfg, "num_modes": 2},
@@ -245,93 +270,100 @@ def test_drafters_on_a_onednn_target_draft_through_it_and_stay_lossless(kind):
         d = Eagle3Drafter(t, head=head, budget=8, depth=3, top_k=3)
     model = d.head if kind == "eagle3" else d.model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(type(m) is Linear and m.kernel == "onednn" for m in linears)
+    assert linears and all(type(m) is Linear and m.kernel == kernel for m in linears)
     dec = SpeculativeDecoder(t, d)
     for prompt in ([3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 2]):
         res = dec.generate(prompt, max_new_tokens=20)
         assert res.tokens == hf_greedy(t, prompt, 20)
     if kind != "eagle3":
-        assert model.kernel == "onednn" and model._laid_out["w"] is not None  # the LM-head product too
+        assert model.kernel == kernel and set(model._laid_out) - {"key"}  # the LM-head product too
 
 
-@pytest.mark.parametrize("one,layout", [("mkl", "NoneType"), ("gemv", "RowWeight")])
-def test_a_one_row_kernel_of_the_same_pool_runs_decode_steps_and_stays_exact(monkeypatch, tmp_path, one, layout):
-    """When the measurement gives decode steps their own kernel (MKL or gemv beside oneDNN), one-row forwards run
-    it and every other forward runs the main one; logits match HF's either way, and the label names both."""
-    from graft_block import gemv
+@pytest.mark.parametrize("small,layout,label", [("mkl", "NoneType", "mkl@1row"), ("skinny", "SkinnyWeight", "skinny@8rows")])
+def test_a_small_forward_kernel_of_the_same_pool_runs_them_and_stays_exact(monkeypatch, tmp_path, small, layout,
+                                                                          label):
+    """When the measurement gives small forwards their own kernel (MKL at 1 row, or skinny up to 8 rows, beside
+    oneDNN), those forwards run it and every other forward runs the main one; logits match HF's either way, and
+    the label names both."""
+    from graft_block import skinny
     from graft_block.engine import onednn_available
 
     if not (ON_CPU and onednn_available("cpu", torch.float32)):
         pytest.skip("a CPU float32 kernel choice")
-    if one == "gemv" and not gemv.available():
-        pytest.skip(f"the gemv kernel does not build here: {gemv.why_not()}")
+    if small == "skinny" and not skinny.available():
+        pytest.skip(f"the skinny kernel does not build here: {skinny.why_not()}")
     import graft_block.engine as E
 
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path))
     monkeypatch.delenv("GRAFT_BLOCK_GEMM", raising=False)
-    times = {"mkl": {1: 20.0 if one == "mkl" else 50.0, 8: 70.0, 16: 96.0}, "openblas": {1: 26.0, 8: 51.0, 16: 60.0},
-             "onednn": {1: 33.0, 8: 30.0, 16: 41.0}, "gemv": {1: 17.0} if one == "gemv" else {}}
+    times = {"mkl": {1: 20.0 if small == "mkl" else 50.0, 8: 70.0, 16: 96.0}, "openblas": {1: 26.0, 8: 51.0, 16: 60.0},
+             "onednn": {1: 33.0, 8: 30.0, 16: 41.0}, "skinny": {1: 17.0, 8: 25.0, 16: 45.0} if small == "skinny" else {}}
     monkeypatch.setattr(E, "measure_gemms", lambda w, **k: times)
     lean = tiny_target("llama", engine="lean")
     hf = Target(lean.model, None, engine="hf")
-    assert (lean.lean.gemm, lean.lean.gemm_1row) == ("onednn", one) and lean.lean.blas is None
-    assert lean.engine_label == f"lean-onednn+{one}@1row-float32"
+    assert (lean.lean.gemm, lean.lean.gemm_small) == ("onednn", small) and lean.lean.blas is None
+    assert lean.engine_label == f"lean-onednn+{label}-float32"
     used = []
     real = E.linear
     monkeypatch.setattr(E, "linear", lambda x, w, b, p=None: used.append(type(p).__name__) or real(x, w, b, p))
     prompt = torch.tensor([5, 9, 2, 7, 11])
-    for tree in (root_only(4), chain(4, torch.tensor([8, 1, 3, 6]))):
+    chain12 = torch.tensor([8, 1, 3, 6, 2, 9, 4, 7, 5, 10, 12, 11])
+    for tree in (root_only(4), chain(4, torch.tensor([8, 1, 3, 6])), chain(4, chain12)):
         lean.prefill(prompt), hf.prefill(prompt)
         used.clear()
         (va, _), (vb, _) = lean.verify(tree), hf.verify(tree)
         assert torch.allclose(va, vb, atol=1e-4) and torch.equal(va.argmax(-1), vb.argmax(-1))
-        assert set(used) == ({layout} if tree.size == 1 else {"DnnWeight"})  # the one-row kernel, else oneDNN
+        assert set(used) == ({layout} if tree.size <= lean.lean.small_rows else {"DnnWeight"})
 
 
-def test_gemv_equals_f_linear_on_awkward_shapes_whatever_the_thread_count():
-    """The one-row kernel: rows and columns off its 16/64-float steps, with and without bias, within float32
-    rounding of a float64 product; a row's value is the same on 1 or 2 threads (each row is summed whole by one
-    thread), and what it cannot take is refused by name."""
-    from graft_block import gemv
+def test_skinny_equals_f_linear_on_awkward_shapes_whatever_the_row_or_thread_count():
+    """The small-forward kernel: outputs off its 32-output blocks, any input width, 1-20 rows (past its 8-row
+    tiles), with and without bias, within float32 rounding of a float64 product; a row's value is bit-identical
+    whatever the number of rows beside it or the thread count, and what it cannot take is refused by name."""
+    from graft_block import skinny
 
-    if not ON_CPU or not gemv.available():
-        pytest.skip(f"the gemv kernel does not build here: {gemv.why_not()}")
+    if not ON_CPU or not skinny.available():
+        pytest.skip(f"the skinny kernel does not build here: {skinny.why_not()}")
     g = torch.Generator().manual_seed(0)
-    for out, n_in in [(1, 1), (7, 5), (33, 100), (130, 577), (3, 64), (1000, 1536)]:
-        w, x, b = (torch.randn(*s, generator=g) for s in ((out, n_in), (1, 1, n_in), (out,)))
-        want = F.linear(x.double(), w.double(), b.double())
-        for bias in (b, None):
-            y = gemv.gemv(x, w, bias)
-            ref = want if bias is not None else want - b.double()
-            assert y.shape == (1, 1, out) and y.dtype == torch.float32
-            assert (y.double() - ref).abs().max() <= 1e-6 * n_in ** 0.5 * (w.abs() @ x.abs().view(-1)).max()
+    for out, n_in in [(1, 1), (7, 5), (33, 100), (130, 577), (64, 64), (1000, 1536)]:
+        w, b = torch.randn(out, n_in, generator=g), torch.randn(out, generator=g)
+        pw = skinny.SkinnyWeight(w)
+        x = torch.randn(1, 20, n_in, generator=g)
+        bound = 1e-6 * n_in * (x.abs()[0] @ w.abs().T).max()
+        for n in (1, 2, 7, 8, 9, 16, 20):
+            for bias in (b, None):
+                y = skinny.linear(x[:, :n], pw, bias)
+                want = F.linear(x[:, :n].double(), w.double(), None if bias is None else bias.double())
+                assert y.shape == (1, n, out) and y.dtype == torch.float32
+                assert (y.double() - want).abs().max() <= bound
+            assert torch.equal(skinny.linear(x[:, :n], pw)[0], skinny.linear(x[:, :20], pw)[0, :n])
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            one = gemv.gemv(x, w)
+            one = skinny.linear(x, pw)
         finally:
             torch.set_num_threads(threads)
-        assert torch.equal(one, gemv.gemv(x, w))
-    with pytest.raises(ValueError, match="one float32 CPU row"):
-        gemv.gemv(torch.randn(2, 8), torch.randn(4, 8))
-    with pytest.raises(ValueError, match="one float32 CPU row"):
-        gemv.gemv(torch.randn(1, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
+        assert torch.equal(one, skinny.linear(x, pw))
+    with pytest.raises(ValueError, match="float32 CPU rows of 8"):
+        skinny.linear(torch.randn(2, 7), skinny.SkinnyWeight(torch.randn(4, 8)))
+    with pytest.raises(ValueError, match="skinny packs a float32 CPU weight"):
+        skinny.SkinnyWeight(torch.randn(4, 8, dtype=torch.float64))
 
 
-def test_gemv_without_a_compiler_is_left_out_and_says_why(monkeypatch, tmp_path):
+def test_skinny_without_a_compiler_is_left_out_and_says_why(monkeypatch, tmp_path):
     """No C compiler: the kernel reports why, the measurement leaves it out, and asking for it is a clear error."""
     import graft_block.engine as E
-    from graft_block import gemv
+    from graft_block import skinny
 
     if not ON_CPU:
         pytest.skip("a CPU float32 kernel")
-    monkeypatch.setattr(gemv, "_lib", None)
-    monkeypatch.setattr(gemv, "_why_not", None)
+    monkeypatch.setattr(skinny, "_lib", None)
+    monkeypatch.setattr(skinny, "_why_not", None)
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path))
-    assert not gemv.available() and "no C compiler" in gemv.why_not()
+    assert not skinny.available() and "no C compiler" in skinny.why_not()
     times = E.measure_gemms([torch.randn(8, 16)], rows=(1,), reps=1)
-    assert times["gemv"] == {} and 1 in times["mkl"]
+    assert times["skinny"] == {} and 1 in times["mkl"]
     model = tiny_target("llama", engine="hf").model
-    with pytest.raises(ConfigError, match="the gemv kernel cannot run here .*no C compiler"):
-        LeanForward(model, gemm="onednn+gemv")
+    with pytest.raises(ConfigError, match="the skinny kernel cannot run here .*no C compiler"):
+        LeanForward(model, gemm="onednn+skinny")

@@ -91,21 +91,21 @@ def test_smollm2_mfd_sampling_exact(smollm2):
     assert chi_square_test(counts, exact_sequence_probs(smollm2, prompt, 2, SamplingConfig(0.6, top_k=4)))[2] < 1e-3
 
 
-@pytest.mark.parametrize("gemm", ["mkl", "openblas", "onednn", "onednn+gemv"])
+@pytest.mark.parametrize("gemm", ["mkl", "openblas", "onednn", "onednn+skinny"])
 def test_every_cpu_kernel_decodes_smollm2_like_hf(smollm2, gemm):
     """Whatever kernel this machine's measurement picks, each candidate stays lossless on the real target: the AR
     loop (one-row forwards) and EAGLE3 trees (whose head runs the same kernel) through the lean engine equal HF
     greedy decoding."""
-    from graft_block import gemv
+    from graft_block import skinny
     from graft_block.engine import onednn_available
     from graft_block.target import Target
 
     if smollm2.device.type != "cpu" or ("onednn" in gemm and not onednn_available("cpu", torch.float32)):
         pytest.skip(f"{gemm} is a CPU float32 kernel choice")
-    if "gemv" in gemm and not gemv.available():
-        pytest.skip(f"the gemv kernel does not build here: {gemv.why_not()}")
+    if "skinny" in gemm and not skinny.available():
+        pytest.skip(f"the skinny kernel does not build here: {skinny.why_not()}")
     t = Target(smollm2.model, smollm2.tokenizer, engine="lean", gemm=gemm)
-    assert t.lean.kernel_label == gemm.replace("+gemv", "+gemv@1row")
+    assert t.lean.kernel_label == gemm.replace("+skinny", "+skinny@16rows")
     ids = t.encode([{"role": "user", "content": "Write a function that reverses a string."}])
     assert SpeculativeDecoder(t, None).generate(ids, max_new_tokens=32).tokens == hf_greedy(smollm2, ids, 32)
     d = Drafter.from_config({"type": "eagle3", "checkpoint": "eagle3-smollm2", "budget": 8}, target=t)
