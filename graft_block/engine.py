@@ -23,7 +23,7 @@ under the user cache dir; ``GRAFT_BLOCK_GEMM=mkl|openblas|onednn`` overrides):
   CPU vendor, oneDNN by instruction set, so on AMD EPYC (AVX-512) it is 2-2.5x MKL and OpenBLAS at 8-16 rows and
   within 10% of OpenBLAS at 1. One reordered copy serves every row count, and a row's output does not depend on
   how many rows share the product, so a decode step and a tree verify compute the same logits for the same prefix.
-- ``skinny`` (graft_block/skinny.py), for forwards of up to 16 rows only (decode steps, tree verifies): C built on
+- ``skinny`` (graft_block/skinny.py), for forwards of up to 17 rows only (decode steps, tree verifies): C built on
   first use, on weights packed once into 32-output blocks; near the bandwidth floor at 1-8 rows, 1.2-1.8x oneDNN
   at 1-16 rows on AMD EPYC. A row's output does not depend on the row count either.
 Small forwards may use another kernel than the rest when that one is >= 10% faster over the row counts it covers
@@ -56,7 +56,12 @@ from .errors import ConfigError
 from . import skinny
 
 GEMMS = ("mkl", "openblas", "onednn")
-SMALL = {"skinny": 16}  # kernels for small forwards only (graft_block/skinny.py), and the most rows they may take
+# kernels for small forwards only (graft_block/skinny.py), and the most rows they may take: 17 is a tree of 16
+# drafted nodes and its root
+SMALL = {"skinny": 17}
+# the row counts the kernels are measured at: a decode step, and trees of 8 and 16 drafted nodes with their root
+# (measured at 8 and 16, a budget-16 tree fell past skinny's reach onto oneDNN while a pruned one stayed under it)
+GEMM_ROWS = (1, 9, 17)
 POOL = {"mkl": "torch", "onednn": "torch", "openblas": "openblas", "skinny": "torch"}  # whose threads run each kernel
 
 DNN_PACK_ROWS = 16  # the row hint oneDNN lays its weights out for (measured: one layout serves 1-32 rows)
@@ -66,7 +71,7 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
 def _kernel_pair(spec: str | None, source: str) -> tuple[str | None, str | None]:
     """A kernel choice as given (``gemm=`` or ``GRAFT_BLOCK_GEMM``): "onednn", or "onednn+skinny" for a kernel of
-    its own for small forwards (skinny: up to 16 rows; another main kernel: 1 row) -> (main, small or None)."""
+    its own for small forwards (skinny: up to 17 rows; another main kernel: 1 row) -> (main, small or None)."""
     if spec is None:
         return None, None
     main, _, small = spec.partition("+")
@@ -177,7 +182,7 @@ class LeanForward:
         used = {gemm, gemm_small}
         self.blas = self._reordered("openblas") if "openblas" in used else None
         self.dnn = self._reordered("onednn") if "onednn" in used else None  # one layout for every row count
-        self.skinny = self._reordered("skinny") if "skinny" in used else None  # one packed copy, 1-16 rows
+        self.skinny = self._reordered("skinny") if "skinny" in used else None  # one packed copy, 1-17 rows
         if self.blas is not None and graft_block.OPENBLAS_TIMEOUT_LATE:
             warnings.warn("numpy (and OpenBLAS) loaded before graft_block, so OPENBLAS_THREAD_TIMEOUT was not set in "
                           "time and its idle threads may slow torch's: import graft_block first, or export "
@@ -400,7 +405,7 @@ def device_name(device: torch.device | str = "cpu") -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_gemms(weights: list[torch.Tensor], rows=(1, 8, 16), reps: int = 5) -> dict:
+def measure_gemms(weights: list[torch.Tensor], rows=GEMM_ROWS, reps: int = 5) -> dict:
     """Median ms of pushing an [n, in] input through every weight, per kernel and row count: ``mkl`` (F.linear),
     ``mkl_packed`` (packed for exactly n rows; n > 1), ``openblas`` (numpy, torch on one thread meanwhile),
     ``onednn`` (reordered once) and ``skinny`` (packed once; where it builds). One kernel at a time, warmed up first: interleaving them call by call lets one
@@ -441,7 +446,7 @@ def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str, int]:
     buckets are where it wins). A small forward mostly streams the weights, and another kernel on the same thread
     pool may do that faster. It takes the forwards up to some row count when it is >= 10% faster over the
     measured row counts it covers and slower at none of them: ``skinny`` up to the largest measured row count
-    where that holds (at most 16), another main kernel at 1 row only. A main kernel not measured at every row
+    where that holds (at most 17), another main kernel at 1 row only. A main kernel not measured at every row
     count (not built in) does not compete; on a tie the earlier kernel stays."""
     mkl, packed = times["mkl"], times.get("mkl_packed", {})
     rows = sorted(mkl)
@@ -486,7 +491,7 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, i
     spins = graft_block.OPENBLAS_TIMEOUT_LATE
     key = {"cpu": device_name("cpu"), "torch": torch.__version__, "numpy": np.__version__,
            "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights],
-           "kernels": list(GEMMS) + list(SMALL), "skinny": skinny.available() and skinny.SOURCE,
+           "kernels": list(GEMMS) + list(SMALL), "skinny": skinny.available() and skinny.SOURCE, "rows": list(GEMM_ROWS),
            "openblas_spins": spins, "small_kernel": "same pool"}
     path = graft_block.keyed_cache_file("gemm", key)
     try:

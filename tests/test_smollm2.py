@@ -105,7 +105,7 @@ def test_every_cpu_kernel_decodes_smollm2_like_hf(smollm2, gemm):
     if "skinny" in gemm and not skinny.available():
         pytest.skip(f"the skinny kernel does not build here: {skinny.why_not()}")
     t = Target(smollm2.model, smollm2.tokenizer, engine="lean", gemm=gemm)
-    assert t.lean.kernel_label == gemm.replace("+skinny", "+skinny@16rows")
+    assert t.lean.kernel_label == gemm.replace("+skinny", "+skinny@17rows")
     ids = t.encode([{"role": "user", "content": "Write a function that reverses a string."}])
     assert SpeculativeDecoder(t, None).generate(ids, max_new_tokens=32).tokens == hf_greedy(smollm2, ids, 32)
     d = Drafter.from_config({"type": "eagle3", "checkpoint": "eagle3-smollm2", "budget": 8}, target=t)
