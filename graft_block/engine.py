@@ -445,8 +445,10 @@ def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str, int]:
     lowest total over the measured row counts (MKL counting its packed GEMM wherever that beats F.linear; the
     buckets are where it wins). A small forward mostly streams the weights, and another kernel on the same thread
     pool may do that faster. It takes the forwards up to some row count when it is >= 10% faster over the
-    measured row counts it covers and slower at none of them: ``skinny`` up to the largest measured row count
-    where that holds (at most 17), another main kernel at 1 row only. A main kernel not measured at every row
+    measured row counts it covers and not over 5% slower at any of them (at parity a median of 5 on a shared
+    machine falls either way; within that, one kernel for decode steps and trees keeps their logits
+    bit-identical): ``skinny`` up to the largest measured row count where that holds (at most 17), another main
+    kernel at 1 row only. A main kernel not measured at every row
     count (not built in) does not compete; on a tie the earlier kernel stays."""
     mkl, packed = times["mkl"], times.get("mkl_packed", {})
     rows = sorted(mkl)
@@ -463,7 +465,7 @@ def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str, int]:
                 continue
             covered = []
             for n in rows:  # the longest run of row counts from the smallest up where j wins
-                if n > cap or n not in t or t[n] > per_row[k][n]:
+                if n > cap or n not in t or t[n] > 1.05 * per_row[k][n]:
                     break
                 covered.append(n)
             if covered and sum(t[n] for n in covered) < 0.9 * sum(per_row[k][n] for n in covered):
