@@ -9,7 +9,8 @@ additive ancestor mask over a view of the cache. ``Target`` calls it for prefill
 
 Small-row products: which BLAS is fastest at 1-16 rows depends on the CPU, by up to 2x, so on CPU fp32 the
 forward picks its matrix-product kernel by measuring the candidates once per machine (``choose_gemm``; cached
-under the user cache dir; ``GRAFT_BLOCK_GEMM=mkl|openblas|onednn`` overrides):
+under the user cache dir; ``GRAFT_BLOCK_GEMM=mkl|openblas|onednn``, or a pair such as ``onednn+skinny``,
+overrides):
 - ``mkl``: torch's own ``F.linear``, plus MKL's packed GEMM (``cblas_sgemm_pack``, the kernel inductor's
   max-autotune picks on CPU) for the row buckets where it wins (8 and 16 on Intel Xeon: 1.3-1.5x). A pack serves
   one row count, so a forward of more than a quarter of a bucket is padded up to it: padded rows are masked out of
@@ -27,10 +28,10 @@ under the user cache dir; ``GRAFT_BLOCK_GEMM=mkl|openblas|onednn`` overrides):
   first use, on weights packed once into 32-output blocks; near the bandwidth floor at 1-8 rows, 1.2-1.8x oneDNN
   at 1-16 rows on AMD EPYC. A row's output does not depend on the row count either.
 Small forwards may use another kernel than the rest when that one is >= 10% faster over the row counts it covers
-and slower at none: ``skinny`` up to the largest measured row count where it wins, another main kernel at 1 row
-only (a decode step). Only a kernel on the same thread pool qualifies (MKL, oneDNN and skinny share torch's;
-OpenBLAS has its own): measured, switching pools between forwards let one pool's idle threads spin against the
-other's and slowed the next forward 1.5-2x.
+and not over 5% slower at any: ``skinny`` up to the largest measured row count where that holds, another main
+kernel at 1 row only (a decode step). Only a kernel on the same thread pool qualifies (MKL, oneDNN and skinny
+share torch's; OpenBLAS has its own): measured, switching pools between forwards let one pool's idle threads spin
+against the other's and slowed the next forward 1.5-2x.
 
 Optional: ``compile=True`` wraps each decoder layer in ``torch.compile`` (dynamic shapes, one graph for every
 row count). Measured on 2 Xeon cores it gained nothing over eager (the products dominate) and cost ~20 s of
@@ -257,7 +258,7 @@ class LeanForward:
 
     @property
     def kernel_label(self) -> str:
-        """The products as run: ``onednn``, or ``onednn+skinny@16rows`` / ``onednn+mkl@1row`` when forwards of up
+        """The products as run: ``onednn``, or ``onednn+skinny@17rows`` / ``onednn+mkl@1row`` when forwards of up
         to that many rows use another kernel."""
         if not self.small_rows:
             return self.gemm
@@ -408,8 +409,8 @@ def device_name(device: torch.device | str = "cpu") -> str:
 def measure_gemms(weights: list[torch.Tensor], rows=GEMM_ROWS, reps: int = 5) -> dict:
     """Median ms of pushing an [n, in] input through every weight, per kernel and row count: ``mkl`` (F.linear),
     ``mkl_packed`` (packed for exactly n rows; n > 1), ``openblas`` (numpy, torch on one thread meanwhile),
-    ``onednn`` (reordered once) and ``skinny`` (packed once; where it builds). One kernel at a time, warmed up first: interleaving them call by call lets one
-    pool's spinning threads slow the other."""
+    ``onednn`` (reordered once) and ``skinny`` (packed once; where it builds, up to its row limit). One kernel at
+    a time, warmed up first: interleaving them call by call lets one pool's spinning threads slow the other."""
     out: dict[str, dict[int, float]] = {"mkl": {}, "mkl_packed": {}, "openblas": {}, "onednn": {}, "skinny": {}}
     mkl_pack = packed_gemm_available("cpu", torch.float32)
     dnn = [kernel_weight(w, "onednn") for w in weights] if onednn_available("cpu", torch.float32) else None
@@ -493,7 +494,8 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, i
     spins = graft_block.OPENBLAS_TIMEOUT_LATE
     key = {"cpu": device_name("cpu"), "torch": torch.__version__, "numpy": np.__version__,
            "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights],
-           "kernels": list(GEMMS) + list(SMALL), "skinny": skinny.available() and skinny.SOURCE, "rows": list(GEMM_ROWS),
+           "kernels": list(GEMMS) + list(SMALL), "skinny": skinny.available() and skinny.SOURCE,
+           "rows": list(GEMM_ROWS),
            "openblas_spins": spins, "small_kernel": "same pool"}
     path = graft_block.keyed_cache_file("gemm", key)
     try:

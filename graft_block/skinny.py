@@ -167,7 +167,8 @@ class SkinnyWeight:
             raise RuntimeError(f"the skinny kernel is unavailable here: {_why_not}")
         w = w.detach()
         if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
-            raise ValueError(f"skinny packs a float32 CPU weight [out, in]; got {tuple(w.shape)} {w.dtype} on {w.device}")
+            raise ValueError(f"skinny packs a float32 CPU weight [out, in]; got {tuple(w.shape)} {w.dtype} on "
+                             f"{w.device}")
         w = w.contiguous()
         self.out, self.n_in = w.shape
         self.packed = torch.empty((self.out + BLOCK - 1) // BLOCK * BLOCK * self.n_in)

@@ -280,7 +280,8 @@ def test_drafters_on_a_onednn_target_draft_through_it_and_stay_lossless(kind, ge
         assert model.kernel == kernel and set(model._laid_out) - {"key"}  # the LM-head product too
 
 
-@pytest.mark.parametrize("small,layout,label", [("mkl", "NoneType", "mkl@1row"), ("skinny", "SkinnyWeight", "skinny@8rows")])
+@pytest.mark.parametrize("small,layout,label", [("mkl", "NoneType", "mkl@1row"),
+                                                ("skinny", "SkinnyWeight", "skinny@8rows")])
 def test_a_small_forward_kernel_of_the_same_pool_runs_them_and_stays_exact(monkeypatch, tmp_path, small, layout,
                                                                           label):
     """When the measurement gives small forwards their own kernel (MKL at 1 row, or skinny up to 8 rows, beside
@@ -298,7 +299,8 @@ def test_a_small_forward_kernel_of_the_same_pool_runs_them_and_stays_exact(monke
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path))
     monkeypatch.delenv("GRAFT_BLOCK_GEMM", raising=False)
     times = {"mkl": {1: 20.0 if small == "mkl" else 50.0, 8: 70.0, 16: 96.0}, "openblas": {1: 26.0, 8: 51.0, 16: 60.0},
-             "onednn": {1: 33.0, 8: 30.0, 16: 41.0}, "skinny": {1: 17.0, 8: 25.0, 16: 45.0} if small == "skinny" else {}}
+             "onednn": {1: 33.0, 8: 30.0, 16: 41.0},
+             "skinny": {1: 17.0, 8: 25.0, 16: 45.0} if small == "skinny" else {}}
     monkeypatch.setattr(E, "measure_gemms", lambda w, **k: times)
     lean = tiny_target("llama", engine="lean")
     hf = Target(lean.model, None, engine="hf")
