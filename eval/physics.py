@@ -121,8 +121,9 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 3,
 def linear_sweep(weights, sizes, device: torch.device, dtype: torch.dtype, reps: int = 3,
                  kernel: str = "torch", kernel_small: str | None = None, small_rows: int = 0) -> dict[int, float]:
     """Median seconds of an [n, in] input through every weight, per row count n, with the lean forward's own
-    ``linear``: ``F.linear`` (kernel "torch" or "mkl"), numpy's OpenBLAS ("openblas": torch on one thread) or
-    oneDNN on reordered weights ("onednn"); ``kernel_small`` up to ``small_rows`` rows (the engine's pair)."""
+    ``linear``: ``F.linear`` (kernel "torch" or "mkl"), numpy's OpenBLAS ("openblas": torch on one thread),
+    oneDNN on reordered weights ("onednn") or skinny on packed ones ("skinny"); ``kernel_small`` up to
+    ``small_rows`` rows (the engine's pair)."""
     out = {}
     laid_out = {}
     for n in sizes:

@@ -1,5 +1,5 @@
-"""The product of a few rows (1-16: a decode step, a tree verify) by a weight, on CPU float32, near the
-memory-bandwidth floor.
+"""The product of a few rows (up to 17: a decode step, a tree of up to 16 drafted nodes and its root) by a
+weight, on CPU float32, near the memory-bandwidth floor.
 
 Why it exists: at a few rows a forward streams every weight once and does little arithmetic per byte, so its
 products should run at memory bandwidth. On an AMD EPYC (2 cores, AVX-512) oneDNN read SmolLM2's weights at
