@@ -17,6 +17,7 @@ import torch
 
 import graft_block
 from graft_block.engine import device_name
+from graft_block.tree.schedule import curve_cost
 
 from . import machine
 from .prompts import encode_turn, warmup_ids
@@ -151,15 +152,9 @@ def verify_cost_curve(target, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 200
 
 
 def cost_at(curve: dict, nodes: int) -> float:
-    """Verify seconds for ``nodes`` positions, interpolated linearly between measured sizes."""
-    pts = sorted((int(k), v) for k, v in curve["median_s"].items())
-    if nodes <= pts[0][0]:
-        return pts[0][1]
-    for (a, ta), (b, tb) in zip(pts, pts[1:]):
-        if nodes <= b:
-            return ta + (tb - ta) * (nodes - a) / (b - a)
-    (a, ta), (b, tb) = pts[-2], pts[-1]
-    return tb + (tb - ta) * (nodes - b) / (b - a)
+    """Verify seconds for ``nodes`` positions, interpolated linearly between measured sizes (one copy of the rule:
+    ``graft_block.tree.schedule.curve_cost``, which the verification scheduler uses too)."""
+    return curve_cost(curve, nodes)
 
 
 def auto_budget(build, curve: dict, pilot_ids, candidates=(4, 8, 16, 32), max_new_tokens: int = 48) -> dict:

@@ -62,10 +62,34 @@ def warm_matrix(target, k: int = 8, rounds: int = 5):
     return copy.deepcopy(_WARM_MATRIX[key])
 
 
+def make_schedule(scfg, curve: dict | None):
+    """A preset's ``"schedule": {"cost": "curve", "min_nodes": 0}`` -> ConfidenceSchedule on the run's verify-cost
+    curve (``"cost"`` may also be a curve dict itself)."""
+    from graft_block.schedule import ConfidenceSchedule
+
+    scfg = {"cost": "curve", **(scfg if isinstance(scfg, dict) else {})}
+    unknown = set(scfg) - {"cost", "min_nodes"}
+    if unknown:
+        raise ConfigError(f"unknown schedule keys {sorted(unknown)}; a schedule takes 'cost' ('curve') and "
+                          "'min_nodes'")
+    cost = scfg["cost"]
+    if cost == "curve":
+        if not curve:
+            raise ConfigError("the confidence schedule needs the harness's verify-cost curve: pass make_method(..., "
+                              "curve=measure.verify_cost_curve(target)) (graft-block bench does)")
+        cost = curve
+    elif not isinstance(cost, dict):
+        raise ConfigError(f"schedule cost must be 'curve' (the run's verify-cost curve) or a curve dict "
+                          f"{{'median_s': {{nodes: seconds}}}}, got {cost!r}")
+    return ConfidenceSchedule(cost, min_nodes=scfg.get("min_nodes", 0))
+
+
 def make_method(name: str, spec: dict, target, budget: int | None, chimeric: bool = False,
-                extra_hooks: list | None = None) -> Method:
+                extra_hooks: list | None = None, curve: dict | None = None) -> Method:
     """Build one method from a preset (``presets.PRESETS`` shape). ConfigError when it cannot be built here.
-    A preset's ``"hooks"`` (round-hook objects, kept by the caller to read afterwards) join ``extra_hooks``."""
+    A preset's ``"hooks"`` (round-hook objects, kept by the caller to read afterwards) join ``extra_hooks``.
+    A preset's ``"schedule"`` (``{"cost": "curve", "min_nodes": 0}``) adds confidence-scheduled verification
+    on ``curve``, the run's verify-cost curve (``measure.verify_cost_curve``)."""
     spec = dict(spec)
     extra_hooks = list(extra_hooks or []) + list(spec.pop("hooks", None) or [])  # objects: not deep-copied
     spec = presets.prepare(name, spec, budget)
@@ -86,12 +110,13 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
         if gcfg.get("mode", "graft") != "prune" and "matrix" not in gcfg and getattr(drafter, "matrix", None) is None:
             matrix = warm_matrix(target, int(gcfg.get("k", 8)), int(gcfg.get("warmup_rounds", 5)))
         graft = Graft.from_config(gcfg, matrix=matrix, target=target, drafter=drafter)
+    schedule = make_schedule(spec["schedule"], curve) if spec.get("schedule") else None
     hooks = [TimedHook(h) for h in (extra_hooks or [])]
     if chimeric and drafter is not None:
         from graft_block.chimeric import proxy_hook
 
         hooks.append(TimedHook(proxy_hook()))
-    dec = SpeculativeDecoder(target, drafter, graft=graft, round_hooks=hooks)
+    dec = SpeculativeDecoder(target, drafter, graft=graft, round_hooks=hooks, schedule=schedule)
     proxies = [h for h in hooks if hasattr(h.hook, "rows")]
 
     def run(ids, max_new_tokens, temperature, seed):
@@ -114,6 +139,9 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
             out["graft"] = graft.summary()
             if hasattr(graft, "reset_stats"):
                 graft.reset_stats()
+        if schedule is not None:
+            out["schedule"] = schedule.summary()
+            schedule.reset_stats()
         for h in proxies:
             chim = h.summary()
             out["chimeric"] = chim

@@ -1,4 +1,5 @@
-"""Optional figures (matplotlib): tau and speedup against budget, the acceptance histogram, chimeric shares."""
+"""Optional figures (matplotlib): tau and speedup against budget, the acceptance histogram, the suffix decay,
+chimeric shares."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,6 +51,21 @@ def plots(out: Path, rows: list[dict]) -> list[str]:
         fig.savefig(out / "accept_hist.png", dpi=110)
         plt.close(fig)
         files.append("accept_hist.png")
+    decay = [r for r in rows if r.get("suffix_decay")]
+    if decay:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in decay:
+            pts = [(k + 1, v) for k, v in enumerate(r["suffix_decay"]) if v is not None]
+            ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o",
+                    label=f"{r['method']} T={r['temperature']:g} b={r['budget']}")
+        ax.set_xlabel("draft depth k")
+        ax.set_ylabel("P(depth k accepted | depth k-1 accepted)")
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out / "suffix_decay.png", dpi=110)
+        plt.close(fig)
+        files.append("suffix_decay.png")
     chim = [r for r in rows if r["chimeric_share"] is not None]
     if chim:
         fig, ax = plt.subplots(figsize=(7, 3.5))

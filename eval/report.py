@@ -34,6 +34,22 @@ def _tau(rs):
     return sum(r["decode_tokens"] for r in rs) / rounds if rounds else None
 
 
+def suffix_decay(accept_hist: dict, depth_hist: dict | None = None) -> tuple[list, list | None]:
+    """Conditional acceptance per draft depth from a summed ``accept_hist`` (accepted draft nodes per round ->
+    rounds): entry k-1 is P(depth k accepted | depth k-1 accepted) = #rounds accepting >= k / #rounds accepting
+    >= k - 1 (depth 0, the root, always). It is capped by the trees' depth: a round whose tree stops at depth d
+    cannot accept d + 1. With ``depth_hist`` (rounds per deepest tree node) the depths run to the deepest tree
+    and the second list is, per depth k, the rounds whose tree reached k; without it the depths run to the
+    deepest acceptance and the second list is None. None where no round accepted depth k - 1."""
+    hist = {int(k): int(v) for k, v in (accept_hist or {}).items()}
+    depth = {int(k): int(v) for k, v in (depth_hist or {}).items()}
+    deepest = max(depth) if depth else max(hist, default=0)
+    at_least = [sum(v for a, v in hist.items() if a >= k) for k in range(deepest + 1)]
+    decay = [at_least[k] / at_least[k - 1] if at_least[k - 1] else None for k in range(1, deepest + 1)]
+    reach = [sum(v for d, v in depth.items() if d >= k) for k in range(1, deepest + 1)] if depth else None
+    return decay, reach
+
+
 def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf") -> list[dict]:
     """One row per (method, temperature, budget). Aggregates are sums over the same prompt-turns (tau = emitted
     tokens / rounds, tok/s = tokens / seconds, speedup vs AR = ``measure.speedup``); per-prompt spreads beside.
@@ -49,14 +65,20 @@ def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf") -> li
         hf_pairs = [(r, hf[_key(r)]) for r in rs if _key(r) in hf]
         phase_tot: dict = {}
         hist: dict = {}
+        depth_hist: dict = {}
         for r in rs:
             for k, v in (r.get("phase_s") or {}).items():
                 phase_tot[k] = phase_tot.get(k, 0.0) + v
             for k, v in (r.get("accept_hist") or {}).items():
                 hist[int(k)] = hist.get(int(k), 0) + v
+            for k, v in (r.get("depth_hist") or {}).items():
+                depth_hist[int(k)] = depth_hist.get(int(k), 0) + v
         tot = sum(phase_tot.values()) or 1.0
         retr = sum(r.get("retrieved_nodes") or 0 for r in rs)
         per_prompt = [r.get("speedup") for r in rs]
+        # records without a depth histogram (older runs, HF peers) leave the reach unknown rather than partial
+        full_depth = all(r.get("depth_hist") is not None for r in rs if r.get("accept_hist"))
+        decay, reach = suffix_decay(hist, depth_hist if full_depth and depth_hist else None)
         rows.append({
             "method": name, "temperature": temp, "budget": budget, "n": len(rs),
             "tau": _tau(rs) if any(r.get("rounds") for r in rs) else None,
@@ -69,6 +91,8 @@ def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf") -> li
             "time_split": {k: v / tot for k, v in phase_tot.items()},
             "overhead_share": phase_tot.get("overhead", 0.0) / tot if phase_tot else None,
             "accept_hist": dict(sorted(hist.items())),
+            "suffix_decay": decay,
+            "suffix_reach": reach,
             "chimeric_share": _med([r.get("chimeric_share") for r in rs]),
             "graft_hit_rate": (sum(r.get("retrieved_accepted") or 0 for r in rs) / retr) if retr else None,
             "retrieval_state_bytes": max([r.get("retrieval_state_bytes") or 0 for r in rs]) or None,
@@ -109,6 +133,21 @@ def markdown_table(rows: list[dict]) -> str:
             f"{_f(r.get('speedup_vs_hf'))} | {split} | "
             f"{_f(r['chimeric_share'])} | {_f(r['graft_hit_rate'])} | {r['retrieval_state_bytes'] or '-'} | "
             f"{busy} | {loss} |")
+    return "\n".join(lines)
+
+
+def suffix_decay_table(rows: list[dict], depths: int = 8) -> str | None:
+    """Markdown: per method, P(depth k accepted | depth k-1 accepted) at depths 1..``depths`` ("-": the trees
+    never reached that depth or no round got that far). None when no row has drafted rounds."""
+    rs = [r for r in rows if r.get("suffix_decay")]
+    if not rs:
+        return None
+    lines = ["| method | T | " + " | ".join(str(k) for k in range(1, depths + 1)) + " |",
+             "|" + "---|" * (depths + 2)]
+    for r in rs:
+        d = r["suffix_decay"]
+        lines.append(f"| {r['method']} | {r['temperature']:g} | "
+                     + " | ".join(_f(d[k]) if k < len(d) else "-" for k in range(depths)) + " |")
     return "\n".join(lines)
 
 

@@ -13,8 +13,9 @@ Speedup vs AR = decode tokens / decode seconds of the method over the same for o
 prompt-turns (total over total), with the per-prompt median, IQR and a paired-bootstrap interval beside it.
 At temperature 0 every method's tokens are compared with AR's and any mismatch is flagged loudly. The machine's
 load is sampled before, during and after: a busy machine is flagged in the header and in the JSON.
-After the table comes the physics report (eval/physics.py: bandwidth, matrix-product peak, linear layers vs the
-verify curve measured above); --no-physics skips it.
+After the table come the suffix decay (acceptance at draft depth k given depth k - 1, per method) and the physics
+report (eval/physics.py: bandwidth, matrix-product peak, linear layers vs the verify curve measured above);
+--no-physics skips the latter.
 """
 from __future__ import annotations
 
@@ -119,9 +120,10 @@ def build_methods(names, extra, target, budgets, curve, prompts, chimeric):
             try:
                 if b == "auto":
                     pilot = encode_turn(target, [], prompts[0]["turns"][0])
-                    auto[name] = measure.auto_budget(lambda x: make_method(name, spec, target, x), curve, pilot)
+                    auto[name] = measure.auto_budget(lambda x: make_method(name, spec, target, x, curve=curve),
+                                                     curve, pilot)
                     b = auto[name]["best"]
-                m = make_method(name, spec, target, b, chimeric=chimeric)
+                m = make_method(name, spec, target, b, chimeric=chimeric, curve=curve)
                 m.name = name if (b is None or len(budgets) == 1) else f"{name}@{b}"
                 methods.append(m)
             except ConfigError as exc:
@@ -211,6 +213,11 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
                         f"{target.device} engine={measure.engine_label(target)} (AR and every method)"))
     print()
     print(report.markdown_table(rows))
+    decay = report.suffix_decay_table(rows)
+    if decay:
+        print("\nsuffix decay: P(depth k accepted | depth k-1 accepted), from the summed accept_hist (capped by the "
+              "trees' depth)\n")
+        print(decay)
     for by in ("set", "category"):
         rep[f"per_{by}"] = report.group_rows(records, by)
         table = report.group_table(rep[f"per_{by}"])

@@ -104,12 +104,14 @@ class Stats:
     """Counts of one ``generate``. ``committed_in_rounds`` = tokens the rounds *emitted* (after the stop trim: EOS or
     max_new_tokens), so tau and tok/s never count tokens that were verified but thrown away; those are in
     ``dropped``. ``accept_hist`` is the walk's acceptance per round (draft nodes accepted, before the trim), a
-    property of the drafter: sum((k + 1) * n) == committed_in_rounds + dropped."""
+    property of the drafter: sum((k + 1) * n) == committed_in_rounds + dropped. ``depth_hist``: rounds per depth
+    of the verified tree (the deepest node), the ceiling on that round's acceptance."""
 
     rounds: int = 0
     committed_in_rounds: int = 0
     dropped: int = 0
     accept_hist: Counter = field(default_factory=Counter)
+    depth_hist: Counter = field(default_factory=Counter)
     phase_s: dict = field(default_factory=dict)
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -136,6 +138,7 @@ class Stats:
             "decode_tokens": self.committed_in_rounds,
             "dropped": self.dropped,
             "accept_hist": {int(k): int(v) for k, v in sorted(self.accept_hist.items())},
+            "depth_hist": {int(k): int(v) for k, v in sorted(self.depth_hist.items())},
             "phase_s": dict(self.phase_s),
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
@@ -155,16 +158,22 @@ class Result:
 
 
 class SpeculativeDecoder:
-    """``SpeculativeDecoder(target, drafter=None, graft=None)``; ``drafter=None`` is plain autoregressive decoding.
+    """``SpeculativeDecoder(target, drafter=None, graft=None, schedule=None)``; ``drafter=None`` is plain
+    autoregressive decoding.
 
-    ``graft`` (optional) has ``apply(tree, state) -> Tree`` and ``observe(verified, state)``; ``round_hooks`` are
-    called as ``hook(verified, state)`` after every round (analysis such as chimeric shares).
+    ``graft`` (optional) has ``apply(tree, state) -> Tree`` and ``observe(verified, state)``; ``schedule``
+    (optional, e.g. ``graft_block.schedule.ConfidenceSchedule``) has ``apply(tree, state, drafter) -> Tree``: it runs
+    after graft and before validation (timed as "tree") and returns the subtree to verify; it gets the drafter that
+    proposed the tree so that it can ask for per-node confidences, and must not read the target's choices.
+    ``round_hooks`` are called as ``hook(verified, state)`` after every round (analysis such as chimeric shares).
     """
 
-    def __init__(self, target: Target, drafter=None, graft=None, round_hooks=(), check_trees: bool = True):
+    def __init__(self, target: Target, drafter=None, graft=None, round_hooks=(), check_trees: bool = True,
+                 schedule=None):
         self.target = target
         self.drafter = drafter
         self.graft = graft
+        self.schedule = schedule
         self.round_hooks = list(round_hooks)
         self.check_trees = check_trees
         self.feature_layers = tuple(getattr(drafter, "feature_layers", ()) or ())
@@ -239,6 +248,8 @@ class SpeculativeDecoder:
                 with timer.section("tree"):
                     if self.graft is not None:
                         tree = self.graft.apply(tree, state)
+                    if self.schedule is not None:
+                        tree = self.schedule.apply(tree, state, self.drafter)
                     if self.check_trees:
                         validate(tree, budget=self.budget, root_token=state.root_token)
                 with timer.section("verify"):
@@ -264,6 +275,7 @@ class SpeculativeDecoder:
                 stats.rounds += 1
                 stats.accept_hist[len(new) - 1] += 1
                 stats.tree_nodes += tree.size - 1
+                stats.depth_hist[int(tree.depths.max())] += 1
                 if tree.num_retrieved:
                     stats.retrieved_nodes += tree.num_retrieved
                     stats.retrieved_accepted += int((tree.sources[path] == 2).sum())

@@ -1,0 +1,297 @@
+"""Confidence-scheduled verification: the scheduler (prefix-closed, first-drop stop, min_nodes, cost curve), the
+calibration of confidences, the decoder/harness wiring, and the exact law of decoding with a schedule (with a
+peeking schedule as the negative control the test must reject)."""
+from collections import Counter
+
+import pytest
+import torch
+
+from graft_block import ConfigError, Drafter, SpeculativeDecoder
+from graft_block.eval import measure
+from graft_block.eval.methods import make_method
+from graft_block.sampling import SamplingConfig, choose
+from graft_block.schedule import ConfidenceSchedule
+from graft_block.testing import chi_square_test, exact_sequence_probs, hf_greedy, null_tv_quantile, tiny_target
+from graft_block.tree import chain, make_tree, walk
+from graft_block.tree.schedule import (apply_temperatures, calibrate_temperatures, curve_cost,
+                                       expected_calibration_error, log_survival_from_scores, path_survival,
+                                       prefix_ece, schedule_tree)
+
+
+def _random_tree(gen, n):
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    return make_tree(list(range(n)), parents)  # distinct tokens: no duplicate siblings
+
+
+def _closed(tree_parents, kept):
+    kept = set(kept)
+    return all(i == 0 or tree_parents[i] in kept for i in kept)
+
+
+# ---- the scheduler ------------------------------------------------------------------------------------------
+def test_kept_set_is_prefix_closed_and_the_top_by_path_survival(one_thread):
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n = int(torch.randint(2, 30, (1,), generator=gen))
+        tree = _random_tree(gen, n)
+        surv = torch.rand(n, generator=gen, dtype=torch.float64)  # children often above their parent
+        out, info = schedule_tree(tree, surv, lambda m: 1.0 + 0.05 * m)
+        kept = sorted(out.tokens.tolist())  # token i == node i
+        assert kept[0] == 0 and out.size == info["kept"] + 1 <= tree.size
+        assert _closed(tree.parents.tolist(), kept), kept
+        eff = path_survival(tree, surv)
+        cut = [i for i in range(1, n) if i not in kept]
+        if cut and len(kept) > 1:  # every kept node is at least as likely as every dropped one
+            assert min(eff[kept[1:]]) >= max(eff[cut])
+
+
+def test_child_above_its_parent_waits_for_the_parent():
+    tree = make_tree([0, 1, 2, 3], [-1, 0, 1, 0])
+    # raw survival: node 2 (under node 1) looks best, but it cannot outrank its parent 1
+    out, _ = schedule_tree(tree, torch.tensor([1.0, 0.3, 0.9, 0.5]), lambda m: 1.0 + 0.45 * (m - 1))
+    assert out.tokens.tolist() == [0, 3]  # node 3 (0.5) first; node 1 (0.3) no longer pays for itself
+    assert path_survival(tree, torch.tensor([1.0, 0.3, 0.9, 0.5])).tolist() == pytest.approx([1.0, 0.3, 0.3, 0.5])
+
+
+def test_stops_at_the_first_drop_even_if_the_objective_rises_again():
+    # cost: 1 for 1-2 positions, 2 from 3 on (a step); five nodes of survival 0.9 in a chain
+    curve = {"median_s": {"1": 1.0, "2": 1.0, "3": 2.0, "10": 2.0}}
+    tree = chain(0, [1, 2, 3, 4, 5])
+    surv = torch.tensor([1.0, 0.9, 0.9, 0.9, 0.9, 0.9])
+    # objectives for k kept nodes: 1.0, 1.9, 1.4 (drop), 1.85, 2.3, 2.75: the global best keeps all 5
+    objective = [(1 + 0.9 * k) / curve_cost(curve, 1 + k) for k in range(6)]
+    assert objective[2] < objective[1] < objective[4] and max(objective) == objective[5]
+    out, info = schedule_tree(tree, surv, curve)
+    assert out.size == 2 and info["kept"] == 1
+    assert info["objective"] == pytest.approx(1.9) and info["expected_tokens"] == pytest.approx(1.9)
+
+
+def test_min_nodes_is_kept_and_never_more_than_the_tree():
+    tree = chain(0, [1, 2, 3, 4])
+    surv = torch.tensor([1.0, 0.5, 0.4, 0.3, 0.2])
+    steep = lambda m: float(m) ** 3  # noqa: E731 - every node costs more than it brings
+    assert schedule_tree(tree, surv, steep)[0].size == 1
+    out, info = schedule_tree(tree, surv, steep, min_nodes=3)
+    assert out.tokens.tolist() == [0, 1, 2, 3] and info["kept"] == 3
+    assert schedule_tree(tree, surv, steep, min_nodes=10)[0].size == tree.size
+    with pytest.raises(ValueError, match="min_nodes"):
+        schedule_tree(tree, surv, steep, min_nodes=-1)
+
+
+def test_flat_cost_keeps_every_node_with_positive_survival():
+    tree = make_tree([0, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 1, 2, 3])
+    surv = torch.tensor([1.0, 0.6, 0.0, 0.2, 0.01, 0.0, 1e-4])  # node 5 sits under a zero-survival parent
+    out, info = schedule_tree(tree, surv, lambda m: 0.01)
+    assert sorted(out.tokens.tolist()) == [0, 1, 3, 4, 6]
+    assert info["expected_tokens"] == pytest.approx(1 + 0.6 + 0.2 + 0.01 + 1e-4)
+    # survival 1 everywhere and a flat cost: the whole tree
+    assert schedule_tree(tree, torch.ones(7), lambda m: 0.01)[0].size == 7
+
+
+def test_curve_interpolation_is_cost_at():
+    curve = {"median_s": {"16": 0.03, "1": 0.010, "2": 0.012, "4": 0.013, "8": 0.020}}
+    expect = {1: 0.010, 2: 0.012, 3: 0.0125, 4: 0.013, 6: 0.0165, 8: 0.020, 12: 0.025, 16: 0.03, 32: 0.05, 0: 0.010}
+    for n, want in expect.items():
+        assert curve_cost(curve, n) == pytest.approx(want)
+        assert measure.cost_at(curve, n) == pytest.approx(want)
+    assert curve_cost({"median_s": {"4": 0.5}}, 9) == 0.5  # one measured size: flat
+    with pytest.raises(ValueError, match="median_s"):
+        curve_cost({}, 3)
+
+
+def test_score_survival_is_path_probability():
+    tree = make_tree([0, 1, 2, 3], [-1, 0, 1, 0], scores=[0.0, -0.5, -1.5, 0.2])
+    s = log_survival_from_scores(tree)
+    assert s[:3].tolist() == pytest.approx([1.0, 0.60653066, 0.22313016])
+    assert float(s[3]) == 1.0  # a positive score (not a log-prob) is clamped
+
+
+# ---- calibration --------------------------------------------------------------------------------------------
+def _synthetic(temps, n=20000, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k = len(temps)
+    logits = 1.0 + 2.5 * torch.randn(n, k, generator=gen, dtype=torch.float64)
+    p_true = torch.sigmoid(logits / torch.tensor(temps, dtype=torch.float64))
+    accepted = torch.rand(n, k, generator=gen, dtype=torch.float64) < p_true
+    reached = torch.ones(n, k, dtype=torch.bool)
+    reached[:, 1:] = torch.cumprod(accepted.long(), 1)[:, :-1].bool()
+    return logits, accepted, reached
+
+
+def test_calibration_recovers_known_temperatures_and_lowers_ece(one_thread):
+    true = [0.5, 1.0, 2.0, 3.0]
+    logits, accepted, valid = _synthetic(true)
+    assert int(valid[:, -1].sum()) > 1000  # enough rows reach the last position
+    temps = calibrate_temperatures(logits, accepted, valid)
+    assert temps.shape == (4,)
+    for fit, want in zip(temps.tolist(), true):
+        assert abs(fit - want) / want < 0.1, (temps, true)
+    before = expected_calibration_error(torch.sigmoid(logits), accepted, valid=valid)
+    after = expected_calibration_error(apply_temperatures(logits, temps), accepted, valid=valid)
+    assert after < 0.01 and after < before / 3, (before, after)
+    p_before = prefix_ece(torch.sigmoid(logits), accepted)
+    p_after = prefix_ece(apply_temperatures(logits, temps), accepted)
+    assert p_after < p_before, (p_before, p_after)
+
+
+def test_calibration_without_rows_is_one_and_ece_by_hand(one_thread):
+    logits = torch.zeros(3, 2)
+    valid = torch.tensor([[True, False]] * 3)
+    temps = calibrate_temperatures(logits, torch.ones(3, 2, dtype=torch.bool), valid)
+    assert temps[1] == temps[0] != 1.0  # no rows at position 1: the previous position's temperature carries on
+    assert calibrate_temperatures(logits, torch.ones(3, 2, dtype=torch.bool), ~valid)[0] == 1.0  # none at the first
+    few = calibrate_temperatures(logits, torch.ones(3, 2, dtype=torch.bool), torch.ones(3, 2, dtype=torch.bool),
+                                 min_rows=4)
+    assert few.tolist() == [1.0, 1.0]  # 3 rows < min_rows: no fit anywhere
+    # bins 10: probabilities 0.05, 0.05 (outcomes 1, 0) -> gap 0.1 - 1 over two entries; 0.95 (outcome 1) -> -0.05
+    ece = expected_calibration_error(torch.tensor([0.05, 0.05, 0.95]), torch.tensor([1.0, 0.0, 1.0]), bins=10)
+    assert ece == pytest.approx((abs(0.1 - 1.0) + 0.05) / 3)
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        calibrate_temperatures(torch.zeros(3), torch.zeros(3), torch.zeros(3))
+
+
+# ---- the decoder's schedule object --------------------------------------------------------------------------
+class _Head:
+    def __init__(self, values):
+        self.values = values
+
+    def node_survival(self, tree):
+        return self.values
+
+
+def test_confidence_schedule_prefers_the_drafter_head_and_counts():
+    tree = make_tree([0, 1, 2], [-1, 0, 0], scores=[0.0, -5.0, -0.01])  # scores favour node 2
+    sched = ConfidenceSchedule(lambda m: 1.0 + 0.3 * (m - 1))
+    assert sched.apply(tree, None, _Head(torch.tensor([1.0, 0.9, 0.05]))).tokens.tolist() == [0, 1]
+    assert sched.apply(tree, None, _Head(None)).tokens.tolist() == [0, 2]  # head declines: scores
+    assert sched.apply(tree, None).tokens.tolist() == [0, 2]
+    s = sched.summary()
+    assert s["rounds"] == 3 and s["mean_nodes_in"] == 2 and s["mean_nodes_kept"] == 1
+    assert s["survival_source"] == {"drafter": 1, "scores": 2}
+    sched.reset_stats()
+    assert sched.summary()["rounds"] == 0
+    with pytest.raises(ConfigError, match="one probability per node"):
+        sched.apply(tree, None, _Head(torch.ones(5)))
+    with pytest.raises(ConfigError, match="median_s"):
+        ConfidenceSchedule({"nodes": 1})
+    with pytest.raises(ConfigError, match="min_nodes"):
+        ConfidenceSchedule(lambda m: 1.0, min_nodes=-2)
+
+
+class FullTreeDrafter(Drafter):
+    """Every token at every node down to ``depth``, with random sibling log-probs (its own generator): a tree
+    that never depends on the target."""
+
+    def __init__(self, vocab: int, depth: int = 2, seed: int = 0, head: bool = False):
+        self.vocab, self.depth, self.head = vocab, depth, head
+        self.budget = sum(vocab ** d for d in range(1, depth + 1))
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def propose(self, state):
+        tokens, parents, scores = [state.root_token], [-1], [0.0]
+        frontier = [0]
+        for _ in range(self.depth):
+            nxt = []
+            for p in frontier:
+                logp = torch.log_softmax(1.5 * torch.randn(self.vocab, generator=self.gen), 0).tolist()
+                for tok in range(self.vocab):
+                    tokens.append(tok)
+                    parents.append(p)
+                    scores.append(scores[p] + logp[tok])
+                    nxt.append(len(tokens) - 1)
+            frontier = nxt
+        return make_tree(tokens, parents, scores)
+
+    def node_survival(self, tree):
+        return torch.rand(tree.size, generator=self.gen) if self.head else None
+
+
+class PeekingSchedule:
+    """Deliberately wrong: runs the round's verify in advance on a copy of the generator and, when the round would
+    emit ``bad`` after its first token, verifies the root alone instead. The kept set depends on the target's own
+    draws, so the law changes."""
+
+    def __init__(self, bad: int):
+        self.bad = bad
+
+    def apply(self, tree, state, drafter=None):
+        target = state.target
+        logits, _ = target.verify(tree)
+        target.compact(tree.size, torch.arange(0))  # drop the peek's cache entries again
+        twin = torch.Generator(device=state.generator.device)
+        twin.set_state(state.generator.get_state())
+        path, bonus = walk(tree, choose(logits, state.sampling, twin).cpu())
+        emitted = tree.tokens[path[1:]].tolist() + [bonus]
+        return tree.subset(torch.tensor([0])) if self.bad in emitted[1:] else tree
+
+
+def _law_counts(dec, prompt, n, length, seed):
+    gen = torch.Generator().manual_seed(seed)
+    counts, accepted = Counter(), 0
+    for _ in range(n):
+        r = dec.generate(prompt, max_new_tokens=length, temperature=1.0, generator=gen)
+        counts[tuple(r.tokens)] += 1
+        accepted += sum(k * c for k, c in r.stats.accept_hist.items())
+    return counts, accepted
+
+
+def test_schedule_keeps_the_exact_law(one_thread):
+    """T=1, 4-token vocabulary: the joint law of the first 3 new tokens with a confidence schedule that cuts a
+    full 4-ary depth-2 tree every round equals the target's exact law (chi-square p > 1e-3, TV below the 99.9%
+    quantile under exact sampling). Negative control: a schedule that peeks at the target's draws (same tree,
+    same drafter) changes the law and the same test rejects it."""
+    V, length, n = 4, 3, 800
+    target = tiny_target("llama", vocab_size=V, hidden_size=32, num_layers=2)
+    prompt = [1, 3, 2]
+    exact = exact_sequence_probs(target, prompt, length, SamplingConfig(1.0))
+    sched = ConfidenceSchedule(lambda m: 1.0 + 0.25 * (m - 1))
+    dec = SpeculativeDecoder(target, FullTreeDrafter(V, seed=1), schedule=sched)
+    counts, accepted = _law_counts(dec, prompt, n, length, 123)
+    s = sched.summary()
+    assert 1.0 <= s["mean_nodes_kept"] < s["mean_nodes_in"] == 20  # trees were cut, and not to the root
+    assert accepted > n // 5  # drafted nodes on the kept path were accepted
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
+    stat, dof, p = chi_square_test(counts, exact)
+    assert tv < null_tv_quantile(exact, n) and p > 1e-3, (tv, stat, dof, p)
+    # the same tree with a peeking schedule that suppresses the likeliest last token after a round's first token
+    last = [sum(p for k, p in exact.items() if k[-1] == tok) for tok in range(V)]
+    cheat = SpeculativeDecoder(target, FullTreeDrafter(V, seed=1), schedule=PeekingSchedule(bad=last.index(max(last))))
+    bad_counts, _ = _law_counts(cheat, prompt, n, length, 123)
+    assert chi_square_test(bad_counts, exact)[2] < 1e-3
+
+
+def test_schedule_with_a_confidence_head_is_greedy_identical(one_thread):
+    target = tiny_target("llama")
+    sched = ConfidenceSchedule(lambda m: 1.0 + 0.1 * (m - 1), min_nodes=1)
+    dec = SpeculativeDecoder(target, FullTreeDrafter(8, seed=2, head=True), schedule=sched)
+    prompt = [5, 17, 9, 33]
+    res = dec.generate(prompt, max_new_tokens=20)
+    assert res.tokens == hf_greedy(target, prompt, 20)
+    assert sched.summary()["survival_source"] == {"drafter": res.stats.rounds}
+    assert res.stats.tree_nodes >= res.stats.rounds  # min_nodes=1: never a root-only round
+    assert sum(res.stats.depth_hist.values()) == res.stats.rounds
+
+
+# ---- the harness --------------------------------------------------------------------------------------------
+def test_make_method_builds_the_schedule_on_the_run_curve(one_thread):
+    target = tiny_target("llama")
+    spec = {"drafter": {"type": "pld", "budget": "{budget}"}, "schedule": {"cost": "curve", "min_nodes": 0}}
+    with pytest.raises(ConfigError, match="verify-cost curve"):
+        make_method("pld_sched", spec, target, 8)
+    with pytest.raises(ConfigError, match="unknown schedule keys"):
+        make_method("pld_sched", {**spec, "schedule": {"cost": "curve", "k": 1}}, target, 8, curve={})
+    curve = {"median_s": {"1": 0.01, "2": 0.011, "4": 0.012, "8": 0.016, "16": 0.024}}
+    m = make_method("pld_sched", spec, target, 8, curve=curve)
+    ids = torch.tensor([3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5])
+    rec = m.run(ids, 12, 0.0, 0)
+    assert rec["schedule"]["rounds"] == rec["rounds"] and rec["schedule"]["survival_source"]["scores"] > 0
+    assert rec["tokens"] == hf_greedy(target, ids.tolist(), 12)
+    assert m.run(ids, 4, 0.0, 0)["schedule"]["rounds"] < rec["rounds"]  # counters reset per run
+    # verify cost proportional to the nodes: in the first round (no overhead measured yet) a node of survival 1
+    # never raises tokens per second; once the round's own drafting/commit time counts, such nodes pay
+    flat = make_method("pld_sched", spec, target, 8, curve={"median_s": {"1": 0.01, "2": 0.02, "16": 0.16}})
+    s = flat.run(ids, 12, 0.0, 0)["schedule"]
+    assert 0 < s["mean_nodes_kept"] <= s["mean_nodes_in"]
+    tree = make_tree([3, 4, 5], [-1, 0, 1], [0.0, 0.0, 0.0])
+    assert schedule_tree(tree, torch.ones(3), lambda k: 0.01 * k)[1]["kept"] == 0
+    assert schedule_tree(tree, torch.ones(3), lambda k: 0.01 * k, overhead=0.005)[1]["kept"] == 2

@@ -1,0 +1,204 @@
+"""Confidence-scheduled verification (DSpark's Algorithm 1 at batch 1) and the calibration of its confidences.
+
+``schedule_tree`` keeps the nodes most likely to be on the accepted path, in decreasing survival, while the
+expected accepted tokens per verify second still rise, and stops at the first drop. Survival is the estimated
+probability that a node is on the accepted path (root = 1); the verify cost of N positions comes from a callable
+or from the harness's verify-cost curve (``{"median_s": {"1": s, "2": s, ...}}``, see ``curve_cost``).
+
+The kept set depends only on the drafter's tree and survivals, never on the target's choices, so the walk over the
+kept subtree still emits exactly the target's law.
+
+Calibration: a confidence head gives per-position logits ``z[:, k]`` estimating P(position k accepted | positions
+< k accepted). ``calibrate_temperatures`` fits one temperature per position (sequential temperature scaling) on
+the rows that reached that position; ``expected_calibration_error`` and ``prefix_ece`` measure the result.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
+
+import torch
+
+from .tree import Tree, TreeError
+
+CostLike = Callable[[int], float] | Mapping
+
+
+# ---- the verify-cost curve ----------------------------------------------------------------------------------
+def curve_cost(curve: Mapping, nodes: int) -> float:
+    """Verify seconds for ``nodes`` positions from ``curve["median_s"]`` (size -> seconds): linear between measured
+    sizes, the first value below the smallest size, linear extrapolation of the last segment past the largest."""
+    table = curve.get("median_s") if isinstance(curve, Mapping) else None
+    if not table:
+        raise TreeError("a verify-cost curve needs a non-empty 'median_s' table {nodes: seconds} "
+                        "(the harness's measure.verify_cost_curve output)")
+    pts = sorted((int(k), float(v)) for k, v in table.items())
+    if nodes <= pts[0][0] or len(pts) == 1:
+        return pts[0][1]
+    for (a, ta), (b, tb) in zip(pts, pts[1:]):
+        if nodes <= b:
+            return ta + (tb - ta) * (nodes - a) / (b - a)
+    (a, ta), (b, tb) = pts[-2], pts[-1]
+    return tb + (tb - ta) * (nodes - b) / (b - a)
+
+
+def cost_function(cost: CostLike) -> Callable[[int], float]:
+    """``cost`` as a callable nodes -> seconds (a curve dict is interpolated by ``curve_cost``)."""
+    if callable(cost):
+        return cost
+    if isinstance(cost, Mapping):
+        curve_cost(cost, 1)  # fail now, naming the missing table, not inside a decode round
+        return lambda nodes: curve_cost(cost, nodes)
+    raise TreeError(f"cost must be a callable nodes -> seconds or a curve dict with 'median_s', got "
+                    f"{type(cost).__name__}")
+
+
+# ---- survival -----------------------------------------------------------------------------------------------
+def log_survival_from_scores(tree: Tree) -> torch.Tensor:
+    """Fallback survival for drafters without a confidence head: exp of the cumulative path log-prob, in [0, 1]."""
+    return torch.exp(tree.scores.double()).clamp(0.0, 1.0)
+
+
+def path_survival(tree: Tree, survival: torch.Tensor) -> torch.Tensor:
+    """Survival made non-increasing along every path (running min from the root; root = 1), in [0, 1]."""
+    s = torch.as_tensor(survival, dtype=torch.float64).reshape(-1).cpu()
+    if s.numel() != tree.size:
+        raise TreeError(f"survival needs one value per tree node ({tree.size}), got {s.numel()}")
+    if bool(torch.isnan(s).any()):
+        raise TreeError("survival contains NaN: the confidence head produced NaN (check its dtype)")
+    vals = s.clamp(0.0, 1.0).tolist()
+    vals[0] = 1.0
+    pars = tree.parents.tolist()
+    for i in range(1, len(vals)):  # topological order: the parent is final before its children
+        vals[i] = min(vals[i], vals[pars[i]])
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+# ---- the scheduler ------------------------------------------------------------------------------------------
+def schedule_tree(tree: Tree, survival: torch.Tensor, cost: CostLike, min_nodes: int = 0,
+                  overhead: float = 0.0) -> tuple[Tree, dict]:
+    """Keep non-root nodes in decreasing survival (ties: lower index first) while (1 + kept survivals) /
+    (overhead + cost(1 + kept)) rises; stop at the first step where it does not. ``overhead``: seconds a round
+    costs besides its verify (drafting, commit), which makes extra nodes relatively cheaper. ``min_nodes``
+    non-root nodes are kept regardless (capped at the tree's). Returns (the prefix-closed subtree, info)."""
+    if not isinstance(min_nodes, int) or isinstance(min_nodes, bool) or min_nodes < 0:
+        raise TreeError(f"min_nodes must be an int >= 0 (non-root nodes always kept), got {min_nodes!r}")
+    cost_of = cost_function(cost)
+    surv = path_survival(tree, survival)
+    # Stable sort on -survival: ties keep index order, and running-min survival makes parents precede children.
+    order = (torch.sort(-surv[1:], stable=True).indices + 1).tolist()
+    vals = surv.tolist()
+    expected = 1.0
+    objective = expected / (overhead + float(cost_of(1)))
+    kept = [0]
+    for node in order:
+        cand_expected = expected + vals[node]
+        cand_objective = cand_expected / (overhead + float(cost_of(len(kept) + 1)))
+        if len(kept) - 1 >= min_nodes and not cand_objective > objective:
+            break  # the first drop ends the schedule: no look-ahead past it
+        kept.append(node)
+        expected, objective = cand_expected, cand_objective
+    out = tree.subset(torch.tensor(kept, dtype=torch.long)) if len(kept) < tree.size else tree
+    info = {"nodes_in": tree.size - 1, "kept": len(kept) - 1, "expected_tokens": expected, "objective": objective}
+    return out, info
+
+
+# ---- calibration --------------------------------------------------------------------------------------------
+LOG_T_RANGE = (math.log(0.02), math.log(50.0))
+
+
+def _bce(logits: torch.Tensor, labels: torch.Tensor, log_t: float) -> float:
+    z = logits / math.exp(log_t)
+    return float(torch.nn.functional.binary_cross_entropy_with_logits(z, labels))
+
+
+def _fit_log_temperature(logits: torch.Tensor, labels: torch.Tensor, lo: float, hi: float) -> float:
+    """argmin over log T in [lo, hi] of the BCE: a grid for the bracket, then golden-section search inside it
+    (the BCE is convex in 1/T, hence unimodal in log T)."""
+    grid = torch.linspace(lo, hi, 49).tolist()
+    losses = [_bce(logits, labels, u) for u in grid]
+    best = min(range(len(grid)), key=lambda i: losses[i])
+    a, b = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
+    phi = (math.sqrt(5) - 1) / 2
+    c, d = b - phi * (b - a), a + phi * (b - a)
+    fc, fd = _bce(logits, labels, c), _bce(logits, labels, d)
+    for _ in range(40):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - phi * (b - a)
+            fc = _bce(logits, labels, c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + phi * (b - a)
+            fd = _bce(logits, labels, d)
+    return (a + b) / 2
+
+
+def _check_kn(name: str, x: torch.Tensor, shape) -> None:
+    if x.dim() != 2 or (shape is not None and tuple(x.shape) != tuple(shape)):
+        want = "[N, K]" if shape is None else str(list(shape))
+        raise TreeError(f"{name} must be a 2-D tensor {want} (rows = drafts, columns = draft positions), got "
+                        f"shape {tuple(x.shape)}")
+
+
+def calibrate_temperatures(logits: torch.Tensor, accepted: torch.Tensor, valid: torch.Tensor,
+                           log_t_range: tuple[float, float] = LOG_T_RANGE, min_rows: int = 1) -> torch.Tensor:
+    """Sequential temperature scaling: for each draft position k, left to right, the T_k minimising the binary
+    cross-entropy of sigmoid(logits[:, k] / T_k) against ``accepted[:, k]`` over the rows with ``valid[:, k]``
+    (position k reached: all earlier positions accepted, label present). Returns float [K]. A position with
+    fewer than ``min_rows`` valid rows keeps the previous position's temperature (1.0 at the first): deep
+    positions are rarely reached, and a handful of rows is no fit."""
+    logits = torch.as_tensor(logits).double()
+    _check_kn("logits", logits, None)
+    accepted = torch.as_tensor(accepted).bool()
+    valid = torch.as_tensor(valid).bool()
+    _check_kn("accepted", accepted, logits.shape)
+    _check_kn("valid", valid, logits.shape)
+    lo, hi = log_t_range
+    temps = torch.ones(logits.shape[1], dtype=torch.float32)
+    for k in range(logits.shape[1]):
+        rows = valid[:, k]
+        if int(rows.sum()) < max(1, min_rows):
+            temps[k] = temps[k - 1] if k else 1.0
+            continue
+        temps[k] = math.exp(_fit_log_temperature(logits[rows, k], accepted[rows, k].double(), lo, hi))
+    return temps
+
+
+def apply_temperatures(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """Calibrated per-position probabilities sigmoid(logits[:, k] / temps[k])."""
+    logits = torch.as_tensor(logits)
+    return torch.sigmoid(logits / torch.as_tensor(temps, dtype=logits.dtype).to(logits.device))
+
+
+def expected_calibration_error(probs: torch.Tensor, outcomes: torch.Tensor, bins: int = 10,
+                               valid: torch.Tensor | None = None) -> float:
+    """Equal-width-bin ECE: sum over bins of (share of entries) * |mean probability - mean outcome|, over the
+    entries where ``valid`` is True (all entries without it)."""
+    p = torch.as_tensor(probs).double().reshape(-1)
+    y = torch.as_tensor(outcomes).double().reshape(-1)
+    if p.numel() != y.numel():
+        raise TreeError(f"probs ({p.numel()}) and outcomes ({y.numel()}) must have the same number of entries")
+    if valid is not None:
+        m = torch.as_tensor(valid).bool().reshape(-1)
+        p, y = p[m], y[m]
+    if p.numel() == 0:
+        return 0.0
+    idx = (p * bins).long().clamp(0, bins - 1)
+    # sum_b (n_b / n) |mean_b(p) - mean_b(y)| = sum_b |sum_b(p - y)| / n
+    gap = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, p - y)
+    return float(gap.abs().sum() / p.numel())
+
+
+def prefix_ece(probs: torch.Tensor, accepted: torch.Tensor, exists: torch.Tensor | None = None,
+               bins: int = 10) -> float:
+    """ECE of the paper's view: predicted survival prod_{i<=k} probs[:, i] against realised prefix acceptance
+    (all positions <= k accepted), over the entries whose label exists (``exists``; all without it). Unlike
+    ``valid``, ``exists`` keeps rows past a rejection: their realised prefix acceptance is 0."""
+    probs = torch.as_tensor(probs).double()
+    _check_kn("probs", probs, None)
+    accepted = torch.as_tensor(accepted).bool()
+    _check_kn("accepted", accepted, probs.shape)
+    predicted = torch.cumprod(probs, dim=1)
+    realised = torch.cumprod(accepted.double(), dim=1)
+    return expected_calibration_error(predicted, realised, bins, exists)
