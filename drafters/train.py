@@ -12,6 +12,12 @@ cache dir), then training resumed from a bundled checkpoint:
 or in one step, the features recomputed inside every training step (no cache; see TRAINING.md for which is faster):
     python -m graft_block.drafters.train --type dflash --online --data drafters/data/smollm2-sharegpt ...
 
+DSpark from the DFlash backbone (DeepSpec's loss, 64 anchors per sequence drawn without replacement; see
+drafters/checkpoints/dspark-smollm2/TRAINING.md), then its confidence calibration:
+    python -m graft_block.drafters.train --type dspark --data onpolicy-greedy-a --init drafters/checkpoints/dflash-smollm2 \
+        --config '{"num_anchors": 64, "markov_rank": 64}' --steps 440 --warmup 0.1 --lr 2e-4 --batch-size 2 --holdout 32
+    python -m graft_block.drafters.dspark.calibrate OUT --data onpolicy-greedy-a --holdout 32
+
 Example (the bundled default, on 2 CPU cores; see drafters/checkpoints/dflash-smollm2/TRAINING.md):
     python -m graft_block.drafters.train --generate --data smollm2-sharegpt --num-prompts 4000 --max-new 160 --gen-batch 48 \\
         --gen-minutes 13

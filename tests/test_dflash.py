@@ -275,8 +275,10 @@ def test_claims_own_layout_only():
     DFlash2 (extra weights, another model) is claimed by neither."""
     from graft_block.drafter import bundled_checkpoint
 
+    from graft_block.drafters.dspark import DSparkDrafter
+
     for name, owner in (("dflash-smollm2", "dflash"), ("mfd-smollm2", "mfd"), ("mfd-smollm2-k1", "mfd"),
-                        ("eagle3-smollm2", None)):
+                        ("eagle3-smollm2", None), ("dspark-smollm2", "dspark"), ("dspark-smollm2-control", "dspark")):
         folder = bundled_checkpoint(name)
         if folder is None:
             continue
@@ -284,6 +286,7 @@ def test_claims_own_layout_only():
         cfg.pop("type")
         assert D.DFlashDrafter.claims(cfg) == (owner == "dflash"), name
         assert M.MFDDrafter.claims(cfg) == (owner == "mfd"), name
+        assert DSparkDrafter.claims(cfg) == (owner == "dspark"), name
     dflash2 = {"architectures": ["DFlash2DraftModel"], "dflash_config": {"mask_token_id": 5}, "block_size": 16}
     assert not D.DFlashDrafter.claims(dflash2) and not M.MFDDrafter.claims(dflash2)
     bare = {"dflash_config": {"mask_token_id": 5, "target_layer_ids": [1]}, "block_size": 16}  # no architectures

@@ -4,6 +4,7 @@ order, which is topological."""
 from __future__ import annotations
 
 import heapq
+import math
 
 import torch
 
@@ -64,3 +65,42 @@ def brute_force_top_prefixes(top_ids: torch.Tensor, top_logprobs: torch.Tensor, 
     rec(0, (), 0.0)
     items.sort()
     return {tuple(int(top_ids[d, r]) for d, r in enumerate(rk)) for _, rk in items[:budget]}
+
+
+def conditional_ddtree(root_token: int, expand, budget: int, max_depth: int) -> tuple[Tree, list[float] | None]:
+    """Best-first tree whose children come from each node's *own* distribution (a Markov-corrected block: the
+    distribution at depth d depends on the parent's token), not from one marginal per depth.
+
+    ``expand(depth, tokens)`` -> one ``(ids, logprobs, confidence)`` per parent token: the top-K children at
+    ``depth`` (1-based) sorted by log-prob, and the drafter's estimate of P(its top child is accepted) (None if it
+    has none). The first token is the one needed now; the others are that node's later siblings, passed so that
+    the drafter can compute their children in the same product (they are the likeliest next expansions).
+    Returns the tree (nodes in pop order, so topological) and, when confidences exist, each node's estimated
+    acceptance given its parent: c for a parent's top child, (1 - c) q(x) / (1 - q(top)) for the others.
+    With K = 1 children per node this is the greedy chain."""
+    tokens, parents, scores, accept = [int(root_token)], [-1], [0.0], [1.0]
+    if budget < 1 or max_depth < 1:
+        return make_tree(tokens, parents, scores, SOURCE_DRAFT), None
+    kids = {0: expand(1, [int(root_token)])[0]}
+    has_conf = kids[0][2] is not None
+    heap = [(-kids[0][1][0], 0, 0, 1, 0)]  # (-score, pop-order tiebreak, parent node, depth, rank)
+    seq = 1
+    while heap and len(tokens) - 1 < budget:
+        neg, _, parent, depth, rank = heapq.heappop(heap)
+        ids, lps, conf = kids[parent]
+        node = len(tokens)
+        tokens.append(int(ids[rank]))
+        parents.append(parent)
+        scores.append(-neg)
+        if has_conf:
+            c = float(conf)
+            rest = max(1e-12, 1.0 - math.exp(lps[0]))
+            accept.append(c if rank == 0 else (1.0 - c) * math.exp(lps[rank]) / rest)
+        if rank + 1 < len(ids):  # next sibling
+            heapq.heappush(heap, (-(scores[parent] + lps[rank + 1]), seq, parent, depth, rank + 1))
+            seq += 1
+        if depth < max_depth:  # first child, from this node's own distribution
+            kids[node] = expand(depth + 1, [int(ids[rank])] + [int(t) for t in ids[rank + 1:]])[0]
+            heapq.heappush(heap, (-(scores[node] + kids[node][1][0]), seq, node, depth + 1, 0))
+            seq += 1
+    return make_tree(tokens, parents, scores, SOURCE_DRAFT), (accept if has_conf else None)

@@ -58,8 +58,9 @@ def rope_parameters(raw: dict) -> dict:
     return rope
 
 
-def model_from_config(raw: dict, draft_vocab: torch.Tensor | None = None) -> DFlashModel:
-    """A z-lab config.json dict -> an (uninitialised) DFlashModel."""
+def model_from_config(raw: dict, draft_vocab: torch.Tensor | None = None, cls=DFlashModel, **model_kw) -> DFlashModel:
+    """A z-lab config.json dict -> an (uninitialised) DFlashModel (or ``cls``, a subclass such as DSpark's, built
+    with ``model_kw`` besides)."""
     dcfg = raw.get("dflash_config") or {}
     block_size = raw.get("block_size", dcfg.get("block_size"))
     if block_size is None:
@@ -81,7 +82,7 @@ def model_from_config(raw: dict, draft_vocab: torch.Tensor | None = None) -> DFl
     kw.setdefault("intermediate_size", 3 * int(raw["hidden_size"]))
     kw.setdefault("num_key_value_heads", raw["num_attention_heads"])
     cfg = Qwen3Config(**kw, rope_parameters=rope_parameters(raw), tie_word_embeddings=False)
-    return DFlashModel(cfg, int(block_size), layer_ids, int(mask_id), num_target, draft_vocab)
+    return cls(cfg, int(block_size), layer_ids, int(mask_id), num_target, draft_vocab, **model_kw)
 
 
 def config_dict(model: DFlashModel, extra: dict | None = None) -> dict:
@@ -105,7 +106,9 @@ def config_dict(model: DFlashModel, extra: dict | None = None) -> dict:
     return out
 
 
-def save_checkpoint(model: DFlashModel, folder: str | Path, dtype=torch.float16, extra: dict | None = None) -> Path:
+def save_checkpoint(model: DFlashModel, folder: str | Path, dtype=torch.float16, extra: dict | None = None,
+                    config: dict | None = None) -> Path:
+    """Weights (``dtype``) and config.json: ``config`` when given (a subclass's spelling), else z-lab's + ``extra``."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -113,7 +116,7 @@ def save_checkpoint(model: DFlashModel, folder: str | Path, dtype=torch.float16,
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
     if model.draft_vocab is not None:
         tensors["draft_vocab"] = model.draft_vocab.detach().cpu().long().contiguous()
-    cfg = config_dict(model, extra)
+    cfg = dict(config) if config is not None else config_dict(model, extra)
     cfg["dtype"] = str(dtype).replace("torch.", "")
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -127,16 +130,21 @@ def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DFlashModel:
     raw = read_config(folder)
     tensors = read_weights(folder, "DFlash checkpoint")
     vocab = tensors.pop("draft_vocab", None)
-    model = model_from_config(raw, vocab)
+    return load_strict(model_from_config(raw, vocab), tensors, folder, device, dtype)
+
+
+def load_strict(model: nn.Module, tensors: dict, folder, device=None, dtype=None, what: str = "DFlash") -> nn.Module:
+    """Load ``tensors`` into ``model`` with every expected tensor present, nothing unexpected and equal shapes; a
+    ConfigError names the tensor otherwise. The dtype defaults to the checkpoint's ``fc`` dtype."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
         bias = any(k.endswith("_proj.bias") for k in missing + unexpected)
         hint = (" (attention_bias in config.json must match: true = q/k/v/o_proj all carry a bias)" if bias
-                else " (num_hidden_layers / target_layer_ids / shapes wrong?)")
+                else " (num_hidden_layers / target_layer_ids / head settings / shapes wrong?)")
         raise ConfigError(
-            f"DFlash checkpoint {folder} does not match its config.json: missing tensors {missing[:8]}"
+            f"{what} checkpoint {folder} does not match its config.json: missing tensors {missing[:8]}"
             f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}"
             f"{' ...' if len(unexpected) > 8 else ''}{hint}"
         )
@@ -144,7 +152,7 @@ def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DFlashModel:
         if tuple(tensors[k].shape) != tuple(v.shape):
             hint = (" (fc in-features = len(target_layer_ids) x hidden_size: are target_layer_ids right?)"
                     if k == "fc.weight" else "")
-            raise ConfigError(f"DFlash checkpoint {folder}: tensor {k} has shape {tuple(tensors[k].shape)}, "
+            raise ConfigError(f"{what} checkpoint {folder}: tensor {k} has shape {tuple(tensors[k].shape)}, "
                               f"config.json implies {tuple(v.shape)}{hint}")
     model.load_state_dict(tensors, strict=True)
     dtype = dtype or tensors["fc.weight"].dtype

@@ -23,8 +23,8 @@ from graft_block.tree.ddtree import ddtree, topk_logprobs
 
 from ..layers import use_kernel
 from .checkpoint import check_compatible, is_dflash_layout, load_checkpoint, new_model, save_checkpoint
+from . import training as dflash_training
 from .model import DFlashModel
-from .training import training_loss, training_model
 
 
 @register("dflash")
@@ -46,10 +46,10 @@ class DFlashDrafter(Drafter):
         self.block_size = model.block_size if block_size is None else int(block_size)
         if not 2 <= self.block_size <= model.block_size:
             raise ConfigError(f"block_size {block_size} must be in 2..{model.block_size} (the trained block size)")
-        default_budget = self.block_size - 1
-        self.budget = check_budget(default_budget if budget is None else budget)
-        if proposal == "chain" and self.budget > self.block_size - 1:
-            raise ConfigError(f"a chain proposal has at most block_size - 1 = {self.block_size - 1} nodes, "
+        drafts = self.block_size - getattr(model, "draft_offset", 1)  # rows that draft (DSpark's may include row 0)
+        self.budget = check_budget(drafts if budget is None else budget)
+        if proposal == "chain" and self.budget > drafts:
+            raise ConfigError(f"a chain proposal has at most {drafts} nodes (the block's drafting rows), "
                               f"budget is {self.budget}; use proposal='ddtree' for larger budgets")
         if not isinstance(denoise_steps, int) or denoise_steps < 1:
             raise ConfigError(f"denoise_steps must be an int >= 1, got {denoise_steps!r}")
@@ -188,14 +188,18 @@ class DFlashDrafter(Drafter):
                 "layers": self.model.config.num_hidden_layers, "target_layer_ids": self.model.target_layer_ids}
 
     # ---- training plug-in (graft_block.training) --------------------------------------------------------
+    # a subclass with its own recipe (DSpark) swaps in its module and checkpoint writer
+    training_module = dflash_training
+    write_checkpoint = staticmethod(save_checkpoint)
+
     @classmethod
     def training_model(cls, target, cfg: dict, init: str | None = None) -> DFlashModel:
-        return training_model(target, cfg, init)
+        return cls.training_module.training_model(target, cfg, init)
 
     @classmethod
     def training_loss(cls, model, target, batch):
-        return training_loss(model, target, batch)
+        return cls.training_module.training_loss(model, target, batch)
 
     @classmethod
     def save_trained(cls, model, out_dir, cfg: dict) -> None:
-        save_checkpoint(model, out_dir, extra={"type": "dflash"})
+        cls.write_checkpoint(model, out_dir, extra={"type": cls.type_name})

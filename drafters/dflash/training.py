@@ -107,41 +107,63 @@ def block_attention_mask(anchors: torch.Tensor, ctx_len: int, B: int, dtype) -> 
     return torch.zeros(ok.shape, dtype=dtype, device=dev).masked_fill(~ok, torch.finfo(dtype).min).unsqueeze(1)
 
 
-def sample_anchors(prompt_len: torch.Tensor, lengths: torch.Tensor, n: int, generator=None):
-    """n anchors per sequence, uniform over response positions a with a + 1 still in the sequence (the anchor
-    and its next token are both response tokens). Returns (anchors [b, n], valid [b])."""
+def sample_anchors(prompt_len: torch.Tensor, lengths: torch.Tensor, n: int, generator=None, unique: bool = False):
+    """n anchors per sequence over response positions a with a + 1 still in the sequence (the anchor and its next
+    token are both response tokens). ``unique``: drawn without replacement (DeepSpec's packing; a sequence with
+    fewer valid positions gets them all and the rest of its n are marked invalid; n shrinks to the batch's
+    longest span), else uniform with replacement. Returns (anchors [b, n], ok [b, n])."""
     lo = prompt_len
     hi = lengths - 2
     span = (hi - lo + 1).clamp(min=1)
-    u = torch.rand((lo.numel(), n), generator=generator)
-    anchors = lo.view(-1, 1) + (u * span.view(-1, 1)).long()
-    return anchors, hi >= lo
+    b = lo.numel()
+    if not unique:
+        u = torch.rand((b, n), generator=generator)
+        anchors = lo.view(-1, 1) + (u * span.view(-1, 1)).long()
+        return anchors, (hi >= lo).view(-1, 1).expand(b, n)
+    n = min(n, int(span.max()))  # no block row is spent on an anchor that no sequence of the batch can fill
+    width = int(span.max())
+    u = torch.rand((b, width), generator=generator)
+    inside = torch.arange(width).view(1, -1) < span.view(-1, 1)
+    order = u.masked_fill(~inside, 2.0).argsort(dim=1)[:, :n]  # a random subset of the valid offsets first
+    ok = (torch.arange(n).view(1, -1) < span.view(-1, 1)) & (hi >= lo).view(-1, 1)
+    anchors = (lo.view(-1, 1) + order.masked_fill(~ok, 0)).sort(dim=1)
+    return anchors.values, ok.gather(1, anchors.indices)
 
 
-def make_blocks(model: DFlashModel, batch: dict) -> dict:
-    """The training blocks of one batch (shared with MFD): ``num_anchors`` random anchors per sequence, each a block
-    [anchor token, mask x (B-1)] at positions anchor..anchor+B-1 whose row k is labelled with the target's token at
-    anchor + k. Returns anchors [b, n], seq_ok [b], pos [b, n, B], blk_ids [b, n, B], valid / labels [b, n, B-1],
-    src [b, n, B-1] (flat row of the target's top-k distribution for that label) and ctx_kv."""
+def make_blocks(model: DFlashModel, batch: dict, num_anchors: int | None = None, unique: bool | None = None) -> dict:
+    """The training blocks of one batch (shared with MFD and DSpark): ``num_anchors`` anchors per sequence, each a
+    block [anchor token, mask x (B-1)] at positions anchor..anchor+B-1. Its drafting rows (from ``draft_offset``:
+    1 for z-lab's alignment, 0 for DeepSpec's) are labelled with the target's tokens at anchor+1, anchor+2, ...
+    Returns anchors / anchor_ok [b, n], seq_ok [b], pos [b, n, B], blk_ids [b, n, B], valid / labels [b, n, L]
+    (L drafting rows), src [b, n, L] (flat row of the target's top-k distribution for that label), prev [b, n, L]
+    (each label's previous token: teacher forcing for a Markov head) and ctx_kv. ``num_anchors`` / ``unique``
+    override the model's training options (a fixed held-out evaluation whatever the training count)."""
     ids, lengths, plen = batch["ids"], batch["lengths"], batch["prompt_len"]
     dev = model.fc.weight.device
     b, L = ids.shape
-    B, n = model.block_size, model.train_opts["num_anchors"]
-    anchors, seq_ok = sample_anchors(plen.cpu(), lengths.cpu(), n, batch.get("generator"))
-    anchors, seq_ok = anchors.to(dev), seq_ok.to(dev)
+    B = model.block_size
+    off = getattr(model, "draft_offset", 1)
+    unique = bool(model.train_opts.get("unique_anchors", False)) if unique is None else unique
+    anchors, ok = sample_anchors(plen.cpu(), lengths.cpu(), num_anchors or model.train_opts["num_anchors"],
+                                 batch.get("generator"), unique=unique)
+    anchors, ok = anchors.to(dev), ok.to(dev)
+    n = anchors.shape[1]
     pos = anchors.unsqueeze(-1) + torch.arange(B, device=dev)  # [b, n, B]
     blk_ids = torch.full((b, n, B), model.mask_token_id, dtype=torch.long, device=dev)
     blk_ids[:, :, 0] = ids.gather(1, anchors)
-    lab_pos = pos[:, :, 1:]
-    valid = (lab_pos < lengths.view(-1, 1, 1)) & seq_ok.view(-1, 1, 1)
+    lab_pos = anchors.unsqueeze(-1) + torch.arange(1, B - off + 1, device=dev)  # draft j predicts anchor + j + 1
+    valid = (lab_pos < lengths.view(-1, 1, 1)) & ok.unsqueeze(-1)
     # labels[t] = the target's token at t (== ids for target-generated data; the target's argmax for offline text)
-    labels = batch.get("labels", ids).gather(1, lab_pos.clamp(max=L - 1).view(b, -1)).view(b, n, B - 1)
+    tokens = batch.get("labels", ids)
+    labels = tokens.gather(1, lab_pos.clamp(max=L - 1).view(b, -1)).view(b, n, -1)
+    prev = tokens.gather(1, (lab_pos - 1).clamp(max=L - 1).view(b, -1)).view(b, n, -1)
+    prev[:, :, 0] = blk_ids[:, :, 0]  # the first draft's previous token is the anchor itself
     # the distribution of token anchor+k sits at data row anchor+k-1
     src = torch.arange(b, device=dev).view(b, 1, 1) * L + (lab_pos - 1).clamp(max=L - 1)
     ctx = model.fuse(batch["feats"])
     ctx_kv = model.context_kv(ctx, torch.arange(L, device=dev).expand(b, L))
-    return {"anchors": anchors, "seq_ok": seq_ok, "pos": pos, "blk_ids": blk_ids, "valid": valid, "labels": labels,
-            "src": src, "ctx_kv": ctx_kv, "dtype": ctx.dtype}
+    return {"anchors": anchors, "anchor_ok": ok, "seq_ok": ok.any(1), "pos": pos, "blk_ids": blk_ids,
+            "valid": valid, "labels": labels, "src": src, "prev": prev, "ctx_kv": ctx_kv, "dtype": ctx.dtype}
 
 
 def row_losses(model: DFlashModel, logits: torch.Tensor, lab: torch.Tensor, batch: dict, src: torch.Tensor,
@@ -158,17 +180,25 @@ def row_losses(model: DFlashModel, logits: torch.Tensor, lab: torch.Tensor, batc
     hard = -logp.gather(1, col.view(-1, 1)).squeeze(1) * in_vocab
     if soft_w <= 0 or "top_ids" not in batch:
         return hard, hard
+    tcol, p = target_topk(model, batch, src)
+    soft = -(p * logp.gather(1, tcol)).sum(-1)
+    return (1 - soft_w) * hard + soft_w * soft, hard
+
+
+def target_topk(model: DFlashModel, batch: dict, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's cached top-k distribution at flat data rows ``src`` [N], in the draft's logit columns:
+    (columns [N, k], probabilities [N, k]); ids outside the draft vocabulary get probability 0 and the rest are
+    renormalised."""
     k = batch["top_ids"].shape[-1]
     tid = batch["top_ids"].reshape(-1, k)[src]
     tlp = batch["top_logp"].reshape(-1, k)[src].float()
+    dv = model.draft_vocab
     if dv is not None:
         tcol = torch.searchsorted(dv, tid).clamp(max=dv.numel() - 1)
         tin = dv[tcol] == tid
     else:
         tcol, tin = tid, torch.ones_like(tid, dtype=torch.bool)
-    p = torch.softmax(tlp.masked_fill(~tin, float("-inf")), -1).nan_to_num(0.0)
-    soft = -(p * logp.gather(1, tcol)).sum(-1)
-    return (1 - soft_w) * hard + soft_w * soft, hard
+    return tcol, torch.softmax(tlp.masked_fill(~tin, float("-inf")), -1).nan_to_num(0.0)
 
 
 def lm_head(target) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -201,7 +231,7 @@ def training_loss(model: DFlashModel, target, batch: dict):
         pred = model.to_vocab_ids(logits.argmax(-1))
         correct = torch.zeros((b, n, B - 1), dtype=torch.float32, device=dev)
         correct[valid] = (pred == lab).float()
-        accept = correct.cumprod(-1).sum(-1)[seq_ok]  # leading correct rows per block
+        accept = correct.cumprod(-1).sum(-1)[blk["anchor_ok"]]  # leading correct rows per block
         metrics = {"loss": float(loss), "hard_ce": float((w * hard).sum() / w.sum()),
                    "acc": float((pred == lab).float().mean()) if lab.numel() else 0.0,
                    "acc_k1": float(correct[:, :, 0][valid[:, :, 0]].mean()) if bool(valid[:, :, 0].any()) else 0.0,

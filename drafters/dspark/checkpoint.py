@@ -1,0 +1,114 @@
+"""DSpark checkpoints in the three spellings a user meets, read into one ``DSparkModel``:
+
+- DeepSpec native: ``architectures: ["Qwen3DSparkModel"]``, the DSpark keys at the top level of config.json
+  (``block_size``, ``mask_token_id``, ``target_layer_ids``, ``num_target_layers``, ``markov_rank``,
+  ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``), tensors without a ``model.``
+  prefix plus frozen copies of the target's ``embed_tokens`` / ``lm_head`` (checked for shape, then dropped: the
+  drafter uses the target's own);
+- the export spelling ``architectures: ["DSparkDraftModel"]`` with those keys under ``dflash_config``
+  (``projector_type: "dspark"``);
+- ours: the export spelling plus ``block_alignment`` and ``confidence_temperatures`` in ``dflash_config``, and an
+  optional ``draft_vocab`` tensor as in our DFlash checkpoints.
+
+A DeepSpec-made folder without ``block_alignment`` is DeepSpec-aligned (the anchor row drafts); ours always
+writes the key, so a z-lab-aligned model never runs with the wrong rows.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from graft_block.drafter import read_weights
+from graft_block.errors import ConfigError
+
+from ..dflash.checkpoint import config_dict, load_strict, model_from_config, read_config
+from ..dflash.checkpoint import save_checkpoint as dflash_save
+from .model import ALIGNMENTS, DSparkModel
+
+NATIVE_ARCHITECTURES = ("Qwen3DSparkModel",)
+UNSUPPORTED_ARCHITECTURES = ("Gemma4DSparkModel",)
+EXPORT_ARCHITECTURE = "DSparkDraftModel"
+DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+
+
+def is_dspark_layout(config: dict) -> bool:
+    arch = config.get("architectures") or []
+    return any(a in arch for a in NATIVE_ARCHITECTURES + UNSUPPORTED_ARCHITECTURES + (EXPORT_ARCHITECTURE,))
+
+
+def dspark_options(raw: dict, where: str = "config.json") -> dict:
+    """The DSpark-specific keys of a config dict (either spelling) -> DSparkModel keyword arguments."""
+    arch = raw.get("architectures") or []
+    if any(a in arch for a in UNSUPPORTED_ARCHITECTURES):
+        raise ConfigError(f"{where}: {arch} has a Gemma4 backbone; only the Qwen3 DSpark backbone is built here")
+    native = any(a in arch for a in NATIVE_ARCHITECTURES)
+    src = raw if native else (raw.get("dflash_config") or {})
+    if not native and src.get("projector_type", "dspark") != "dspark":
+        raise ConfigError(f"{where}: dflash_config.projector_type is {src.get('projector_type')!r}, not 'dspark'")
+    rank = src.get("markov_rank", raw.get("markov_rank"))
+    if rank is None:
+        raise ConfigError(f"{where} lacks 'markov_rank' (DSpark configs carry it; 0 = no Markov head)")
+    conf = bool(src.get("enable_confidence_head", raw.get("enable_confidence_head", False)))
+    with_markov = src.get("confidence_head_with_markov", raw.get("confidence_head_with_markov"))
+    if conf and with_markov is None:
+        raise ConfigError(f"{where} enables the confidence head but lacks 'confidence_head_with_markov'")
+    alignment = src.get("block_alignment", raw.get("block_alignment", "deepspec"))
+    if alignment not in ALIGNMENTS:
+        raise ConfigError(f"{where}: block_alignment {alignment!r} is not one of {sorted(ALIGNMENTS)}")
+    return {"markov_rank": int(rank), "markov_head_type": src.get("markov_head_type", "vanilla"),
+            "confidence_head": conf, "confidence_with_markov": bool(with_markov) if conf else False,
+            "alignment": alignment}
+
+
+def model_from_dspark_config(raw: dict, draft_vocab: torch.Tensor | None = None, where: str = "config.json"):
+    arch = raw.get("architectures") or []
+    flat = dict(raw)
+    if any(a in arch for a in NATIVE_ARCHITECTURES):  # native keys sit at the top level: give dflash's parser them
+        flat["dflash_config"] = {k: raw[k] for k in ("mask_token_id", "target_layer_ids") if k in raw}
+    model = model_from_config(flat, draft_vocab, cls=DSparkModel, **dspark_options(raw, where))
+    temps = (raw.get("dflash_config") or {}).get("confidence_temperatures")
+    if temps is not None:
+        if len(temps) != model.num_drafts:
+            raise ConfigError(f"{where}: confidence_temperatures has {len(temps)} entries, the block drafts "
+                              f"{model.num_drafts}")
+        model.confidence_temperatures = torch.tensor([float(t) for t in temps])
+    return model
+
+
+def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DSparkModel:
+    """Any of the three spellings -> DSparkModel, strictly: missing, unexpected or mis-shaped tensors are named."""
+    folder = Path(folder)
+    raw = read_config(folder)
+    if not is_dspark_layout(raw):
+        raise ConfigError(f"{folder}/config.json is not a DSpark checkpoint (architectures "
+                          f"{raw.get('architectures')}; expected Qwen3DSparkModel or DSparkDraftModel)")
+    tensors = read_weights(folder, "DSpark checkpoint")
+    if any(k.startswith("model.") for k in tensors):
+        tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
+    vocab = tensors.pop("draft_vocab", None)
+    model = model_from_dspark_config(raw, vocab, f"{folder}/config.json")
+    V, H = model.config.vocab_size, model.config.hidden_size
+    for name in ("embed_tokens.weight", "lm_head.weight"):  # DeepSpec's frozen copies of the target's
+        t = tensors.pop(name, None)
+        if t is not None and tuple(t.shape) != (V, H):
+            raise ConfigError(f"DSpark checkpoint {folder}: {name} has shape {tuple(t.shape)}, config.json implies "
+                              f"{(V, H)} (vocab_size x hidden_size)")
+    return load_strict(model, tensors, folder, device, dtype, what="DSpark")
+
+
+def dspark_config_dict(model: DSparkModel, extra: dict | None = None) -> dict:
+    """Our spelling: the export one (DSparkDraftModel + dflash_config) with the alignment and calibration."""
+    out = config_dict(model)
+    out["architectures"] = [EXPORT_ARCHITECTURE]
+    out["dflash_config"].update({
+        "projector_type": "dspark", "markov_rank": model.markov_rank, "markov_head_type": model.markov_head_type,
+        "enable_confidence_head": model.confidence_head is not None,
+        "confidence_head_with_markov": model.confidence_with_markov, "block_alignment": model.alignment,
+        "confidence_temperatures": [round(float(t), 6) for t in model.confidence_temperatures]})
+    out.update(extra or {})
+    return out
+
+
+def save_checkpoint(model: DSparkModel, folder: str | Path, dtype=torch.float16, extra: dict | None = None) -> Path:
+    return dflash_save(model, folder, dtype, config=dspark_config_dict(model, extra))

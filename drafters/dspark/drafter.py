@@ -1,0 +1,200 @@
+"""The DSpark drafter: one backbone forward per round, then the Markov head walks the block.
+
+Proposals (``proposal``):
+  - ``chain``: draft j = argmax of softmax(U_j + W2 W1[draft j-1]) (draft -1 = the anchor), j < budget;
+  - ``ddtree``: a best-first tree (``tree.ddtree.conditional_ddtree``) where each node's children come from its
+    own corrected distribution softmax(U_d + W2 W1[node token]); products for a node and its likeliest later
+    siblings run as one batch, and a (depth, parent token) pair is never computed twice in a round.
+Without a Markov head both reduce to DFlash's chain and DDTree over the same rows.
+
+At T > 0 the draft scores use softmax(z / T) (the tree's order then tracks what the target will sample); the
+walk stays the target's own choice at every node, so any tree is lossless. ``node_survival(tree)`` gives the
+estimated probability that each node of the last proposed tree is accepted, from the calibrated confidence head
+(``ConfidenceSchedule`` cuts trees with it; without the head, None and the schedule falls back to path scores).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graft_block.drafter import register
+from graft_block.errors import ConfigError
+from graft_block.tree import Tree
+from graft_block.tree.ddtree import conditional_ddtree
+
+from ..dflash.checkpoint import check_compatible
+from ..dflash.drafter import DFlashDrafter
+from . import training as dspark_training
+from .checkpoint import is_dspark_layout, load_checkpoint, save_checkpoint
+from .model import DSparkModel
+
+
+@register("dspark")
+class DSparkDrafter(DFlashDrafter):
+    """Config keys: ``checkpoint`` (a DSpark folder in any spelling), ``proposal`` ("chain" | "ddtree"),
+    ``budget``, ``block_size`` (<= the checkpoint's), ``alignment`` (optional: must equal the checkpoint's),
+    ``marginal_topk``, ``prefetch`` (later siblings whose children share a node's product). Random-init keys (no
+    checkpoint, for tests): ``num_layers``, ``target_layer_ids``, ``mask_token_id``, ``seed``, ``markov_rank``,
+    ``confidence_head``, ``alignment``."""
+
+    def __init__(self, target, model: DSparkModel, proposal: str = "chain", budget: int | None = None,
+                 block_size: int | None = None, marginal_topk: int = 8, prefetch: int = 3,
+                 checkpoint: str | None = None):
+        super().__init__(target, model, proposal=proposal, budget=budget, block_size=block_size,
+                         marginal_topk=marginal_topk, checkpoint=checkpoint)
+        self.prefetch = int(prefetch)
+        self._w2 = None
+        if model.markov_head is not None:  # the draft-vocabulary rows of W2, gathered once
+            w2 = model.markov_head.markov_w2.weight
+            self._w2 = (w2 if model.draft_vocab is None else w2[model.draft_vocab.to(w2.device)]).detach()
+        self._last: tuple[Tree, torch.Tensor | None] | None = None
+
+    @classmethod
+    def build(cls, cfg: dict, target=None) -> "DSparkDrafter":
+        if target is None:
+            raise ConfigError("the dspark drafter needs the target: Drafter.from_config(cfg, target=target)")
+        cfg = dict(cfg)
+        opts = {k: cfg.pop(k) for k in ("proposal", "budget", "block_size", "marginal_topk", "prefetch") if k in cfg}
+        want = cfg.pop("alignment", None)
+        if cfg.pop("denoise_steps", 1) != 1:
+            raise ConfigError("dspark drafts in one backbone pass: denoise_steps must be 1")
+        ckpt = cfg.pop("checkpoint", None)
+        if ckpt is not None:
+            model = load_checkpoint(ckpt, device=target.device, dtype=target.dtype)
+            if want is not None and want != model.alignment:
+                raise ConfigError(f"alignment {want!r} was asked for, but checkpoint {ckpt} was trained with "
+                                  f"{model.alignment!r} rows: drop the option or use a matching checkpoint")
+            return cls(target, model, checkpoint=str(ckpt), **opts)
+        init = {k: cfg.pop(k) for k in ("num_layers", "target_layer_ids", "mask_token_id", "seed", "num_features",
+                                        "markov_rank", "confidence_head") if k in cfg}
+        if cfg:
+            raise ConfigError(f"unknown dspark config keys {sorted(cfg)}")
+        model = new_dspark_model(target, block_size=opts.get("block_size", 16), alignment=want or "zlab", **init)
+        return cls(target, model, **opts)
+
+    @classmethod
+    def claims(cls, config: dict) -> bool:
+        return is_dspark_layout(config)
+
+    # ---- drafting ---------------------------------------------------------------------------------------
+    def block_rows(self, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """One backbone forward -> (hidden [L, H], base logits U [L, V']) of the L drafting rows."""
+        ids = torch.full((self.block_size,), self.model.mask_token_id, dtype=torch.long, device=self.target.device)
+        ids[0] = state.root_token
+        hidden = self.block_hidden(state, ids)[self.model.draft_offset:]
+        return hidden, self.model.logits(hidden, self._lm_w, self._lm_b, restricted=True)
+
+    def _expander(self, hidden, base, temperature: float):
+        """``expand(depth, prev tokens)`` for ``conditional_ddtree``, with a per-round cache by (depth, token)."""
+        model, dev = self.model, base.device
+        k = min(self.budget if self.proposal == "ddtree" else 1, base.shape[-1])
+        cache: dict = {}
+
+        def expand(depth: int, prevs: list[int]):
+            todo = [t for t in dict.fromkeys(prevs[: 1 + self.prefetch]) if (depth, t) not in cache]
+            if todo:
+                prev = torch.tensor(todo, device=dev)
+                z = base[depth - 1].unsqueeze(0).expand(len(todo), -1)  # no Markov head: one row for every parent
+                if self._w2 is not None:
+                    z = z + F.linear(model.markov_head.prev_embed(prev).to(self._w2.dtype), self._w2)
+                lp = torch.log_softmax(z.float() / temperature if temperature > 0 else z.float(), -1)
+                vals, cols = lp.topk(k, dim=-1)
+                ids = model.to_vocab_ids(cols).tolist()
+                conf = model.confidence_logits(hidden[depth - 1].expand(len(todo), -1), prev)
+                conf = None if conf is None else model.calibrated(conf, depth - 1).tolist()
+                for i, t in enumerate(todo):
+                    cache[(depth, t)] = (ids[i], vals[i].tolist(), None if conf is None else conf[i])
+            return [cache[(depth, prevs[0])]]
+
+        return expand
+
+    @torch.inference_mode()
+    def propose(self, state) -> Tree:
+        hidden, base = self.block_rows(state)
+        temp = float(state.sampling.temperature) if state.sampling is not None else 0.0
+        expand = self._expander(hidden, base, temp)
+        depth = base.shape[0] if self.proposal == "ddtree" else min(self.budget, base.shape[0])
+        with state.section("tree"):
+            tree, accept = conditional_ddtree(state.root_token, expand, self.budget, depth)
+            survival = None
+            if accept is not None:  # P(node accepted) = product of its path's conditional acceptances
+                a = torch.tensor(accept, dtype=torch.float64)
+                survival = torch.ones_like(a)
+                for i in range(1, tree.size):
+                    survival[i] = survival[int(tree.parents[i])] * a[i]
+        self._last = (tree, survival)
+        self.last_block_logprobs = self._chain_marginals(tree)
+        return tree
+
+    def _chain_marginals(self, tree: Tree):
+        """Top-1 (token, log-prob) along the tree's greedy spine, as [L, 1] tensors (Graft-TAIL, analysis)."""
+        ids, lps, node = [], [], 0
+        kids = {}
+        for i in range(1, tree.size):
+            kids.setdefault(int(tree.parents[i]), i)
+        while node in kids:
+            child = kids[node]
+            ids.append(int(tree.tokens[child]))
+            lps.append(float(tree.scores[child] - tree.scores[node]))
+            node = child
+        return torch.tensor(ids, dtype=torch.long).view(-1, 1), torch.tensor(lps).view(-1, 1)
+
+    def node_survival(self, tree: Tree) -> torch.Tensor | None:
+        """Estimated P(accepted) per node of ``tree`` if it is the tree this drafter last proposed and the model has
+        a confidence head; None otherwise (a graft changed it, or no head)."""
+        if self._last is None or self._last[0] is not tree:
+            return None
+        return self._last[1]
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d.pop("denoise_steps", None)
+        m = self.model
+        d.update({"markov_rank": m.markov_rank, "confidence_head": m.confidence_head is not None,
+                  "alignment": m.alignment})
+        return d
+
+    training_module = dspark_training
+    write_checkpoint = staticmethod(save_checkpoint)
+
+
+def new_dspark_model(target, num_layers: int = 2, block_size: int = 16, markov_rank: int = 8,
+                     confidence_head: bool = True, alignment: str = "zlab", seed: int = 0, **kw) -> DSparkModel:
+    """A randomly initialised DSpark drafter for ``target`` (tests, or training from scratch)."""
+    from ..dflash.checkpoint import new_model
+
+    base = new_model(target, num_layers=num_layers, block_size=block_size, seed=seed, **kw)
+    model = from_dflash(base, markov_rank=markov_rank, confidence_head=confidence_head, alignment=alignment,
+                        seed=seed)
+    if model.markov_head is not None:  # a visible correction, unlike a trained start's W2 = 0
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for w in (model.markov_head.markov_w1.weight, model.markov_head.markov_w2.weight):
+                w.copy_(torch.randn(w.shape, generator=g).to(w))
+    check_compatible(model, target)
+    return model.to(device=target.device, dtype=target.dtype)
+
+
+def from_dflash(base, markov_rank: int = 64, confidence_head: bool = True, alignment: str = "zlab",
+                markov_head_type: str = "vanilla", seed: int = 0) -> DSparkModel:
+    """A DSpark model around a DFlash backbone's weights (shared tensors copied). The Markov head starts with
+    W2 = 0, so the new model drafts exactly as the backbone did until it is trained; W1 starts random."""
+    model = DSparkModel(base.config, base.block_size, base.target_layer_ids, base.mask_token_id,
+                        base.num_target_layers, base.draft_vocab, markov_rank=markov_rank,
+                        markov_head_type=markov_head_type, confidence_head=confidence_head,
+                        confidence_with_markov=bool(confidence_head and markov_rank), alignment=alignment)
+    model.to(device=base.fc.weight.device, dtype=base.fc.weight.dtype)
+    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+    if unexpected or any(not (k.startswith("markov_head.") or k.startswith("confidence_head.")) for k in missing):
+        raise ConfigError(f"cannot build DSpark from this backbone: missing {missing}, unexpected {unexpected}")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if model.markov_head is not None:
+            w1 = model.markov_head.markov_w1.weight
+            w1.copy_(torch.randn(w1.shape, generator=g).to(w1) * 0.02)
+            model.markov_head.markov_w2.weight.zero_()
+        if model.confidence_head is not None:
+            p = model.confidence_head.proj
+            p.weight.copy_(torch.randn(p.weight.shape, generator=g).to(p.weight) * 0.01)
+            p.bias.zero_()
+    return model

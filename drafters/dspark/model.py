@@ -1,0 +1,116 @@
+"""The DSpark draft model: the DFlash backbone plus a low-rank Markov head and a confidence head.
+
+Backbone: ``DFlashModel`` unchanged (same tensors, same KV injection of target features). DSpark adds two optional
+heads, both keyed on the token *before* each draft row:
+  - Markov head (``markov_rank`` r > 0): ``z_j = U_j + W2 W1[prev_j]`` with ``W1 = Embedding(V, r)`` and
+    ``W2 = Linear(r, V, bias=False)``; U_j are the backbone's logits through the target's LM head. prev_0 is the
+    block's anchor (the last committed token) and prev_j the token drafted at row j-1, so drafting is a loop of
+    small products after one backbone forward.
+  - Confidence head: ``sigmoid(proj([h_j ; W1[prev_j]]))`` (or ``proj(h_j)`` without the Markov embedding), an
+    estimate of P(draft j accepted | drafts < j accepted). It reads only drafts before j.
+``markov_rank: 0`` with the confidence head off is a plain DFlash block drafter (DeepSpec's "DFlash").
+
+Block alignment (a property of how a checkpoint was trained, never guessed at run time):
+  - ``"zlab"``: block ``[anchor, mask x (B-1)]``, row k >= 1 predicts position start + k (B - 1 drafts);
+  - ``"deepspec"``: the same block, row k >= 0 predicts start + k + 1 (B drafts; the anchor row predicts too).
+``draft_offset`` is the first block row that drafts (1 or 0). Draft j always predicts start + j + 1.
+
+Tensor names follow DeepSpec's (``markov_head.markov_w1.weight`` [V, r], ``markov_head.markov_w2.weight`` [V, r],
+``confidence_head.proj.weight`` [1, d (+ r)], ``.bias`` [1]), so native folders load by name.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graft_block.errors import ConfigError
+
+from ..dflash.model import DFlashModel
+
+ALIGNMENTS = {"zlab": 1, "deepspec": 0}
+MARKOV_TYPES = ("vanilla",)
+
+
+class MarkovHead(nn.Module):
+    """A learned low-rank bigram on top of the block logits: bias(prev) = W2 W1[prev] over the vocabulary."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def prev_embed(self, prev: torch.Tensor) -> torch.Tensor:
+        return self.markov_w1(prev)
+
+    def bias(self, prev: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """prev [...] token ids -> logit corrections [..., V'] (V' = ``vocab`` ids when given, else all)."""
+        w2 = self.markov_w2.weight if vocab is None else self.markov_w2.weight[vocab]
+        return F.linear(self.prev_embed(prev), w2)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, in_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(in_dim, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., in_dim] -> confidence logits [...] (pre-sigmoid)."""
+        return self.proj(features).squeeze(-1)
+
+
+class DSparkModel(DFlashModel):
+    """``DFlashModel`` + optional ``markov_head`` and ``confidence_head``; ``alignment`` says which block row
+    drafts first. ``confidence_temperatures`` (per draft position, a buffer saved in the checkpoint config) hold
+    the calibration of the confidence head (1 = uncalibrated)."""
+
+    def __init__(self, *args, markov_rank: int = 0, markov_head_type: str = "vanilla",
+                 confidence_head: bool = False, confidence_with_markov: bool = True, alignment: str = "zlab",
+                 **kw):
+        super().__init__(*args, **kw)
+        if alignment not in ALIGNMENTS:
+            raise ConfigError(f"block alignment must be one of {sorted(ALIGNMENTS)}, got {alignment!r} ('zlab': "
+                              "row k>=1 predicts start+k; 'deepspec': row k>=0 predicts start+k+1)")
+        if not isinstance(markov_rank, int) or markov_rank < 0:
+            raise ConfigError(f"markov_rank must be an int >= 0 (0 = no Markov head), got {markov_rank!r}")
+        if markov_rank and markov_head_type not in MARKOV_TYPES:
+            raise ConfigError(f"markov_head_type {markov_head_type!r} is not supported here (supported: "
+                              f"{', '.join(MARKOV_TYPES)}); the gated and RNN variants are not built")
+        if confidence_head and confidence_with_markov and not markov_rank:
+            raise ConfigError("confidence_head_with_markov needs a Markov head (markov_rank > 0): set "
+                              "confidence_head_with_markov to false or give a rank")
+        self.alignment = alignment
+        self.draft_offset = ALIGNMENTS[alignment]
+        self.markov_rank = markov_rank
+        self.markov_head_type = markov_head_type
+        V, H = self.config.vocab_size, self.config.hidden_size
+        self.markov_head = MarkovHead(V, markov_rank) if markov_rank else None
+        self.confidence_with_markov = bool(confidence_head and confidence_with_markov)
+        self.confidence_head = (ConfidenceHead(H + (markov_rank if self.confidence_with_markov else 0))
+                                if confidence_head else None)
+        self.register_buffer("confidence_temperatures", torch.ones(self.num_drafts), persistent=False)
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts one block yields: B - 1 (zlab) or B (deepspec)."""
+        return self.block_size - self.draft_offset
+
+    def markov_bias(self, prev: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor | float:
+        """Logit correction for draft rows whose previous token is ``prev`` (0 without a Markov head)."""
+        return 0.0 if self.markov_head is None else self.markov_head.bias(prev, vocab)
+
+    def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """hidden [..., H] of draft rows, prev [...] their previous tokens -> pre-sigmoid confidences (None when
+        the head is off). Uncalibrated: ``calibrated`` applies the per-position temperatures."""
+        if self.confidence_head is None:
+            return None
+        feats = hidden
+        if self.confidence_with_markov:
+            feats = torch.cat([hidden, self.markov_head.prev_embed(prev).to(hidden.dtype)], dim=-1)
+        return self.confidence_head(feats).float()
+
+    def calibrated(self, conf_logits: torch.Tensor, position: torch.Tensor | int) -> torch.Tensor:
+        """Calibrated P(accept) of confidence logits at draft position(s) ``position`` (0-based)."""
+        t = self.confidence_temperatures.to(conf_logits.device)
+        t = t[position] if isinstance(position, int) else t[position.clamp(max=t.numel() - 1)]
+        return torch.sigmoid(conf_logits / t)
