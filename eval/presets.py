@@ -7,6 +7,8 @@ A preset is a dict:
     "default_budget": the budget when --budget is not given (this CPU's choice: an n-node verify costs several
                decode steps here; use --budget on a GPU)
     "chimeric": add the one-pass chimeric proxy to this method even without --chimeric
+    "schedule": confidence-scheduled verification ({"cost": "curve", "min_nodes": 0}): each round's tree is cut to
+               the nodes whose estimated acceptance pays for their verify cost on the run's verify-cost curve
     "about":   one line for --list-methods
 ``"@name"`` in a drafter's ``checkpoint`` is a bundled drafter (``bundled_checkpoint(name)``); a method whose
 bundled drafter is missing is skipped with a message.
@@ -19,6 +21,8 @@ from graft_block.errors import ConfigError
 
 _EAGLE = {"type": "eagle3", "checkpoint": "@eagle3-smollm2", "budget": "{budget}"}
 _DFLASH = {"type": "dflash", "checkpoint": "@dflash-smollm2"}
+_DSPARK = {"type": "dspark", "checkpoint": "@dspark-smollm2"}
+_CONTROL = {"type": "dspark", "checkpoint": "@dspark-smollm2-control"}
 
 PRESETS: dict[str, dict] = {
     "ar": {"drafter": None, "about": "our loop with a root-only tree: the baseline of every speedup"},
@@ -46,15 +50,32 @@ PRESETS: dict[str, dict] = {
                         "about": "DFlash DDTree at 64 nodes, with the chimeric proxy"},
     "mfd": {"drafter": {"type": "mfd", "checkpoint": "@mfd-smollm2", "budget": "{budget}"}, "default_budget": 16,
             "about": "Multi-Future Drafting, K=4 best-mode mixed tree"},
+    "dspark_chain": {"drafter": {**_DSPARK, "proposal": "chain"}, "about": "DSpark block, Markov-corrected chain"},
+    "dspark_ddtree": {"drafter": {**_DSPARK, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
+                      "about": "DSpark Markov-corrected DDTree (each node expands by its own distribution)"},
+    "dspark_sched": {"drafter": {**_DSPARK, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
+                     "schedule": {"cost": "curve"},
+                     "about": "DSpark tree cut each round by its confidence head against the verify-cost curve"},
+    "dspark_ddtree64": {"drafter": {**_DSPARK, "proposal": "ddtree", "budget": 64}, "chimeric": True,
+                        "about": "DSpark tree at 64 nodes, with the chimeric proxy"},
+    # DSpark's control: the same backbone, data, anchors and loss without the Markov and confidence heads
+    "dspark_control_chain": {"drafter": {**_CONTROL, "proposal": "chain"},
+                             "about": "DSpark's control (no heads, same recipe) as a chain"},
+    "dspark_control_ddtree": {"drafter": {**_CONTROL, "proposal": "ddtree", "budget": "{budget}"},
+                              "default_budget": 16, "about": "DSpark's control (no heads, same recipe) as a DDTree"},
+    "dflash_sched": {"drafter": {**_DFLASH, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
+                     "schedule": {"cost": "curve"},
+                     "about": "DFlash DDTree cut each round by its path probabilities against the verify curve"},
     # The fair DDTree control for MFD: the K=1 drafter given the same extra training (equal compute).
     "mfd_k1_ddtree": {"drafter": {"type": "mfd", "checkpoint": "@mfd-smollm2-k1", "budget": "{budget}"},
                       "default_budget": 16, "about": "the K=1 control (DDTree) trained like mfd"},
 }
 
 QUICK = ["ar", "hf", "hf_pld", "pld", "recycling", "pld_matrix", "eagle3_graft", "dflash_tail", "dflash_ddtree",
-         "mfd"]
+         "mfd", "dspark_chain", "dspark_ddtree", "dspark_sched"]
 PAPER = ["ar", "pld", "eagle3", "eagle3_prune", "eagle3_fixed", "eagle3_graft", "dflash_chain", "dflash_tail",
-         "dflash_ddtree", "dflash_ddtree64", "mfd", "mfd_k1_ddtree"]
+         "dflash_ddtree", "dflash_ddtree64", "mfd", "mfd_k1_ddtree", "dspark_chain", "dspark_ddtree", "dspark_sched",
+         "dspark_ddtree64", "dspark_control_chain", "dspark_control_ddtree", "dflash_sched"]
 
 # Per suite: prompt sets, prompts per set (the --limit default), new tokens, temperatures, methods.
 SUITES: dict[str, dict] = {
@@ -86,6 +107,12 @@ PAPER_CLAIMS: list[dict] = [
      "paper": "MFD > DDTree / DARTree (+9-16% vs DARTree)", "threshold": 1.0},
     {"claim": "MFD accepts more than DDTree at equal budget", "method": "mfd", "baseline": "mfd_k1_ddtree",
      "metric": "tau", "paper": "higher acceptance at equal budget", "threshold": 1.0},
+    {"claim": "DSpark chain accepts >= 16% more than DFlash chain", "method": "dspark_chain",
+     "baseline": "dflash_chain", "metric": "tau", "paper": "+16-18% accepted length (block 7), +22-30% (block 15)",
+     "threshold": 1.16},
+    {"claim": "Markov + confidence heads beat the same recipe without them", "method": "dspark_ddtree",
+     "baseline": "dspark_control_ddtree", "metric": "tau", "paper": "2-layer DSpark > 5-layer DFlash",
+     "threshold": 1.0},
     {"claim": "DDTree chimeric share at 64 nodes in 27-33%", "method": "dflash_ddtree64", "baseline": None,
      "metric": "chimeric_share", "ratio": False, "range": (0.27, 0.33), "paper": "27-33% of a 64-node tree"},
 ]
