@@ -22,9 +22,10 @@ import torch
 from graft_block.drafter import read_weights
 from graft_block.errors import ConfigError
 
-from ..dflash.checkpoint import config_dict, load_strict, model_from_config, read_config
+from ..dflash.checkpoint import (check_compatible, config_dict, load_strict, model_from_config, new_model,
+                                 read_config)
 from ..dflash.checkpoint import save_checkpoint as dflash_save
-from .model import ALIGNMENTS, DSparkModel
+from .model import ALIGNMENTS, DSparkModel, from_dflash
 
 NATIVE_ARCHITECTURES = ("Qwen3DSparkModel",)
 UNSUPPORTED_ARCHITECTURES = ("Gemma4DSparkModel",)
@@ -112,3 +113,18 @@ def dspark_config_dict(model: DSparkModel, extra: dict | None = None) -> dict:
 
 def save_checkpoint(model: DSparkModel, folder: str | Path, dtype=torch.float16, extra: dict | None = None) -> Path:
     return dflash_save(model, folder, dtype, config=dspark_config_dict(model, extra))
+
+
+def new_dspark_model(target, num_layers: int = 2, block_size: int = 16, markov_rank: int = 8,
+                     confidence_head: bool = True, alignment: str = "zlab", seed: int = 0, **kw) -> DSparkModel:
+    """A randomly initialised DSpark drafter for ``target`` (tests, or training from scratch)."""
+    base = new_model(target, num_layers=num_layers, block_size=block_size, seed=seed, **kw)
+    model = from_dflash(base, markov_rank=markov_rank, confidence_head=confidence_head, alignment=alignment,
+                        seed=seed)
+    if model.markov_head is not None:  # a visible correction, unlike a trained start's W2 = 0
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for w in (model.markov_head.markov_w1.weight, model.markov_head.markov_w2.weight):
+                w.copy_(torch.randn(w.shape, generator=g).to(w))
+    check_compatible(model, target)
+    return model.to(device=target.device, dtype=target.dtype)

@@ -22,10 +22,9 @@ from graft_block.errors import ConfigError
 from graft_block.tree import Tree
 from graft_block.tree.ddtree import conditional_ddtree
 
-from ..dflash.checkpoint import check_compatible
 from ..dflash.drafter import DFlashDrafter
 from . import training as dspark_training
-from .checkpoint import is_dspark_layout, load_checkpoint, save_checkpoint
+from .checkpoint import is_dspark_layout, load_checkpoint, new_dspark_model, save_checkpoint
 from .model import DSparkModel
 
 
@@ -156,45 +155,3 @@ class DSparkDrafter(DFlashDrafter):
 
     training_module = dspark_training
     write_checkpoint = staticmethod(save_checkpoint)
-
-
-def new_dspark_model(target, num_layers: int = 2, block_size: int = 16, markov_rank: int = 8,
-                     confidence_head: bool = True, alignment: str = "zlab", seed: int = 0, **kw) -> DSparkModel:
-    """A randomly initialised DSpark drafter for ``target`` (tests, or training from scratch)."""
-    from ..dflash.checkpoint import new_model
-
-    base = new_model(target, num_layers=num_layers, block_size=block_size, seed=seed, **kw)
-    model = from_dflash(base, markov_rank=markov_rank, confidence_head=confidence_head, alignment=alignment,
-                        seed=seed)
-    if model.markov_head is not None:  # a visible correction, unlike a trained start's W2 = 0
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for w in (model.markov_head.markov_w1.weight, model.markov_head.markov_w2.weight):
-                w.copy_(torch.randn(w.shape, generator=g).to(w))
-    check_compatible(model, target)
-    return model.to(device=target.device, dtype=target.dtype)
-
-
-def from_dflash(base, markov_rank: int = 64, confidence_head: bool = True, alignment: str = "zlab",
-                markov_head_type: str = "vanilla", seed: int = 0) -> DSparkModel:
-    """A DSpark model around a DFlash backbone's weights (shared tensors copied). The Markov head starts with
-    W2 = 0, so the new model drafts exactly as the backbone did until it is trained; W1 starts random."""
-    model = DSparkModel(base.config, base.block_size, base.target_layer_ids, base.mask_token_id,
-                        base.num_target_layers, base.draft_vocab, markov_rank=markov_rank,
-                        markov_head_type=markov_head_type, confidence_head=confidence_head,
-                        confidence_with_markov=bool(confidence_head and markov_rank), alignment=alignment)
-    model.to(device=base.fc.weight.device, dtype=base.fc.weight.dtype)
-    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
-    if unexpected or any(not (k.startswith("markov_head.") or k.startswith("confidence_head.")) for k in missing):
-        raise ConfigError(f"cannot build DSpark from this backbone: missing {missing}, unexpected {unexpected}")
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        if model.markov_head is not None:
-            w1 = model.markov_head.markov_w1.weight
-            w1.copy_(torch.randn(w1.shape, generator=g).to(w1) * 0.02)
-            model.markov_head.markov_w2.weight.zero_()
-        if model.confidence_head is not None:
-            p = model.confidence_head.proj
-            p.weight.copy_(torch.randn(p.weight.shape, generator=g).to(p.weight) * 0.01)
-            p.bias.zero_()
-    return model

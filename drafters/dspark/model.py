@@ -114,3 +114,28 @@ class DSparkModel(DFlashModel):
         t = self.confidence_temperatures.to(conf_logits.device)
         t = t[position] if isinstance(position, int) else t[position.clamp(max=t.numel() - 1)]
         return torch.sigmoid(conf_logits / t)
+
+
+def from_dflash(base, markov_rank: int = 64, confidence_head: bool = True, alignment: str = "zlab",
+                markov_head_type: str = "vanilla", seed: int = 0) -> DSparkModel:
+    """A DSpark model around a DFlash backbone's weights (shared tensors copied). The Markov head starts with
+    W2 = 0, so the new model drafts exactly as the backbone did until it is trained; W1 starts random."""
+    model = DSparkModel(base.config, base.block_size, base.target_layer_ids, base.mask_token_id,
+                        base.num_target_layers, base.draft_vocab, markov_rank=markov_rank,
+                        markov_head_type=markov_head_type, confidence_head=confidence_head,
+                        confidence_with_markov=bool(confidence_head and markov_rank), alignment=alignment)
+    model.to(device=base.fc.weight.device, dtype=base.fc.weight.dtype)
+    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+    if unexpected or any(not (k.startswith("markov_head.") or k.startswith("confidence_head.")) for k in missing):
+        raise ConfigError(f"cannot build DSpark from this backbone: missing {missing}, unexpected {unexpected}")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if model.markov_head is not None:
+            w1 = model.markov_head.markov_w1.weight
+            w1.copy_(torch.randn(w1.shape, generator=g).to(w1) * 0.02)
+            model.markov_head.markov_w2.weight.zero_()
+        if model.confidence_head is not None:
+            p = model.confidence_head.proj
+            p.weight.copy_(torch.randn(p.weight.shape, generator=g).to(p.weight) * 0.01)
+            p.bias.zero_()
+    return model

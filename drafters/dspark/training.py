@@ -22,7 +22,7 @@ from graft_block.errors import ConfigError
 from ..dflash import training as D
 from ..dflash.checkpoint import check_compatible
 from .checkpoint import load_checkpoint
-from .model import DSparkModel
+from .model import DSparkModel, from_dflash
 
 TRAIN_DEFAULTS = {"markov_rank": 64, "confidence_head": True, "ce_weight": 0.1, "l1_weight": 0.9,
                   "confidence_weight": 1.0, "soft_weight": 0.0, "gamma": 4.0, "num_anchors": 24,
@@ -34,8 +34,6 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
     """``init``: a DSpark folder (continue it), a DFlash folder or None/"random"/"target" (a DFlash backbone as
     ``dflash.training.training_model`` builds it, wrapped with new heads: W2 = 0, so step 0 drafts as the
     backbone does)."""
-    from .drafter import from_dflash
-
     opts = {**TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in TRAIN_DEFAULTS}}
     arch = None
     if init not in (None, "random", "target"):
