@@ -25,6 +25,7 @@ from graft_block.drafter import Drafter
 from graft_block.errors import ConfigError
 from graft_block.testing import prefilled_state, tiny_target
 from graft_block.tree import validate
+from graft_block.tree.eagle import rerank
 
 
 @pytest.fixture(autouse=True)
@@ -299,6 +300,28 @@ def test_one_head_forward_per_level(tiny_llama):
     assert len(per_round) == res.stats.rounds
     assert all(r[1:] == [4] * 5 for r in per_round), per_round
     assert per_round[0][0] == 10  # the prompt's pairs
+
+
+def test_expansion_depth_is_capped_by_the_budget(tiny_llama):
+    """A budget-4 tree cannot be deeper than 4: depth 5 runs only 3 expansion levels, and proposes exactly the
+    tree that all 5 levels would (the deeper candidates never make the top 4)."""
+    t = tiny_llama
+    head = make_head(t)
+    capped = Eagle3Drafter(t, head=head, budget=4, depth=5, top_k=4)
+    calls = []
+    orig = head.forward
+    head.forward = lambda *a, **k: (calls.append(a[0].shape[1]), orig(*a, **k))[1]
+    st = prefilled_state(t, prompts(1, 10, 128)[0], capped)
+    calls.clear()
+    tree = capped.propose(st)
+    assert len(calls) == 1 + 3  # the pass over the newly committed pair, then 3 levels (not 5)
+    head.forward = orig
+    full = Eagle3Drafter(t, head=head, budget=4, depth=5, top_k=4)
+    full.budget = 100  # all 5 levels expanded, then the top 4 kept, as before the cap
+    st2 = prefilled_state(t, prompts(1, 10, 128)[0], full)
+    full.propose(st2)
+    full_tree = rerank(full.last_candidates, st2.root_token, 4)
+    assert torch.equal(tree.tokens, full_tree.tokens) and torch.equal(tree.parents, full_tree.parents)
 
 
 def test_draft_cache_matches_full_recompute(tiny_qwen3):

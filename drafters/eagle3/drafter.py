@@ -186,7 +186,9 @@ class Eagle3Drafter(Drafter):
             return torch.log_softmax(head.logits(out[0]).float(), dim=-1)
 
         d2t = None if head.cfg.draft_vocab_size == head.cfg.vocab_size and not bool(head.d2t.any()) else head.d2t
-        cands = expand(root_lp, child_fn, self.depth, self.top_k, d2t, self.stop_fn)
+        # a budget-b tree is at most b deep (every node brings its ancestors): deeper levels are never kept
+        levels = min(self.depth, max(0, self.budget - 1))
+        cands = expand(root_lp, child_fn, levels, self.top_k, d2t, self.stop_fn)
         with state.section("tree"):
             tree = rerank(cands, state.root_token, self.budget)
         self.last_candidates = cands
