@@ -287,13 +287,19 @@ def test_tree_expansion_equals_sequential_drafting(tiny_llama):
             assert math.isclose(score, float(cands.scores[i]), rel_tol=1e-4, abs_tol=1e-4), (i, path)
 
 
+def count_forwards(head) -> list:
+    """Record the row count of every head forward from now on (the list fills as the head runs)."""
+    calls = []
+    orig = head.forward
+    head.forward = lambda *a, **k: (calls.append(a[0].shape[1]), orig(*a, **k))[1]
+    return calls
+
+
 def test_one_head_forward_per_level(tiny_llama):
     t = tiny_llama
     head = make_head(t)
     dr = Eagle3Drafter(t, head=head, budget=40, depth=5, top_k=4)
-    calls = []
-    orig = head.forward
-    head.forward = lambda *a, **k: (calls.append(a[0].shape[1]), orig(*a, **k))[1]
+    calls = count_forwards(head)
     res = SpeculativeDecoder(t, dr).generate(prompts(1, 10, 128)[0], max_new_tokens=6)
     # per round: one pass over the newly accepted pairs, then one pass per level over the whole frontier (4 nodes)
     per_round = [calls[i: i + 6] for i in range(0, len(calls), 6)]
@@ -308,14 +314,11 @@ def test_expansion_depth_is_capped_by_the_budget(tiny_llama):
     t = tiny_llama
     head = make_head(t)
     capped = Eagle3Drafter(t, head=head, budget=4, depth=5, top_k=4)
-    calls = []
-    orig = head.forward
-    head.forward = lambda *a, **k: (calls.append(a[0].shape[1]), orig(*a, **k))[1]
+    calls = count_forwards(head)
     st = prefilled_state(t, prompts(1, 10, 128)[0], capped)
     calls.clear()
     tree = capped.propose(st)
     assert len(calls) == 1 + 3  # the pass over the newly committed pair, then 3 levels (not 5)
-    head.forward = orig
     full = Eagle3Drafter(t, head=head, budget=4, depth=5, top_k=4)
     full.budget = 100  # all 5 levels expanded, then the top 4 kept, as before the cap
     st2 = prefilled_state(t, prompts(1, 10, 128)[0], full)
