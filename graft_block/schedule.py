@@ -3,7 +3,7 @@
 ``ConfidenceSchedule(cost, min_nodes=0)`` is what ``SpeculativeDecoder(schedule=...)`` takes: each round the decoder
 calls ``schedule.apply(tree, state, drafter)`` after graft, and verifies the returned subtree. Survival per node:
 ``drafter.node_survival(tree)`` when the drafter offers it and it returns a tensor (a confidence head), else the
-tree's own path probabilities (``log_survival_from_scores``). Neither reads the target, so the kept set never
+tree's own path probabilities (``survival_from_scores``). Neither reads the target, so the kept set never
 depends on the target's choices and decoding stays exactly the target's law.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from graft_block.tree import Tree, TreeError
-from graft_block.tree.schedule import cost_function, log_survival_from_scores, schedule_tree
+from graft_block.tree.schedule import cost_function, survival_from_scores, schedule_tree
 
 from .errors import ConfigError
 
@@ -40,7 +40,7 @@ class ConfidenceSchedule:
             s = head(tree)
             if s is not None:
                 return s, "drafter"
-        return log_survival_from_scores(tree), "scores"
+        return survival_from_scores(tree), "scores"
 
     @staticmethod
     def overhead(state) -> float:

@@ -70,11 +70,11 @@ def test_planted_rows_are_accepted_in_both_alignments(one_thread):
         orig = d.block_rows
 
         def planted(state, d=d, orig=orig):
-            hidden, base = orig(state)
+            ids, hidden, base = orig(state)
             start = state.cache_len
             nxt = full[start + 1: start + 1 + base.shape[0]]
             nxt = nxt + [0] * (base.shape[0] - len(nxt))
-            return hidden, F.one_hot(torch.tensor(nxt), base.shape[-1]).float() * 50
+            return ids, hidden, F.one_hot(torch.tensor(nxt), base.shape[-1]).float() * 50
 
         d.block_rows = planted
         res = SpeculativeDecoder(target, d).generate(PROMPT, max_new_tokens=32)
@@ -103,7 +103,7 @@ def test_markov_head_changes_each_draft_by_its_previous_token(one_thread):
     st = prefilled_state(target, PROMPT, d)
     tree = d.propose(st)
     with torch.no_grad():
-        hidden, base = d.block_rows(st)
+        _, hidden, base = d.block_rows(st)
         W1, W2 = d.model.markov_head.markov_w1.weight, d.model.markov_head.markov_w2.weight
         prev, toks = st.root_token, []
         for j in range(7):

@@ -14,7 +14,7 @@ from graft_block.schedule import ConfidenceSchedule
 from graft_block.testing import chi_square_test, exact_sequence_probs, hf_greedy, null_tv_quantile, tiny_target
 from graft_block.tree import chain, make_tree, walk
 from graft_block.tree.schedule import (apply_temperatures, calibrate_temperatures, curve_cost,
-                                       expected_calibration_error, log_survival_from_scores, path_survival,
+                                       expected_calibration_error, survival_from_scores, path_survival,
                                        prefix_ece, schedule_tree)
 
 
@@ -101,7 +101,7 @@ def test_curve_interpolation_is_cost_at():
 
 def test_score_survival_is_path_probability():
     tree = make_tree([0, 1, 2, 3], [-1, 0, 1, 0], scores=[0.0, -0.5, -1.5, 0.2])
-    s = log_survival_from_scores(tree)
+    s = survival_from_scores(tree)
     assert s[:3].tolist() == pytest.approx([1.0, 0.60653066, 0.22313016])
     assert float(s[3]) == 1.0  # a positive score (not a log-prob) is clamped
 

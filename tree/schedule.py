@@ -54,7 +54,7 @@ def cost_function(cost: CostLike) -> Callable[[int], float]:
 
 
 # ---- survival -----------------------------------------------------------------------------------------------
-def log_survival_from_scores(tree: Tree) -> torch.Tensor:
+def survival_from_scores(tree: Tree) -> torch.Tensor:
     """Fallback survival for drafters without a confidence head: exp of the cumulative path log-prob, in [0, 1]."""
     return torch.exp(tree.scores.double()).clamp(0.0, 1.0)
 

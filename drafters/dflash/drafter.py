@@ -135,12 +135,17 @@ class DFlashDrafter(Drafter):
             positions = torch.arange(start, start + block_embeds.shape[0], device=dev)
         return self.model(block_embeds, positions, list(zip(self.ctx_k, self.ctx_v)), mask)
 
+    def block_rows(self, state) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One draft forward of ``[root, mask x (B-1)]`` -> (block ids [B], hidden [L, H] and logits [L, V'] of the L
+        drafting rows: from row 1 in z-lab's alignment, from row 0 in DeepSpec's)."""
+        ids = torch.full((self.block_size,), self.model.mask_token_id, dtype=torch.long, device=self.target.device)
+        ids[0] = state.root_token
+        hidden = self.block_hidden(state, ids)[getattr(self.model, "draft_offset", 1):]
+        return ids, hidden, self.model.logits(hidden, self._lm_w, self._lm_b, restricted=True)
+
     def block_logits(self, state) -> torch.Tensor:
         """Draft logits [B-1, V'] (V' = draft vocab or full) for rows 1..B-1, after ``denoise_steps`` passes."""
-        B = self.block_size
-        ids = torch.full((B,), self.model.mask_token_id, dtype=torch.long, device=self.target.device)
-        ids[0] = state.root_token
-        logits = self.model.logits(self.block_hidden(state, ids)[1:], self._lm_w, self._lm_b, restricted=True)
+        ids, _, logits = self.block_rows(state)
         if self.denoise_steps > 1:
             logits = self._refine(state, ids, logits)
         return logits

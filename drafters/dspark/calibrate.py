@@ -22,6 +22,7 @@ from graft_block.tree.schedule import (apply_temperatures, calibrate_temperature
                                        prefix_ece)
 
 from ..dflash import training as D
+from .training import draft_logits, draft_rows
 
 
 @torch.no_grad()
@@ -32,19 +33,14 @@ def acceptance_table(model, target, recs, batch_size: int = 4, anchors: int = 64
     model.eval()
     g = torch.Generator().manual_seed(seed)
     out = {"logits": [], "accepted": [], "exists": []}
-    lm_w, lm_b = D.lm_head(target)
     for i in range(0, len(recs), batch_size):
         batch = collate(recs[i: i + batch_size], target.device)
         batch["generator"] = g
         blk = D.make_blocks(model, batch, anchors, unique=True)
-        b, n, B = blk["pos"].shape
-        L = batch["ids"].shape[1]
-        mask = D.block_attention_mask(blk["anchors"], L, B, blk["dtype"])
-        emb = target.embed(blk["blk_ids"].view(b, -1)).float()
-        h = model(emb, blk["pos"].view(b, -1), blk["ctx_kv"], mask).view(b, n, B, -1)[:, :, model.draft_offset:]
         ok = blk["anchor_ok"]
-        h, prev, lab, exists = h[ok], blk["prev"][ok], blk["labels"][ok], blk["valid"][ok]
-        z = model.logits(h, lm_w, lm_b) + model.markov_bias(prev, model.draft_vocab)
+        h = draft_rows(model, target, batch, blk)[ok]
+        prev, lab, exists = blk["prev"][ok], blk["labels"][ok], blk["valid"][ok]
+        z = draft_logits(model, target, h, prev)
         out["accepted"].append(model.to_vocab_ids(z.argmax(-1)) == lab)
         out["logits"].append(model.confidence_logits(h, prev))
         out["exists"].append(exists)

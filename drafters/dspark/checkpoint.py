@@ -63,11 +63,8 @@ def dspark_options(raw: dict, where: str = "config.json") -> dict:
 
 
 def model_from_dspark_config(raw: dict, draft_vocab: torch.Tensor | None = None, where: str = "config.json"):
-    arch = raw.get("architectures") or []
-    flat = dict(raw)
-    if any(a in arch for a in NATIVE_ARCHITECTURES):  # native keys sit at the top level: give dflash's parser them
-        flat["dflash_config"] = {k: raw[k] for k in ("mask_token_id", "target_layer_ids") if k in raw}
-    model = model_from_config(flat, draft_vocab, cls=DSparkModel, **dspark_options(raw, where))
+    # dflash's parser reads mask_token_id / target_layer_ids from dflash_config or the top level (native)
+    model = model_from_config(raw, draft_vocab, cls=DSparkModel, **dspark_options(raw, where))
     temps = (raw.get("dflash_config") or {}).get("confidence_temperatures")
     if temps is not None:
         if len(temps) != model.num_drafts:

@@ -76,13 +76,6 @@ class DSparkDrafter(DFlashDrafter):
         return is_dspark_layout(config)
 
     # ---- drafting ---------------------------------------------------------------------------------------
-    def block_rows(self, state) -> tuple[torch.Tensor, torch.Tensor]:
-        """One backbone forward -> (hidden [L, H], base logits U [L, V']) of the L drafting rows."""
-        ids = torch.full((self.block_size,), self.model.mask_token_id, dtype=torch.long, device=self.target.device)
-        ids[0] = state.root_token
-        hidden = self.block_hidden(state, ids)[self.model.draft_offset:]
-        return hidden, self.model.logits(hidden, self._lm_w, self._lm_b, restricted=True)
-
     def _expander(self, hidden, base, temperature: float):
         """``expand(depth, prev tokens)`` for ``conditional_ddtree``, with a per-round cache by (depth, token)."""
         model, dev = self.model, base.device
@@ -109,7 +102,7 @@ class DSparkDrafter(DFlashDrafter):
 
     @torch.inference_mode()
     def propose(self, state) -> Tree:
-        hidden, base = self.block_rows(state)
+        _, hidden, base = self.block_rows(state)
         temp = float(state.sampling.temperature) if state.sampling is not None else 0.0
         expand = self._expander(hidden, base, temp)
         depth = base.shape[0] if self.proposal == "ddtree" else min(self.budget, base.shape[0])
@@ -117,26 +110,12 @@ class DSparkDrafter(DFlashDrafter):
             tree, accept = conditional_ddtree(state.root_token, expand, self.budget, depth)
             survival = None
             if accept is not None:  # P(node accepted) = product of its path's conditional acceptances
-                a = torch.tensor(accept, dtype=torch.float64)
-                survival = torch.ones_like(a)
-                for i in range(1, tree.size):
-                    survival[i] = survival[int(tree.parents[i])] * a[i]
+                parents, survival = tree.parents.tolist(), list(accept)
+                for i in range(1, tree.size):  # topological order: the parent's product is final
+                    survival[i] *= survival[parents[i]]
+                survival = torch.tensor(survival, dtype=torch.float64)
         self._last = (tree, survival)
-        self.last_block_logprobs = self._chain_marginals(tree)
         return tree
-
-    def _chain_marginals(self, tree: Tree):
-        """Top-1 (token, log-prob) along the tree's greedy spine, as [L, 1] tensors (Graft-TAIL, analysis)."""
-        ids, lps, node = [], [], 0
-        kids = {}
-        for i in range(1, tree.size):
-            kids.setdefault(int(tree.parents[i]), i)
-        while node in kids:
-            child = kids[node]
-            ids.append(int(tree.tokens[child]))
-            lps.append(float(tree.scores[child] - tree.scores[node]))
-            node = child
-        return torch.tensor(ids, dtype=torch.long).view(-1, 1), torch.tensor(lps).view(-1, 1)
 
     def node_survival(self, tree: Tree) -> torch.Tensor | None:
         """Estimated P(accepted) per node of ``tree`` if it is the tree this drafter last proposed and the model has

@@ -109,11 +109,9 @@ class DSparkModel(DFlashModel):
             feats = torch.cat([hidden, self.markov_head.prev_embed(prev).to(hidden.dtype)], dim=-1)
         return self.confidence_head(feats).float()
 
-    def calibrated(self, conf_logits: torch.Tensor, position: torch.Tensor | int) -> torch.Tensor:
-        """Calibrated P(accept) of confidence logits at draft position(s) ``position`` (0-based)."""
-        t = self.confidence_temperatures.to(conf_logits.device)
-        t = t[position] if isinstance(position, int) else t[position.clamp(max=t.numel() - 1)]
-        return torch.sigmoid(conf_logits / t)
+    def calibrated(self, conf_logits: torch.Tensor, position: int) -> torch.Tensor:
+        """Calibrated P(accept) of confidence logits at draft position ``position`` (0-based)."""
+        return torch.sigmoid(conf_logits / float(self.confidence_temperatures[position]))
 
 
 def from_dflash(base, markov_rank: int = 64, confidence_head: bool = True, alignment: str = "zlab",

@@ -65,6 +65,30 @@ def target_l1(q: torch.Tensor, model, batch: dict, src: torch.Tensor) -> torch.T
     return (qk - p).abs().sum(-1) + (1.0 - qk.sum(-1)).clamp(min=0.0)
 
 
+def draft_rows(model: DSparkModel, target, batch: dict, blk: dict, chunk: int = 32) -> torch.Tensor:
+    """Hidden states [b, n, L, H] of the drafting rows of ``blk`` (``make_blocks``), the anchors run ``chunk`` blocks
+    per masked forward (exact: a block sees only its own rows and the context before its anchor)."""
+    pos = blk["pos"]
+    b, n, B = pos.shape
+    L = batch["ids"].shape[1]
+    with torch.no_grad():
+        emb = target.embed(blk["blk_ids"].view(b, -1)).float().view(b, n, B, -1)
+    hidden = []
+    for c in range(0, n, max(1, chunk)):
+        e = slice(c, min(n, c + max(1, chunk)))
+        m = e.stop - e.start
+        mask = D.block_attention_mask(blk["anchors"][:, e], L, B, blk["dtype"])
+        h = model(emb[:, e].reshape(b, m * B, -1), pos[:, e].reshape(b, -1), blk["ctx_kv"], mask)
+        hidden.append(h.view(b, m, B, -1)[:, :, model.draft_offset:])
+    return torch.cat(hidden, 1)
+
+
+def draft_logits(model: DSparkModel, target, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """Markov-corrected draft logits over the draft vocabulary: U(hidden) + W2 W1[prev] (teacher-forced prev)."""
+    z = model.logits(hidden, *D.lm_head(target))
+    return z if model.markov_head is None else z + model.markov_bias(prev, model.draft_vocab)
+
+
 def training_loss(model: DSparkModel, target, batch: dict):
     if "top_ids" not in batch:
         raise ConfigError("DSpark's L1 and confidence losses need the target's top-k distributions in the data "
@@ -74,26 +98,11 @@ def training_loss(model: DSparkModel, target, batch: dict):
     blk = (D.make_blocks(model, batch) if model.training
            else D.make_blocks(model, batch, int(opts["eval_anchors"]), unique=True))
     valid, pos = blk["valid"], blk["pos"]
-    b, n, B = pos.shape
+    b, n, _ = pos.shape
     Lr = valid.shape[-1]
-    L = batch["ids"].shape[1]
-    off = model.draft_offset
-    with torch.no_grad():
-        emb = target.embed(blk["blk_ids"].view(b, -1)).float().view(b, n, B, -1)
-    chunk = max(1, int(opts["anchor_chunk"]))
-    hidden = []
-    for c in range(0, n, chunk):  # blocks only see their own rows and earlier context: chunks are exact
-        e = slice(c, min(n, c + chunk))
-        m = e.stop - e.start
-        mask = D.block_attention_mask(blk["anchors"][:, e], L, B, blk["dtype"])
-        h = model(emb[:, e].reshape(b, m * B, -1), pos[:, e].reshape(b, -1), blk["ctx_kv"], mask)
-        hidden.append(h.view(b, m, B, -1)[:, :, off:])
-    hidden = torch.cat(hidden, 1)  # [b, n, Lr, H]
-    h, prev, lab = hidden[valid], blk["prev"][valid], blk["labels"][valid]
-    lm_w, lm_b = D.lm_head(target)
-    z = model.logits(h, lm_w, lm_b)
-    if model.markov_head is not None:
-        z = z + model.markov_bias(prev, model.draft_vocab)
+    h = draft_rows(model, target, batch, blk, int(opts["anchor_chunk"]))[valid]
+    prev, lab = blk["prev"][valid], blk["labels"][valid]
+    z = draft_logits(model, target, h, prev)
     ce, hard = D.row_losses(model, z, lab, batch, blk["src"][valid], float(opts["soft_weight"]))
     q = torch.softmax(z.float(), -1)
     l1 = target_l1(q, model, batch, blk["src"][valid])
