@@ -1,8 +1,8 @@
 """Is anything else competing for this machine? Load samples before, during and after timing, and the environment.
 
 Three signals, each from a window between two ``snapshot()`` calls (Linux /proc; elsewhere they read None):
-- others_cores:  CPU time the whole machine spent busy minus this process's own CPU time, per wall second
-                 (another job using the cores we time on);
+- others_cores:  CPU time the whole machine spent busy minus this process's own CPU time (its finished children's,
+                 e.g. the llama.cpp peers, included), per wall second (another job using the cores we time on);
 - runq_share:    seconds our threads were runnable but waited for a CPU, per wall second (/proc/self/task/*/schedstat:
                  more runnable threads than cores);
 - steal_cores:   time the hypervisor gave our vCPUs to someone else, per wall second.
@@ -60,8 +60,9 @@ def loadavg() -> list[float] | None:
 
 def snapshot() -> dict:
     busy, steal = _proc_stat()
-    return {"wall": time.perf_counter(), "own_cpu": time.process_time(), "busy": busy, "steal": steal,
-            "runq": _runq_wait()}
+    t = os.times()  # finished child processes (the llama.cpp peers) are this run's own work, not a competitor's
+    return {"wall": time.perf_counter(), "own_cpu": time.process_time() + t.children_user + t.children_system,
+            "busy": busy, "steal": steal, "runq": _runq_wait()}
 
 
 def window(a: dict, b: dict, expected_cores: float = 0.0) -> dict:

@@ -96,6 +96,10 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
     chimeric = chimeric or bool(spec.pop("chimeric", False))
     if spec.get("hf") is not None:
         return Method(name, hf_runner(target, spec["hf"]), config=spec)
+    if spec.get("llamacpp") is not None:  # llama.cpp peer: ConfigError (a skip) without a build
+        from .llamacpp import llamacpp_runner
+
+        return Method(name, llamacpp_runner(target, spec["llamacpp"]), config=spec)
     dcfg = spec.get("drafter")
     if isinstance(dcfg, dict) and dcfg.get("type") in ("recycling", "pld_matrix") and "matrix" not in dcfg \
             and dcfg.get("warmup_rounds", 5) == 5:

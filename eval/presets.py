@@ -69,7 +69,19 @@ PRESETS: dict[str, dict] = {
     # The fair DDTree control for MFD: the K=1 drafter given the same extra training (equal compute).
     "mfd_k1_ddtree": {"drafter": {"type": "mfd", "checkpoint": "@mfd-smollm2-k1", "budget": "{budget}"},
                       "default_budget": 16, "about": "the K=1 control (DDTree) trained like mfd"},
+    # llama.cpp peers (eval/llamacpp.py): llama-speculative-simple on the target's F32 GGUF, chains only. Need a
+    # build (--llamacpp DIR or GRAFT_BLOCK_LLAMACPP; scripts/build_llamacpp.sh), else skipped; in no suite.
+    "llamacpp": {"llamacpp": {"spec": "none"}, "about": "llama.cpp greedy AR (a peer; the 'vs llama.cpp' base)"},
+    "llamacpp_ngram": {"llamacpp": {"spec": "ngram-simple", "ngram_n": 3, "ngram_m": 10},
+                       "about": "llama.cpp ngram-simple prompt lookup (3-gram key, up to 10 drafted), a peer"},
+    "llamacpp_dflash": {"llamacpp": {"spec": "draft-dflash", "draft": "dflash-smollm2", "n_max": 7},
+                        "about": "llama.cpp draft-dflash with our DFlash exported to GGUF, chain 7, a peer"},
+    "llamacpp_eagle3": {"llamacpp": {"spec": "draft-eagle3", "draft": "eagle3-smollm2", "n_max": 5},
+                        "about": "llama.cpp draft-eagle3 with our EAGLE3 head exported to GGUF, chain 5, a peer"},
+    "llamacpp_dspark": {"llamacpp": {"spec": "draft-dspark", "draft": "dspark-smollm2", "n_max": 7},
+                        "about": "llama.cpp draft-dspark with our DSpark exported to GGUF, chain 7, a peer"},
 }
+LLAMACPP = ["llamacpp", "llamacpp_ngram", "llamacpp_dflash", "llamacpp_eagle3", "llamacpp_dspark"]
 
 QUICK = ["ar", "hf", "hf_pld", "pld", "recycling", "pld_matrix", "eagle3_graft", "dflash_tail", "dflash_ddtree",
          "mfd", "dspark_chain", "dspark_ddtree", "dspark_sched"]
@@ -86,7 +98,7 @@ SUITES: dict[str, dict] = {
     "paper": {"prompts": ["humaneval", "mtbench"], "limit": 2, "max_new_tokens": 96, "temperatures": [0.0],
               "methods": PAPER},
     "full": {"prompts": ["humaneval", "mtbench", "sharegpt"], "limit": 20, "max_new_tokens": 256,
-             "temperatures": [0.0, 1.0], "methods": list(PRESETS)},
+             "temperatures": [0.0, 1.0], "methods": [n for n in PRESETS if n not in LLAMACPP]},
 }
 
 # Relative claims of the seed papers. "threshold": holds when our ratio (method / baseline) is at least it.
@@ -179,6 +191,10 @@ def method_rows(extra: dict | None = None) -> list[dict]:
         d = spec.get("drafter")
         if spec.get("hf") is not None:
             drafter = "HF generate" + (" + prompt lookup" if "prompt_lookup_num_tokens" in spec["hf"] else "")
+        elif spec.get("llamacpp") is not None:
+            from .llamacpp import describe
+
+            drafter = describe(spec["llamacpp"])
         elif d is None:
             drafter = "none (AR)"
         elif isinstance(d, dict):
@@ -191,6 +207,9 @@ def method_rows(extra: dict | None = None) -> list[dict]:
             ckpt = ", ".join(f"{r}: {'found' if f else 'MISSING'}" for r, f in found.items())
         elif isinstance(d, dict) and d.get("checkpoint"):
             ckpt = str(d["checkpoint"])
+        elif (spec.get("llamacpp") or {}).get("draft"):
+            dname = spec["llamacpp"]["draft"]
+            ckpt = f"{dname}: {'found' if bundled_checkpoint(dname) else 'MISSING'} (as GGUF)"
         else:
             ckpt = "-"
         budget = spec.get("default_budget", 10) if takes_budget(spec) else _fixed_budget(d)

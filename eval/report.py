@@ -50,12 +50,16 @@ def suffix_decay(accept_hist: dict, depth_hist: dict | None = None) -> tuple[lis
     return decay, reach
 
 
-def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf") -> list[dict]:
+def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf", engine_peer: str = "llamacpp") -> list[dict]:
     """One row per (method, temperature, budget). Aggregates are sums over the same prompt-turns (tau = emitted
     tokens / rounds, tok/s = tokens / seconds, speedup vs AR = ``measure.speedup``); per-prompt spreads beside.
-    ``speedup_vs_hf``: the same ratio against ``peer`` (HF ``generate``: what a transformers user gets)."""
+    ``speedup_vs_hf``: the same ratio against ``peer`` (HF ``generate``: what a transformers user gets);
+    ``speedup_vs_llamacpp``: against ``engine_peer`` (llama.cpp's own AR), None when it did not run.
+    Records of another engine (``"engine": "llama.cpp"``) are checked for losslessness against that engine's AR
+    (``mismatches``); where their tokens differ from our AR's they are only counted (``engine_differs``)."""
     base = {_key(r): r for r in records if r["method"] == baseline}
     hf = {_key(r): r for r in records if r["method"] == peer}
+    eng = {_key(r): r for r in records if r["method"] == engine_peer}
     groups: dict = {}
     for r in records:
         groups.setdefault((r["method"], r["temperature"], r.get("budget")), []).append(r)
@@ -63,6 +67,13 @@ def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf") -> li
     for (name, temp, budget), rs in groups.items():
         pairs = [(r, base[_key(r)]) for r in rs if _key(r) in base]
         hf_pairs = [(r, hf[_key(r)]) for r in rs if _key(r) in hf]
+        eng_pairs = [(r, eng[_key(r)]) for r in rs if _key(r) in eng]
+        engine = next((r["engine"] for r in rs if r.get("engine")), None)
+        if engine is None:
+            mismatches = [f"{r['prompt_id']}#{r['turn']}" for r in rs if r.get("matches_ar") is False]
+        else:  # another engine: lossless against its own AR; a difference from ours is numerics, shown apart
+            mismatches = [f"{r['prompt_id']}#{r['turn']}" for r, a in eng_pairs
+                          if r["temperature"] == 0 and r is not a and r.get("tokens") != a.get("tokens")]
         phase_tot: dict = {}
         hist: dict = {}
         depth_hist: dict = {}
@@ -86,6 +97,8 @@ def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf") -> li
             "tok_s": rate(rs),
             "speedup": speedup([m for m, _ in pairs], [a for _, a in pairs]) if pairs else None,
             "speedup_vs_hf": speedup([m for m, _ in hf_pairs], [a for _, a in hf_pairs]) if hf_pairs else None,
+            "speedup_vs_llamacpp": speedup([m for m, _ in eng_pairs], [a for _, a in eng_pairs]) if eng_pairs
+            else None,
             "speedup_median": _med(per_prompt), "speedup_iqr": _iqr(per_prompt),
             "speedup_ci": speedup_interval(pairs) if len(pairs) >= MIN_N and name != baseline else None,
             "time_split": {k: v / tot for k, v in phase_tot.items()},
@@ -98,7 +111,10 @@ def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf") -> li
             "retrieval_state_bytes": max([r.get("retrieval_state_bytes") or 0 for r in rs]) or None,
             "peak_rss_mb": max(r.get("peak_rss_mb") or 0 for r in rs),
             "busy_records": sum(1 for r in rs if (r.get("load") or {}).get("busy")),
-            "mismatches": [f"{r['prompt_id']}#{r['turn']}" for r in rs if r.get("matches_ar") is False],
+            "mismatches": mismatches,
+            "engine": engine, "engine_reference": bool(engine) and name == engine_peer,
+            "engine_differs": sum(1 for r in rs if r.get("matches_ar") is False) if engine else None,
+            "prompt_parity_failures": sum(1 for r in rs if r.get("prompt_parity") is False) if engine else None,
         })
     return rows
 
@@ -111,26 +127,41 @@ def _pair(p, fmt="{:.2f}"):
     return "-" if p is None else f"{fmt.format(p[0])}-{fmt.format(p[1])}"
 
 
+def _lossless(r: dict) -> str:
+    if r["temperature"] != 0:
+        return "n/a (T>0)"
+    if r["method"] == "ar":
+        return "reference"
+    if r.get("engine"):  # another engine: checked against its own AR; a difference from ours is numerics
+        own = "ok" if not r["mismatches"] else f"**MISMATCH x{len(r['mismatches'])}**"
+        own = f"{r['engine']} reference" if r.get("engine_reference") else f"{own} vs {r['engine']} AR"
+        notes = []
+        if r.get("engine_differs"):
+            notes.append(f"differs from our AR x{r['engine_differs']}")
+        if r.get("prompt_parity_failures"):
+            notes.append(f"prompt tokens differ x{r['prompt_parity_failures']}")
+        return own + (f" ({'; '.join(notes)})" if notes else "")
+    return "ok" if not r["mismatches"] else f"**MISMATCH x{len(r['mismatches'])}**"
+
+
 def markdown_table(rows: list[dict]) -> str:
+    """The main table; a "speedup vs llama.cpp" column joins "speedup vs HF generate" when llama.cpp's AR ran."""
+    eng = any(r.get("speedup_vs_llamacpp") is not None for r in rows)
     head = ("| method | T | budget | n | tau | tok/s | speedup vs AR | per-prompt median [IQR] | 90% interval | "
-            "speedup vs HF generate | draft/tree/verify/commit/overhead % | chimeric | graft hit | state B | busy | "
-            "lossless |")
-    lines = [head, "|" + "---|" * 16]
+            "speedup vs HF generate | " + ("speedup vs llama.cpp | " if eng else "")
+            + "draft/tree/verify/commit/overhead % | chimeric | graft hit | state B | busy | lossless |")
+    lines = [head, "|" + "---|" * (17 if eng else 16)]
     for r in rows:
         ts = r["time_split"]
         split = "/".join(f"{100 * ts.get(k, 0):.0f}" for k in PHASES) if ts else "-"
-        if r["temperature"] != 0:
-            loss = "n/a (T>0)"
-        elif r["method"] == "ar":
-            loss = "reference"
-        else:
-            loss = "ok" if not r["mismatches"] else f"**MISMATCH x{len(r['mismatches'])}**"
+        loss = _lossless(r)
         med = "-" if r["speedup_median"] is None else f"{r['speedup_median']:.2f} [{_pair(r['speedup_iqr'])}]"
         busy = f"**{r['busy_records']}/{r['n']}**" if r["busy_records"] else "0"
         lines.append(
             f"| {r['method']} | {r['temperature']:g} | {r['budget'] or '-'} | {r['n']} | {_f(r['tau'])} | "
             f"{_f(r['tok_s'], '{:.1f}')} | {_f(r['speedup'])} | {med} | {_pair(r['speedup_ci'])} | "
-            f"{_f(r.get('speedup_vs_hf'))} | {split} | "
+            f"{_f(r.get('speedup_vs_hf'))} | " + (f"{_f(r.get('speedup_vs_llamacpp'))} | " if eng else "")
+            + f"{split} | "
             f"{_f(r['chimeric_share'])} | {_f(r['graft_hit_rate'])} | {r['retrieval_state_bytes'] or '-'} | "
             f"{busy} | {loss} |")
     return "\n".join(lines)
@@ -223,7 +254,9 @@ def lossless_alarm(rows: list[dict]) -> str | None:
     bad = [(r["method"], r["mismatches"]) for r in rows if r["mismatches"]]
     if not bad:
         return None
-    msg = "\n".join(f"  {m}: differs from AR on {', '.join(ids)}" for m, ids in bad)
+    eng = {r["method"]: r.get("engine") for r in rows}
+    msg = "\n".join(f"  {m}: differs from {eng[m] + ' AR' if eng.get(m) else 'AR'} on {', '.join(ids)}"
+                    for m, ids in bad)
     return "!!! LOSSLESS CHECK FAILED at T=0: these methods' outputs differ from the target's greedy output:\n" + msg
 
 

@@ -33,7 +33,7 @@ import graft_block  # noqa: E402,F401 - first: it sets the BLAS thread policy be
 import torch  # noqa: E402
 
 from graft_block.errors import ConfigError  # noqa: E402
-from graft_block.eval import machine, measure, physics, presets, report  # noqa: E402
+from graft_block.eval import llamacpp, machine, measure, physics, presets, report  # noqa: E402
 from graft_block.eval.methods import load_method_files, lookup, make_method  # noqa: E402
 from graft_block.eval.plots import plots  # noqa: E402
 from graft_block.eval.prompts import describe_sets, encode_turn, prompt_records  # noqa: E402
@@ -87,6 +87,11 @@ def parse_args(argv=None, prog: str | None = None):
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--chimeric", action="store_true", help="add the one-pass chimeric proxy column")
+    ap.add_argument("--llamacpp", default=None, metavar="DIR",
+                    help="a llama.cpp build folder (scripts/build_llamacpp.sh makes one): adds the llama.cpp peers ("
+                         + ", ".join(presets.LLAMACPP) + ") to the suite's methods, and a 'vs llama.cpp' column; "
+                         "$GRAFT_BLOCK_LLAMACPP locates the build too, for --methods naming them; without a build "
+                         "they are skipped with a note")
     ap.add_argument("--no-physics", action="store_true",
                     help="skip the physics report after the table (bandwidth, matrix-product peak, linear layers)")
     return ap.parse_args(argv)
@@ -96,6 +101,8 @@ def method_names(args, suite: dict, extra: dict) -> list[str]:
     """The methods of this run, validated before any model loads (AR always first: every ratio is against it)."""
     names = args.methods.split(",") if args.methods else [n for n in suite["methods"] if n in presets.PRESETS]
     names += [n for n in extra if n not in names and not args.methods]
+    if getattr(args, "llamacpp", None) and not args.methods:
+        names += [n for n in presets.LLAMACPP if n not in names]
     for n in names:
         lookup(n, extra)
     return ["ar"] + [n for n in names if n != "ar"]
@@ -154,6 +161,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         print(presets.format_methods(rows))
         return {"methods": rows}
     suite = presets.SUITES[args.suite]
+    llamacpp.set_build(args.llamacpp)
     names = method_names(args, suite, extra)
     budgets = budgets_of(args.budget if args.budget is not None else suite.get("budget"))
     limit = suite["limit"] if args.limit is None else args.limit

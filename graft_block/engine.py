@@ -56,13 +56,13 @@ import graft_block
 from .errors import ConfigError
 from . import skinny
 
-GEMMS = ("mkl", "openblas", "onednn")
-# kernels for small forwards only (graft_block/skinny.py), and the most rows they may take: 17 is a tree of 16
-# drafted nodes and its root
+GEMMS = ("mkl", "openblas", "onednn", "skinny")
+# kernels that may take the small forwards beside another main kernel, and the most rows they take there: 17 is a
+# tree of 16 drafted nodes and its root (skinny runs any row count, and competes as a main kernel as well)
 SMALL = {"skinny": 17}
-# the row counts the kernels are measured at: a decode step, and trees of 8 and 16 drafted nodes with their root
-# (measured at 8 and 16, a budget-16 tree fell past skinny's reach onto oneDNN while a pruned one stayed under it)
-GEMM_ROWS = (1, 9, 17)
+# the row counts the kernels are measured at: a decode step, trees of 8, 16 and 64 drafted nodes with their root
+# (65 rows also stands for prefill and the larger trees, which the main kernel runs)
+GEMM_ROWS = (1, 9, 17, 65)
 POOL = {"mkl": "torch", "onednn": "torch", "openblas": "openblas", "skinny": "torch"}  # whose threads run each kernel
 
 DNN_PACK_ROWS = 16  # the row hint oneDNN lays its weights out for (measured: one layout serves 1-32 rows)
@@ -76,16 +76,16 @@ def _kernel_pair(spec: str | None, source: str) -> tuple[str | None, str | None]
     if spec is None:
         return None, None
     main, _, small = spec.partition("+")
-    kinds = GEMMS + tuple(SMALL)
+    kinds = GEMMS
     if main not in GEMMS or (small and small not in kinds):
         raise ConfigError(f"{source} must be one of {', '.join(GEMMS)}, optionally + a kernel for small forwards "
                           f"(one of {', '.join(kinds)}, e.g. 'onednn+skinny'), or unset: measured; got {spec!r}")
     if small and POOL[small] != POOL[main]:
         raise ConfigError(f"{source}={spec!r} pairs kernels of two thread pools ({main}: {POOL[main]}'s, {small}: "
                           f"{POOL[small]}'s), whose idle threads spin against each other: pair kernels of one pool")
-    if small == "skinny" and not skinny.available():
+    if "skinny" in (main, small) and not skinny.available():
         raise ConfigError(f"{source}={spec!r}: the skinny kernel cannot run here ({skinny.why_not()}); "
-                          "drop '+skinny'")
+                          "choose another kernel")
     return main, small or None
 
 
@@ -108,6 +108,22 @@ def _bias(*mods):
         return None
     return torch.cat([b if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype, device=m.weight.device)
                       for b, m in zip(bs, mods)])
+
+
+def _weight(w: dict, key: str) -> torch.Tensor:
+    """A layer's weight for ``key``: its own, or q/k/v (gate/up) fused into one [out, in] (a new tensor)."""
+    if w[key] is not None:
+        return w[key]
+    return torch.cat([m.weight for m in w["parts"][key]]).contiguous()
+
+
+def _share(fused: torch.Tensor, mods) -> None:
+    """Point each nn.Linear's weight at its rows of ``fused`` (their concatenation), freeing the separate copy."""
+    start = 0
+    for m in mods:
+        rows = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=m.weight.requires_grad)
+        start += rows
 
 
 class LeanForward:
@@ -133,11 +149,10 @@ class LeanForward:
             a, mlp = lyr.self_attn, lyr.mlp
             self.layers.append(dict(
                 ln1=lyr.input_layernorm.weight, ln2=lyr.post_attention_layernorm.weight, eps=lyr.input_layernorm.variance_epsilon,
-                qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),
+                qkv=None, gu=None, parts={"qkv": (a.q_proj, a.k_proj, a.v_proj), "gu": (mlp.gate_proj, mlp.up_proj)},
                 qkv_b=_bias(a.q_proj, a.k_proj, a.v_proj),
                 o=a.o_proj.weight, o_b=a.o_proj.bias,
                 q_norm=getattr(a, "q_norm", None), k_norm=getattr(a, "k_norm", None),
-                gu=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
                 gu_b=_bias(mlp.gate_proj, mlp.up_proj),
                 d=mlp.down_proj.weight, d_b=mlp.down_proj.bias))
         w = self.embed
@@ -183,7 +198,13 @@ class LeanForward:
         used = {gemm, gemm_small}
         self.blas = self._reordered("openblas") if "openblas" in used else None
         self.dnn = self._reordered("onednn") if "onednn" in used else None  # one layout for every row count
-        self.skinny = self._reordered("skinny") if "skinny" in used else None  # one packed copy, 1-17 rows
+        self.skinny = self._reordered("skinny") if "skinny" in used else None  # one packed copy, any row count
+        if used & {"mkl", "torch"}:  # F.linear runs on fused q/k/v and gate/up, which HF's modules then view
+            for w in self.layers:
+                for k in ("qkv", "gu"):
+                    w[k] = _weight(w, k)
+                    _share(w[k], w["parts"][k])
+        # (otherwise every product runs on a layout of its own, made from a fused weight that lived one layer)
         if self.blas is not None and graft_block.OPENBLAS_TIMEOUT_LATE:
             warnings.warn("numpy (and OpenBLAS) loaded before graft_block, so OPENBLAS_THREAD_TIMEOUT was not set in "
                           "time and its idle threads may slow torch's: import graft_block first, or export "
@@ -192,7 +213,7 @@ class LeanForward:
     def _reordered(self, kernel: str, rows: int | None = None) -> list[dict]:
         """Per layer, the q/k/v, o, gate/up and down weights in ``kernel``'s own layout (``kernel_weight``; MKL's
         pack for exactly ``rows``-row inputs), + the LM head."""
-        out = [{k: kernel_weight(w[k], kernel, rows) for k in ("qkv", "o", "gu", "d")} for w in self.layers]
+        out = [{k: kernel_weight(_weight(w, k), kernel, rows) for k in ("qkv", "o", "gu", "d")} for w in self.layers]
         out.append({"head": kernel_weight(self.head.weight, kernel, rows)})
         return out
 
@@ -330,15 +351,19 @@ def linear(x, weight, bias, packed=None):
 
 def inference_linear(x: torch.Tensor, weight: torch.Tensor, bias, kernel: str | None, cache: dict) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through ``kernel`` when one is given and no gradient is wanted (CPU float32):
-    "onednn", or "skinny" (products of up to ``SMALL["skinny"]`` rows; oneDNN past that). The weight's layouts are
-    kept in ``cache`` and redone when the weight changes (an in-place update bumps its version; a new tensor its
-    address). For drafters, whose few-row products MKL runs 2-3x slower on AMD."""
-    if kernel not in ("onednn", "skinny") or torch.is_grad_enabled() or x.device.type != "cpu" \
-            or weight.dtype != torch.float32:
+    the target engine's kernels as ``drafter_kernel`` names them, "onednn", "skinny", or a main kernel + a kernel
+    for small products ("onednn+skinny", "mkl+skinny": skinny up to ``SMALL["skinny"]`` rows, the main one past
+    that; "mkl" is ``F.linear``). The weight's layouts are kept in ``cache`` and redone when the weight changes (an
+    in-place update bumps its version; a new tensor its address). For drafters, whose few-row products MKL runs
+    2-3x slower on AMD."""
+    if kernel is None or torch.is_grad_enabled() or x.device.type != "cpu" or weight.dtype != torch.float32:
         return F.linear(x, weight, bias)
+    main, _, small = kernel.partition("+")
     lead = x.shape[:-1]
     x = x.reshape(1, -1, x.shape[-1]).to(weight.dtype)
-    kind = "skinny" if kernel == "skinny" and x.shape[1] <= SMALL["skinny"] else "onednn"
+    kind = small if small and x.shape[1] <= SMALL[small] else main
+    if kind == "mkl":
+        return F.linear(x, weight, bias).view(*lead, -1)
     key = (weight.data_ptr(), weight._version, tuple(weight.shape))
     if cache.get("key") != key:
         cache.clear()
@@ -349,12 +374,16 @@ def inference_linear(x: torch.Tensor, weight: torch.Tensor, bias, kernel: str | 
 
 
 def drafter_kernel(target) -> str | None:
-    """The product kernel a drafter's inference forwards share with ``target``: skinny (few rows) with oneDNN
-    when the target's lean engine runs that pair, oneDNN when it runs oneDNN, else None (``F.linear``)."""
+    """The product kernels a drafter's inference forwards share with ``target``'s lean engine: "skinny",
+    "onednn", or a pair such as "onednn+skinny" / "mkl+skinny" (small products on the second); None for
+    ``F.linear`` (MKL alone, OpenBLAS on its own pool, or no lean engine)."""
     lean = getattr(target, "lean", None)
-    if getattr(lean, "gemm", None) != "onednn":
+    main, small = getattr(lean, "gemm", None), getattr(lean, "gemm_small", None)
+    if main not in ("mkl", "onednn", "skinny"):
         return None
-    return "skinny" if getattr(lean, "gemm_small", None) == "skinny" else "onednn"
+    if small == "skinny" and main != "skinny" and lean.small_rows:
+        return f"{main}+skinny"
+    return None if main == "mkl" else main
 
 
 def blas_weight(w: torch.Tensor) -> np.ndarray:
@@ -409,35 +438,53 @@ def device_name(device: torch.device | str = "cpu") -> str:
 def measure_gemms(weights: list[torch.Tensor], rows=GEMM_ROWS, reps: int = 5) -> dict:
     """Median ms of pushing an [n, in] input through every weight, per kernel and row count: ``mkl`` (F.linear),
     ``mkl_packed`` (packed for exactly n rows; n > 1), ``openblas`` (numpy, torch on one thread meanwhile),
-    ``onednn`` (reordered once) and ``skinny`` (packed once; where it builds, up to its row limit). One kernel at
-    a time, warmed up first: interleaving them call by call lets one pool's spinning threads slow the other."""
+    ``onednn`` (reordered once) and ``skinny`` (packed once, where it builds). One kernel at a time, warmed up
+    first: interleaving them call by call lets one pool's spinning threads slow the other. Each kernel's copy of
+    the weights is made just before its runs and freed after them, so the measurement holds one extra copy at a
+    time (all at once it was the main job's peak memory)."""
     out: dict[str, dict[int, float]] = {"mkl": {}, "mkl_packed": {}, "openblas": {}, "onednn": {}, "skinny": {}}
-    mkl_pack = packed_gemm_available("cpu", torch.float32)
-    dnn = [kernel_weight(w, "onednn") for w in weights] if onednn_available("cpu", torch.float32) else None
-    thin = [kernel_weight(w, "skinny") for w in weights] if skinny.available() else None
-    for n in rows:
-        xs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
-        runs = {"mkl": lambda: [F.linear(xs[w.shape[1]], w) for w in weights]}
-        if mkl_pack and n > 1:
-            packs = [kernel_weight(w, "mkl_packed", n) for w in weights]
-            runs["mkl_packed"] = lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, n)
-                                          for w, p in zip(weights, packs)]
-        arrays = [blas_weight(w) for w in weights]
-        xn = {k: v.numpy() for k, v in xs.items()}
-        runs["openblas"] = lambda: [xn[a.shape[0]] @ a for a in arrays]
-        if dnn is not None:
-            runs["onednn"] = lambda: [linear(xs[w.shape[1]][None], w, None, p) for w, p in zip(weights, dnn)]
-        if thin is not None and n <= SMALL["skinny"]:
-            runs["skinny"] = lambda: [linear(xs[w.shape[1]][None], w, None, p) for w, p in zip(weights, thin)]
-        for name, fn in runs.items():
-            with torch_threads(1 if name == "openblas" else None):
-                fn(), fn()
-                times = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - t0)
-            out[name][n] = statistics.median(times) * 1e3
+    xs = {n: {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights} for n in rows}
+
+    def layouts(kind: str, n: int | None = None):
+        if kind == "openblas":
+            return [blas_weight(w) for w in weights]
+        return [kernel_weight(w, kind, n) for w in weights]
+
+    def product(kind: str, packs, n: int):
+        x = xs[n]
+        if kind == "mkl":
+            return lambda: [F.linear(x[w.shape[1]], w) for w in weights]
+        if kind == "mkl_packed":
+            return lambda: [torch.ops.mkl._mkl_linear(x[w.shape[1]], p, w, None, n) for w, p in zip(weights, packs)]
+        if kind == "openblas":
+            xn = {k: v.numpy() for k, v in x.items()}
+            return lambda: [xn[a.shape[0]] @ a for a in packs]
+        return lambda: [linear(x[w.shape[1]][None], w, None, p) for w, p in zip(weights, packs)]
+
+    def time_it(kind: str, fn, n: int) -> None:
+        with torch_threads(1 if kind == "openblas" else None):
+            fn(), fn()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        out[kind][n] = statistics.median(times) * 1e3
+
+    kinds = ["mkl", "mkl_packed", "openblas", "onednn", "skinny"]
+    built = {"mkl_packed": packed_gemm_available("cpu", torch.float32),
+             "onednn": onednn_available("cpu", torch.float32), "skinny": skinny.available()}
+    for kind in (k for k in kinds if built.get(k, True)):
+        if kind == "mkl_packed":  # a pack serves one row count
+            for n in (n for n in rows if n > 1):
+                packs = layouts(kind, n)
+                time_it(kind, product(kind, packs, n), n)
+                del packs
+            continue
+        packs = None if kind == "mkl" else layouts(kind)
+        for n in rows:
+            time_it(kind, product(kind, packs, n), n)
+        del packs
     return out
 
 
@@ -449,13 +496,14 @@ def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str, int]:
     measured row counts it covers and not over 5% slower at any of them (at parity a median of 5 on a shared
     machine falls either way; within that, one kernel for decode steps and trees keeps their logits
     bit-identical): ``skinny`` up to the largest measured row count where that holds (at most 17), another main
-    kernel at 1 row only. A main kernel not measured at every row
-    count (not built in) does not compete; on a tie the earlier kernel stays."""
+    kernel at 1 row only. ``skinny`` also competes as the main kernel (it runs any row count). A main kernel not
+    measured at every row count (not built in) does not compete; on a tie the earlier kernel stays, and a choice
+    within 5% of the fastest that holds fewer copies of the weights is preferred."""
     mkl, packed = times["mkl"], times.get("mkl_packed", {})
     rows = sorted(mkl)
     buckets = tuple(n for n in sorted(packed) if packed[n] < mkl[n])
     per_row = {"mkl": {n: min(t, packed.get(n, float("inf"))) for n, t in mkl.items()}}
-    per_row.update({k: times[k] for k in ("openblas", "onednn") if set(times.get(k) or {}) >= set(mkl)})
+    per_row.update({k: times[k] for k in ("openblas", "onednn", "skinny") if set(times.get(k) or {}) >= set(mkl)})
     small = {k: (t, 1) for k, t in per_row.items()}
     small.update({k: (times[k], cap) for k, cap in SMALL.items() if times.get(k)})
 
@@ -478,9 +526,19 @@ def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str, int]:
     def total(k: str, j: str, upto: int) -> float:
         return sum(small[j][0][n] if n <= upto else per_row[k][n] for n in rows)
 
+    def copies(k: str) -> int:  # weight layouts beside the model's own (MKL's F.linear runs on those)
+        j, upto = partner(k)
+        return len({k, j if upto else k} - {"mkl"}) + (len(buckets) if k == "mkl" else 0)
+
     # on a tie (the small kernel covering every measured row count) the main kernel's own total decides: it runs
     # prefill and the larger trees
     best = min(per_row, key=lambda k: (total(k, *partner(k)), total(k, k, 0)))
+    # a choice holding fewer copies of the weights wins when within 5% of the fastest (each copy of SmolLM2 is
+    # 538 MB: one kernel alone instead of a pair was the difference between 2.3 and 1.5 GB of peak memory)
+    lean = [k for k in per_row if copies(k) < copies(best)
+            and total(k, *partner(k)) <= 1.05 * total(best, *partner(best))]
+    if lean:
+        best = min(lean, key=lambda k: (copies(k), total(k, *partner(k)), total(k, k, 0)))
     return (best, (buckets if best == "mkl" else ())) + partner(best)
 
 
@@ -490,7 +548,7 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, i
     OpenBLAS does not compete when numpy loaded before graft_block (``import torch`` first loads it): its idle
     threads then spin ~0.1 s after each product and slow torch's next ops 2x (measured: an 8-row verify after a
     one-row OpenBLAS forward)."""
-    weights = [lean.layers[0][k].detach() for k in ("qkv", "o", "gu", "d")] + [lean.head.weight.detach()]
+    weights = [_weight(lean.layers[0], k).detach() for k in ("qkv", "o", "gu", "d")] + [lean.head.weight.detach()]
     spins = graft_block.OPENBLAS_TIMEOUT_LATE
     key = {"cpu": device_name("cpu"), "torch": torch.__version__, "numpy": np.__version__,
            "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights],

@@ -1,14 +1,21 @@
-"""The product of a few rows (up to 17: a decode step, a tree of up to 16 drafted nodes and its root) by a
-weight, on CPU float32, near the memory-bandwidth floor.
+"""The product of a few rows (a decode step, a tree verify) by a weight, on CPU float32, near the memory-bandwidth
+floor; it runs any row count, and may serve a whole forward (prefill too) from its one packed copy.
 
 Why it exists: at a few rows a forward streams every weight once and does little arithmetic per byte, so its
 products should run at memory bandwidth. On an AMD EPYC (2 cores, AVX-512) oneDNN read SmolLM2's weights at
 14-21 GB/s at 1-16 rows while a plain ``w.sum()`` read 29-33 GB/s. Here each weight is packed once into blocks of
-32 outputs, [ceil(out / 32)][in][32], and each block is multiplied by up to 8 input rows at a time, every input
-value broadcast against two 16-float vectors of the block (measured, all products, ms at 1/2/4/8/16 rows:
+NV vectors of outputs, [ceil(out / B)][in][B], and each block is multiplied by up to GMAX input rows at a time,
+every input value broadcast against the block's vectors (measured, all products, ms at 1/2/4/8/16 rows:
 17.5/17.9/19.1/24.8/38.3 against oneDNN's 31.7/29.0/25.7/34.6/46.7). Every output is one accumulator summed over
 the inputs in order, so a row's value does not depend on how many rows share the product or on the thread count:
 a decode step and a tree verify compute the same logits.
+
+The tile is chosen per instruction set, since a tile whose accumulators do not fit the vector registers spills:
+AVX-512 (32 registers) runs 2 x 16-float vectors by 8 rows, AVX2 (16 registers) 2 x 8-float vectors by 6 rows.
+The AVX-512 tile built for AVX2 ran 19 / 178 / 403 ms at 1 / 9 / 17 rows on an AVX2 EPYC (one layer + LM head;
+OpenBLAS 4.9 / 18.2 / 18.1); built the same way on an AVX-512 EPYC it ran 8.7 / 100 / 181 ms, and the AVX2 tile
+2.1 / 5.4 / 7.5 there (OpenBLAS 2.5 / 8.1 / 10.3). ``GRAFT_BLOCK_SKINNY=avx2`` builds the AVX2 tile on any x86 CPU
+with AVX2, to measure it; ``GRAFT_BLOCK_SKINNY=custom`` with ``GRAFT_BLOCK_SKINNY_SHAPE=VW,NV,ROWS`` another tile.
 
 It is C compiled on first use with the system compiler (``$CC``, else ``cc``) for this CPU (``-march=native``)
 into the user cache dir, and called through ctypes on the tensors' memory. Its OpenMP threads are torch's own:
@@ -31,9 +38,12 @@ import graft_block
 
 SOURCE = r"""
 #include <omp.h>
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-#define LD(p) (*(const v16 *)(p))
-#define BO 32  /* outputs per packed block: two 16-float vectors */
+/* VW floats per vector, NV vectors per block and GMAX rows per tile are set per instruction set by the build
+   (-D): a tile keeps NV * GMAX accumulators and NV weight vectors in registers (AVX-512 has 32, AVX2 16); a tile
+   that does not fit spills and runs 4-20x slower */
+typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
+#define LD(p) (*(const vec *)(p))
+#define BO (NV * VW)  /* outputs per packed block */
 
 /* P = W [out, in] packed as [ceil(out / BO)][in][BO], outputs past `out` zero */
 void pack(const float *W, float *P, long out, long in, int threads) {
@@ -50,52 +60,67 @@ void pack(const float *W, float *P, long out, long in, int threads) {
    row's value does not depend on G (or on how many rows the product has) */
 static inline __attribute__((always_inline)) void tile(const float *P, const float *X, float *Y, long in, long out,
                                                         long o0, const int G) {
-    v16 a[8][2];
-    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) { a[g][0] = (v16){0}; a[g][1] = (v16){0}; }
+    vec a[GMAX][NV];
+    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] = (vec){0};
     for (long k = 0; k < in; k++) {
-        v16 w0 = LD(P + k * BO), w1 = LD(P + k * BO + 16);
+        vec w[NV];
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) w[v] = LD(P + k * BO + v * VW);
         _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
             float x = X[g * in + k];
-            a[g][0] += w0 * x;
-            a[g][1] += w1 * x;
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] += w[v] * x;
         }
     }
     long m = out - o0 < BO ? out - o0 : BO;
     _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
         float *y = Y + g * out + o0;
-        if (m == BO) { *(v16 *)y = a[g][0]; *(v16 *)(y + 16) = a[g][1]; continue; }
-        for (long j = 0; j < m; j++) y[j] = j < 16 ? a[g][0][j] : a[g][1][j - 16];
+        if (m == BO) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) *(vec *)(y + v * VW) = a[g][v];
+            continue;
+        }
+        for (long j = 0; j < m; j++) y[j] = a[g][j / VW][j % VW];
     }
 }
 
+#define TILE(g) case g: tile(pb, x, y, in, out, b * BO, g); break;
+
 /* Y [n, out] = X [n, in] W^T from the packed P; threads split the output blocks, each reads its block once per
-   8 input rows (from cache after the first) */
+   GMAX input rows (from cache after the first) */
 void skinny_linear(const float *P, const float *X, float *Y, long out, long in, long n, int threads) {
     long nb = (out + BO - 1) / BO;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < nb; b++) {
         const float *pb = P + b * in * BO;
-        for (long r = 0; r < n; r += 8) {
+        for (long r = 0; r < n; r += GMAX) {
             const float *x = X + r * in;
             float *y = Y + r * out;
-            switch (n - r < 8 ? n - r : 8) {
-                case 1: tile(pb, x, y, in, out, b * BO, 1); break;
-                case 2: tile(pb, x, y, in, out, b * BO, 2); break;
-                case 3: tile(pb, x, y, in, out, b * BO, 3); break;
-                case 4: tile(pb, x, y, in, out, b * BO, 4); break;
-                case 5: tile(pb, x, y, in, out, b * BO, 5); break;
-                case 6: tile(pb, x, y, in, out, b * BO, 6); break;
-                case 7: tile(pb, x, y, in, out, b * BO, 7); break;
-                default: tile(pb, x, y, in, out, b * BO, 8);
+            switch (n - r < GMAX ? n - r : GMAX) {
+                TILE(1) TILE(2) TILE(3) TILE(4)
+#if GMAX > 4
+                TILE(5) TILE(6)
+#endif
+#if GMAX > 6
+                TILE(7) TILE(8)
+#endif
             }
         }
     }
 }
+
+int block_outputs(void) { return BO; }
 """
-BLOCK = 32  # BO above
+
+# The tile shape per instruction set: (floats per vector, vectors per block, rows per tile, extra compiler
+# flags). "avx2" on an AVX-512 CPU is built with AVX-512 off, so one machine can measure both
+# (GRAFT_BLOCK_SKINNY=avx2).
+VARIANTS = {"avx512": (16, 2, 8, []), "avx2": (8, 2, 6, ["-mno-avx512f"]), "generic": (4, 2, 4, [])}
+if os.environ.get("GRAFT_BLOCK_SKINNY_SHAPE"):  # "VW,NV,ROWS" to measure another tile (kept out of the choice)
+    _shape = tuple(map(int, os.environ["GRAFT_BLOCK_SKINNY_SHAPE"].split(",")))
+    VARIANTS["custom"] = (*_shape, [] if _shape[0] > 8 else ["-mno-avx512f"])
 
 _lib = None
 _why_not: str | None = None
+_variant: str | None = None
 
 
 def _openmp_runtimes() -> set[str]:
@@ -109,14 +134,27 @@ def _cpu_flags() -> str:
         return next((line for line in fh if line.startswith(("flags", "Features"))), "")
 
 
-def _build() -> ctypes.CDLL:
+def variant() -> str:
+    """The tile shape this CPU gets: ``avx512``, ``avx2`` or ``generic`` (``GRAFT_BLOCK_SKINNY`` overrides)."""
+    chosen = os.environ.get("GRAFT_BLOCK_SKINNY")
+    if chosen:
+        if chosen not in VARIANTS:
+            raise RuntimeError(f"GRAFT_BLOCK_SKINNY={chosen!r}: not one of {', '.join(VARIANTS)}")
+        return chosen
+    flags = set(_cpu_flags().split())
+    return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "generic"
+
+
+def _build(kind: str) -> ctypes.CDLL:
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    vw, nv, rows, extra = VARIANTS[kind]
+    flags = ["-O3", "-march=native", *extra, f"-DVW={vw}", f"-DNV={nv}", f"-DGMAX={rows}", "-fopenmp", "-shared",
+             "-fPIC"]
     key = hashlib.sha1(repr((SOURCE, version, flags, _cpu_flags())).encode()).hexdigest()[:16]
-    path = graft_block.cache_root() / "skinny" / f"skinny-{key}.so"
+    path = graft_block.cache_root() / "skinny" / f"skinny-{kind}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         src = path.with_suffix(f".{os.getpid()}.c")
@@ -129,17 +167,20 @@ def _build() -> ctypes.CDLL:
         os.replace(tmp, path)  # atomic: a parallel process never loads a half-written library
     before = _openmp_runtimes()
     lib = ctypes.CDLL(str(path))
-    if len(_openmp_runtimes()) > 1 or not before:
+    # it must bind to the libgomp.so.1 torch loaded: a runtime it brings in would spin a second pool beside torch's
+    # (other runtimes already loaded under their own names, e.g. a wheel's renamed libgomp, are not its concern)
+    if _openmp_runtimes() != before or not any("libgomp.so" in r for r in before):
         raise RuntimeError("its OpenMP runtime is not torch's (a second thread pool would spin beside torch's)")
     lib.pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
     lib.skinny_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.pack.restype = lib.skinny_linear.restype = None
+    lib.block_outputs.restype = ctypes.c_int
     return lib
 
 
 def available() -> bool:
     """Whether the kernel runs here (built and loaded once per process; ``why_not()`` says what failed)."""
-    global _lib, _why_not
+    global _lib, _why_not, _variant
     if _lib is None and _why_not is None:
         if not sys.platform.startswith("linux"):
             _why_not = "a Linux-only kernel (it checks the OpenMP runtime in /proc/self/maps)"
@@ -147,10 +188,19 @@ def available() -> bool:
             _why_not = "torch is not built with OpenMP"
         else:
             try:
-                _lib = _build()
+                _variant = variant()
+                _lib = _build(_variant)
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 _why_not = str(e)
     return _lib is not None
+
+
+def label() -> str | None:
+    """The tile shape as built here, e.g. ``avx2 (8-float vectors, 6-row tiles)``; None when unavailable."""
+    if not available():
+        return None
+    vw, nv, rows, _ = VARIANTS[_variant]
+    return f"{_variant} ({nv} x {vw}-float vectors, {rows}-row tiles)"
 
 
 def why_not() -> str | None:
@@ -159,7 +209,8 @@ def why_not() -> str | None:
 
 
 class SkinnyWeight:
-    """A weight [out, in] packed for ``linear``: [ceil(out / 32)][in][32], the outputs past ``out`` zero."""
+    """A weight [out, in] packed for ``linear``: [ceil(out / B)][in][B] with B two vectors' worth of outputs (32
+    on AVX-512, 16 on AVX2), the outputs past ``out`` zero."""
     __slots__ = ("packed", "out", "n_in")
 
     def __init__(self, w: torch.Tensor):
@@ -171,7 +222,8 @@ class SkinnyWeight:
                              f"{w.device}")
         w = w.contiguous()
         self.out, self.n_in = w.shape
-        self.packed = torch.empty((self.out + BLOCK - 1) // BLOCK * BLOCK * self.n_in)
+        block = _lib.block_outputs()
+        self.packed = torch.empty((self.out + block - 1) // block * block * self.n_in)
         _lib.pack(w.data_ptr(), self.packed.data_ptr(), self.out, self.n_in, torch.get_num_threads())
 
 

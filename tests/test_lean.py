@@ -28,14 +28,26 @@ def _pair(arch, gemm=None, **kw):
 
 @pytest.mark.parametrize("arch,gemm", [("llama", "mkl"), ("qwen2", "mkl"), ("qwen3", "mkl"), ("mistral", "mkl"),
                                        ("llama", "openblas"), ("qwen3", "openblas"), ("llama", "onednn"),
-                                       ("qwen2", "onednn")])
+                                       ("qwen2", "onednn"), ("llama", "skinny"), ("qwen3", "skinny")])
 def test_logits_and_features_match_hf_for_every_tree_size(arch, gemm):
     """Sizes across the pack buckets: plain rows (1-2), padded to 8 (3-7), exactly 8, padded to 16, past 16; and
-    the same through OpenBLAS and oneDNN (no buckets)."""
+    the same through OpenBLAS, oneDNN and skinny alone (no buckets; skinny also runs the prefill)."""
+    from graft_block import skinny
+
+    if gemm == "skinny" and not (ON_CPU and skinny.available()):
+        pytest.skip(f"the skinny kernel does not run here: {skinny.why_not()}")
     lean, hf = _pair(arch, gemm=gemm)
     assert lean.lean.gemm == (gemm if ON_CPU else "torch") and (lean.lean.blas is not None) == (gemm == "openblas")
     assert (lean.lean.dnn is not None) == (gemm == "onednn" and ON_CPU)
     assert lean.engine == "lean" and hf.engine == "hf"
+    # one copy of the weights beside the kernel's own layout: F.linear's fused q/k/v and gate/up are what HF's
+    # modules view; a kernel with a layout of its own keeps no fused copy at all
+    layer, fused = lean.model.model.layers[1], lean.lean.layers[1]
+    for mod, key in ((layer.self_attn.v_proj, "qkv"), (layer.mlp.up_proj, "gu")):
+        if lean.lean.gemm in ("mkl", "torch"):
+            assert mod.weight.untyped_storage().data_ptr() == fused[key].untyped_storage().data_ptr()
+        else:
+            assert fused[key] is None
     for t in (lean, hf):
         t.set_feature_layers([0, 2, 4])  # embeddings, a middle layer, the final norm
     prompt = torch.tensor([5, 9, 2, 7, 11, 3, 8])
@@ -137,22 +149,24 @@ def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypat
     assert pick_gemm({**xeon, "onednn": {1: 20.0, 8: 30.0}}) == ("mkl", (8, 16), "mkl", 0)  # not measured at 16
     # the total counts the one-row kernel: MKL edges OpenBLAS at 8-16 rows, but OpenBLAS halves the 1-row time
     assert pick_gemm({"mkl": {1: 50.0, 8: 60.0, 16: 70.0}, "openblas": {1: 25.0, 8: 62.0, 16: 72.0}})[0] == "openblas"
-    # skinny (small forwards only, torch's pool) takes them up to the last row count where it wins, never beside
-    # OpenBLAS, and not when it is not 10% faster over what it would cover
+    # skinny takes small forwards beside another kernel of torch's pool up to the last row count where it wins
+    # (never beside OpenBLAS, and not when it is not 10% faster over what it would cover), or every forward alone;
+    # a choice within 5% of the fastest that holds fewer copies of the weights wins
     zen4["mkl"][1] = 50.0
-    assert pick_gemm({**zen4, "skinny": {1: 17.0, 8: 25.0, 16: 38.0}}) == ("onednn", (), "skinny", 17)
-    assert pick_gemm({**zen4, "skinny": {1: 17.0, 8: 25.0, 16: 45.0}}) == ("onednn", (), "skinny", 8)
-    assert pick_gemm({**zen4, "skinny": {1: 17.0, 8: 25.0, 16: 42.0}}) == ("onednn", (), "skinny", 17)  # parity
-    # slower than oneDNN at 1 row, so never beside it; beside MKL it wins every row count, and that pair's total wins
-    assert pick_gemm({**zen4, "skinny": {1: 34.0, 8: 25.0, 16: 38.0}}) == ("mkl", (), "skinny", 17)
+    assert pick_gemm({**zen4, "skinny": {1: 17.0, 8: 25.0, 16: 50.0}}) == ("onednn", (), "skinny", 8)
+    assert pick_gemm({**zen4, "skinny": {1: 17.0, 8: 25.0, 16: 45.0}}) == ("skinny", (), "skinny", 0)  # 87 vs 83
+    assert pick_gemm({**zen4, "skinny": {1: 17.0, 8: 25.0, 16: 38.0}}) == ("skinny", (), "skinny", 0)  # a tie
     assert pick_gemm({**zen4, "skinny": {1: 34.0, 8: 25.0, 16: 99.0}}) == ("onednn", (), "onednn", 0)
     # 42% faster than OpenBLAS at 1 row, but on torch's pool: OpenBLAS keeps every row count
     assert pick_gemm({**amd, "skinny": {1: 15.0, 8: 55.0, 16: 75.0}}) == ("openblas", (), "openblas", 0)
-    assert pick_gemm({**xeon, "skinny": {1: 29.0, 8: 45.0, 16: 55.0}}) == ("mkl", (8, 16), "mkl", 0)
-    # a kernel that only wins with skinny beside it is picked for the pair's total: MKL + skinny beats OpenBLAS
-    assert pick_gemm({**amd, "skinny": {1: 10.0, 8: 20.0, 16: 30.0}}) == ("mkl", (), "skinny", 17)
-    # skinny covering every measured row count beside MKL or oneDNN: the faster one alone keeps prefill
-    assert pick_gemm({**zen4, "skinny": {1: 10.0, 8: 20.0, 16: 30.0}}) == ("onednn", (), "skinny", 17)
+    assert pick_gemm({**xeon, "skinny": {1: 29.0, 8: 45.0, 16: 70.0}}) == ("mkl", (8, 16), "mkl", 0)
+    assert pick_gemm({**xeon, "skinny": {1: 29.0, 8: 45.0, 16: 55.0}}) == ("skinny", (), "skinny", 0)
+    # fastest at 1-17 rows but far slower at 65 (prefill, large trees): the pair, each kernel where it wins
+    wide = {"mkl": {1: 50.0, 9: 70.0, 17: 96.0, 65: 300.0}, "onednn": {1: 27.0, 9: 30.0, 17: 41.0, 65: 90.0},
+            "skinny": {1: 17.0, 9: 25.0, 17: 38.0, 65: 160.0}}
+    assert pick_gemm(wide) == ("onednn", (), "skinny", 17)
+    wide["skinny"][65] = 92.0  # within 5% of the pair alone: one copy of the weights instead of two
+    assert pick_gemm(wide) == ("skinny", (), "skinny", 0)
 
     import graft_block.engine as E
 
@@ -183,8 +197,6 @@ def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypat
     monkeypatch.setenv("GRAFT_BLOCK_GEMM", "onednn+openblas")
     with pytest.raises(ConfigError, match="pairs kernels of two thread pools"):
         LeanForward(model)
-    with pytest.raises(ConfigError, match="optionally \\+ a kernel for small forwards"):
-        LeanForward(model, gemm="skinny")  # a small-forward kernel cannot run prefill
     monkeypatch.setenv("GRAFT_BLOCK_GEMM", "onednn+mkl")
     forced = LeanForward(model)
     assert (forced.gemm, forced.gemm_small, forced.small_rows) == ("onednn", "mkl", 1) and calls == [5, 5]
@@ -196,12 +208,12 @@ def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypat
     assert late.gemm == late.gemm_small == "mkl" and late.blas is None and calls == [5, 5, 5]  # own cache entry
 
 
-@pytest.mark.parametrize("kernel", ["onednn", "skinny"])
+@pytest.mark.parametrize("kernel", ["onednn", "skinny", "onednn+skinny", "mkl+skinny"])
 def test_drafter_linears_take_the_engine_kernel_and_follow_weight_updates(kernel):
     """``use_kernel`` turns every nn.Linear (also inside transformers' modules) into a drafters ``Linear``
-    with the same parameters; without gradients it runs the kernel on a kept layout (skinny up to 16 rows,
-    oneDNN past that), redone after an in-place update; with gradients (training) it is F.linear and the gradient
-    reaches the weight."""
+    with the same parameters; without gradients it runs the kernel on a kept layout (in a pair, the second up to
+    17 rows and the first past that; MKL is F.linear on the weight itself), redone after an in-place update; with
+    gradients (training) it is F.linear and the gradient reaches the weight."""
     from torch import nn
     from torch.nn import functional as F
 
@@ -219,19 +231,20 @@ def test_drafter_linears_take_the_engine_kernel_and_follow_weight_updates(kernel
     keys = set(net.state_dict())
     use_kernel(net, kernel)
     assert type(lin) is Linear and lin.kernel == kernel and set(net.state_dict()) == keys
-    x = torch.randn(3, 5, 16)  # 15 rows: skinny's when it is the kernel
+    main, _, small = kernel.partition("+")
+    x = torch.randn(3, 5, 16)  # 15 rows: the small kernel's when there is one
     with torch.no_grad():
         y = net(x)
         assert y.shape == (3, 5, 8) and torch.allclose(y, F.linear(x, lin.weight, lin.bias).relu(), atol=1e-5)
-        first = lin._laid_out[kernel]
+        first = lin._laid_out[small or main]
         lin(x)
-        assert lin._laid_out[kernel] is first  # kept, not laid out again per call
+        assert lin._laid_out[small or main] is first  # kept, not laid out again per call
         lin.weight.mul_(2)  # an in-place update (a load, an optimizer step) must be seen
         assert torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5)
-        assert lin._laid_out[kernel] is not first
-        wide = torch.randn(3, 7, 16)  # 21 rows: oneDNN either way
+        assert lin._laid_out[small or main] is not first
+        wide = torch.randn(3, 7, 16)  # 21 rows: the main kernel's
         assert torch.allclose(lin(wide), F.linear(wide, lin.weight, lin.bias), atol=1e-5)
-        assert "onednn" in lin._laid_out
+        assert set(lin._laid_out) - {"key"} == {small, main} - {"", "mkl"}
     lin(x).sum().backward()  # gradients on: F.linear
     assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
     use_kernel(net, None)
@@ -240,7 +253,7 @@ def test_drafter_linears_take_the_engine_kernel_and_follow_weight_updates(kernel
 
 
 @pytest.mark.parametrize("kind,gemm", [("eagle3", "onednn"), ("dflash", "onednn"), ("mfd", "onednn"),
-                                       ("eagle3", "onednn+skinny"), ("mfd", "onednn+skinny")])
+                                       ("eagle3", "onednn+skinny"), ("mfd", "onednn+skinny"), ("dflash", "skinny")])
 def test_drafters_on_a_onednn_target_draft_through_it_and_stay_lossless(kind, gemm):
     """A target whose engine runs oneDNN (with skinny for small forwards) hands its kernel to its drafter's
     products; greedy output stays the target's."""
@@ -252,7 +265,7 @@ def test_drafters_on_a_onednn_target_draft_through_it_and_stay_lossless(kind, ge
         pytest.skip("oneDNN is a CPU float32 kernel")
     if "skinny" in gemm and not skinny.available():
         pytest.skip(f"the skinny kernel does not build here: {skinny.why_not()}")
-    kernel = "skinny" if "skinny" in gemm else "onednn"
+    kernel = gemm
     t = tiny_target("llama", engine="lean", gemm=gemm)
     if kind in ("dflash", "mfd"):
         cfg = {"type": kind, "num_layers": 2, "target_layer_ids": [0, 2], "block_size": 6, "seed": 1, "budget": 8}
@@ -300,7 +313,7 @@ def test_a_small_forward_kernel_of_the_same_pool_runs_them_and_stays_exact(monke
     monkeypatch.delenv("GRAFT_BLOCK_GEMM", raising=False)
     times = {"mkl": {1: 20.0 if small == "mkl" else 50.0, 8: 70.0, 16: 96.0}, "openblas": {1: 26.0, 8: 51.0, 16: 60.0},
              "onednn": {1: 33.0, 8: 30.0, 16: 41.0},
-             "skinny": {1: 17.0, 8: 25.0, 16: 45.0} if small == "skinny" else {}}
+             "skinny": {1: 17.0, 8: 25.0, 16: 60.0} if small == "skinny" else {}}
     monkeypatch.setattr(E, "measure_gemms", lambda w, **k: times)
     lean = tiny_target("llama", engine="lean")
     hf = Target(lean.model, None, engine="hf")
@@ -370,3 +383,31 @@ def test_skinny_without_a_compiler_is_left_out_and_says_why(monkeypatch, tmp_pat
     model = tiny_target("llama", engine="hf").model
     with pytest.raises(ConfigError, match="the skinny kernel cannot run here .*no C compiler"):
         LeanForward(model, gemm="onednn+skinny")
+
+
+def test_every_skinny_tile_computes_the_same_bits(tmp_path):
+    """The AVX2 tile (built with AVX-512 off, so an AVX-512 machine runs it too) and this CPU's own tile give
+    bit-identical products at 1-20 rows: each output is one accumulator over the inputs in order, whatever the
+    vector width or rows per tile, so a machine's choice of tile never changes a decode."""
+    import subprocess
+    import sys
+
+    from graft_block import skinny
+
+    if not ON_CPU or not skinny.available():
+        pytest.skip(f"the skinny kernel does not build here: {skinny.why_not()}")
+    if "avx2" not in skinny._cpu_flags().split():
+        pytest.skip("no AVX2 on this CPU")
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(100, 77, generator=g), torch.randn(20, 77, generator=g)
+    torch.save({"w": w, "x": x}, tmp_path / "in.pt")
+    script = ("import torch, sys; from graft_block import skinny; d = torch.load(sys.argv[1]); "
+              "assert skinny.label().startswith('avx2'), skinny.label(); p = skinny.SkinnyWeight(d['w']); "
+              "torch.save([skinny.linear(d['x'][:n], p) for n in (1, 6, 7, 20)], sys.argv[2])")
+    env = {**os.environ, "GRAFT_BLOCK_SKINNY": "avx2", "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
+                   check=True)
+    theirs = torch.load(tmp_path / "out.pt")
+    pw = skinny.SkinnyWeight(w)
+    for n, y in zip((1, 6, 7, 20), theirs):
+        assert torch.equal(y, skinny.linear(x[:n], pw)), (n, skinny.label())

@@ -91,7 +91,7 @@ def test_smollm2_mfd_sampling_exact(smollm2):
     assert chi_square_test(counts, exact_sequence_probs(smollm2, prompt, 2, SamplingConfig(0.6, top_k=4)))[2] < 1e-3
 
 
-@pytest.mark.parametrize("gemm", ["mkl", "openblas", "onednn", "onednn+skinny"])
+@pytest.mark.parametrize("gemm", ["mkl", "openblas", "onednn", "onednn+skinny", "skinny"])
 def test_every_cpu_kernel_decodes_smollm2_like_hf(smollm2, gemm):
     """Whatever kernel this machine's measurement picks, each candidate stays lossless on the real target: the AR
     loop (one-row forwards) and EAGLE3 trees (whose head runs the same kernel) through the lean engine equal HF

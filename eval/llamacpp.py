@@ -1,0 +1,318 @@
+"""llama.cpp as a peer of ``graft-block bench``: its own greedy AR and its native speculation (n-gram, and our
+DFlash / EAGLE3 / DSpark drafters exported to GGUF), run through ``llama-speculative-simple`` on the same prompts.
+
+The build is found through ``--llamacpp DIR`` or ``GRAFT_BLOCK_LLAMACPP`` (DIR = the build folder, its ``bin``, or
+the llama.cpp source tree holding ``build/``); ``scripts/build_llamacpp.sh`` makes one and the target's F32 GGUF.
+Without a build (or GGUF) these methods are skipped with a one-line note, like a missing bundled drafter.
+
+How a call maps onto our measurement:
+  * prompt: our chat-templated token ids, decoded with their special tokens (``<|im_start|>`` ...) and written to a
+    prompt file that llama.cpp tokenizes with ``parse_special`` (``--no-escape``, so code keeps its backslashes).
+    llama.cpp reports how many tokens it got (``prompt_tokens_llamacpp``): a difference is flagged.
+  * length: ``-n max_new - 1``, because speculative-simple stops once it has *more* than n tokens.
+  * tokens: llama.cpp prints generated text, not ids; the text (after the echoed prompt) is re-encoded with the
+    target's tokenizer, and an end-of-generation stop appends the tokenizer's EOS (llama.cpp does not print it).
+  * timing: llama.cpp's ``decoded N tokens in S seconds``: N = every generated token, S from the first
+    single-token step after the prompt batch (prompt minus its last token) to the end; N / S is the same per-step
+    rate as our decode_tokens / decode_s. tau = N / target forwards, forwards = N - accepted drafts.
+  * greedy: ``--temp 0 --top-k 1``; T > 0: pure temperature (top-k 0, top-p 1, min-p 0) with probabilistic
+    drafting, llama.cpp's own RNG (seeded with the run's seed).
+  * AR: speculative-simple needs a speculator; ``ngram-simple`` with a 1024-token key and a 1-token value can
+    never draft (it only drafts when value >= key), so every step is a plain one-token decode.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+from graft_block import cache_root
+from graft_block.errors import ConfigError
+
+ENV = "GRAFT_BLOCK_LLAMACPP"
+BINARY = "llama-speculative-simple"
+BUILD_HINT = f"pass --llamacpp DIR or set {ENV} (scripts/build_llamacpp.sh builds one)"
+
+# spec name -> llama.cpp arguments (before draft / n_max ones)
+NEVER_DRAFT = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1024", "--spec-ngram-simple-size-m", "1"]
+SPEC_TYPES = ("none", "ngram-simple", "ngram-mod", "draft-dflash", "draft-eagle3", "draft-dspark")
+
+_build_override: str | None = None
+
+
+# ---- where things are ---------------------------------------------------------------------------------------
+def set_build(path: str | None) -> None:
+    """The run's ``--llamacpp DIR`` (None: fall back to GRAFT_BLOCK_LLAMACPP)."""
+    global _build_override
+    _build_override = path
+
+
+def find_binary(path: str | os.PathLike | None = None, name: str = BINARY) -> Path | None:
+    """``name`` under DIR, DIR/bin or DIR/build/bin (DIR: ``path``, else ``--llamacpp``, else GRAFT_BLOCK_LLAMACPP);
+    None when no build is configured or it lacks the binary."""
+    root = path or _build_override or os.environ.get(ENV)
+    if not root:
+        return None
+    root = Path(root).expanduser()
+    for d in (root, root / "bin", root / "build" / "bin"):
+        if (d / name).is_file() and os.access(d / name, os.X_OK):
+            return d / name
+    return None
+
+
+def gguf_dir() -> Path:
+    return cache_root() / "llamacpp"
+
+
+def target_folder(name: str) -> Path:
+    """The HF folder of a target: the cached fp32 folder of an embedded name (made once), or the folder itself."""
+    from graft_block.target import EMBEDDED_TARGETS, embedded_folder
+
+    return embedded_folder(name) if name in EMBEDDED_TARGETS else Path(name).expanduser().resolve()
+
+
+def target_gguf(name: str) -> Path:
+    """Where ``scripts/build_llamacpp.sh`` puts (and this module looks for) the target's F32 GGUF."""
+    from graft_block.target import EMBEDDED_TARGETS
+
+    if name in EMBEDDED_TARGETS:
+        stem = name
+    else:
+        import hashlib
+
+        p = Path(name).expanduser().resolve()
+        stem = f"{p.name}-{hashlib.sha1(str(p).encode()).hexdigest()[:8]}"
+    return gguf_dir() / f"{stem}-f32.gguf"
+
+
+def draft_gguf(name: str, target: str = "smollm2-135m") -> Path:
+    """The GGUF of the bundled drafter ``name`` for llama.cpp: ``<cache>/llamacpp/<name>.gguf``, exported there on
+    demand (and again when the checkpoint is newer) through ``graft_block.export.export_llamacpp`` (= ``graft-block
+    export --to llama.cpp``), the tokenizer copied from the target's GGUF. ConfigError (the method is skipped)
+    when there is none and it cannot be made."""
+    from graft_block.drafter import bundled_checkpoint
+
+    out = gguf_dir() / f"{name}.gguf"
+    folder = bundled_checkpoint(name)
+    if out.is_file() and (folder is None or all(out.stat().st_mtime >= f.stat().st_mtime
+                                                for f in folder.glob("*.safetensors"))):
+        return out
+    if folder is None:
+        raise ConfigError(f"bundled drafter {name!r} is not installed")
+    try:
+        export = importlib.import_module("graft_block.export").export_llamacpp
+    except (ImportError, AttributeError):
+        raise ConfigError(f"no draft GGUF {out} and graft_block.export is not available to make it "
+                          "(graft-block export --to llama.cpp)") from None
+    tok = target_gguf(target)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        made = Path(export(name, out, tokenizer_gguf=str(tok) if tok.is_file() else None))
+    except Exception as exc:  # noqa: BLE001 - any export failure skips the method, with its reason
+        raise ConfigError(f"exporting {name} to a llama.cpp GGUF failed: {type(exc).__name__}: {exc}") from exc
+    if not made.is_file():
+        raise ConfigError(f"graft_block.export did not write {made}")
+    return made
+
+
+# ---- the command line -------------------------------------------------------------------------------------
+def spec_args(cfg: dict, draft: str | os.PathLike | None = None, threads: int = 2) -> list[str]:
+    """llama.cpp's speculation arguments for a preset's ``llamacpp`` settings."""
+    spec = cfg.get("spec", "none")
+    if spec not in SPEC_TYPES:
+        raise ConfigError(f"llamacpp spec must be one of {', '.join(SPEC_TYPES)}, got {spec!r}")
+    if spec == "none":
+        return list(NEVER_DRAFT)
+    args = ["--spec-type", spec]
+    if spec == "ngram-simple":
+        args += ["--spec-ngram-simple-size-n", str(int(cfg.get("ngram_n", 3))),
+                 "--spec-ngram-simple-size-m", str(int(cfg.get("ngram_m", 10)))]
+    elif spec == "ngram-mod":
+        args += ["--spec-ngram-mod-n-match", str(int(cfg.get("n_match", 24))),
+                 "--spec-ngram-mod-n-min", str(int(cfg.get("n_min", 0))),
+                 "--spec-ngram-mod-n-max", str(int(cfg.get("n_max", 16)))]
+    else:
+        if draft is None:
+            raise ConfigError(f"llama.cpp {spec} needs a draft GGUF")
+        args += ["-md", str(draft), "--spec-draft-n-max", str(int(cfg.get("n_max", 7))),
+                 "-td", str(threads), "-tbd", str(threads)]
+    return args
+
+
+def command(binary, model, prompt_file, max_new_tokens: int, threads: int, spec: list[str], temperature: float = 0.0,
+            seed: int = 0, ctx: int = 4096, extra: list[str] | None = None) -> list[str]:
+    """The llama-speculative-simple call for one prompt. ``-n`` is max_new_tokens - 1: it stops after n + 1 tokens."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    cmd = [str(binary), "-m", str(model), "-f", str(prompt_file), "--no-escape", "-n", str(max_new_tokens - 1),
+           "-c", str(ctx), "-t", str(threads), "-tb", str(threads), "--seed", str(seed), "--color", "off",
+           "--log-colors", "off"]
+    if temperature > 0:
+        cmd += ["--temp", f"{temperature:g}", "--top-k", "0", "--top-p", "1.0", "--min-p", "0.0"]
+        if any(s.startswith("draft-") for s in spec):
+            cmd += ["--spec-draft-sampling", "probabilistic"]
+    else:
+        cmd += ["--temp", "0", "--top-k", "1"]
+    return cmd + list(spec) + list(extra or [])
+
+
+def context_size(prompt_tokens: int, max_new_tokens: int, n_draft: int = 16) -> int:
+    """A KV size that fits prompt + answer + one draft, rounded up to 256."""
+    need = prompt_tokens + max_new_tokens + n_draft + 8
+    return max(256, int(math.ceil(need / 256) * 256))
+
+
+# ---- reading its output -----------------------------------------------------------------------------------
+_NUM = r"([0-9.]+|nan|-?inf)"
+_PATTERNS = {
+    "prompt_tokens": rf"encoded\s+(\d+) tokens in\s+{_NUM} seconds",
+    "decoded": rf"decoded\s+(\d+) tokens in\s+{_NUM} seconds, speed:\s+{_NUM} t/s",
+    "n_draft": r"n_draft\s+=\s+(-?\d+)",
+    "n_predict": r"n_predict\s+=\s+(\d+)",
+    "n_drafted": r"n_drafted\s+=\s+(\d+)",
+    "n_accept": r"n_accept\s+=\s+(\d+)",
+}
+
+
+def parse_log(stderr: str) -> dict:
+    """The counts and times speculative-simple logs at its end (stderr). ConfigError when they are missing."""
+    got = {}
+    for key, pat in _PATTERNS.items():
+        m = re.findall(pat, stderr)
+        if not m:
+            tail = "\n".join(stderr.strip().splitlines()[-5:])
+            raise ConfigError(f"llama-speculative-simple printed no '{key}' line; the end of its log:\n{tail}")
+        got[key] = m[-1]
+    n_in, enc_s = got["prompt_tokens"]
+    n_dec, dec_s, speed = got["decoded"]
+    out = {"prompt_tokens": int(n_in), "prefill_s": float(enc_s), "decoded": int(n_dec), "decode_s": float(dec_s),
+           "speed": float(speed), "n_draft": int(got["n_draft"]), "n_predict": int(got["n_predict"]),
+           "n_drafted": int(got["n_drafted"]), "n_accept": int(got["n_accept"])}
+    return out
+
+
+def generated_text(stdout: str, prompt_text: str) -> str:
+    """The answer in speculative-simple's stdout: "\\n\\n" + echoed prompt pieces + answer pieces + "\\n\\n\\n\\n"."""
+    text = stdout
+    if text.startswith("\n\n"):
+        text = text[2:]
+    if text.endswith("\n\n\n\n"):
+        text = text[:-4]
+    if text.startswith(prompt_text):
+        return text[len(prompt_text):]
+    # a BOS the model adds itself is echoed before the prompt
+    i = text.find(prompt_text)
+    if i < 0:
+        raise ConfigError("llama-speculative-simple's output does not echo the prompt: cannot find the answer")
+    return text[i + len(prompt_text):]
+
+
+def to_record(stdout: str, stderr: str, prompt_text: str, max_new_tokens: int, tokenizer=None,
+              prompt_tokens: int | None = None) -> dict:
+    """A run record (``methods.Method.run`` shape) from one speculative-simple call's output."""
+    log = parse_log(stderr)
+    text = generated_text(stdout, prompt_text)
+    toks: list[int] = []
+    if tokenizer is not None:
+        toks = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        eos = getattr(tokenizer, "eos_token_id", None)
+        # an end-of-generation stop (llama.cpp does not print that token): fewer tokens than the limit, or fewer
+        # printed than it counted (a round that accepted past the end)
+        if eos is not None and (log["n_predict"] < max_new_tokens or len(toks) < min(log["n_predict"],
+                                                                                      max_new_tokens)):
+            toks.append(int(eos))
+        toks = toks[:max_new_tokens]
+    n = log["decoded"]
+    rounds = max(n - log["n_accept"], 0)
+    rec = {"tokens": toks, "new_tokens": len(toks) if tokenizer is not None else min(n, max_new_tokens),
+           "decode_tokens": n, "decode_s": max(log["decode_s"], 1e-9), "prefill_s": log["prefill_s"],
+           "decode_tok_s": n / log["decode_s"] if log["decode_s"] > 0 else None,
+           "rounds": rounds, "tau": n / rounds if rounds else None,
+           "drafted": log["n_drafted"], "accepted": log["n_accept"], "llamacpp_text": text,
+           "prompt_tokens_llamacpp": log["prompt_tokens"], "engine": "llama.cpp"}
+    if prompt_tokens is not None:
+        rec["prompt_parity"] = log["prompt_tokens"] == prompt_tokens
+    return rec
+
+
+# ---- the method ---------------------------------------------------------------------------------------------
+def _gguf_adds_bos(path: Path) -> bool:
+    """Whether llama.cpp prepends BOS to this GGUF's prompts (``tokenizer.ggml.add_bos_token``)."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(path)).fields.get("tokenizer.ggml.add_bos_token")
+        return bool(field.parts[field.data[0]][0]) if field is not None else False
+    except Exception:  # noqa: BLE001 - unreadable metadata: assume no BOS, the prompt-token check will tell
+        return False
+
+
+def prompt_text(tokenizer, ids: list[int], adds_bos: bool = False) -> str:
+    """Our prompt ids as text llama.cpp re-tokenizes to the same ids (special tokens spelled out). When the GGUF
+    adds BOS itself and our ids start with it, the leading BOS is left to llama.cpp."""
+    if adds_bos and ids and ids[0] == getattr(tokenizer, "bos_token_id", None):
+        ids = ids[1:]
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def llamacpp_runner(target, cfg: dict, threads: int | None = None, timeout: float = 3600.0):
+    """``run(ids, max_new_tokens, temperature, seed) -> record`` through llama-speculative-simple. ConfigError (the
+    method is skipped) without a build, the target GGUF, a tokenizer or the draft GGUF."""
+    binary = find_binary()
+    if binary is None:
+        where = _build_override or os.environ.get(ENV)
+        raise ConfigError(f"no llama.cpp build ({BUILD_HINT})" if not where else
+                          f"no {BINARY} under {where}, {where}/bin or {where}/build/bin ({BUILD_HINT})")
+    if target.tokenizer is None:
+        raise ConfigError("the llama.cpp peer needs a tokenizer-backed target (prompts travel as text)")
+    model = Path(cfg["model"]).expanduser() if cfg.get("model") else target_gguf(str(target.name))
+    if not model.is_file():
+        raise ConfigError(f"no target GGUF at {model} (scripts/build_llamacpp.sh converts it)")
+    draft = None
+    if str(cfg.get("spec", "none")).startswith("draft-"):
+        draft = Path(cfg["draft_gguf"]).expanduser() if cfg.get("draft_gguf") else \
+            draft_gguf(cfg["draft"], str(target.name))
+        if not draft.is_file():
+            raise ConfigError(f"no draft GGUF at {draft}")
+    adds_bos = _gguf_adds_bos(model)
+    spec_args(cfg, draft)  # validated now: a bad preset is a skip, not a failure mid-run
+    n_draft = int(cfg.get("n_max", cfg.get("ngram_m", 16)))
+
+    def run(ids, max_new_tokens, temperature, seed):
+        import torch
+
+        th = threads or torch.get_num_threads()
+        id_list = [int(x) for x in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        text = prompt_text(target.tokenizer, id_list, adds_bos)
+        with tempfile.TemporaryDirectory(prefix="graft-llamacpp-") as tmp:
+            pf = Path(tmp) / "prompt.txt"
+            pf.write_text(text + "\n", encoding="utf-8")  # -f drops one trailing newline: ours must survive
+            cmd = command(binary, model, pf, max_new_tokens, th, spec_args(cfg, draft, th), temperature, seed,
+                          context_size(len(id_list), max_new_tokens, n_draft), cfg.get("args"))
+            proc = subprocess.run(cmd, capture_output=True, timeout=timeout)
+        out = proc.stdout.decode("utf-8", errors="replace")
+        err = proc.stderr.decode("utf-8", errors="replace")
+        if proc.returncode != 0:
+            tail = "\n".join(err.strip().splitlines()[-8:])
+            raise RuntimeError(f"{BINARY} exited with {proc.returncode}: {' '.join(cmd)}\n{tail}")
+        rec = to_record(out, err, text, max_new_tokens, target.tokenizer, len(id_list))
+        rec["threads"] = th
+        return rec
+
+    return run
+
+
+def describe(cfg: dict) -> str:
+    """The drafter column of --list-methods."""
+    spec = cfg.get("spec", "none")
+    if spec == "none":
+        return "llama.cpp AR"
+    if spec == "ngram-simple":
+        return f"llama.cpp ngram-simple {cfg.get('ngram_n', 3)}-gram, up to {cfg.get('ngram_m', 10)}"
+    if spec == "ngram-mod":
+        return f"llama.cpp ngram-mod up to {cfg.get('n_max', 16)}"
+    return f"llama.cpp {spec} {cfg.get('draft', '?')} chain {cfg.get('n_max', 7)}"

@@ -1,0 +1,801 @@
+"""``graft-block export --to llama.cpp|speculators NAME_OR_FOLDER --out PATH``: a drafter leaves this project.
+
+NAME_OR_FOLDER is a bundled drafter (a folder under drafters/checkpoints/) or any drafter folder this project loads
+(ours, z-lab DFlash, DeepSpec DSpark, EAGLE/SpecForge or speculators EAGLE3). One plain function per (format,
+drafter type) reads the folder's config.json and weights as they are, writes the other project's layout and returns
+what did not survive the trip (printed by the command, asserted by tests/test_export.py).
+
+llama.cpp (``--to llama.cpp``, one GGUF file; what its October 2026 loader expects, src/models/dflash.cpp and
+eagle3.cpp):
+  * DFlash and DSpark are llama.cpp's ``dflash`` architecture (DSpark = DFlash + ``markov_w1/markov_w2`` and an
+    optional ``conf_proj``); EAGLE3 is ``eagle3``. Neither stores the target's embeddings or LM head: llama.cpp
+    shares the target's (``ctx_other``), as this project does. The draft GGUF carries the target's tokenizer
+    (copied from the target's GGUF, ``--target``) so llama.cpp's draft/target vocabulary check passes, plus the
+    DFlash mask token as ``tokenizer.ggml.mask_token_id``.
+  * ``target_layers`` are the target hidden states llama.cpp captures, as HF ``hidden_states`` indices (the input
+    of that layer): DFlash's ``target_layer_ids + 1``; EAGLE3's SpecForge ids + 1 (= our drafter's feature
+    layers), or a speculators config's ids unchanged.
+  * tensors keep their dtype (F16 / BF16 / F32); 1-D tensors (norms, biases) are written F32 (exact), as
+    llama.cpp's converter does. EAGLE3 runs with llama.cpp's NORM (interleaved) RoPE, so its q/k projection rows
+    are permuted per head (``llama_rope_permute``); DFlash uses NeoX RoPE and needs none. EAGLE3's ``d2t`` becomes
+    absolute target ids (offset + draft id), ``t2d`` is dropped (llama.cpp does not read it).
+vLLM speculators (``--to speculators``, a folder: config.json + model.safetensors): ``speculators_model_type``
+``eagle3`` / ``dflash`` / ``dspark`` with ``transformer_layer_config`` and ``speculators_config`` (algorithm, one
+greedy proposal, verifier); tensors keep names and dtypes (EAGLE3's ``midlayer.*`` -> ``layers.0.*``); the aux
+layer ids are vLLM's capture ids (HF ``hidden_states`` indices).
+
+Lost on the way (both formats, see ``LOST``): a DFlash/DSpark draft-vocabulary restriction (both runtimes restrict a
+draft vocabulary only through a draft-owned LM head, i.e. the target's head rows, which a drafter folder does not
+hold: the export drafts over the full vocabulary with the shared head) and DSpark's calibrated per-position
+confidence temperatures. MFD has no counterpart in either project and is refused.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .drafter import bundled_checkpoint, bundled_checkpoints, detect_type, read_weights
+from .errors import ConfigError
+
+FORMATS = ("llama.cpp", "speculators")
+TYPES = ("dflash", "dspark", "eagle3")
+DEFAULT_TOKENIZER = "smollm2-135m"  # the embedded target; its GGUF's tokenizer equals the converted F32 GGUF's
+MASK_KEY = "tokenizer.ggml.mask_token_id"
+DEFAULT_ROPE_THETA = 10000.0  # the references' default for a config without rope_theta (see dflash/checkpoint.py)
+
+LOST = {
+    "draft_vocab": ("draft-vocabulary restriction ({n} of {V} ids) dropped: the export drafts over the full "
+                    "vocabulary through the target's shared LM head. {where} restricts a draft vocabulary only "
+                    "with a draft-owned LM head (the target's head rows), which a drafter folder does not hold. "
+                    "Output is unchanged (the target verifies); llama.cpp measured the same tau either way"),
+    "temperatures": ("DSpark's calibrated per-position confidence temperatures dropped: {where} reads the raw "
+                     "sigmoid of the confidence head{how}"),
+}
+
+
+@dataclass
+class Source:
+    folder: Path
+    name: str
+    kind: str  # dflash | dspark | eagle3
+    config: dict
+    tensors: dict
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    format: str
+    kind: str
+    tensors: list = field(default_factory=list)  # names written
+    lost: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+
+# ---- reading a drafter folder --------------------------------------------------------------------------------
+def resolve_source(name_or_folder: str | os.PathLike) -> Path:
+    """A folder holding config.json, or the short name of a bundled drafter (drafters/checkpoints/<name>)."""
+    path = Path(name_or_folder).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        raise ConfigError(f"{path} has no config.json: not a drafter folder (give a drafter folder or a bundled "
+                          "drafter name)")
+    text = str(name_or_folder)
+    if "/" not in text and os.sep not in text:
+        found = bundled_checkpoint(text)
+        if found is not None:
+            return found
+    raise ConfigError(f"{text!r} is neither a drafter folder (with config.json) nor a bundled drafter; bundled: "
+                      f"{', '.join(bundled_checkpoints()) or 'none'}")
+
+
+def drafter_kind(config: dict, folder: Path) -> str:
+    kind = config.get("type")
+    if kind is None:  # an untouched hub folder: the registered drafters say whose layout it is
+        kind = detect_type({**config, "checkpoint": str(folder)})
+    if kind in TYPES:
+        return kind
+    if kind == "mfd":
+        raise ConfigError(f"{folder} is an MFD drafter: its mode embeddings and mixed tree have no llama.cpp or "
+                          "speculators counterpart (export a dflash, dspark or eagle3 drafter)")
+    raise ConfigError(f"{folder} is a {kind!r} drafter; only dflash, dspark and eagle3 drafters have weights to "
+                      "export")
+
+
+def load_source(name_or_folder) -> Source:
+    folder = resolve_source(name_or_folder)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{folder}/config.json is not valid JSON ({exc})") from exc
+    kind = drafter_kind(config, folder)
+    if kind == "eagle3" and (folder / "pytorch_model.bin").is_file():
+        tensors = dict(torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True))
+    else:
+        tensors = read_weights(folder, f"{kind} checkpoint")
+    return Source(folder, folder.name, kind, config, tensors)
+
+
+def _rope_theta(raw: dict, what: str) -> float:
+    """The default-RoPE theta of a config; any scaled RoPE is refused (neither export maps its parameters)."""
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in (None, "default"):
+        raise ConfigError(f"{what} uses {kind!r} RoPE scaling, which export does not map (only default RoPE)")
+    return float(rope.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA)))
+
+
+def _check_shapes(tensors: dict, expected: dict, src: Source, optional=()) -> None:
+    missing = sorted(k for k in expected if k not in tensors and k not in optional)
+    unexpected = sorted(k for k in tensors if k not in expected)
+    if missing or unexpected:
+        raise ConfigError(f"{src.folder} does not match its config.json as a {src.kind} drafter: missing "
+                          f"{missing[:6] or 'none'}, unexpected {unexpected[:6] or 'none'}")
+    for k, shape in expected.items():
+        if k in tensors and tuple(tensors[k].shape) != tuple(shape):
+            raise ConfigError(f"{src.folder}: tensor {k} has shape {tuple(tensors[k].shape)}, config.json implies "
+                              f"{tuple(shape)}")
+
+
+def dflash_spec(src: Source) -> tuple[dict, dict]:
+    """(hyper-parameters, tensors checked and normalised) of a DFlash or DSpark folder (z-lab / DeepSpec / ours).
+    The draft vocabulary and DeepSpec's frozen copies of the target's embed_tokens / lm_head are set aside."""
+    raw = src.config
+    arch = raw.get("architectures") or []
+    native = "Qwen3DSparkModel" in arch
+    dcfg = raw.get("dflash_config") or {}
+    opts = raw if native else dcfg
+    s = {"block_size": raw.get("block_size", dcfg.get("block_size")),
+         "mask_token_id": dcfg.get("mask_token_id", raw.get("mask_token_id")),
+         "target_layer_ids": dcfg.get("target_layer_ids", raw.get("target_layer_ids")),
+         "num_target_layers": raw.get("num_target_layers")}
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        s[key] = raw.get(key)
+    missing = [k for k, v in s.items() if v is None and k != "num_target_layers"]
+    if missing:
+        raise ConfigError(f"{src.folder}/config.json lacks {', '.join(missing)} (needed to export a {src.kind} "
+                          "drafter; target_layer_ids sit in dflash_config)")
+    tensors = {(k[6:] if k.startswith("model.") else k): v for k, v in src.tensors.items()}
+    H, L, heads = int(s["hidden_size"]), int(s["num_hidden_layers"]), int(s["num_attention_heads"])
+    qn = tensors.get("layers.0.self_attn.q_norm.weight")
+    hd = int(raw.get("head_dim") or (qn.shape[0] if qn is not None else H // heads))
+    s.update(head_dim=hd, num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
+             intermediate_size=int(raw.get("intermediate_size", 3 * H)),
+             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+             hidden_act=raw.get("hidden_act", "silu"), attention_bias=bool(raw.get("attention_bias", False)),
+             rope_theta=_rope_theta(raw, f"{src.folder}/config.json"), block_size=int(s["block_size"]),
+             mask_token_id=int(s["mask_token_id"]), target_layer_ids=[int(i) for i in s["target_layer_ids"]])
+    if s["hidden_act"] != "silu":
+        raise ConfigError(f"{src.folder}: hidden_act {s['hidden_act']!r}; the DFlash drafters here use silu")
+    if any(t != "full_attention" for t in raw.get("layer_types") or []):
+        raise ConfigError(f"{src.folder}: sliding-window draft layers ({raw['layer_types']}) are not exported")
+    kv, inter, V = s["num_key_value_heads"], s["intermediate_size"], int(s["vocab_size"])
+    expected = {"fc.weight": (H, len(s["target_layer_ids"]) * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(L):
+        p = f"layers.{i}."
+        expected.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                         p + "self_attn.q_proj.weight": (heads * hd, H), p + "self_attn.k_proj.weight": (kv * hd, H),
+                         p + "self_attn.v_proj.weight": (kv * hd, H), p + "self_attn.o_proj.weight": (H, heads * hd),
+                         p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                         p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+                         p + "mlp.down_proj.weight": (H, inter)})
+        if s["attention_bias"]:
+            expected.update({p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv * hd,),
+                             p + "self_attn.v_proj.bias": (kv * hd,), p + "self_attn.o_proj.bias": (H,)})
+    if src.kind == "dspark":
+        if any(a.startswith("Gemma4") for a in arch):
+            raise ConfigError(f"{src.folder}: a Gemma4 DSpark backbone is not exported (only the Qwen3 one)")
+        if not native and dcfg.get("projector_type", "dspark") != "dspark":
+            raise ConfigError(f"{src.folder}: dflash_config.projector_type {dcfg.get('projector_type')!r} is not "
+                              "'dspark'")
+        rank = opts.get("markov_rank", raw.get("markov_rank"))
+        if rank is None:
+            raise ConfigError(f"{src.folder}/config.json lacks markov_rank (DSpark configs carry it; 0 = none)")
+        conf = bool(opts.get("enable_confidence_head", raw.get("enable_confidence_head", False)))
+        with_markov = bool(opts.get("confidence_head_with_markov", raw.get("confidence_head_with_markov", False)))
+        head_type = opts.get("markov_head_type", raw.get("markov_head_type", "vanilla"))
+        alignment = opts.get("block_alignment", raw.get("block_alignment", "deepspec"))
+        if alignment not in ("zlab", "deepspec"):
+            raise ConfigError(f"{src.folder}: block_alignment {alignment!r} is not 'zlab' or 'deepspec'")
+        if int(rank) and head_type != "vanilla":
+            raise ConfigError(f"{src.folder}: markov_head_type {head_type!r}; only the vanilla Markov head exports")
+        s.update(markov_rank=int(rank), markov_head_type=head_type, confidence_head=conf,
+                 confidence_with_markov=conf and with_markov, alignment=alignment,
+                 confidence_temperatures=dcfg.get("confidence_temperatures"))
+        r = s["markov_rank"]
+        if r:
+            expected.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (V, r)})
+        if conf:
+            expected.update({"confidence_head.proj.weight": (1, H + (r if s["confidence_with_markov"] else 0)),
+                             "confidence_head.proj.bias": (1,)})
+    s["draft_vocab"] = tensors.pop("draft_vocab", None)
+    for name in ("embed_tokens.weight", "lm_head.weight"):  # DeepSpec's frozen copies of the target's
+        if name in tensors and tuple(tensors[name].shape) == (V, H):
+            tensors.pop(name)
+    _check_shapes(tensors, expected, src)
+    return s, tensors
+
+
+_EAGLE_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.", "model.midlayer.")
+
+
+def eagle3_spec(src: Source) -> tuple[dict, dict]:
+    """(hyper-parameters, tensors with EAGLE names: fc, midlayer.*, norm, lm_head, d2t, t2d, embed_tokens,
+    input_norm) of an EAGLE/SpecForge or speculators EAGLE3 folder."""
+    raw = src.config
+    specul = "transformer_layer_config" in raw
+    base = dict(raw["transformer_layer_config"]) if specul else raw
+    for flag in ("fc_norm", "norm_output"):
+        if raw.get(flag):
+            raise ConfigError(f"{src.folder}: {flag}=true is a speculators variant this project does not build")
+    aux = raw.get("eagle_aux_hidden_state_layer_ids")
+    if aux is None and isinstance(raw.get("eagle_config"), dict):
+        aux = raw["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
+    H = base.get("hidden_size")
+    V = base.get("vocab_size", raw.get("vocab_size"))
+    if H is None or V is None or "intermediate_size" not in base:
+        raise ConfigError(f"{src.folder}/config.json lacks hidden_size, intermediate_size or vocab_size: is this an "
+                          "EAGLE3 config.json?")
+    H, V = int(H), int(V)
+    heads = int(base.get("num_attention_heads", 1))
+    s = {"hidden_size": H, "vocab_size": V, "num_attention_heads": heads,
+         "num_key_value_heads": int(base.get("num_key_value_heads", heads)),
+         "intermediate_size": int(base["intermediate_size"]),
+         "head_dim": int(base.get("head_dim") or H // heads),
+         "draft_vocab_size": int(raw.get("draft_vocab_size", base.get("draft_vocab_size", V))),
+         "target_hidden_size": int(raw.get("target_hidden_size") or base.get("target_hidden_size") or H),
+         "rms_norm_eps": float(base.get("rms_norm_eps", 1e-5)),
+         "rope": dict(base.get("rope_scaling") or base.get("rope_parameters") or {}),
+         "max_position_embeddings": int(base.get("max_position_embeddings", 2048)),
+         "norm_before_residual": bool(raw.get("norm_before_residual", specul)),  # vLLM's default for speculators
+         "norm_before_fc": bool(raw.get("norm_before_fc", False)),
+         "attention_bias": bool(base.get("attention_bias", False)),
+         "hidden_act": base.get("hidden_act", "silu"),
+         # HF hidden_states indices: SpecForge ids name the output of layer i (= index i + 1); speculators' are
+         # vLLM capture ids (the input of layer i = index i)
+         "feature_layers": None if aux is None else [int(i) + (0 if specul else 1) for i in aux]}
+    rope_theta = base.get("rope_theta")
+    if rope_theta is None and isinstance(base.get("rope_parameters"), dict):
+        rope_theta = base["rope_parameters"].get("rope_theta")
+    s["rope_theta"] = float(rope_theta if rope_theta is not None else DEFAULT_ROPE_THETA)
+    if s["rope"].get("rope_type", s["rope"].get("type")) in (None, "default"):
+        s["rope"] = None  # plain RoPE: the theta says it all
+    else:
+        s["rope"].pop("rope_theta", None)
+    if s["hidden_act"] != "silu":
+        raise ConfigError(f"{src.folder}: EAGLE3 hidden_act {s['hidden_act']!r} (silu only)")
+    extra = sorted({k.split(".")[1] for k in src.tensors if k.startswith("layers.") and not k.startswith("layers.0.")}
+                   | {k.split(".")[2] for k in src.tensors if k.startswith("model.layers.")
+                      and not k.startswith("model.layers.0.")})
+    if extra:
+        raise ConfigError(f"{src.folder} holds draft layers {['0'] + extra}; an EAGLE3 head has one")
+    tensors = {}
+    for k, v in src.tensors.items():
+        name = k
+        for p in _EAGLE_PREFIXES:
+            if name.startswith(p):
+                name = "midlayer." + name[len(p):]
+                break
+        else:
+            if name.startswith("model."):
+                name = name[6:]
+        if name in tensors:
+            raise ConfigError(f"{src.folder} holds {k!r} twice under different layouts")
+        tensors[name] = v
+    DV, TH, kv, hd, inter = (s["draft_vocab_size"], s["target_hidden_size"], s["num_key_value_heads"],
+                             s["head_dim"], s["intermediate_size"])
+    expected = {"fc.weight": (H, 3 * TH), "norm.weight": (H, ), "lm_head.weight": (DV, H), "d2t": (DV,),
+                "t2d": (V,), "embed_tokens.weight": (V, H), "midlayer.input_layernorm.weight": (H,),
+                "midlayer.hidden_norm.weight": (H,), "midlayer.post_attention_layernorm.weight": (H,),
+                "midlayer.self_attn.q_proj.weight": (heads * hd, 2 * H),
+                "midlayer.self_attn.k_proj.weight": (kv * hd, 2 * H),
+                "midlayer.self_attn.v_proj.weight": (kv * hd, 2 * H),
+                "midlayer.self_attn.o_proj.weight": (H, heads * hd), "midlayer.mlp.gate_proj.weight": (inter, H),
+                "midlayer.mlp.up_proj.weight": (inter, H), "midlayer.mlp.down_proj.weight": (H, inter)}
+    if s["norm_before_fc"]:
+        expected["input_norm.weight"] = (3 * TH,)
+    if s["attention_bias"]:
+        expected.update({"midlayer.self_attn.q_proj.bias": (heads * hd,),
+                         "midlayer.self_attn.k_proj.bias": (kv * hd,), "midlayer.self_attn.v_proj.bias": (kv * hd,)})
+    optional = {"t2d", "embed_tokens.weight"} | ({"d2t"} if DV == V else set())
+    _check_shapes(tensors, expected, src, optional)
+    if "d2t" in tensors:
+        tid = torch.arange(DV) + tensors["d2t"].long()
+        if bool(((tid < 0) | (tid >= V)).any()) or tid.unique().numel() != DV:
+            raise ConfigError(f"{src.folder}: d2t maps draft ids outside 0..{V - 1} or twice onto one target id")
+        if DV == V:
+            if not bool((tid == torch.arange(V)).all()):
+                raise ConfigError(f"{src.folder}: a full-size d2t that permutes the vocabulary is not exported")
+            tensors.pop("d2t")  # the identity map: nothing to carry
+    tensors.pop("t2d", None)  # derived from d2t wherever it is needed
+    return s, tensors
+
+
+# ---- GGUF (llama.cpp) ---------------------------------------------------------------------------------------
+def _gguf():
+    try:
+        import gguf
+    except ImportError as exc:
+        raise ConfigError("export --to llama.cpp needs the gguf package: pip install gguf") from exc
+    return gguf
+
+
+def tokenizer_source(target: str | os.PathLike | None) -> Path:
+    """The GGUF whose tokenizer the draft GGUF copies: a .gguf path, or an embedded target's name."""
+    target = target or DEFAULT_TOKENIZER
+    path = Path(target).expanduser()
+    if path.is_file():
+        return path
+    from .target import EMBEDDED_TARGETS, embedded_gguf
+
+    if str(target) in EMBEDDED_TARGETS:
+        return embedded_gguf(str(target))
+    if path.is_dir():
+        raise ConfigError(f"--target {target} is a folder; give the target's GGUF file (the one llama.cpp runs): "
+                          "the draft GGUF copies its tokenizer")
+    raise ConfigError(f"--target {target!r} is neither a GGUF file nor an embedded target "
+                      f"({', '.join(EMBEDDED_TARGETS)})")
+
+
+def tokenizer_fields(path: Path) -> list[tuple]:
+    """(key, value, type, sub-type) of every ``tokenizer.*`` field of a GGUF, values exactly as stored (strings as
+    bytes). Parsed once per file version (a 49k-token vocabulary takes ~2 s to read)."""
+    path = Path(path)
+    st = path.stat()
+    return list(_tokenizer_fields(str(path.resolve()), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_fields(path: str, mtime_ns: int, size: int) -> tuple:
+    gguf = _gguf()
+    T = gguf.GGUFValueType
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001 - any parse failure names the file
+        raise ConfigError(f"{path} is not a readable GGUF ({type(exc).__name__}: {exc})") from exc
+    out = []
+    for key, f in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = f.types[0]
+        if kind == T.ARRAY:
+            if len(f.types) != 2:
+                continue  # nested arrays: no tokenizer field uses them
+            sub = f.types[1]
+            vals = [bytes(f.parts[i]) if sub == T.STRING else f.parts[i].tolist()[0] for i in f.data]
+            out.append((key, vals, kind, sub))
+        elif kind == T.STRING:
+            out.append((key, bytes(f.parts[f.data[0]]), kind, None))
+        else:
+            out.append((key, f.parts[f.data[0]].tolist()[0], kind, None))
+    if not any(k == "tokenizer.ggml.tokens" for k, *_ in out):
+        raise ConfigError(f"{path} holds no tokenizer (tokenizer.ggml.tokens): pass the target model's GGUF")
+    return tuple(out)
+
+
+def llama_rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF (NeoX halves) q/k projection rows -> llama.cpp's NORM RoPE order: per head, row i of the first half and
+    row i of the second half become rows 2i and 2i+1."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _gguf_array(t: torch.Tensor):
+    """A tensor -> (numpy array, raw GGML type or None). Dtypes are kept; 1-D float tensors widen to F32 (exact)."""
+    gguf = _gguf()
+    t = t.detach().cpu().contiguous()
+    if t.dtype in (torch.float16, torch.bfloat16, torch.float32) and t.dim() <= 1:
+        return t.float().numpy(), None
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16), gguf.GGMLQuantizationType.BF16
+    if t.dtype in (torch.float16, torch.float32, torch.int64):
+        return t.numpy(), None
+    raise ConfigError(f"tensor dtype {t.dtype} is not exported to GGUF (F16, BF16 or F32 weights)")
+
+
+def _write_gguf(out: Path, arch: str, kv: list, tensors: list) -> None:
+    gguf = _gguf()
+    tmp = out.with_name(out.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for key, val, vtype, sub in kv:
+        try:
+            writer.add_key_value(key, val, vtype, sub_type=sub)
+        except TypeError:  # gguf < 0.16 infers an array's item type (INT32 / FLOAT32 / STRING, as used here)
+            writer.add_key_value(key, val, vtype)
+    for name, t in tensors:
+        arr, raw = _gguf_array(t)
+        writer.add_tensor(name, arr, raw_dtype=raw)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out)  # a reader never sees a half-written file
+
+
+def _common_kv(arch: str, name: str, s: dict, n_layers: int, tokenizer: list) -> list:
+    from gguf import GGUFValueType as T
+
+    p = arch + "."
+    kv = [("general.name", name, T.STRING, None),
+          (p + "context_length", s["max_position_embeddings"], T.UINT32, None),
+          (p + "embedding_length", s["hidden_size"], T.UINT32, None),
+          (p + "block_count", n_layers, T.UINT32, None),
+          (p + "feed_forward_length", s["intermediate_size"], T.UINT32, None),
+          (p + "attention.head_count", s["num_attention_heads"], T.UINT32, None),
+          (p + "attention.head_count_kv", s["num_key_value_heads"], T.UINT32, None),
+          (p + "attention.key_length", s["head_dim"], T.UINT32, None),
+          (p + "attention.value_length", s["head_dim"], T.UINT32, None),
+          (p + "attention.layer_norm_rms_epsilon", s["rms_norm_eps"], T.FLOAT32, None),
+          (p + "rope.freq_base", s["rope_theta"], T.FLOAT32, None),
+          (p + "rope.dimension_count", s["head_dim"], T.UINT32, None),
+          (p + "vocab_size", s["vocab_size"], T.UINT32, None)]
+    return kv + tokenizer
+
+
+def _tokenizer_for(s: dict, target, src: Source, drop_mask: bool) -> list:
+    path = tokenizer_source(target)
+    fields = tokenizer_fields(path)
+    n = next(len(v) for k, v, *_ in fields if k == "tokenizer.ggml.tokens")
+    if n != int(s["vocab_size"]):
+        raise ConfigError(f"{src.folder} drafts over {s['vocab_size']} tokens but {path} has {n}: pass the GGUF of "
+                          "the target this drafter was trained for with --target")
+    return [f for f in fields if not (drop_mask and f[0] == MASK_KEY)]
+
+
+_DFLASH_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+                 "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                 "mlp.down_proj.weight": "ffn_down.weight"}
+GGUF_DFLASH_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
+                     "norm.weight": "output_norm.weight", "markov_head.markov_w1.weight": "markov_w1.weight",
+                     "markov_head.markov_w2.weight": "markov_w2.weight",
+                     "confidence_head.proj.weight": "conf_proj.weight", "confidence_head.proj.bias": "conf_proj.bias"}
+
+
+def gguf_dflash_name(name: str) -> str:
+    if name in GGUF_DFLASH_NAMES:
+        return GGUF_DFLASH_NAMES[name]
+    _, i, rest = name.split(".", 2)
+    return f"blk.{i}.{_DFLASH_LAYER[rest]}"
+
+
+def _dflash_gguf(src: Source, out: Path, target, dspark: bool) -> ExportResult:
+    from gguf import GGUFValueType as T
+
+    s, tensors = dflash_spec(src)
+    res = ExportResult(out, "llama.cpp", src.kind)
+    if s["attention_bias"]:
+        raise ConfigError(f"{src.folder}: attention_bias=true; llama.cpp's DFlash has no q/k/v/o biases")
+    sample_from_anchor = dspark and s["alignment"] == "deepspec"
+    if dspark and s["confidence_head"] and not s["confidence_with_markov"]:
+        for k in ("confidence_head.proj.weight", "confidence_head.proj.bias"):
+            tensors.pop(k)
+        res.lost.append("DSpark's confidence head (it reads no Markov embedding; llama.cpp loads one only as "
+                        "conf_proj over [hidden; markov_w1[prev]], with a Markov head) dropped: drafts are "
+                        "unchanged, --spec-draft-p-min is refused by llama.cpp")
+    has_conf = "confidence_head.proj.weight" in tensors
+    if dspark and s["markov_rank"] == 0:
+        res.notes.append("no Markov head: llama.cpp runs this as a plain DFlash block")
+    kv = _common_kv("dflash", src.name, s, int(src.config["num_hidden_layers"]),
+                    _tokenizer_for(s, target, src, drop_mask=True))
+    kv += [("dflash.block_size", s["block_size"], T.UINT32, None),
+           ("dflash.target_layers", [i + 1 for i in s["target_layer_ids"]], T.ARRAY, T.INT32),
+           ("dflash.sample_from_anchor", sample_from_anchor, T.BOOL, None),
+           (MASK_KEY, s["mask_token_id"], T.UINT32, None)]
+    if dspark:
+        kv.append(("dflash.has_confidence_head", has_conf, T.BOOL, None))
+    _lost_common(res, s, src, "llama.cpp", " and compares it with --spec-draft-p-min")
+    if dspark and s["markov_rank"]:
+        res.notes.append("llama.cpp chains the Markov head on the argmax draft even when sampling (T > 0); ours "
+                         "conditions on the sampled token")
+    if sample_from_anchor:
+        res.notes.append("DeepSpec block alignment (the anchor row drafts): run with --spec-type draft-dspark; "
+                         "draft-dflash reads rows 1.. and would be misaligned")
+    items = [(gguf_dflash_name(k), v) for k, v in tensors.items()]
+    _write_gguf(out, "dflash", kv, items)
+    res.tensors = [n for n, _ in items]
+    return res
+
+
+def _lost_common(res: ExportResult, s: dict, src: Source, where: str, how: str) -> None:
+    vocab = s.get("draft_vocab")
+    if vocab is not None and vocab.numel() < int(s["vocab_size"]):
+        res.lost.append(LOST["draft_vocab"].format(n=vocab.numel(), V=s["vocab_size"], where=where))
+    temps = s.get("confidence_temperatures")
+    if s.get("confidence_head") and temps is not None and any(abs(float(t) - 1.0) > 1e-9 for t in temps):
+        res.lost.append(LOST["temperatures"].format(where=where, how=how))
+
+
+def gguf_dflash(src: Source, out: Path, target=None) -> ExportResult:
+    """DFlash -> llama.cpp ``dflash`` GGUF (``--spec-type draft-dflash``)."""
+    return _dflash_gguf(src, out, target, dspark=False)
+
+
+def gguf_dspark(src: Source, out: Path, target=None) -> ExportResult:
+    """DSpark -> llama.cpp ``dflash`` GGUF with ``markov_w1/w2`` (+ ``conf_proj``) (``--spec-type draft-dspark``)."""
+    return _dflash_gguf(src, out, target, dspark=True)
+
+
+_EAGLE_GGUF = {"fc.weight": "fc.weight", "input_norm.weight": "enc.output_norm.weight",
+               "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+               "embed_tokens.weight": "token_embd.weight", "d2t": "d2t",
+               "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
+               "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+               "midlayer.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+               "midlayer.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+               "midlayer.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+               "midlayer.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+               "midlayer.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+               "midlayer.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
+               "midlayer.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+               "midlayer.mlp.down_proj.weight": "blk.0.ffn_down.weight"}
+
+
+def gguf_eagle3(src: Source, out: Path, target=None) -> ExportResult:
+    """EAGLE3 -> llama.cpp ``eagle3`` GGUF (``--spec-type draft-eagle3``)."""
+    from gguf import GGUFValueType as T
+
+    s, tensors = eagle3_spec(src)
+    if s["attention_bias"]:
+        raise ConfigError(f"{src.folder}: attention_bias=true; llama.cpp's EAGLE3 has no q/k/v biases")
+    if s["rope"]:
+        raise ConfigError(f"{src.folder}: RoPE scaling {s['rope']} is not exported (only default RoPE)")
+    if s["feature_layers"] is None:
+        raise ConfigError(f"{src.folder}/config.json names no eagle_aux_hidden_state_layer_ids; llama.cpp needs "
+                          "the target layers (add eagle_config.eagle_aux_hidden_state_layer_ids)")
+    if len(s["feature_layers"]) != 3:
+        raise ConfigError(f"{src.folder}: llama.cpp's EAGLE3 fuses exactly 3 target layers, the config names "
+                          f"{s['feature_layers']}")
+    res = ExportResult(out, "llama.cpp", "eagle3")
+    kv = _common_kv("eagle3", src.name, s, 1, _tokenizer_for(s, target, src, drop_mask=False))
+    kv += [("eagle3.target_layers", list(s["feature_layers"]), T.ARRAY, T.INT32),
+           ("eagle3.target_hidden_size", s["target_hidden_size"], T.UINT32, None),
+           ("eagle3.norm_before_residual", s["norm_before_residual"], T.BOOL, None),
+           ("eagle3.norm_before_fc", s["norm_before_fc"], T.BOOL, None)]
+    items = []
+    for k, v in tensors.items():
+        if k == "midlayer.self_attn.q_proj.weight":
+            v = llama_rope_permute(v, s["num_attention_heads"])
+        elif k == "midlayer.self_attn.k_proj.weight":
+            v = llama_rope_permute(v, s["num_key_value_heads"])
+        elif k == "d2t":
+            v = v.long() + torch.arange(v.numel())  # llama.cpp scatters by absolute target id
+        items.append((_EAGLE_GGUF[k], v))
+    res.notes.append("llama.cpp drafts one chain (--spec-draft-n-max), not this project's EAGLE-2 tree")
+    _write_gguf(out, "eagle3", kv, items)
+    res.tensors = [n for n, _ in items]
+    return res
+
+
+# ---- vLLM speculators ---------------------------------------------------------------------------------------
+def _proposal(tokens: int, verifier: str | None) -> dict:
+    archs = []
+    if verifier and (Path(verifier).expanduser() / "config.json").is_file():
+        archs = json.loads((Path(verifier).expanduser() / "config.json").read_text()).get("architectures") or []
+    return {"proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(archs)}}
+
+
+def _dtype_name(tensors: dict) -> str:
+    t = next((v for v in tensors.values() if v.is_floating_point() and v.dim() == 2), None)
+    return str(t.dtype).replace("torch.", "") if t is not None else "float16"
+
+
+def _layer_config(s: dict, model_type: str, n_layers: int, dtype: str, extra: dict) -> dict:
+    cfg = {"model_type": model_type, "vocab_size": int(s["vocab_size"]), "hidden_size": int(s["hidden_size"]),
+           "intermediate_size": s["intermediate_size"], "num_hidden_layers": n_layers,
+           "num_attention_heads": int(s["num_attention_heads"]), "num_key_value_heads": s["num_key_value_heads"],
+           "head_dim": s["head_dim"], "hidden_act": "silu", "rms_norm_eps": s["rms_norm_eps"],
+           "max_position_embeddings": s["max_position_embeddings"], "attention_bias": s["attention_bias"],
+           "rope_theta": s["rope_theta"], "rope_parameters": {"rope_type": "default", "rope_theta": s["rope_theta"]},
+           "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype}
+    cfg.update(extra)
+    return cfg
+
+
+def _write_speculators(out: Path, config: dict, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _dflash_speculators(src: Source, out: Path, verifier, tokens, dspark: bool) -> ExportResult:
+    s, tensors = dflash_spec(src)
+    res = ExportResult(out, "speculators", src.kind)
+    aux = [i + 1 for i in s["target_layer_ids"]]  # vLLM capture ids = HF hidden_states indices
+    n_target = s.get("num_target_layers")
+    if n_target is not None and int(n_target) in aux:
+        raise ConfigError(f"{src.folder}: target layer {int(n_target) - 1} is the target's last; speculators takes "
+                          "the last layer's state implicitly and has no aux id for it")
+    anchor = dspark and s["alignment"] == "deepspec"
+    L = int(src.config["num_hidden_layers"])
+    cfg = {"architectures": ["DSparkSpeculator" if dspark else "DFlashSpeculator"],
+           "speculators_model_type": "dspark" if dspark else "dflash",
+           "transformer_layer_config": _layer_config(s, "qwen3", L, _dtype_name(tensors),
+                                                     {"layer_types": ["full_attention"] * L}),
+           "draft_vocab_size": int(s["vocab_size"]), "block_size": s["block_size"],
+           "target_hidden_size": int(s["hidden_size"]), "aux_hidden_state_layer_ids": aux,
+           "mask_token_id": s["mask_token_id"], "sample_from_anchor": anchor}
+    if dspark:
+        cfg.update(markov_rank=s["markov_rank"], markov_head_type=s["markov_head_type"],
+                   enable_confidence_head=s["confidence_head"],
+                   confidence_head_with_markov=s["confidence_with_markov"])
+    default_tokens = s["block_size"] if anchor else s["block_size"] - 1
+    cfg["speculators_config"] = {"algorithm": cfg["speculators_model_type"],
+                                 **_proposal(tokens or default_tokens, verifier)}
+    _lost_common(res, s, src, "vLLM", " (speculators has no calibration field)")
+    if not verifier:
+        res.notes.append("no --verifier: speculators_config.verifier.name_or_path is null; serve with the target "
+                         "as vLLM's --model")
+    _write_speculators(out, cfg, tensors)
+    res.tensors = sorted(tensors)
+    return res
+
+
+def speculators_dflash(src: Source, out: Path, verifier=None, tokens=None) -> ExportResult:
+    """DFlash -> speculators ``dflash`` (z-lab's tensor names; the target's embeddings and head stay shared)."""
+    return _dflash_speculators(src, out, verifier, tokens, dspark=False)
+
+
+def speculators_dspark(src: Source, out: Path, verifier=None, tokens=None) -> ExportResult:
+    """DSpark -> speculators ``dspark`` (``markov_head.*``, ``confidence_head.*``; alignment as
+    ``sample_from_anchor``)."""
+    return _dflash_speculators(src, out, verifier, tokens, dspark=True)
+
+
+def speculators_eagle3(src: Source, out: Path, verifier=None, tokens=None) -> ExportResult:
+    """EAGLE3 -> speculators ``eagle3`` (``midlayer.*`` -> ``layers.0.*``, d2t offsets and t2d as speculators
+    stores them)."""
+    s, tensors = eagle3_spec(src)
+    if s["attention_bias"]:
+        raise ConfigError(f"{src.folder}: attention_bias=true (q/k/v biases, no o_proj bias) has no speculators "
+                          "layout")
+    res = ExportResult(out, "speculators", "eagle3")
+    V, DV = s["vocab_size"], s["draft_vocab_size"]
+    extra = {"rope_scaling": s["rope"]} if s["rope"] else {}
+    if s["rope"]:
+        extra["rope_parameters"] = {**s["rope"], "rope_theta": s["rope_theta"]}
+    cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+           "transformer_layer_config": _layer_config(s, "llama", 1, _dtype_name(tensors), {"mlp_bias": False, **extra}),
+           "draft_vocab_size": DV, "norm_before_residual": s["norm_before_residual"],
+           "norm_before_fc": s["norm_before_fc"], "target_hidden_size": s["target_hidden_size"]}
+    if s["feature_layers"] is not None:
+        cfg["eagle_aux_hidden_state_layer_ids"] = list(s["feature_layers"])
+    else:
+        res.notes.append("no aux layer ids in the config: vLLM uses its default (2, N//2, N-3), as this project")
+    cfg["speculators_config"] = {"algorithm": "eagle3", **_proposal(tokens or 3, verifier)}
+    out_t = {}
+    for k, v in tensors.items():
+        out_t["layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k] = v
+    if DV < V:
+        d2t = out_t["d2t"].long()
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[torch.arange(DV) + d2t] = True
+        out_t["d2t"], out_t["t2d"] = d2t, t2d
+    if not verifier:
+        res.notes.append("no --verifier: speculators_config.verifier.name_or_path is null; serve with the target "
+                         "as vLLM's --model")
+    res.notes.append("vLLM drafts one chain (num_speculative_tokens), not this project's EAGLE-2 tree")
+    _write_speculators(out, cfg, out_t)
+    res.tensors = sorted(out_t)
+    return res
+
+
+EXPORTERS = {("llama.cpp", "dflash"): gguf_dflash, ("llama.cpp", "dspark"): gguf_dspark,
+             ("llama.cpp", "eagle3"): gguf_eagle3, ("speculators", "dflash"): speculators_dflash,
+             ("speculators", "dspark"): speculators_dspark, ("speculators", "eagle3"): speculators_eagle3}
+
+
+# ---- the entry points ---------------------------------------------------------------------------------------
+def _check_out(out: Path, to: str, src: Source, force: bool) -> None:
+    if out.resolve() == src.folder.resolve() or src.folder.resolve() in out.resolve().parents:
+        raise ConfigError(f"--out {out} lies inside the source drafter folder {src.folder}; write elsewhere")
+    if to == "llama.cpp":
+        if out.is_dir():
+            raise ConfigError(f"--out {out} is a folder; --to llama.cpp writes one file (e.g. {out / src.name}.gguf)")
+        if out.exists() and not force:
+            raise ConfigError(f"--out {out} exists; pass --force to overwrite it")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return
+    if out.is_file():
+        raise ConfigError(f"--out {out} is a file; --to speculators writes a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ConfigError(f"--out {out} exists and is not empty; pass --force to overwrite its config.json and "
+                              "model.safetensors")
+        stray = [p.name for p in out.iterdir()
+                 if p.suffix in (".safetensors", ".bin") and p.name != "model.safetensors"]
+        if stray:
+            raise ConfigError(f"--out {out} holds other weights {stray}; a loader would read them too: remove them")
+
+
+def export(source, to: str, out, force: bool = False, target=None, verifier: str | None = None,
+           speculative_tokens: int | None = None) -> ExportResult:
+    """Export the drafter ``source`` (bundled name or folder) to ``to`` ("llama.cpp" or "speculators") at ``out``.
+    ``target``: the target's GGUF (or an embedded target name) whose tokenizer a GGUF copies (llama.cpp only);
+    ``verifier``: the target's HF id or folder recorded in a speculators config; ``speculative_tokens``: the
+    speculators proposal length (default: block_size - 1 for DFlash, 3 for EAGLE3)."""
+    if to not in FORMATS:
+        raise ConfigError(f"--to must be one of {', '.join(FORMATS)}, got {to!r}")
+    if speculative_tokens is not None and int(speculative_tokens) < 1:
+        raise ConfigError(f"--speculative-tokens must be >= 1, got {speculative_tokens}")
+    src = load_source(source)
+    out = Path(out).expanduser()
+    _check_out(out, to, src, force)
+    if to == "llama.cpp":
+        return EXPORTERS[(to, src.kind)](src, out, target)
+    return EXPORTERS[(to, src.kind)](src, out, verifier, speculative_tokens)
+
+
+def export_llamacpp(source, out, tokenizer_gguf=None, force: bool = True) -> Path:
+    """``source`` -> a llama.cpp draft GGUF at ``out`` (tokenizer from ``tokenizer_gguf``, default the embedded
+    target's GGUF); returns the path (what eval/llamacpp.py calls)."""
+    return export(source, "llama.cpp", out, force=force, target=tokenizer_gguf).path
+
+
+def spec_type(kind: str) -> str:
+    return {"dflash": "draft-dflash", "dspark": "draft-dspark", "eagle3": "draft-eagle3"}[kind]
+
+
+def main(argv=None) -> ExportResult:
+    ap = argparse.ArgumentParser(
+        description="Export a drafter to llama.cpp (a GGUF for llama-speculative-simple / llama-server -md) or to "
+                    "vLLM speculators (a folder). What does not survive the trip is printed.")
+    ap.add_argument("source", metavar="NAME_OR_FOLDER", help="a bundled drafter name or a drafter folder")
+    ap.add_argument("--to", required=True, choices=FORMATS)
+    ap.add_argument("--out", required=True, help="llama.cpp: the .gguf file to write; speculators: the folder")
+    ap.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    ap.add_argument("--target", default=None,
+                    help=f"llama.cpp: the target's GGUF (or an embedded target name) whose tokenizer the draft GGUF "
+                         f"copies (default {DEFAULT_TOKENIZER})")
+    ap.add_argument("--verifier", default=None,
+                    help="speculators: the target's HF id or folder, recorded as speculators_config.verifier")
+    ap.add_argument("--speculative-tokens", type=int, default=None,
+                    help="speculators: the greedy proposal length (default block_size - 1 for DFlash, block_size "
+                         "for anchor-drafting DSpark, 3 for EAGLE3)")
+    args = ap.parse_args(argv)
+    if args.to == "llama.cpp" and (args.verifier or args.speculative_tokens):
+        raise ConfigError("--verifier and --speculative-tokens apply to --to speculators")
+    if args.to == "speculators" and args.target:
+        raise ConfigError("--target applies to --to llama.cpp (speculators shares the target at serve time)")
+    res = export(args.source, args.to, args.out, force=args.force, target=args.target, verifier=args.verifier,
+                 speculative_tokens=args.speculative_tokens)
+    print(f"wrote {res.path} ({res.format}, {res.kind}, {len(res.tensors)} tensors)")
+    for line in res.lost:
+        print(f"  lost: {line}")
+    for line in res.notes:
+        print(f"  note: {line}")
+    if res.format == "llama.cpp":
+        print(f"  run:  llama-speculative-simple -m TARGET.gguf -md {res.path} --spec-type {spec_type(res.kind)} "
+              "--spec-draft-n-max N -p PROMPT")
+    return res
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

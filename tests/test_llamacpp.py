@@ -1,0 +1,255 @@
+"""llama.cpp as a peer (eval/llamacpp.py): the command line of every llamacpp preset, the parsing of a real
+llama-speculative-simple log (tests/data/llamacpp_ar_n32.*, recorded on the F32 SmolLM2 GGUF), the runner end to
+end against a fake binary replaying that log, the skip without a build, and the 'vs llama.cpp' column."""
+import json
+import stat
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from graft_block.errors import ConfigError
+from graft_block.eval import llamacpp as L
+from graft_block.eval import presets, report, run_block
+from graft_block.eval.methods import make_method
+
+DATA = Path(__file__).parent / "data"
+META = json.loads((DATA / "llamacpp_ar_n32.json").read_text())
+STDOUT = (DATA / "llamacpp_ar_n32.stdout").read_text()
+STDERR = (DATA / "llamacpp_ar_n32.stderr").read_text()
+
+
+@pytest.fixture(autouse=True)
+def no_build(monkeypatch):
+    monkeypatch.delenv(L.ENV, raising=False)
+    L.set_build(None)
+    yield
+    L.set_build(None)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(L.target_folder("smollm2-135m")), local_files_only=True)
+
+
+def _after(cmd, flag):
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_command_line_of_every_preset(tmp_path):
+    draft = tmp_path / "d.gguf"
+    want = {"llamacpp": ("ngram-simple", None), "llamacpp_ngram": ("ngram-simple", None),
+            "llamacpp_dflash": ("draft-dflash", "7"), "llamacpp_eagle3": ("draft-eagle3", "5"),
+            "llamacpp_dspark": ("draft-dspark", "7")}
+    assert set(presets.LLAMACPP) == set(want)
+    for name, (spec_type, n_max) in want.items():
+        cfg = presets.PRESETS[name]["llamacpp"]
+        spec = L.spec_args(cfg, draft if n_max else None, threads=2)
+        cmd = L.command("/b/llama-speculative-simple", "/m.gguf", "/p.txt", 80, 2, spec, 0.0, 7, 512)
+        assert cmd[0] == "/b/llama-speculative-simple" and _after(cmd, "-m") == "/m.gguf"
+        assert _after(cmd, "-f") == "/p.txt" and "--no-escape" in cmd  # code keeps its backslashes
+        assert _after(cmd, "-n") == "79"  # it stops after n + 1 tokens
+        assert _after(cmd, "-t") == "2" and _after(cmd, "-tb") == "2" and _after(cmd, "-c") == "512"
+        assert _after(cmd, "--temp") == "0" and _after(cmd, "--top-k") == "1" and _after(cmd, "--seed") == "7"
+        assert _after(cmd, "--spec-type") == spec_type
+        if n_max:
+            assert _after(cmd, "-md") == str(draft) and _after(cmd, "--spec-draft-n-max") == n_max
+            assert _after(cmd, "-td") == "2" and _after(cmd, "-tbd") == "2"
+            with pytest.raises(ConfigError, match="draft GGUF"):
+                L.spec_args(cfg, None)
+            hot = L.command("b", "m", "p", 80, 2, spec, 0.7, 1)
+            assert _after(hot, "--spec-draft-sampling") == "probabilistic" and _after(hot, "--top-k") == "0"
+        else:
+            assert "-md" not in cmd
+    ar = L.spec_args(presets.PRESETS["llamacpp"]["llamacpp"])
+    # AR: a 1024-token key with a 1-token value can never draft (ngram-simple drafts only when value >= key)
+    assert _after(ar, "--spec-ngram-simple-size-n") == "1024" and _after(ar, "--spec-ngram-simple-size-m") == "1"
+    ng = L.spec_args(presets.PRESETS["llamacpp_ngram"]["llamacpp"])
+    assert _after(ng, "--spec-ngram-simple-size-n") == "3" and _after(ng, "--spec-ngram-simple-size-m") == "10"
+    hot = L.command("b", "m", "p", 80, 2, ng, 1.0, 1)
+    assert _after(hot, "--temp") == "1" and "--spec-draft-sampling" not in hot
+    assert _after(L.command("b", "m", "p", 1, 2, ar), "-n") == "0"
+    with pytest.raises(ConfigError):
+        L.command("b", "m", "p", 0, 2, ar)
+    with pytest.raises(ConfigError, match="spec must be one of"):
+        L.spec_args({"spec": "draft-medusa"})
+    assert L.context_size(177, 32, 1) == 256 and L.context_size(300, 256, 16) == 768
+
+
+def test_parse_the_recorded_log():
+    log = L.parse_log(STDERR)
+    assert log == {"prompt_tokens": 177, "prefill_s": 3.903, "decoded": 32, "decode_s": 50.925, "speed": 0.628,
+                   "n_draft": 3, "n_predict": 32, "n_drafted": 0, "n_accept": 0}
+    rec = L.to_record(STDOUT, STDERR, META["prompt_text"], 32)
+    assert rec["decode_tokens"] == 32 and rec["decode_s"] == 50.925 and rec["rounds"] == 32 and rec["tau"] == 1.0
+    assert rec["decode_tok_s"] == pytest.approx(32 / 50.925) and rec["engine"] == "llama.cpp"
+    assert rec["llamacpp_text"].startswith("```python\ndef has_close_elements(") and not rec["llamacpp_text"].endswith(
+        "\n\n\n\n")
+    # a speculative log: 40 drafted, 12 accepted -> 32 tokens in 20 forwards
+    spec = STDERR.replace("n_drafted = 0", "n_drafted = 40").replace("n_accept  = 0", "n_accept  = 12")
+    rec = L.to_record(STDOUT, spec, META["prompt_text"], 32)
+    assert rec["rounds"] == 20 and rec["tau"] == pytest.approx(1.6) and rec["drafted"] == 40
+    with pytest.raises(ConfigError, match="'decoded'"):
+        L.parse_log(STDERR.replace("decoded", "did"))
+    with pytest.raises(ConfigError, match="echo the prompt"):
+        L.to_record(STDOUT, STDERR, "<|im_start|>user\nsomething else", 32)
+
+
+def test_recorded_tokens_match_our_ar(tokenizer):
+    """Prompt and answer parity on the recorded call: our template's ids as text -> llama.cpp got the same 177
+    tokens, and its greedy 32 tokens are our AR's (recorded beside the log)."""
+    assert L.prompt_text(tokenizer, META["prompt_ids"]) == META["prompt_text"]
+    assert tokenizer(META["prompt_text"], add_special_tokens=False)["input_ids"] == META["prompt_ids"]
+    rec = L.to_record(STDOUT, STDERR, META["prompt_text"], 32, tokenizer, len(META["prompt_ids"]))
+    assert rec["prompt_parity"] and rec["new_tokens"] == 32
+    assert rec["tokens"] == META["our_ar_tokens"]
+    # stopped early (n_predict < max new): the unprinted end-of-generation token is appended
+    early = STDERR.replace("n_predict = 32", "n_predict = 20")
+    assert L.to_record(STDOUT, early, META["prompt_text"], 40, tokenizer)["tokens"][-1] == tokenizer.eos_token_id
+    # a last round accepted past the end: 40 counted, 32 printed
+    late = STDERR.replace("n_predict = 32", "n_predict = 40")
+    assert L.to_record(STDOUT, late, META["prompt_text"], 40, tokenizer)["tokens"][-1] == tokenizer.eos_token_id
+    assert L.to_record(STDOUT, STDERR, META["prompt_text"], 32, tokenizer)["tokens"][-1] != tokenizer.eos_token_id
+    # a GGUF that adds BOS itself gets our prompt without its leading BOS
+    ids = [tokenizer.bos_token_id] + META["prompt_ids"][1:]
+    assert not L.prompt_text(tokenizer, ids, adds_bos=True).startswith("<|im_start|><|im_start|>")
+
+
+class _Target:
+    def __init__(self, tokenizer, name="smollm2-135m"):
+        self.tokenizer, self.name = tokenizer, name
+
+
+def _fake_build(tmp_path):
+    """A build folder whose llama-speculative-simple replays the recorded log and keeps its argv and prompt."""
+    binary = tmp_path / "build" / "bin" / L.BINARY
+    binary.parent.mkdir(parents=True)
+    binary.write_text(f"""#!{sys.executable}
+import json, sys
+argv = sys.argv[1:]
+prompt = open(argv[argv.index("-f") + 1], encoding="utf-8").read()
+json.dump({{"argv": argv, "prompt": prompt}}, open({str(tmp_path / "call.json")!r}, "w"))
+sys.stdout.write(open({str(DATA / "llamacpp_ar_n32.stdout")!r}).read())
+sys.stderr.write(open({str(DATA / "llamacpp_ar_n32.stderr")!r}).read())
+""")
+    binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    return tmp_path / "build"
+
+
+def test_runner_end_to_end_on_a_fake_build(tmp_path, tokenizer, monkeypatch):
+    import torch
+
+    build = _fake_build(tmp_path)
+    model = tmp_path / "target.gguf"
+    model.write_bytes(b"not a real gguf")
+    cfg = {**presets.PRESETS["llamacpp"]["llamacpp"], "model": str(model)}
+    target = _Target(tokenizer)
+    with pytest.raises(ConfigError, match="no llama.cpp build"):
+        L.llamacpp_runner(target, cfg)
+    monkeypatch.setenv(L.ENV, str(tmp_path / "elsewhere"))
+    with pytest.raises(ConfigError, match="no llama-speculative-simple under"):
+        L.llamacpp_runner(target, cfg)
+    for where in (build, build / "bin", build.parent):  # the build, its bin, or the source tree holding build/
+        assert L.find_binary(where) == build / "bin" / L.BINARY
+    L.set_build(str(build))  # --llamacpp beats the environment variable
+    with pytest.raises(ConfigError, match="no target GGUF"):
+        L.llamacpp_runner(target, {"spec": "none", "model": str(tmp_path / "missing.gguf")})
+    run = L.llamacpp_runner(target, cfg, threads=2)
+    rec = run(torch.tensor(META["prompt_ids"]), 32, 0.0, 0)
+    call = json.loads((tmp_path / "call.json").read_text())
+    assert call["prompt"] == META["prompt_text"] + "\n"  # -f drops one trailing newline
+    assert _after(call["argv"], "-n") == "31" and _after(call["argv"], "-m") == str(model)
+    assert rec["tokens"] == META["our_ar_tokens"] and rec["tau"] == 1.0 and rec["prompt_parity"]
+    assert rec["threads"] == 2
+    # drafter peers need their GGUF: without graft_block.export or a cached file they are skipped
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(sys.modules, "graft_block.export", None)  # import fails
+    with pytest.raises(ConfigError, match="graft_block.export is not available"):
+        L.llamacpp_runner(target, {**presets.PRESETS["llamacpp_dflash"]["llamacpp"], "model": str(model)})
+    # with it, the export is called once into the cache (tokenizer from the target's GGUF when there is one)
+    calls = []
+
+    def export_llamacpp(source, out, tokenizer_gguf=None):
+        calls.append((source, Path(out), tokenizer_gguf))
+        Path(out).write_bytes(b"gguf")
+        return Path(out)
+
+    monkeypatch.setitem(sys.modules, "graft_block.export", types.SimpleNamespace(export_llamacpp=export_llamacpp))
+    gg = L.gguf_dir() / "dflash-smollm2.gguf"
+    assert L.draft_gguf("dflash-smollm2") == gg and calls == [("dflash-smollm2", gg, None)]
+    assert L.draft_gguf("dflash-smollm2") == gg and len(calls) == 1  # cached
+    run = L.llamacpp_runner(target, {**presets.PRESETS["llamacpp_dflash"]["llamacpp"], "model": str(model)}, 2)
+    run(torch.tensor(META["prompt_ids"]), 32, 0.0, 0)
+    argv = json.loads((tmp_path / "call.json").read_text())["argv"]
+    assert _after(argv, "-md") == str(gg) and _after(argv, "--spec-type") == "draft-dflash"
+    with pytest.raises(ConfigError, match="not installed"):
+        L.draft_gguf("no-such-drafter")
+
+    def broken(source, out, tokenizer_gguf=None):
+        raise ValueError("llama.cpp has no draft vocabulary")
+
+    monkeypatch.setitem(sys.modules, "graft_block.export", types.SimpleNamespace(export_llamacpp=broken))
+    with pytest.raises(ConfigError, match="exporting eagle3-smollm2 .* failed: ValueError"):
+        L.draft_gguf("eagle3-smollm2")
+
+
+def test_skipped_without_a_build(monkeypatch):
+    """No --llamacpp and no GRAFT_BLOCK_LLAMACPP: every llama.cpp method is a one-line skip, not an error."""
+    target = _Target(None)
+    for name in presets.LLAMACPP:
+        with pytest.raises(ConfigError, match="no llama.cpp build"):
+            make_method(name, presets.PRESETS[name], target, None)
+    methods, skipped, _ = run_block.build_methods(list(presets.LLAMACPP), {}, target, [None], None, [], False)
+    assert methods == [] and set(skipped) == set(presets.LLAMACPP)
+    assert all("\n" not in why and "--llamacpp" in why for why in skipped.values())
+    # --llamacpp adds the peers to the suite's methods; --methods stays exactly what was asked
+    args = run_block.parse_args(["--llamacpp", "/x"])
+    assert run_block.method_names(args, presets.SUITES["quick"], {})[-len(presets.LLAMACPP):] == presets.LLAMACPP
+    args = run_block.parse_args(["--llamacpp", "/x", "--methods", "ar,llamacpp"])
+    assert run_block.method_names(args, presets.SUITES["quick"], {}) == ["ar", "llamacpp"]
+    assert not set(presets.LLAMACPP) & set(run_block.method_names(run_block.parse_args([]), presets.SUITES["full"],
+                                                                    {}))
+    rows = {r["name"]: r for r in presets.method_rows()}
+    assert rows["llamacpp"]["drafter"] == "llama.cpp AR" and rows["llamacpp"]["suites"] == "-"
+    assert rows["llamacpp_eagle3"]["drafter"] == "llama.cpp draft-eagle3 eagle3-smollm2 chain 5"
+    assert rows["llamacpp_ngram"]["drafter"] == "llama.cpp ngram-simple 3-gram, up to 10"
+
+
+def _rec(method, tok_s, tokens, pid="p0", engine=None, rounds=None):
+    r = {"method": method, "temperature": 0.0, "prompt_id": pid, "turn": 0, "decode_tokens": 10,
+         "decode_s": 10 / tok_s, "rounds": rounds or 10, "tokens": tokens}
+    if engine:
+        r["engine"] = engine
+    return r
+
+
+def test_vs_llamacpp_column_and_engine_losslessness():
+    from graft_block.eval.measure import pair_with
+
+    recs = [_rec("ar", 20.0, [1, 2]), _rec("pld", 30.0, [1, 2]), _rec("llamacpp", 40.0, [1, 3], engine="llama.cpp"),
+            _rec("llamacpp_ngram", 50.0, [1, 3], engine="llama.cpp", rounds=5),
+            _rec("llamacpp_dflash", 10.0, [1, 4], engine="llama.cpp")]
+    pair_with(recs)
+    rows = {r["method"]: r for r in report.summarize(recs)}
+    assert rows["pld"]["speedup_vs_llamacpp"] == pytest.approx(0.75)
+    assert rows["llamacpp"]["speedup"] == pytest.approx(2.0) and rows["llamacpp"]["speedup_vs_llamacpp"] == 1.0
+    assert rows["llamacpp_ngram"]["tau"] == 2.0 and rows["llamacpp_ngram"]["speedup_vs_llamacpp"] == 1.25
+    # llama.cpp's speculation is checked against llama.cpp's AR; differing from our AR is only counted
+    assert rows["llamacpp_ngram"]["mismatches"] == [] and rows["llamacpp_ngram"]["engine_differs"] == 1
+    assert rows["llamacpp_dflash"]["mismatches"] == ["p0#0"] and rows["pld"]["mismatches"] == []
+    table = report.markdown_table(list(rows.values()))
+    head = table.splitlines()[0]
+    assert "| speedup vs HF generate | speedup vs llama.cpp |" in head
+    assert all(line.count("|") == head.count("|") for line in table.splitlines())
+    assert "| 0.75 |" in next(line for line in table.splitlines() if line.startswith("| pld |"))
+    line = next(line for line in table.splitlines() if line.startswith("| llamacpp_ngram |"))
+    assert "ok vs llama.cpp AR (differs from our AR x1)" in line
+    assert "llama.cpp reference" in next(line for line in table.splitlines() if line.startswith("| llamacpp |"))
+    assert "llamacpp_dflash: differs from llama.cpp AR" in report.lossless_alarm(list(rows.values()))
+    # without llama.cpp's AR there is no column
+    plain = report.markdown_table(report.summarize([r for r in recs if r["method"] in ("ar", "pld")]))
+    assert "vs llama.cpp" not in plain and plain.splitlines()[1] == "|" + "---|" * 16
+
