@@ -6,6 +6,7 @@ aggregate beside the median and IQR of the per-prompt ratios, and a paired boots
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import inspect
 import json
@@ -164,6 +165,7 @@ def auto_budget(build, curve: dict, pilot_ids, candidates=(4, 8, 16, 32), max_ne
     rows = {}
     for b in candidates:
         r = build(b).run(pilot_ids, max_new_tokens, 0.0, 0)
+        gc.collect()  # the pilot's drafter and its weight layouts sit in reference cycles: free them before the next
         tau = r.get("tau") or 1.0
         rounds = r.get("rounds") or 0
         phases = r.get("phase_s") or {}
