@@ -139,6 +139,11 @@ def test_from_config_and_layer_override(tmp_path, tiny_llama):
     cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}  # SpecForge ids = output of layer i
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert Drafter.from_config(str(tmp_path), target=tiny_llama).feature_layers == (1, 2, 4)
+    head.cfg.aux_layer_ids = [0, 1, 3]  # the same layers in vLLM's speculators layout: capture ids 1, 2, 4
+    spec = tmp_path / "speculators"
+    save_head(head, spec, layout="speculators")
+    assert json.loads((spec / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    assert Drafter.from_config({"type": "eagle3", "checkpoint": str(spec)}, tiny_llama).feature_layers == (1, 2, 4)
     with pytest.raises(ConfigError, match="unknown eagle3 config keys"):
         Drafter.from_config({"type": "eagle3", "checkpoint": str(tmp_path), "bogus": 1}, tiny_llama)
     with pytest.raises(ConfigError, match="needs the target"):
@@ -152,7 +157,8 @@ def test_speculators_config_parsing():
         "transformer_layer_config": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                                      "num_key_value_heads": 2, "vocab_size": 128, "rope_theta": 5e5}})
     assert cfg.norm_before_residual and cfg.draft_vocab_size == 32 and cfg.target_hidden_size == 64
-    assert cfg.aux_layer_ids == [1, 5, 9] and cfg.rope_theta == 5e5 and cfg.head_dim == 16
+    # speculators (vLLM) capture ids name the input of a layer, HF hidden_states[i]: SpecForge's i - 1
+    assert cfg.aux_layer_ids == [0, 4, 8] and cfg.rope_theta == 5e5 and cfg.head_dim == 16
     eagle = Eagle3Config.from_dict({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                                     "num_key_value_heads": 2, "vocab_size": 128, "draft_vocab_size": 32})
     assert eagle.rope_theta == 10000.0 and not eagle.norm_before_residual  # draft's RoPE, not the target's

@@ -177,7 +177,7 @@ def save_head(head: Eagle3Head, out_dir: str | Path, extra_config: dict | None =
                "target_hidden_size": head.cfg.target_hidden_size,
                "norm_before_residual": head.cfg.norm_before_residual}
         if head.cfg.aux_layer_ids is not None:
-            cfg["eagle_aux_hidden_state_layer_ids"] = list(head.cfg.aux_layer_ids)
+            cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in head.cfg.aux_layer_ids]  # vLLM's ids
     cfg.update(extra_config or {})
     (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     return out

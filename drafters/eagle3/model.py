@@ -67,6 +67,8 @@ class Eagle3Config:
             if top.get(flag):
                 raise ConfigError(f"draft config sets {flag}=true, a speculators variant graft-block does not implement")
         aux = top.get("eagle_aux_hidden_state_layer_ids")
+        if aux is not None and speculators:  # vLLM's capture ids: the input of layer i (HF hidden_states[i])
+            aux = [int(i) - 1 for i in aux]
         if aux is None and isinstance(top.get("eagle_config"), dict):
             aux = top["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
         vocab = base.get("vocab_size", top.get("vocab_size"))
