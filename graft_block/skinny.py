@@ -227,6 +227,20 @@ class SkinnyWeight:
         _lib.pack(w.data_ptr(), self.packed.data_ptr(), self.out, self.n_in, torch.get_num_threads())
 
 
+@torch.library.custom_op("graft_block::skinny_linear", mutates_args=())
+def _linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The product as an op torch.compile can place in a graph (it fuses the small ops around it)."""
+    y = torch.empty(x.shape[0], out_features)
+    _lib.skinny_linear(packed.data_ptr(), x.data_ptr(), y.data_ptr(), out_features, x.shape[1], x.shape[0],
+                       torch.get_num_threads())
+    return y
+
+
+@_linear_op.register_fake
+def _(x, packed, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
 def linear(x: torch.Tensor, w: SkinnyWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the packed weight: x [..., in] float32 on CPU, a few rows in all."""
     if x.shape[-1] != w.n_in or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -234,6 +248,9 @@ def linear(x: torch.Tensor, w: SkinnyWeight, bias: torch.Tensor | None = None) -
                          f"{x.device}")
     lead = x.shape[:-1]
     x = x.reshape(-1, w.n_in).contiguous()
+    if torch.compiler.is_compiling():
+        y = _linear_op(x, w.packed, w.out)
+        return (y if bias is None else y + bias).view(*lead, w.out)
     y = torch.empty(x.shape[0], w.out)
     _lib.skinny_linear(w.packed.data_ptr(), x.data_ptr(), y.data_ptr(), w.out, w.n_in, x.shape[0],
                        torch.get_num_threads())

@@ -104,6 +104,12 @@ def test_compiled_layers_stay_lossless():
     assert compiled.engine_label == "lean-mkl-float32+compile"  # compiled graphs keep torch's own kernels
     prompt = [2, 7, 1, 8]
     assert SpeculativeDecoder(compiled).generate(prompt, max_new_tokens=24).tokens == hf_greedy(t, prompt, 24)
+    from graft_block import skinny
+
+    if ON_CPU and skinny.available():  # skinny is a custom op a compiled graph calls (onednn/openblas are refused)
+        thin = Target(t.model, None, engine="lean", compile=True, gemm="skinny")
+        assert thin.engine_label == "lean-skinny-float32+compile"
+        assert SpeculativeDecoder(thin).generate(prompt, max_new_tokens=24).tokens == hf_greedy(t, prompt, 24)
 
 
 def test_unsupported_models_say_which_engine_to_use():
