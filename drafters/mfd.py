@@ -221,7 +221,8 @@ class MFDDrafter(D.DFlashDrafter):
         mask = mode_block_mask(K, B, self.ctx_len, rows.dtype, dev)
         hidden = self.block_hidden(state, ids, block_embeds=rows, positions=pos, mask=mask).view(K, B, -1)
         self.last_gate = torch.softmax(self.model.gate_logits(hidden).float(), -1)
-        return self.model.logits(hidden[:, 1:], self._lm_w, self._lm_b, restricted=True)  # rows pre-gathered
+        return self.model.logits(hidden[:, 1:], self._lm_w, self._lm_b, restricted=True,  # rows pre-gathered
+                                 layouts=self._lm_layouts)
 
     @torch.inference_mode()
     def propose(self, state) -> Tree:

@@ -441,3 +441,19 @@ def test_smollm2_default_lossless(smollm2):
         # drafts really were accepted (so accepted paths were compacted) in every DDTree generation; a 15-token
         # chain may miss the whole 8-token EOS answer, so the chain must accept on the code prompt
         assert all(t > 1.0 for t in (taus if proposal == "ddtree" else taus[:1])), (proposal, taus)
+
+
+def test_drafters_on_one_target_share_the_gathered_head_rows(tiny_llama):
+    """Two drafters on the same target and draft vocabulary hold one gathered copy of the LM head's rows and one
+    set of its kernel layouts (each method of a run kept its own before); another vocabulary gets its own."""
+    from graft_block.drafters.dflash.drafter import head_rows
+
+    vocab = torch.tensor([3, 1, 4, 15, 9, 2, 6])
+    w1, b1, lay1 = head_rows(tiny_llama, vocab)
+    w2, _, lay2 = head_rows(tiny_llama, vocab.clone())
+    assert w1 is w2 and lay1 is lay2
+    assert torch.equal(w1, tiny_llama.model.get_output_embeddings().weight[vocab])
+    w3, _, lay3 = head_rows(tiny_llama, vocab[:4])
+    assert w3.shape[0] == 4 and lay3 is not lay1
+    full, _, _ = head_rows(tiny_llama, None)
+    assert full is tiny_llama.model.get_output_embeddings().weight  # no draft vocabulary: the head itself

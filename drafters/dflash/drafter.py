@@ -13,6 +13,8 @@ frozen like every target embedding.
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from graft_block.drafter import Drafter, check_budget, register
@@ -26,6 +28,22 @@ from .checkpoint import check_compatible, is_dflash_layout, load_checkpoint, new
 from . import training as dflash_training
 from .model import DFlashModel
 
+
+
+def head_rows(target, draft_vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """The target LM head's rows for a draft vocabulary (all rows for None), gathered once per target and shared
+    by every drafter on that vocabulary, with one dict for their kernel layouts: each DFlash / DSpark / MFD method
+    of a run kept its own gathered copy and layout before (2 x 38 MB each for SmolLM2 at 16k rows)."""
+    lm = target.model.get_output_embeddings()
+    w, b = lm.weight, getattr(lm, "bias", None)
+    ids = None if draft_vocab is None else draft_vocab.to(w.device)
+    key = (w.data_ptr(), w._version, None if ids is None else hashlib.sha1(ids.cpu().numpy().tobytes()).hexdigest())
+    shared = target.__dict__.setdefault("_draft_head_rows", {})
+    if key not in shared:
+        if ids is not None:  # gathered once, not every round
+            w, b = w[ids].detach(), None if b is None else b[ids].detach()
+        shared[key] = (w, b, {})
+    return shared[key]
 
 @register("dflash")
 class DFlashDrafter(Drafter):
@@ -57,12 +75,7 @@ class DFlashDrafter(Drafter):
         self.marginal_topk = int(marginal_topk)
         self.checkpoint = checkpoint
         self.feature_layers = model.feature_layers
-        lm = target.model.get_output_embeddings()
-        self._lm_w, self._lm_b = lm.weight, getattr(lm, "bias", None)
-        if model.draft_vocab is not None:  # gather the draft-vocab rows once, not every round
-            dv = model.draft_vocab.to(lm.weight.device)
-            self._lm_w = lm.weight[dv].detach()
-            self._lm_b = None if self._lm_b is None else self._lm_b[dv].detach()
+        self._lm_w, self._lm_b, self._lm_layouts = head_rows(target, model.draft_vocab)
         self.ctx_k: list[torch.Tensor] = []
         self.ctx_v: list[torch.Tensor] = []
         self.ctx_len = 0
@@ -141,7 +154,7 @@ class DFlashDrafter(Drafter):
         ids = torch.full((self.block_size,), self.model.mask_token_id, dtype=torch.long, device=self.target.device)
         ids[0] = state.root_token
         hidden = self.block_hidden(state, ids)[getattr(self.model, "draft_offset", 1):]
-        return ids, hidden, self.model.logits(hidden, self._lm_w, self._lm_b, restricted=True)
+        return ids, hidden, self.model.logits(hidden, self._lm_w, self._lm_b, restricted=True, layouts=self._lm_layouts)
 
     def block_logits(self, state) -> torch.Tensor:
         """Draft logits [B-1, V'] (V' = draft vocab or full) for rows 1..B-1, after ``denoise_steps`` passes."""
@@ -169,7 +182,8 @@ class DFlashDrafter(Drafter):
                 break
             block = ids.clone()
             block[1:][~still] = self.model.to_vocab_ids(cols[0][~still])
-            logits = self.model.logits(self.block_hidden(state, block)[1:], self._lm_w, self._lm_b, restricted=True)
+            logits = self.model.logits(self.block_hidden(state, block)[1:], self._lm_w, self._lm_b, restricted=True,
+                                       layouts=self._lm_layouts)
             out[still] = logits[still]
         return out
 

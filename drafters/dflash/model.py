@@ -149,15 +149,18 @@ class DFlashModel(nn.Module):
         return x[0] if unbatched else x
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, lm_head_bias=None,
-               restricted: bool = False) -> torch.Tensor:
+               restricted: bool = False, layouts: dict | None = None) -> torch.Tensor:
         """Target LM head on draft hidden states; columns = ``draft_vocab`` ids when present, else the full vocab.
-        ``restricted=True``: the weight (and bias) already hold only the draft-vocab rows (cached by the drafter)."""
+        ``restricted=True``: the weight (and bias) already hold only the draft-vocab rows (cached by the drafter).
+        ``layouts``: where the weight's kernel layouts are kept (shared by drafters on the same rows; else this
+        module's own)."""
         if self.draft_vocab is not None and not restricted:
             lm_head_weight = lm_head_weight[self.draft_vocab]
             lm_head_bias = None if lm_head_bias is None else lm_head_bias[self.draft_vocab]
             # a fresh gather every call: no layout worth keeping
             return F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight, lm_head_bias)
-        return inference_linear(hidden, lm_head_weight, lm_head_bias, self.kernel, laid_out(self))
+        return inference_linear(hidden, lm_head_weight, lm_head_bias, self.kernel,
+                                laid_out(self) if layouts is None else layouts)
 
     def to_vocab_ids(self, cols: torch.Tensor) -> torch.Tensor:
         """Logit column indices -> target token ids."""
