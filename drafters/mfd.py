@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graft_block.drafter import read_weights, register
+from graft_block.drafter import read_weights, register, shared_checkpoint
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree
 from graft_block.tree.ddtree import topk_logprobs
@@ -186,7 +186,8 @@ class MFDDrafter(D.DFlashDrafter):
         opts = {k: cfg.pop(k) for k in ("budget", "block_size", "marginal_topk", "score", "use_modes") if k in cfg}
         ckpt = cfg.pop("checkpoint", None)
         if ckpt is not None:
-            model, mcfg = load_checkpoint(ckpt, device=target.device, dtype=target.dtype)
+            model, mcfg = shared_checkpoint(target, "mfd", ckpt,
+                                            lambda: load_checkpoint(ckpt, device=target.device, dtype=target.dtype))
             opts.setdefault("score", mcfg.get("score", "best_mode"))
             return cls(target, model, checkpoint=str(ckpt), **opts)
         mode_keys = {k: cfg.pop(k) for k in ("num_modes", "mode_rows") if k in cfg}

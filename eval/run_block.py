@@ -188,6 +188,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         target = load_target(args.target, device=args.device, dtype=args.dtype, engine=args.engine,
                              compile=args.compile)
     curve = measure.verify_cost_curve(target, fresh=args.fresh_cost)
+    target.share_drafter_checkpoints = True  # methods only read their drafters' weights: one copy per checkpoint
     runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric)
     if rank == 0:
         for n, why in skipped.items():

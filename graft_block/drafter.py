@@ -28,6 +28,22 @@ def register(name: str):
     return deco
 
 
+def shared_checkpoint(target, kind: str, folder, load):
+    """``load()``, or the object an earlier drafter of this kind loaded from ``folder`` onto ``target``, when the
+    target opts in (``target.share_drafter_checkpoints = True``: the benchmark does, since its methods only read
+    their weights, and a bundled drafter named by three presets was three copies with three kernel layouts).
+    Off by default: a training run that starts from a checkpoint changes its weights in place."""
+    if not getattr(target, "share_drafter_checkpoints", False):
+        return load()
+    path = Path(folder).resolve()
+    stamp = max((f.stat().st_mtime_ns for f in path.glob("*.safetensors")), default=0) if path.is_dir() else 0
+    key = (kind, str(path), stamp, str(getattr(target, "dtype", "")))
+    shared = target.__dict__.setdefault("_shared_checkpoints", {})
+    if key not in shared:
+        shared[key] = load()
+    return shared[key]
+
+
 def read_weights(folder: str | Path, what: str = "checkpoint") -> dict:
     """All tensors of a checkpoint folder (``*.safetensors`` shards merged). A folder without weights or a file that
     is not valid safetensors raises ConfigError naming the file."""

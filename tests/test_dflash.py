@@ -457,3 +457,24 @@ def test_drafters_on_one_target_share_the_gathered_head_rows(tiny_llama):
     assert w3.shape[0] == 4 and lay3 is not lay1
     full, _, _ = head_rows(tiny_llama, None)
     assert full is tiny_llama.model.get_output_embeddings().weight  # no draft vocabulary: the head itself
+
+
+def test_a_target_that_opts_in_shares_loaded_checkpoints(tiny_llama, tmp_path):
+    """With ``share_drafter_checkpoints`` (the benchmark sets it) two drafters built from one folder hold one
+    model; without it (training starts from a checkpoint and changes it in place) each loads its own."""
+    from graft_block import Drafter
+    from graft_block.drafters.dflash import save_checkpoint
+
+    first = Drafter.from_config({"type": "dflash", "num_layers": 1, "target_layer_ids": [0, 1], "block_size": 4,
+                                 "seed": 0}, target=tiny_llama)
+    save_checkpoint(first.model, tmp_path)
+    cfg = {"type": "dflash", "checkpoint": str(tmp_path)}
+    try:
+        apart = [Drafter.from_config({**cfg, "proposal": p, "budget": 3}, target=tiny_llama) for p in ("chain", "ddtree")]
+        assert apart[0].model is not apart[1].model
+        tiny_llama.share_drafter_checkpoints = True
+        shared = [Drafter.from_config({**cfg, "proposal": p, "budget": 3}, target=tiny_llama) for p in ("chain", "ddtree")]
+        assert shared[0].model is shared[1].model and shared[0].proposal != shared[1].proposal
+    finally:
+        tiny_llama.share_drafter_checkpoints = False
+        tiny_llama.__dict__.pop("_shared_checkpoints", None)

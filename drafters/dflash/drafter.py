@@ -17,7 +17,7 @@ import hashlib
 
 import torch
 
-from graft_block.drafter import Drafter, check_budget, register
+from graft_block.drafter import Drafter, check_budget, register, shared_checkpoint
 from graft_block.engine import drafter_kernel
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree, chain
@@ -91,7 +91,8 @@ class DFlashDrafter(Drafter):
         ckpt = cfg.pop("checkpoint", None)
         if ckpt is not None:
             # what else cfg holds is the folder's config.json (architectures, torch_dtype, ...), not drafter options
-            model = load_checkpoint(ckpt, device=target.device, dtype=target.dtype)
+            model = shared_checkpoint(target, "dflash", ckpt,
+                                      lambda: load_checkpoint(ckpt, device=target.device, dtype=target.dtype))
             return cls(target, model, checkpoint=str(ckpt), **opts)
         init = {k: cfg.pop(k) for k in ("num_layers", "target_layer_ids", "mask_token_id", "seed", "num_features")
                 if k in cfg}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graft_block.drafter import register
+from graft_block.drafter import register, shared_checkpoint
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree
 from graft_block.tree.ddtree import conditional_ddtree
@@ -59,7 +59,8 @@ class DSparkDrafter(DFlashDrafter):
             raise ConfigError("dspark drafts in one backbone pass: denoise_steps must be 1")
         ckpt = cfg.pop("checkpoint", None)
         if ckpt is not None:
-            model = load_checkpoint(ckpt, device=target.device, dtype=target.dtype)
+            model = shared_checkpoint(target, "dspark", ckpt,
+                                      lambda: load_checkpoint(ckpt, device=target.device, dtype=target.dtype))
             if want is not None and want != model.alignment:
                 raise ConfigError(f"alignment {want!r} was asked for, but checkpoint {ckpt} was trained with "
                                   f"{model.alignment!r} rows: drop the option or use a matching checkpoint")
