@@ -9,7 +9,7 @@ additive ancestor mask over a view of the cache. ``Target`` calls it for prefill
 
 Small-row products: which BLAS is fastest at 1-16 rows depends on the CPU, by up to 2x, so on CPU fp32 the
 forward picks its matrix-product kernel by measuring the candidates once per machine (``choose_gemm``; cached
-under the user cache dir; ``GRAFT_BLOCK_GEMM=mkl|openblas|onednn``, or a pair such as ``onednn+skinny``,
+under the user cache dir; ``GRAFT_BLOCK_GEMM=mkl|openblas|onednn|skinny``, or a pair such as ``onednn+skinny``,
 overrides):
 - ``mkl``: torch's own ``F.linear``, plus MKL's packed GEMM (``cblas_sgemm_pack``, the kernel inductor's
   max-autotune picks on CPU) for the row buckets where it wins (8 and 16 on Intel Xeon: 1.3-1.5x). A pack serves
@@ -24,9 +24,10 @@ overrides):
   CPU vendor, oneDNN by instruction set, so on AMD EPYC (AVX-512) it is 2-2.5x MKL and OpenBLAS at 8-16 rows and
   within 10% of OpenBLAS at 1. One reordered copy serves every row count, and a row's output does not depend on
   how many rows share the product, so a decode step and a tree verify compute the same logits for the same prefix.
-- ``skinny`` (graft_block/skinny.py), for forwards of up to 17 rows only (decode steps, tree verifies): C built on
-  first use, on weights packed once into 32-output blocks; near the bandwidth floor at 1-8 rows, 1.2-1.8x oneDNN
-  at 1-16 rows on AMD EPYC. A row's output does not depend on the row count either.
+- ``skinny`` (graft_block/skinny.py), made for decode steps and tree verifies and able to run any forward: C built
+  on first use, on weights packed once into blocks of outputs sized for the CPU's vector registers; near the
+  bandwidth floor at 1-8 rows, 1.2-1.8x oneDNN at 1-16 rows on AMD EPYC, on par at 65. A row's output does not
+  depend on the row count either. As the main kernel it is the engine's only copy of the weights.
 Small forwards may use another kernel than the rest when that one is >= 10% faster over the row counts it covers
 and not over 5% slower at any: ``skinny`` up to the largest measured row count where that holds, another main
 kernel at 1 row only (a decode step). Only a kernel on the same thread pool qualifies (MKL, oneDNN and skinny
