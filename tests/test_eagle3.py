@@ -162,6 +162,11 @@ def test_speculators_config_parsing():
     eagle = Eagle3Config.from_dict({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                                     "num_key_value_heads": 2, "vocab_size": 128, "draft_vocab_size": 32})
     assert eagle.rope_theta == 10000.0 and not eagle.norm_before_residual  # draft's RoPE, not the target's
+    # transformers 5's rope_parameters carries the scaling too (and the theta, which stays its own field)
+    scaled = Eagle3Config.from_dict({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                                     "vocab_size": 128, "rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+                                                                            "rope_theta": 5e5}})
+    assert scaled.rope_scaling == {"rope_type": "llama3", "factor": 8.0} and scaled.rope_theta == 5e5
 
 
 # ---- untouched hub folders (no "type" key) -----------------------------------------------------------------

@@ -79,9 +79,11 @@ class Eagle3Config:
         rope_theta = base.get("rope_theta")
         if rope_theta is None and isinstance(base.get("rope_parameters"), dict):
             rope_theta = base["rope_parameters"].get("rope_theta")
-        scaling = base.get("rope_scaling")
+        scaling = base.get("rope_scaling") or base.get("rope_parameters")  # transformers 5 spells it the latter
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
             scaling = None
+        if scaling is not None:
+            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}  # rope_theta is a field of its own
         return cls(
             hidden_size=int(base["hidden_size"]),
             intermediate_size=int(base["intermediate_size"]),
