@@ -32,6 +32,7 @@ confidence temperatures. MFD has no counterpart in either project and is refused
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -150,10 +151,7 @@ def dflash_spec(src: Source) -> tuple[dict, dict]:
     """(hyper-parameters, tensors checked and normalised) of a DFlash or DSpark folder (z-lab / DeepSpec / ours).
     The draft vocabulary and DeepSpec's frozen copies of the target's embed_tokens / lm_head are set aside."""
     raw = src.config
-    arch = raw.get("architectures") or []
-    native = "Qwen3DSparkModel" in arch
     dcfg = raw.get("dflash_config") or {}
-    opts = raw if native else dcfg
     s = {"block_size": raw.get("block_size", dcfg.get("block_size")),
          "mask_token_id": dcfg.get("mask_token_id", raw.get("mask_token_id")),
          "target_layer_ids": dcfg.get("target_layer_ids", raw.get("target_layer_ids")),
@@ -165,7 +163,7 @@ def dflash_spec(src: Source) -> tuple[dict, dict]:
         raise ConfigError(f"{src.folder}/config.json lacks {', '.join(missing)} (needed to export a {src.kind} "
                           "drafter; target_layer_ids sit in dflash_config)")
     tensors = {(k[6:] if k.startswith("model.") else k): v for k, v in src.tensors.items()}
-    H, L, heads = int(s["hidden_size"]), int(s["num_hidden_layers"]), int(s["num_attention_heads"])
+    H, heads = int(s["hidden_size"]), int(s["num_attention_heads"])
     qn = tensors.get("layers.0.self_attn.q_norm.weight")
     hd = int(raw.get("head_dim") or (qn.shape[0] if qn is not None else H // heads))
     s.update(head_dim=hd, num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
@@ -179,45 +177,20 @@ def dflash_spec(src: Source) -> tuple[dict, dict]:
         raise ConfigError(f"{src.folder}: hidden_act {s['hidden_act']!r}; the DFlash drafters here use silu")
     if any(t != "full_attention" for t in raw.get("layer_types") or []):
         raise ConfigError(f"{src.folder}: sliding-window draft layers ({raw['layer_types']}) are not exported")
-    kv, inter, V = s["num_key_value_heads"], s["intermediate_size"], int(s["vocab_size"])
-    expected = {"fc.weight": (H, len(s["target_layer_ids"]) * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
-    for i in range(L):
-        p = f"layers.{i}."
-        expected.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-                         p + "self_attn.q_proj.weight": (heads * hd, H), p + "self_attn.k_proj.weight": (kv * hd, H),
-                         p + "self_attn.v_proj.weight": (kv * hd, H), p + "self_attn.o_proj.weight": (H, heads * hd),
-                         p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-                         p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
-                         p + "mlp.down_proj.weight": (H, inter)})
-        if s["attention_bias"]:
-            expected.update({p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv * hd,),
-                             p + "self_attn.v_proj.bias": (kv * hd,), p + "self_attn.o_proj.bias": (H,)})
+    from graft_block.drafters.dflash.checkpoint import model_from_config
+    from graft_block.drafters.dspark.checkpoint import dspark_options, model_from_dspark_config
+
+    where = f"{src.folder}/config.json"
     if src.kind == "dspark":
-        if any(a.startswith("Gemma4") for a in arch):
-            raise ConfigError(f"{src.folder}: a Gemma4 DSpark backbone is not exported (only the Qwen3 one)")
-        if not native and dcfg.get("projector_type", "dspark") != "dspark":
-            raise ConfigError(f"{src.folder}: dflash_config.projector_type {dcfg.get('projector_type')!r} is not "
-                              "'dspark'")
-        rank = opts.get("markov_rank", raw.get("markov_rank"))
-        if rank is None:
-            raise ConfigError(f"{src.folder}/config.json lacks markov_rank (DSpark configs carry it; 0 = none)")
-        conf = bool(opts.get("enable_confidence_head", raw.get("enable_confidence_head", False)))
-        with_markov = bool(opts.get("confidence_head_with_markov", raw.get("confidence_head_with_markov", False)))
-        head_type = opts.get("markov_head_type", raw.get("markov_head_type", "vanilla"))
-        alignment = opts.get("block_alignment", raw.get("block_alignment", "deepspec"))
-        if alignment not in ("zlab", "deepspec"):
-            raise ConfigError(f"{src.folder}: block_alignment {alignment!r} is not 'zlab' or 'deepspec'")
-        if int(rank) and head_type != "vanilla":
-            raise ConfigError(f"{src.folder}: markov_head_type {head_type!r}; only the vanilla Markov head exports")
-        s.update(markov_rank=int(rank), markov_head_type=head_type, confidence_head=conf,
-                 confidence_with_markov=conf and with_markov, alignment=alignment,
-                 confidence_temperatures=dcfg.get("confidence_temperatures"))
-        r = s["markov_rank"]
-        if r:
-            expected.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (V, r)})
-        if conf:
-            expected.update({"confidence_head.proj.weight": (1, H + (r if s["confidence_with_markov"] else 0)),
-                             "confidence_head.proj.bias": (1,)})
+        opts = dspark_options(raw, where)
+        if opts["markov_rank"] and opts["markov_head_type"] != "vanilla":
+            raise ConfigError(f"{src.folder}: markov_head_type {opts['markov_head_type']!r}; only the vanilla Markov "
+                              "head exports")
+        s.update(opts, confidence_temperatures=dcfg.get("confidence_temperatures"))
+    # the tensors a checkpoint of this config holds are the drafter model's own (the loader's strict check)
+    model = model_from_dspark_config(raw, where=where) if src.kind == "dspark" else model_from_config(raw)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    V, H = int(s["vocab_size"]), int(s["hidden_size"])
     s["draft_vocab"] = tensors.pop("draft_vocab", None)
     for name in ("embed_tokens.weight", "lm_head.weight"):  # DeepSpec's frozen copies of the target's
         if name in tensors and tuple(tensors[name].shape) == (V, H):
@@ -226,89 +199,37 @@ def dflash_spec(src: Source) -> tuple[dict, dict]:
     return s, tensors
 
 
-_EAGLE_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.", "model.midlayer.")
-
-
 def eagle3_spec(src: Source) -> tuple[dict, dict]:
-    """(hyper-parameters, tensors with EAGLE names: fc, midlayer.*, norm, lm_head, d2t, t2d, embed_tokens,
-    input_norm) of an EAGLE/SpecForge or speculators EAGLE3 folder."""
+    """(hyper-parameters, tensors with EAGLE names: fc, midlayer.*, norm, lm_head, d2t, embed_tokens, input_norm)
+    of an EAGLE/SpecForge or speculators EAGLE3 folder, read by the EAGLE3 loader's own parsing."""
+    from graft_block.drafters.eagle3.checkpoint import _normalise_keys
+    from graft_block.drafters.eagle3.model import Eagle3Config, Eagle3Head
+
     raw = src.config
-    specul = "transformer_layer_config" in raw
-    base = dict(raw["transformer_layer_config"]) if specul else raw
-    for flag in ("fc_norm", "norm_output"):
-        if raw.get(flag):
-            raise ConfigError(f"{src.folder}: {flag}=true is a speculators variant this project does not build")
-    aux = raw.get("eagle_aux_hidden_state_layer_ids")
-    if aux is None and isinstance(raw.get("eagle_config"), dict):
-        aux = raw["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
-    H = base.get("hidden_size")
-    V = base.get("vocab_size", raw.get("vocab_size"))
-    if H is None or V is None or "intermediate_size" not in base:
-        raise ConfigError(f"{src.folder}/config.json lacks hidden_size, intermediate_size or vocab_size: is this an "
-                          "EAGLE3 config.json?")
-    H, V = int(H), int(V)
-    heads = int(base.get("num_attention_heads", 1))
-    s = {"hidden_size": H, "vocab_size": V, "num_attention_heads": heads,
-         "num_key_value_heads": int(base.get("num_key_value_heads", heads)),
-         "intermediate_size": int(base["intermediate_size"]),
-         "head_dim": int(base.get("head_dim") or H // heads),
-         "draft_vocab_size": int(raw.get("draft_vocab_size", base.get("draft_vocab_size", V))),
-         "target_hidden_size": int(raw.get("target_hidden_size") or base.get("target_hidden_size") or H),
-         "rms_norm_eps": float(base.get("rms_norm_eps", 1e-5)),
-         "rope": dict(base.get("rope_scaling") or base.get("rope_parameters") or {}),
-         "max_position_embeddings": int(base.get("max_position_embeddings", 2048)),
-         "norm_before_residual": bool(raw.get("norm_before_residual", specul)),  # vLLM's default for speculators
-         "norm_before_fc": bool(raw.get("norm_before_fc", False)),
-         "attention_bias": bool(base.get("attention_bias", False)),
-         "hidden_act": base.get("hidden_act", "silu"),
-         # HF hidden_states indices: SpecForge ids name the output of layer i (= index i + 1); speculators' are
-         # vLLM capture ids (the input of layer i = index i)
-         "feature_layers": None if aux is None else [int(i) + (0 if specul else 1) for i in aux]}
-    rope_theta = base.get("rope_theta")
-    if rope_theta is None and isinstance(base.get("rope_parameters"), dict):
-        rope_theta = base["rope_parameters"].get("rope_theta")
-    s["rope_theta"] = float(rope_theta if rope_theta is not None else DEFAULT_ROPE_THETA)
-    if s["rope"].get("rope_type", s["rope"].get("type")) in (None, "default"):
-        s["rope"] = None  # plain RoPE: the theta says it all
-    else:
-        s["rope"].pop("rope_theta", None)
-    if s["hidden_act"] != "silu":
-        raise ConfigError(f"{src.folder}: EAGLE3 hidden_act {s['hidden_act']!r} (silu only)")
-    extra = sorted({k.split(".")[1] for k in src.tensors if k.startswith("layers.") and not k.startswith("layers.0.")}
-                   | {k.split(".")[2] for k in src.tensors if k.startswith("model.layers.")
-                      and not k.startswith("model.layers.0.")})
-    if extra:
-        raise ConfigError(f"{src.folder} holds draft layers {['0'] + extra}; an EAGLE3 head has one")
-    tensors = {}
-    for k, v in src.tensors.items():
-        name = k
-        for p in _EAGLE_PREFIXES:
-            if name.startswith(p):
-                name = "midlayer." + name[len(p):]
-                break
-        else:
-            if name.startswith("model."):
-                name = name[6:]
-        if name in tensors:
-            raise ConfigError(f"{src.folder} holds {k!r} twice under different layouts")
-        tensors[name] = v
-    DV, TH, kv, hd, inter = (s["draft_vocab_size"], s["target_hidden_size"], s["num_key_value_heads"],
-                             s["head_dim"], s["intermediate_size"])
-    expected = {"fc.weight": (H, 3 * TH), "norm.weight": (H, ), "lm_head.weight": (DV, H), "d2t": (DV,),
-                "t2d": (V,), "embed_tokens.weight": (V, H), "midlayer.input_layernorm.weight": (H,),
-                "midlayer.hidden_norm.weight": (H,), "midlayer.post_attention_layernorm.weight": (H,),
-                "midlayer.self_attn.q_proj.weight": (heads * hd, 2 * H),
-                "midlayer.self_attn.k_proj.weight": (kv * hd, 2 * H),
-                "midlayer.self_attn.v_proj.weight": (kv * hd, 2 * H),
-                "midlayer.self_attn.o_proj.weight": (H, heads * hd), "midlayer.mlp.gate_proj.weight": (inter, H),
-                "midlayer.mlp.up_proj.weight": (inter, H), "midlayer.mlp.down_proj.weight": (H, inter)}
-    if s["norm_before_fc"]:
-        expected["input_norm.weight"] = (3 * TH,)
-    if s["attention_bias"]:
-        expected.update({"midlayer.self_attn.q_proj.bias": (heads * hd,),
-                         "midlayer.self_attn.k_proj.bias": (kv * hd,), "midlayer.self_attn.v_proj.bias": (kv * hd,)})
-    optional = {"t2d", "embed_tokens.weight"} | ({"d2t"} if DV == V else set())
-    _check_shapes(tensors, expected, src, optional)
+    try:
+        cfg = Eagle3Config.from_dict(raw)
+        tensors = _normalise_keys(src.tensors)
+    except ConfigError as exc:
+        raise ConfigError(f"{src.folder}: {exc}") from None
+    if cfg.hidden_act != "silu":
+        raise ConfigError(f"{src.folder}: EAGLE3 hidden_act {cfg.hidden_act!r} (silu only)")
+    rope = dict(cfg.rope_scaling or {})
+    rope.pop("rope_theta", None)
+    s = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+         "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim,
+         "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+         "rms_norm_eps": cfg.rms_norm_eps, "rope": rope or None, "rope_theta": cfg.rope_theta,
+         "max_position_embeddings": cfg.max_position_embeddings,
+         "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
+         "attention_bias": cfg.attention_bias, "hidden_act": cfg.hidden_act,
+         # HF hidden_states indices: the config's ids are SpecForge's, the output of layer i (= index i + 1)
+         "feature_layers": None if cfg.aux_layer_ids is None else [int(i) + 1 for i in cfg.aux_layer_ids]}
+    V, DV = cfg.vocab_size, cfg.draft_vocab_size
+    # the tensors a checkpoint of this config holds are the head's own (RoPE sets no shape: built without it)
+    head = Eagle3Head(dataclasses.replace(cfg, rope_scaling=None), with_embedding="embed_tokens.weight" in tensors)
+    expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    _check_shapes(tensors, expected, src, {"t2d"} | ({"d2t"} if DV == V else set()))
     if "d2t" in tensors:
         tid = torch.arange(DV) + tensors["d2t"].long()
         if bool(((tid < 0) | (tid >= V)).any()) or tid.unique().numel() != DV:
