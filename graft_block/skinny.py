@@ -227,13 +227,18 @@ class SkinnyWeight:
         _lib.pack(w.data_ptr(), self.packed.data_ptr(), self.out, self.n_in, torch.get_num_threads())
 
 
-@torch.library.custom_op("graft_block::skinny_linear", mutates_args=())
-def _linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The product as an op torch.compile can place in a graph (it fuses the small ops around it)."""
+def _product(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [n, in] (contiguous) times the packed weight -> [n, out_features]."""
     y = torch.empty(x.shape[0], out_features)
     _lib.skinny_linear(packed.data_ptr(), x.data_ptr(), y.data_ptr(), out_features, x.shape[1], x.shape[0],
                        torch.get_num_threads())
     return y
+
+
+@torch.library.custom_op("graft_block::skinny_linear", mutates_args=())
+def _linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The product as an op torch.compile can place in a graph (it fuses the small ops around it)."""
+    return _product(x, packed, out_features)
 
 
 @_linear_op.register_fake
@@ -248,12 +253,7 @@ def linear(x: torch.Tensor, w: SkinnyWeight, bias: torch.Tensor | None = None) -
                          f"{x.device}")
     lead = x.shape[:-1]
     x = x.reshape(-1, w.n_in).contiguous()
-    if torch.compiler.is_compiling():
-        y = _linear_op(x, w.packed, w.out)
-        return (y if bias is None else y + bias).view(*lead, w.out)
-    y = torch.empty(x.shape[0], w.out)
-    _lib.skinny_linear(w.packed.data_ptr(), x.data_ptr(), y.data_ptr(), w.out, w.n_in, x.shape[0],
-                       torch.get_num_threads())
+    y = (_linear_op if torch.compiler.is_compiling() else _product)(x, w.packed, w.out)  # eager: no op dispatch
     if bias is not None:
         y.add_(bias)
     return y.view(*lead, w.out)
