@@ -22,7 +22,6 @@ How a call maps onto our measurement:
 """
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import re
@@ -103,15 +102,12 @@ def draft_gguf(name: str, target: str = "smollm2-135m") -> Path:
         return out
     if folder is None:
         raise ConfigError(f"bundled drafter {name!r} is not installed")
-    try:
-        export = importlib.import_module("graft_block.export").export_llamacpp
-    except (ImportError, AttributeError):
-        raise ConfigError(f"no draft GGUF {out} and graft_block.export is not available to make it "
-                          "(graft-block export --to llama.cpp)") from None
+    from graft_block.export import export_llamacpp
+
     tok = target_gguf(target)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        made = Path(export(name, out, tokenizer_gguf=str(tok) if tok.is_file() else None))
+        made = Path(export_llamacpp(name, out, tokenizer_gguf=str(tok) if tok.is_file() else None))
     except Exception as exc:  # noqa: BLE001 - any export failure skips the method, with its reason
         raise ConfigError(f"exporting {name} to a llama.cpp GGUF failed: {type(exc).__name__}: {exc}") from exc
     if not made.is_file():

@@ -164,12 +164,17 @@ def test_runner_end_to_end_on_a_fake_build(tmp_path, tokenizer, monkeypatch):
     assert _after(call["argv"], "-n") == "31" and _after(call["argv"], "-m") == str(model)
     assert rec["tokens"] == META["our_ar_tokens"] and rec["tau"] == 1.0 and rec["prompt_parity"]
     assert rec["threads"] == 2
-    # drafter peers need their GGUF: without graft_block.export or a cached file they are skipped
+    # drafter peers need their GGUF: when the export cannot make it (and no cached file exists) they are skipped
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setitem(sys.modules, "graft_block.export", None)  # import fails
-    with pytest.raises(ConfigError, match="graft_block.export is not available"):
+    import graft_block.export as E
+
+    def broken(source, out, tokenizer_gguf=None):
+        raise ValueError("no such tensor")
+
+    monkeypatch.setattr(E, "export_llamacpp", broken)
+    with pytest.raises(ConfigError, match="exporting dflash-smollm2 to a llama.cpp GGUF failed: ValueError"):
         L.llamacpp_runner(target, {**presets.PRESETS["llamacpp_dflash"]["llamacpp"], "model": str(model)})
-    # with it, the export is called once into the cache (tokenizer from the target's GGUF when there is one)
+    # a working export is called once into the cache (tokenizer from the target's GGUF when there is one)
     calls = []
 
     def export_llamacpp(source, out, tokenizer_gguf=None):
