@@ -446,25 +446,11 @@ def measure_gemms(weights: list[torch.Tensor], rows=GEMM_ROWS, reps: int = 5) ->
     the weights is made just before its runs and freed after them, so the measurement holds one extra copy at a
     time (all at once it was the main job's peak memory)."""
     out: dict[str, dict[int, float]] = {"mkl": {}, "mkl_packed": {}, "openblas": {}, "onednn": {}, "skinny": {}}
-    xs = {n: {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights} for n in rows}
+    xs = {n: {w.shape[1]: torch.randn(1, n, w.shape[1]) for w in weights} for n in rows}
 
-    def layouts(kind: str, n: int | None = None):
-        if kind == "openblas":
-            return [blas_weight(w) for w in weights]
-        return [kernel_weight(w, kind, n) for w in weights]
-
-    def product(kind: str, packs, n: int):
+    def time_it(kind: str, n: int, packs: list) -> None:  # through ``linear``, the call the forward makes
         x = xs[n]
-        if kind == "mkl":
-            return lambda: [F.linear(x[w.shape[1]], w) for w in weights]
-        if kind == "mkl_packed":
-            return lambda: [torch.ops.mkl._mkl_linear(x[w.shape[1]], p, w, None, n) for w, p in zip(weights, packs)]
-        if kind == "openblas":
-            xn = {k: v.numpy() for k, v in x.items()}
-            return lambda: [xn[a.shape[0]] @ a for a in packs]
-        return lambda: [linear(x[w.shape[1]][None], w, None, p) for w, p in zip(weights, packs)]
-
-    def time_it(kind: str, fn, n: int) -> None:
+        fn = lambda: [linear(x[w.shape[1]], w, None, p) for w, p in zip(weights, packs)]  # noqa: E731
         with torch_threads(1 if kind == "openblas" else None):
             fn(), fn()
             times = []
@@ -474,19 +460,16 @@ def measure_gemms(weights: list[torch.Tensor], rows=GEMM_ROWS, reps: int = 5) ->
                 times.append(time.perf_counter() - t0)
         out[kind][n] = statistics.median(times) * 1e3
 
-    kinds = ["mkl", "mkl_packed", "openblas", "onednn", "skinny"]
     built = {"mkl_packed": packed_gemm_available("cpu", torch.float32),
              "onednn": onednn_available("cpu", torch.float32), "skinny": skinny.available()}
-    for kind in (k for k in kinds if built.get(k, True)):
+    for kind in (k for k in out if built.get(k, True)):
         if kind == "mkl_packed":  # a pack serves one row count
             for n in (n for n in rows if n > 1):
-                packs = layouts(kind, n)
-                time_it(kind, product(kind, packs, n), n)
-                del packs
+                time_it(kind, n, [kernel_weight(w, kind, n) for w in weights])
             continue
-        packs = None if kind == "mkl" else layouts(kind)
+        packs = [kernel_weight(w, kind) for w in weights]  # MKL: None, F.linear on the weight itself
         for n in rows:
-            time_it(kind, product(kind, packs, n), n)
+            time_it(kind, n, packs)
         del packs
     return out
 
