@@ -4,7 +4,7 @@
     graft-block train ...       = python -m graft_block.drafters.train ...
     graft-block calibrate ...   = python -m graft_block.calibrate ...
     graft-block physics ...     = python -m graft_block.eval.physics ...   (bandwidth, peak, linear layers, verify)
-    graft-block export ...      = python -m graft_block.export ...   (a drafter to llama.cpp GGUF or vLLM speculators)
+    graft-block export ...      = python -m graft_block.drafters.export ...   (a drafter to llama.cpp GGUF or vLLM speculators)
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ COMMANDS = {
     "train": ("graft_block.drafters.train", "train a drafter (dflash, eagle3, mfd) with the shared loop"),
     "calibrate": ("graft_block.calibrate", "calibrate Graft's pruning thresholds"),
     "physics": ("graft_block.eval.physics", "bandwidth, matrix-product peak, linear layers vs verify"),
-    "export": ("graft_block.export", "export a drafter to llama.cpp (GGUF) or vLLM speculators"),
+    "export": ("graft_block.drafters.export", "export a drafter to llama.cpp (GGUF) or vLLM speculators"),
 }
 
 

@@ -90,7 +90,7 @@ def target_gguf(name: str) -> Path:
 
 def draft_gguf(name: str, target: str = "smollm2-135m") -> Path:
     """The GGUF of the bundled drafter ``name`` for llama.cpp: ``<cache>/llamacpp/<name>.gguf``, exported there on
-    demand (and again when the checkpoint is newer) through ``graft_block.export.export_llamacpp`` (= ``graft-block
+    demand (and again when the checkpoint is newer) through ``graft_block.drafters.export.export_llamacpp`` (= ``graft-block
     export --to llama.cpp``), the tokenizer copied from the target's GGUF. ConfigError (the method is skipped)
     when there is none and it cannot be made."""
     from graft_block.drafter import bundled_checkpoint
@@ -102,7 +102,7 @@ def draft_gguf(name: str, target: str = "smollm2-135m") -> Path:
         return out
     if folder is None:
         raise ConfigError(f"bundled drafter {name!r} is not installed")
-    from graft_block.export import export_llamacpp
+    from graft_block.drafters.export import export_llamacpp
 
     tok = target_gguf(target)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +111,7 @@ def draft_gguf(name: str, target: str = "smollm2-135m") -> Path:
     except Exception as exc:  # noqa: BLE001 - any export failure skips the method, with its reason
         raise ConfigError(f"exporting {name} to a llama.cpp GGUF failed: {type(exc).__name__}: {exc}") from exc
     if not made.is_file():
-        raise ConfigError(f"graft_block.export did not write {made}")
+        raise ConfigError(f"graft_block.drafters.export did not write {made}")
     return made
 
 

@@ -2,7 +2,7 @@
 speculators and is read back, tensor by tensor and key by key; bad input is refused with a message naming the fix.
 
 The names, shapes and layouts asserted here are llama.cpp's and speculators' (their loaders), written out again
-independently of graft_block/export.py's own tables."""
+independently of drafters/export.py's own tables."""
 import json
 
 import numpy as np
@@ -14,7 +14,7 @@ gguf = pytest.importorskip("gguf")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from graft_block import ConfigError  # noqa: E402
-from graft_block import export as ex  # noqa: E402
+from graft_block.drafters import export as ex  # noqa: E402
 from graft_block.drafter import bundled_checkpoint, read_weights  # noqa: E402
 
 T = gguf.GGUFValueType

@@ -166,7 +166,7 @@ def test_runner_end_to_end_on_a_fake_build(tmp_path, tokenizer, monkeypatch):
     assert rec["threads"] == 2
     # drafter peers need their GGUF: when the export cannot make it (and no cached file exists) they are skipped
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
-    import graft_block.export as E
+    import graft_block.drafters.export as E
 
     def broken(source, out, tokenizer_gguf=None):
         raise ValueError("no such tensor")
@@ -182,7 +182,7 @@ def test_runner_end_to_end_on_a_fake_build(tmp_path, tokenizer, monkeypatch):
         Path(out).write_bytes(b"gguf")
         return Path(out)
 
-    monkeypatch.setitem(sys.modules, "graft_block.export", types.SimpleNamespace(export_llamacpp=export_llamacpp))
+    monkeypatch.setitem(sys.modules, "graft_block.drafters.export", types.SimpleNamespace(export_llamacpp=export_llamacpp))
     gg = L.gguf_dir() / "dflash-smollm2.gguf"
     assert L.draft_gguf("dflash-smollm2") == gg and calls == [("dflash-smollm2", gg, None)]
     assert L.draft_gguf("dflash-smollm2") == gg and len(calls) == 1  # cached
@@ -196,7 +196,7 @@ def test_runner_end_to_end_on_a_fake_build(tmp_path, tokenizer, monkeypatch):
     def broken(source, out, tokenizer_gguf=None):
         raise ValueError("llama.cpp has no draft vocabulary")
 
-    monkeypatch.setitem(sys.modules, "graft_block.export", types.SimpleNamespace(export_llamacpp=broken))
+    monkeypatch.setitem(sys.modules, "graft_block.drafters.export", types.SimpleNamespace(export_llamacpp=broken))
     with pytest.raises(ConfigError, match="exporting eagle3-smollm2 .* failed: ValueError"):
         L.draft_gguf("eagle3-smollm2")
 

@@ -43,8 +43,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .drafter import bundled_checkpoint, bundled_checkpoints, detect_type, read_weights
-from .errors import ConfigError
+from graft_block.drafter import bundled_checkpoint, bundled_checkpoints, detect_type, read_weights
+from graft_block.errors import ConfigError
+
+from .dflash.checkpoint import model_from_config
+from .dspark.checkpoint import dspark_options, model_from_dspark_config
+from .eagle3.checkpoint import _normalise_keys
+from .eagle3.model import Eagle3Config, Eagle3Head
 
 FORMATS = ("llama.cpp", "speculators")
 TYPES = ("dflash", "dspark", "eagle3")
@@ -177,9 +182,6 @@ def dflash_spec(src: Source) -> tuple[dict, dict]:
         raise ConfigError(f"{src.folder}: hidden_act {s['hidden_act']!r}; the DFlash drafters here use silu")
     if any(t != "full_attention" for t in raw.get("layer_types") or []):
         raise ConfigError(f"{src.folder}: sliding-window draft layers ({raw['layer_types']}) are not exported")
-    from graft_block.drafters.dflash.checkpoint import model_from_config
-    from graft_block.drafters.dspark.checkpoint import dspark_options, model_from_dspark_config
-
     where = f"{src.folder}/config.json"
     if src.kind == "dspark":
         opts = dspark_options(raw, where)
@@ -202,9 +204,6 @@ def dflash_spec(src: Source) -> tuple[dict, dict]:
 def eagle3_spec(src: Source) -> tuple[dict, dict]:
     """(hyper-parameters, tensors with EAGLE names: fc, midlayer.*, norm, lm_head, d2t, embed_tokens, input_norm)
     of an EAGLE/SpecForge or speculators EAGLE3 folder, read by the EAGLE3 loader's own parsing."""
-    from graft_block.drafters.eagle3.checkpoint import _normalise_keys
-    from graft_block.drafters.eagle3.model import Eagle3Config, Eagle3Head
-
     raw = src.config
     try:
         cfg = Eagle3Config.from_dict(raw)
@@ -257,7 +256,7 @@ def tokenizer_source(target: str | os.PathLike | None) -> Path:
     path = Path(target).expanduser()
     if path.is_file():
         return path
-    from .target import EMBEDDED_TARGETS, embedded_gguf
+    from graft_block.target import EMBEDDED_TARGETS, embedded_gguf
 
     if str(target) in EMBEDDED_TARGETS:
         return embedded_gguf(str(target))
