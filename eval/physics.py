@@ -208,6 +208,7 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
     return {"target": str(target.name), "device": str(dev), "device_name": device_name(dev),
             "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "engine": measure.engine_label(target), "gemm": getattr(lean, "kernel_label", kernel),
+            "layers": "C" if getattr(lean, "fused", None) is not None else "torch",
             "gemm_times": getattr(lean, "gemm_times", None), "bandwidth_gbs": bw, "copy_mb": copy_mb, "peak_gflops": peak,
             "peak_n": peak_n, "linear": {"count": len(weights), "params": sum(w.numel() for w, _ in weights),
                                          "bytes": nbytes, "mem_floor_ms": 1e3 * mem_floor},
@@ -242,10 +243,14 @@ def format_report(p: dict) -> str:
     if p.get("gemm_times"):  # the engine's measured kernel choice: which product wins at which row count
         t = p["gemm_times"]
         per = "; ".join(f"{k} " + "/".join(_ms(t[k].get(n)) for n in sorted(t["mkl"])) for k in t if t[k])
-        lines.append(f"- products: {p['gemm']}, chosen by measuring one layer + the LM head at rows "
+        lines.append(f"- products: {p['gemm']}, chosen by measuring the weights a forward streams (first layers up "
+                     f"to 4x the last-level cache, >= 256 MB, + the LM head) at rows "
                      f"{'/'.join(str(n) for n in sorted(t['mkl']))} (ms): {per}")
     elif p.get("gemm"):
         lines.append(f"- products: {p['gemm']}")
+    if p.get("layers") == "C":
+        lines.append("- decoder layers: C (graft_block/skinny.py, every layer of a forward in one call); 'linear layers "
+                     "alone' below times one product per Python call, so it can exceed a whole verify")
     if p["non_gemm_share"] is not None:
         r1 = p["rows"][[r["n"] for r in p["rows"]].index(1)]
         lines.append(f"- non-GEMM share of a decode step: {100 * p['non_gemm_share']:.0f}% (verify(1) "

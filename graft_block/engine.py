@@ -28,6 +28,12 @@ overrides):
   on first use, on weights packed once into blocks of outputs sized for the CPU's vector registers; near the
   bandwidth floor at 1-8 rows, 1.2-1.8x oneDNN at 1-16 rows on AMD EPYC, on par at 65. A row's output does not
   depend on the row count either. As the main kernel it is the engine's only copy of the weights.
+When skinny runs every forward, the decoder layers run in C as well (``skinny.DecoderLayers``: norms, rope, the
+cache write, attention, SwiGLU and residuals around skinny's products, every layer of a forward in one call, keys
+cached transposed). The torch layers cost ~1,000 small ops a decode step, 3-4 ms of a 12-16 ms step on the 2-core
+AVX-512 EPYC; in C a step took 13.2 against 15.9 ms and a 17-row verify 20.7 against 24.7 ms (100 cached tokens,
+one process, interleaved). Each row is computed on its own, in an order that does not depend on the other rows, so
+decode steps and tree verifies keep the same bits. ``GRAFT_BLOCK_FUSED=0`` keeps the torch layers.
 Small forwards may use another kernel than the rest when that one is >= 10% faster over the row counts it covers
 and not over 5% slower at any: ``skinny`` up to the largest measured row count where that holds, another main
 kernel at 1 row only (a decode step). Only a kernel on the same thread pool qualifies (MKL, oneDNN and skinny
@@ -42,6 +48,7 @@ prompt, 96 tokens, 2026-12-02 20:57 UTC): the fused small ops did not repay the 
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import platform
@@ -148,6 +155,7 @@ class LeanForward:
         self.head_dim = first.head_dim
         self.scaling = first.scaling
         self.layers = []
+        self.model_layers = base.layers
         for lyr in base.layers:
             a, mlp = lyr.self_attn, lyr.mlp
             self.layers.append(dict(
@@ -202,6 +210,15 @@ class LeanForward:
         self.blas = self._reordered("openblas") if "openblas" in used else None
         self.dnn = self._reordered("onednn") if "onednn" in used else None  # one layout for every row count
         self.skinny = self._reordered("skinny") if "skinny" in used else None  # one packed copy, any row count
+        # when skinny runs every forward, every layer runs in C (skinny.DecoderLayers) unless GRAFT_BLOCK_FUSED=0;
+        # they keep the key cache transposed, so no forward may run the torch layers beside them
+        self.fused, self.fused_why_not = None, "not every forward on the skinny kernel"
+        if gemm == gemm_small == "skinny" and not compile:
+            self.fused_why_not = ("GRAFT_BLOCK_FUSED=0" if os.environ.get("GRAFT_BLOCK_FUSED", "1") == "0" else
+                                  skinny.layers_unsupported(cfg.hidden_size, self.heads, self.kv_heads,
+                                                            self.head_dim, cfg.intermediate_size))
+            if self.fused_why_not is None:
+                self.fused = self._decoder_layers(cfg)
         if used & {"mkl", "torch"}:  # F.linear runs on fused q/k/v and gate/up, which HF's modules then view
             for w in self.layers:
                 for k in ("qkv", "gu"):
@@ -220,6 +237,18 @@ class LeanForward:
         out.append({"head": kernel_weight(self.head.weight, kernel, rows)})
         return out
 
+    def _decoder_layers(self, cfg) -> "skinny.DecoderLayers":
+        mods = [lyr.self_attn for lyr in self.model_layers]
+        qn = [getattr(a, "q_norm", None) for a in mods]
+        layers = [dict(ln1=w["ln1"], ln2=w["ln2"], qkv=p["qkv"], o=p["o"], gu=p["gu"], d=p["d"], qkv_b=w["qkv_b"],
+                       o_b=w["o_b"], gu_b=w["gu_b"], d_b=w["d_b"],
+                       q_norm=None if w["q_norm"] is None else w["q_norm"].weight,
+                       k_norm=None if w["k_norm"] is None else w["k_norm"].weight)
+                  for w, p in zip(self.layers, self.skinny)]
+        qk_eps = qn[0].variance_epsilon if qn[0] is not None else 0.0
+        return skinny.DecoderLayers(layers, cfg.hidden_size, self.heads, self.kv_heads, self.head_dim,
+                                    cfg.intermediate_size, self.layers[0]["eps"], qk_eps, self.scaling)
+
     def bucket(self, n: int) -> int | None:
         """The packed row count a forward of n rows is padded to (None: plain F.linear)."""
         r = next((r for r in self.packs if r >= n), None)
@@ -228,31 +257,39 @@ class LeanForward:
 
     # ---- cache -------------------------------------------------------------------------------------------
     def _reserve(self, total: int) -> None:
-        cap = 0 if self.k is None else self.k.shape[2]
+        cap = 0 if self.v is None else self.v.shape[2]
         if total <= cap:
             return
         new_cap = min(max(256, 1 << (total - 1).bit_length()), max(total, self.max_positions))
         shape = (len(self.layers), self.kv_heads, new_cap, self.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.fused is not None:  # the C layers keep the keys transposed, [head_dim][rows] per kv head
+            k = torch.zeros(skinny.key_cache_shape(*shape[:2], self.head_dim, new_cap), dtype=self.dtype)
+        else:
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.k is not None and self.len:
-            k[:, :, : self.len] = self.k[:, :, : self.len]
+            self._keys(k)[:, :, : self.len] = self._keys(self.k)[:, :, : self.len]
             v[:, :, : self.len] = self.v[:, :, : self.len]
         self.k, self.v = k, v
+
+    def _keys(self, k: torch.Tensor) -> torch.Tensor:
+        """The key cache as [layers, kv_heads, cap, head_dim] (a view: the C layers keep it transposed)."""
+        return k.transpose(2, 3)[:, :, : self.v.shape[2]] if self.fused is not None else k
 
     def reset(self) -> None:
         self.len = 0
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached keys and values of one layer, [kv_heads, len, head_dim] each (for tests and tools)."""
-        return self.k[layer, :, : self.len], self.v[layer, :, : self.len]
+        return self._keys(self.k)[layer, :, : self.len], self.v[layer, :, : self.len]
 
     def compact(self, n_new: int, keep: torch.Tensor) -> None:
         base = self.len - n_new
         m = int(keep.numel())
         if not torch.equal(keep, torch.arange(m, device=keep.device)):
             idx = keep.to(self.device) + base
-            self.k[:, :, base : base + m] = self.k[:, :, idx]
+            keys = self._keys(self.k)
+            keys[:, :, base : base + m] = keys[:, :, idx]
             self.v[:, :, base : base + m] = self.v[:, :, idx]
         self.len = base + m
 
@@ -291,6 +328,8 @@ class LeanForward:
     def _forward(self, ids, pos, mask, features, last_only, n, start, causal, rows, kernel):
         m = ids.numel()
         self._reserve(start + m)
+        if self.fused is not None:
+            return self._fused_forward(ids, pos, mask, features, last_only, start)
         x = F.embedding(ids.view(1, -1), self.embed)  # [1, m, H]
         cos, sin = self.rotary(x, pos.view(1, -1))
         want = set(features)
@@ -314,6 +353,28 @@ class LeanForward:
             logits = linear(h, self.head.weight, self.head.bias, packs[-1]["head"])[0, :n]
         else:
             logits = self.head(h)[0]
+        return logits, [got[f] for f in features]
+
+
+    def _fused_forward(self, ids, pos, mask, features, last_only, start):
+        """``_forward`` with every decoder layer in C (``skinny.DecoderLayers``): one call, no small torch ops."""
+        n = ids.numel()
+        x = F.embedding(ids, self.embed).contiguous()  # [n, H], updated in place by the layers
+        cos, sin = self.rotary(x[None], pos.view(1, -1))
+        nl = len(self.layers)
+        got = {0: x.clone()} if 0 in features else {}
+        outs = {i - 1: torch.empty_like(x) for i in set(features) if 0 < i < nl}
+        if mask is not None:
+            mask = mask.reshape(n, start + n).contiguous()
+        self.fused.run(x, cos[0].contiguous(), sin[0].contiguous(), self.k, self.v, start, mask, outs)
+        self.len = start + n
+        got.update({i + 1: t for i, t in outs.items()})
+        h = _rms(x, self.norm_w, self.eps)
+        if nl in features:
+            got[nl] = h
+        if last_only:
+            h = h[n - 1 :]
+        logits = linear(h[None], self.head.weight, self.head.bias, self.skinny[-1]["head"])[0]
         return logits, [got[f] for f in features]
 
 
@@ -528,13 +589,43 @@ def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str, int]:
     return (best, (buckets if best == "mkl" else ())) + partner(best)
 
 
+STREAM_BYTES = 256 << 20  # the least weight a kernel measurement reads per pass, and 4x the last-level cache
+
+
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache in bytes (0 when sysfs does not say)."""
+    sizes = []
+    for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(f).read().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
+        except (OSError, ValueError):
+            pass
+    return max(sizes, default=0)
+
+
+def streamed_weights(lean: "LeanForward") -> list[torch.Tensor]:
+    """The weights a kernel measurement pushes its rows through: the first decoder layers' (q/k/v and gate/up
+    fused) until they outweigh the last-level cache 4x (at least 256 MB, at most every layer), then the LM head.
+    A forward streams its weights from memory; one layer alone (14 MB for SmolLM2) sits in a 32 MB cache, and
+    measured that way oneDNN tied skinny on the AVX-512 EPYC (2.5 / 3.1 / 4.2 ms at 1 / 9 / 17 rows) while over
+    every layer skinny read 1.13x faster at one row (9.6 against 10.9 ms) and 1.10x at 65."""
+    need, got, out = max(STREAM_BYTES, 4 * last_level_cache_bytes()), 0, []
+    for w in lean.layers:
+        for k in ("qkv", "o", "gu", "d"):
+            out.append(_weight(w, k).detach())
+            got += out[-1].numel() * out[-1].element_size()
+        if got >= need:
+            break
+    return out + [lean.head.weight.detach()]
+
+
 def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, int]:
-    """Measure the kernels on one decoder layer's weights and the LM head (the shapes of every product), once per
-    machine, torch/numpy build, thread count and model shape; the choice is cached under the user cache dir.
-    OpenBLAS does not compete when numpy loaded before graft_block (``import torch`` first loads it): its idle
+    """Measure the kernels on the weights a forward streams (``streamed_weights``), once per machine, torch/numpy
+    build, thread count and model shape; the choice is cached under the user cache dir. OpenBLAS does not compete when numpy loaded before graft_block (``import torch`` first loads it): its idle
     threads then spin ~0.1 s after each product and slow torch's next ops 2x (measured: an 8-row verify after a
     one-row OpenBLAS forward)."""
-    weights = [_weight(lean.layers[0], k).detach() for k in ("qkv", "o", "gu", "d")] + [lean.head.weight.detach()]
+    weights = streamed_weights(lean)
     spins = graft_block.OPENBLAS_TIMEOUT_LATE
     key = {"cpu": device_name("cpu"), "torch": torch.__version__, "numpy": np.__version__,
            "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights],

@@ -38,8 +38,11 @@ def test_report_has_every_field_and_sane_numbers(phys):
     # an automatic kernel choice prints what it measured, so the report says which kernel won where
     times = {"mkl": {1: 50.0, 8: 70.0}, "mkl_packed": {8: 94.0}, "openblas": {1: 26.0, 8: 51.0}}
     chosen = physics.format_report({**phys, "gemm_times": times})
-    assert "- products: openblas, chosen by measuring one layer + the LM head at rows 1/8 (ms): mkl 50.0/70.0; " \
-           "mkl_packed -/94.0; openblas 26.0/51.0" in chosen
+    assert "- products: openblas, chosen by measuring the weights a forward streams (first layers up to 4x the " \
+           "last-level cache, >= 256 MB, + the LM head) at rows 1/8 (ms): mkl 50.0/70.0; mkl_packed -/94.0; " \
+           "openblas 26.0/51.0" in chosen
+    assert "- decoder layers: C" not in chosen  # OpenBLAS runs the torch layers
+    assert "- decoder layers: C (graft_block/skinny.py" in physics.format_report({**phys, "layers": "C"})
     # the lean engine is compared with HF's eager forward in the same run, row by row
     for r in phys["rows"]:  # timed alternately, rep by rep: the gain is a median of paired ratios
         assert r["eager_ms"] > 0 and r["paired_ms"] > 0 and 0.1 < r["engine_gain"] < 10
