@@ -44,6 +44,24 @@ SOURCE = r"""
 typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
 #define LD(p) (*(const vec *)(p))
 #define BO (NV * VW)  /* outputs per packed block */
+/* Weights stored in half precision (a drafter checkpoint's fp16 values, exact) are packed as such and widened on
+   load: half the bytes a product streams, the same products */
+#if defined(__AVX512F__) && VW == 16
+#include <immintrin.h>
+#define HALF 1
+#define LDH(p) ((vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p))))
+#elif defined(__F16C__) && VW == 8
+#include <immintrin.h>
+#define HALF 1
+#define LDH(p) ((vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
+#elif defined(__F16C__) && VW == 4
+#include <immintrin.h>
+#define HALF 1
+#define LDH(p) ((vec)_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p))))
+#else
+#define HALF 0
+#define LDH(p) ((vec){0})  /* never called: half_weights() says 0 and the caller packs float32 */
+#endif
 
 /* P = W [out, in] packed as [ceil(out / BO)][in][BO], outputs past `out` zero */
 void pack(const float *W, float *P, long out, long in, int threads) {
@@ -58,14 +76,15 @@ void pack(const float *W, float *P, long out, long in, int threads) {
 
 /* Y[g, o0 + j] = sum_k X[g, k] W[o0 + j, k] for g < G, j < BO: one accumulator per output, k in order, so a
    row's value does not depend on G (or on how many rows the product has) */
-static inline __attribute__((always_inline)) void tile(const float *P, const float *X, float *Y, long in, long out,
-                                                        long o0, const int G) {
+static inline __attribute__((always_inline)) void tile(const void *P, const float *X, float *Y, long in, long out,
+                                                        long o0, const int G, const int half) {
     vec a[GMAX][NV];
     _Pragma("GCC unroll 8") for (int g = 0; g < G; g++)
         _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] = (vec){0};
     for (long k = 0; k < in; k++) {
         vec w[NV];
-        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) w[v] = LD(P + k * BO + v * VW);
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
+            w[v] = half ? LDH((const unsigned short *)P + k * BO + v * VW) : LD((const float *)P + k * BO + v * VW);
         _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
             float x = X[g * in + k];
             _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] += w[v] * x;
@@ -82,15 +101,16 @@ static inline __attribute__((always_inline)) void tile(const float *P, const flo
     }
 }
 
-#define TILE(g) case g: tile(pb, x, y, in, out, b * BO, g); break;
+#define TILE(g) case g: tile(pb, x, y, in, out, b * BO, g, half); break;
 
-/* Y [n, out] = X [n, in] W^T from the packed P; threads split the output blocks, each reads its block once per
-   GMAX input rows (from cache after the first) */
-void skinny_linear(const float *P, const float *X, float *Y, long out, long in, long n, int threads) {
+/* Y [n, out] = X [n, in] W^T from the packed P (float32, or half when `half`); threads split the output blocks,
+   each reads its block once per GMAX input rows (from cache after the first) */
+static inline __attribute__((always_inline)) void product(const void *P, const float *X, float *Y, long out,
+                                                           long in, long n, int threads, const int half) {
     long nb = (out + BO - 1) / BO;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < nb; b++) {
-        const float *pb = P + b * in * BO;
+        const char *pb = (const char *)P + b * in * BO * (half ? 2 : 4);
         for (long r = 0; r < n; r += GMAX) {
             const float *x = X + r * in;
             float *y = Y + r * out;
@@ -107,7 +127,16 @@ void skinny_linear(const float *P, const float *X, float *Y, long out, long in, 
     }
 }
 
+void skinny_linear(const float *P, const float *X, float *Y, long out, long in, long n, int threads) {
+    product(P, X, Y, out, in, n, threads, 0);
+}
+
+void skinny_linear_half(const unsigned short *P, const float *X, float *Y, long out, long in, long n, int threads) {
+    product(P, X, Y, out, in, n, threads, 1);
+}
+
 int block_outputs(void) { return BO; }
+int half_weights(void) { return HALF; }
 
 /* ---- the decoder layers around the products (a Llama-family layer, pre-norm, SwiGLU) ---------------------------
    One call runs every layer of a forward of n rows, so a decode step costs its products and a few hundred
@@ -119,9 +148,23 @@ int block_outputs(void) { return BO; }
 typedef int ivec __attribute__((vector_size(VW * 4), aligned(4)));
 #define HDMAX 256  /* the largest head size this code takes (the caller checks) */
 
-typedef struct {  /* one layer's weights: packed products (P) and vectors; a NULL bias or norm is absent */
-    const float *ln1, *ln2, *qkv, *qkv_b, *o, *o_b, *gu, *gu_b, *d, *d_b, *q_norm, *k_norm;
+typedef struct {  /* one layer's weights: packed products and vectors; a NULL bias or norm is absent */
+    const float *ln1, *ln2;
+    const void *qkv;
+    const float *qkv_b;
+    const void *o;
+    const float *o_b;
+    const void *gu;
+    const float *gu_b;
+    const void *d;
+    const float *d_b, *q_norm, *k_norm;
+    long half;  /* bit i: product i (qkv, o, gu, d) packed in float16 */
 } layer_t;
+
+static void layer_product(const void *P, int half, const float *X, float *Y, long out, long in, long n, int th) {
+    if (half) product(P, X, Y, out, in, n, th, 1);
+    else product(P, X, Y, out, in, n, th, 0);
+}
 
 typedef struct {
     long hidden, heads, kv_heads, head_dim, inter, cap, kstride;  /* cap: cache rows per kv head; kstride: the
@@ -268,7 +311,7 @@ void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long
         const layer_t *w = layers + li;
         float *Kl = K + li * nkv * hd * D->kstride, *Vl = V + li * nkv * D->cap * hd;
         for (long r = 0; r < n; r++) rms_norm(x + r * H, w->ln1, h + r * H, H, D->eps);
-        skinny_linear(w->qkv, h, qkv, QKV, H, n, D->threads);
+        layer_product(w->qkv, w->half & 1, h, qkv, QKV, H, n, D->threads);
         add_bias(qkv, w->qkv_b, n, QKV);
         for (long r = 0; r < n; r++) {
             float *row = qkv + r * QKV;
@@ -290,11 +333,11 @@ void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long
                    mask ? mask + r * L : 0, L, mask ? L : start + r + 1, D->kstride, D->scaling, hd, group,
                    sc + omp_get_thread_num() * group * Lp, att + r * A + g * group * hd);
         }
-        skinny_linear(w->o, att, h, H, A, n, D->threads);
+        layer_product(w->o, w->half & 2, att, h, H, A, n, D->threads);
         add_bias(h, w->o_b, n, H);
         for (long i = 0; i < n * H; i++) x[i] += h[i];
         for (long r = 0; r < n; r++) rms_norm(x + r * H, w->ln2, h + r * H, H, D->eps);
-        skinny_linear(w->gu, h, gu, 2 * I, H, n, D->threads);
+        layer_product(w->gu, w->half & 4, h, gu, 2 * I, H, n, D->threads);
         add_bias(gu, w->gu_b, n, 2 * I);
         for (long r = 0; r < n; r++) {
             const float *g = gu + r * 2 * I, *u = g + I;
@@ -303,7 +346,7 @@ void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long
             for (; c + VW <= I; c += VW) *(vec *)(a + c) = LD(g + c) / (1.0f + vexp(-LD(g + c))) * LD(u + c);
             for (; c < I; c++) a[c] = g[c] / (1.0f + expf(-g[c])) * u[c];
         }
-        skinny_linear(w->d, act, h, H, I, n, D->threads);
+        layer_product(w->d, w->half & 8, act, h, H, I, n, D->threads);
         add_bias(h, w->d_b, n, H);
         for (long i = 0; i < n * H; i++) x[i] += h[i];
         if (feats && feats[li]) memcpy(feats[li], x, n * H * sizeof(float));
@@ -321,7 +364,7 @@ if os.environ.get("GRAFT_BLOCK_SKINNY_SHAPE"):  # "VW,NV,ROWS" to measure anothe
 
 class _Layer(ctypes.Structure):  # layer_t
     _fields_ = [(k, ctypes.c_void_p) for k in ("ln1", "ln2", "qkv", "qkv_b", "o", "o_b", "gu", "gu_b", "d", "d_b",
-                                                "q_norm", "k_norm")]
+                                                "q_norm", "k_norm")] + [("half", ctypes.c_long)]
 
 
 class _Dims(ctypes.Structure):  # dims_t
@@ -384,8 +427,9 @@ def _build(kind: str) -> ctypes.CDLL:
         raise RuntimeError("its OpenMP runtime is not torch's (a second thread pool would spin beside torch's)")
     lib.pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
     lib.skinny_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    lib.pack.restype = lib.skinny_linear.restype = None
-    lib.block_outputs.restype = ctypes.c_int
+    lib.skinny_linear_half.argtypes = lib.skinny_linear.argtypes
+    lib.pack.restype = lib.skinny_linear.restype = lib.skinny_linear_half.restype = None
+    lib.block_outputs.restype = lib.half_weights.restype = ctypes.c_int
     lib.lean_scratch.argtypes = [ctypes.POINTER(_Dims), ctypes.c_long, ctypes.c_long]
     lib.lean_scratch.restype = ctypes.c_long
     lib.lean_layers.argtypes = [ctypes.POINTER(_Layer), ctypes.c_long, ctypes.POINTER(_Dims), ctypes.c_void_p,
@@ -427,10 +471,12 @@ def why_not() -> str | None:
 
 class SkinnyWeight:
     """A weight [out, in] packed for ``linear``: [ceil(out / B)][in][B] with B two vectors' worth of outputs (32
-    on AVX-512, 16 on AVX2), the outputs past ``out`` zero."""
+    on AVX-512, 16 on AVX2), the outputs past ``out`` zero. In float16 when every value is one exactly (a drafter
+    checkpoint stored in fp16, upcast on load) and the CPU converts on load (F16C): half the bytes per product,
+    the same products bit for bit. ``half``: None = whenever exact; False = float32."""
     __slots__ = ("packed", "out", "n_in")
 
-    def __init__(self, w: torch.Tensor):
+    def __init__(self, w: torch.Tensor, half: bool | None = None):
         if not available():
             raise RuntimeError(f"the skinny kernel is unavailable here: {_why_not}")
         w = w.detach()
@@ -440,15 +486,21 @@ class SkinnyWeight:
         w = w.contiguous()
         self.out, self.n_in = w.shape
         block = _lib.block_outputs()
-        self.packed = torch.empty((self.out + block - 1) // block * block * self.n_in)
+        nb = (self.out + block - 1) // block
+        if half is not False and _lib.half_weights() and bool((w.half().float() == w).all()):
+            padded = w.new_zeros(nb * block, self.n_in)
+            padded[: self.out] = w
+            self.packed = padded.view(nb, block, self.n_in).transpose(1, 2).contiguous().half().view(-1)
+            return
+        self.packed = torch.empty(nb * block * self.n_in)
         _lib.pack(w.data_ptr(), self.packed.data_ptr(), self.out, self.n_in, torch.get_num_threads())
 
 
 def _product(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [n, in] (contiguous) times the packed weight -> [n, out_features]."""
     y = torch.empty(x.shape[0], out_features)
-    _lib.skinny_linear(packed.data_ptr(), x.data_ptr(), y.data_ptr(), out_features, x.shape[1], x.shape[0],
-                       torch.get_num_threads())
+    fn = _lib.skinny_linear_half if packed.dtype == torch.float16 else _lib.skinny_linear
+    fn(packed.data_ptr(), x.data_ptr(), y.data_ptr(), out_features, x.shape[1], x.shape[0], torch.get_num_threads())
     return y
 
 
@@ -505,13 +557,16 @@ class DecoderLayers:
             if t is None:
                 return None
             t = t.packed if isinstance(t, SkinnyWeight) else t.detach().contiguous()
-            if t.dtype != torch.float32 or t.device.type != "cpu":
+            if t.dtype not in (torch.float32, torch.float16) or t.device.type != "cpu":
                 raise ValueError(f"the C decoder layers take float32 CPU tensors; got {t.dtype} on {t.device}")
             self._keep.append(t)
             return t.data_ptr()
 
-        self.layers = (_Layer * len(layers))(*[_Layer(**{k: ptr(w.get(k)) for k, _ in _Layer._fields_})
-                                               for w in layers])
+        def half(w):  # which of the four products are packed in float16
+            return sum(1 << i for i, k in enumerate(("qkv", "o", "gu", "d")) if w[k].packed.dtype == torch.float16)
+
+        self.layers = (_Layer * len(layers))(*[_Layer(**{k: ptr(w.get(k)) for k, _ in _Layer._fields_[:-1]},
+                                                      half=half(w)) for w in layers])
         self.dims = _Dims(hidden, heads, kv_heads, head_dim, inter, 0, 0, eps, qk_eps, scaling, 1)
         self.scratch = torch.empty(0)
 

@@ -367,6 +367,14 @@ def test_skinny_equals_f_linear_on_awkward_shapes_whatever_the_row_or_thread_cou
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(one, skinny.linear(x, pw))
+        # a weight whose values are all float16 (a drafter's fp16 checkpoint, upcast) is packed in half precision
+        # where the CPU widens on load, and gives the float32 pack's products bit for bit
+        exact = w.half().float()
+        half, full = skinny.SkinnyWeight(exact), skinny.SkinnyWeight(exact, half=False)
+        assert full.packed.dtype == torch.float32 and pw.packed.dtype == torch.float32  # randn: not fp16-exact
+        if skinny._lib.half_weights():
+            assert half.packed.dtype == torch.float16 and half.packed.numel() == full.packed.numel()
+        assert torch.equal(skinny.linear(x, half, b), skinny.linear(x, full, b))
     with pytest.raises(ValueError, match="float32 CPU rows of 8"):
         skinny.linear(torch.randn(2, 7), skinny.SkinnyWeight(torch.randn(4, 8)))
     with pytest.raises(ValueError, match="skinny packs a float32 CPU weight"):
@@ -452,3 +460,26 @@ def test_c_decoder_layers_give_a_decode_step_and_a_tree_the_same_bits(arch, monk
         for tok in tokens:
             step, _ = t.verify(root_only(tok))
         assert torch.equal(step[0], tree_logits[node]), (arch, node, (step[0] - tree_logits[node]).abs().max())
+
+
+def test_c_decoder_layers_on_float16_exact_weights_stream_half_the_bytes_and_keep_the_bits(monkeypatch):
+    """A target whose weights are all float16 values (an fp16 checkpoint upcast to float32) gets its products
+    packed in half precision, and every logit equals the float32 packs' bit for bit."""
+    from graft_block import skinny
+
+    if not (ON_CPU and skinny.available() and skinny._lib.half_weights()):
+        pytest.skip("no skinny kernel with float16 loads here")
+    t = tiny_target("qwen2", engine="hf")  # biases too
+    with torch.no_grad():
+        for p in t.model.parameters():
+            p.copy_(p.half().float())
+    half = Target(t.model, None, engine="lean", gemm="skinny")
+    assert all(p[k].packed.dtype == torch.float16 for p in half.lean.skinny for k in p)
+    monkeypatch.setattr(skinny._lib, "half_weights", lambda: 0)
+    full = Target(t.model, None, engine="lean", gemm="skinny")
+    assert all(p[k].packed.dtype == torch.float32 for p in full.lean.skinny for k in p)
+    prompt = torch.tensor([5, 9, 2, 7, 11, 3])
+    tree = from_paths(4, [[17], [40, 41, 42], [40, 6]])
+    for target in (half, full):
+        target.prefill(prompt)
+    assert torch.equal(half.verify(tree)[0], full.verify(tree)[0])
