@@ -176,6 +176,16 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def own_peak_rss_mb() -> float | None:
+    """This process's peak resident set from /proc/self/status (VmHWM: its own address space since exec;
+    ru_maxrss of a spawned child also carries its parent's peak from before the exec)."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmHWM"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def environment() -> dict:
     import transformers
 

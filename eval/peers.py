@@ -3,14 +3,25 @@
 The decode phase starts when the first forward (the prefill, plus any candidates HF verifies with it) has
 emitted its tokens, observed inside the same ``generate`` call through a streamer: nothing is measured in a
 separate call and subtracted (an un-warmed separate prefill once made HF look 15x faster than it is).
+
+When the main job's target released HF's weights (``load_target(..., release_hf=True)``: its C layers run on a
+copy of their own), each HF call runs in a child process that loads the model from its folder, warms up on the
+same prompt, then times the call: HF's weights then never sit in the main job's memory beside the engine's copy
+(``python -m graft_block.eval.peers`` reads one JSON request on stdin and prints the record).
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import torch
 
 from graft_block.errors import ConfigError
+
+WARMUP_TOKENS = 8  # the child's untimed call on the same prompt (the parent's warm-up call is another process)
 
 
 class FirstForwardClock:
@@ -30,11 +41,41 @@ class FirstForwardClock:
         self.t_end = time.perf_counter()
 
 
+def model_folder(target) -> str | None:
+    """The local folder ``target`` was loaded from (None for a model built in memory)."""
+    path = getattr(target.model.config, "_name_or_path", "") or ""
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
 def hf_runner(target, kwargs: dict):
     """``run(ids, max_new_tokens, temperature, seed) -> record`` for HF ``generate`` with ``kwargs``
-    (``{"prompt_lookup_num_tokens": 10}`` = HF prompt lookup)."""
+    (``{"prompt_lookup_num_tokens": 10}`` = HF prompt lookup); in a child process per call when the target
+    released HF's weights and has a folder to reload them from."""
     if "prompt_lookup_num_tokens" in kwargs and target.tokenizer is None:
         raise ConfigError("HF prompt lookup needs a tokenizer-backed target")
+    folder = model_folder(target)
+    if folder is not None and getattr(getattr(target, "lean", None), "released", 0):
+        return _child_runner(target, folder, kwargs)
+    return _runner(target, kwargs)
+
+
+def _child_runner(target, folder: str, kwargs: dict):
+    base = {"folder": folder, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "kwargs": kwargs}
+
+    def run(ids, max_new_tokens, temperature, seed):
+        req = {**base, "ids": ids.view(-1).tolist(), "max_new_tokens": max_new_tokens, "temperature": temperature,
+               "seed": seed}
+        done = subprocess.run([sys.executable, "-m", "graft_block.eval.peers"], input=json.dumps(req),
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"the HF peer's child process failed ({done.returncode}): {done.stderr[-800:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return run
+
+
+def _runner(target, kwargs: dict):
     sync = target.synchronize
 
     def run(ids, max_new_tokens, temperature, seed):
@@ -60,3 +101,23 @@ def hf_runner(target, kwargs: dict):
                 "prefill_s": t_first - t0, "decode_tok_s": decode_tokens / decode_s, "tau": None, "rounds": None}
 
     return run
+
+
+def _serve_one() -> None:
+    """The child's side: one JSON request on stdin -> one record on stdout."""
+    from graft_block.target import load_target
+
+    req = json.loads(sys.stdin.read())
+    torch.set_num_threads(int(req["threads"]))
+    target = load_target(req["folder"], device=req["device"], dtype=req["dtype"], engine="hf")
+    run = _runner(target, req["kwargs"])
+    ids = torch.tensor(req["ids"], dtype=torch.long)
+    run(ids, min(WARMUP_TOKENS, req["max_new_tokens"]), req["temperature"], req["seed"])
+    from graft_block.eval.machine import own_peak_rss_mb
+
+    rec = run(ids, req["max_new_tokens"], req["temperature"], req["seed"])
+    print(json.dumps({**rec, "child_peak_rss_mb": own_peak_rss_mb()}))
+
+
+if __name__ == "__main__":
+    _serve_one()

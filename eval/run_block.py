@@ -147,7 +147,8 @@ def run_arms(table: dict, defaults: list[str], rest: list[str]) -> tuple[dict, o
     opts = parse_args(run_args)
     if opts.list_methods:
         return main(run_args, methods=table), None
-    target = load_target(opts.target, device=opts.device, dtype=opts.dtype, engine=opts.engine, compile=opts.compile)
+    target = load_target(opts.target, device=opts.device, dtype=opts.dtype, engine=opts.engine, compile=opts.compile,
+                         release_hf=True)
     return main(run_args, methods=table, target=target), target
 
 
@@ -185,8 +186,10 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     if target is None:
         from graft_block import load_target
 
+        # HF's weights leave memory once the engine's C layers hold their copy; the HF peers reload them in a
+        # child process (eval/peers.py)
         target = load_target(args.target, device=args.device, dtype=args.dtype, engine=args.engine,
-                             compile=args.compile)
+                             compile=args.compile, release_hf=True)
     curve = measure.verify_cost_curve(target, fresh=args.fresh_cost)
     target.share_drafter_checkpoints = True  # methods only read their drafters' weights: one copy per checkpoint
     runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric)
@@ -204,6 +207,8 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     rows = report.summarize(records)
     load = guard.report([r["load"] for r in records])
     rss = machine.peak_rss_mb()  # the benchmark's own, before the physics report's copy buffers (2 x 256 MB on CPU)
+    # the largest HF peer child's own peak (one runs at a time, beside this process)
+    child_rss = max((r.get("child_peak_rss_mb") or 0 for r in records), default=0)
     # after the timed runs, with their own load guard; the verify curve measured above is reused, not re-timed
     phys = None if args.no_physics else physics.measure_physics(target, curve=curve, probe_s=0.3)
     wall = time.time() - t_start
@@ -212,6 +217,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         "environment": machine.environment(), "target": str(target.name), "prompt_sets": set_info, "limit": limit,
         "max_new_tokens": max_new, "temperatures": temps, "busy": load["busy"], "load": load,
         "verify_cost_curve": curve, "auto_budget": auto, "wall_s": wall, "peak_rss_mb": rss,
+        "child_peak_rss_mb": child_rss,
         "speedup_definition": "sum(decode_tokens)/sum(decode_s) of the method / the same for ar, same prompt-turns",
         "summary": rows, "spread": report.spread_notes(rows), "records": records, "world_size": world,
         "physics": phys,
@@ -259,7 +265,9 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     if not args.no_plots:
         rep["plots"] = plots(out, rows)
     (out / "results.json").write_text(json.dumps(rep, indent=1, default=str))
-    print(f"\nwall {wall:.0f}s, peak RSS {rss:.0f} MB; wrote {out / 'results.json'}"
+    print(f"\nwall {wall:.0f}s, peak RSS {rss:.0f} MB"
+          + (f" (HF peer child processes: largest {child_rss:.0f} MB)" if child_rss else "")
+          + f"; wrote {out / 'results.json'}"
           + (f" and {', '.join(rep['plots'])}" if rep.get("plots") else ""))
     return rep
 

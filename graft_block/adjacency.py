@@ -82,7 +82,7 @@ class AdjacencyMatrix:
         self.table.fill_(-1)
         self.updates = 0
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: the target's cache, allocated here, is written in place later
     def warmup(self, target, prompts=None, rounds: int = 5, new_tokens: int = 64) -> int:
         """Fill the matrix from the target's own distributions: for each of ``rounds`` prompts (default: the
         ShareGPT *calibration* split, never an evaluation set) greedily generate ``new_tokens`` tokens, then write
@@ -100,20 +100,26 @@ class AdjacencyMatrix:
             from .data import sharegpt
 
             prompts = sharegpt("calibration", limit=rounds)
+        with target.side_cache():  # a drafter warms up at prefill, in the middle of a decoding
+            used = self._warm(target, prompts, rounds, new_tokens)
+        if hasattr(target, "discard_features"):
+            target.discard_features()  # feature hooks fired during warm-up; drop what they held
+        return used
+
+    def _warm(self, target, prompts, rounds: int, new_tokens: int) -> int:
         used = 0
         for rec in list(prompts)[:rounds]:
             text = rec["turns"][0] if isinstance(rec, dict) else rec
             msg = [{"role": "user", "content": text}] if isinstance(text, str) and target.tokenizer is not None else text
-            ids = target.encode(msg).to(target.device).view(1, -1)
-            budget = max(0, min(new_tokens, target.max_positions - ids.shape[1] - 1))
-            if budget:
-                ids = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
-                                            do_sample=False, pad_token_id=target.model.generation_config.pad_token_id)
-            logits = target.model(input_ids=ids, use_cache=False).logits[0]
-            self.update(ids[0], logits)
+            ids = target.encode(msg).to(target.device).view(-1)
+            budget = max(0, min(new_tokens, target.max_positions - ids.numel() - 1))
+            if budget:  # the target's own greedy reply, on the engine that decodes (HF's weights stay unread)
+                from .decoder import SpeculativeDecoder
+
+                reply = SpeculativeDecoder(target).generate(ids, max_new_tokens=budget).tokens
+                ids = torch.cat([ids, torch.tensor(reply, dtype=ids.dtype, device=ids.device)])
+            self.update(ids, target.sequence_logits(ids))
             used += 1
-        if hasattr(target, "discard_features"):
-            target.discard_features()  # feature hooks fired during warm-up; drop what they held
         return used
 
     # ---- persistence ------------------------------------------------------------------------------------

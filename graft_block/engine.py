@@ -48,9 +48,12 @@ prompt, 96 tokens, 2026-12-02 20:57 UTC): the fused small ops did not repay the 
 """
 from __future__ import annotations
 
+import ctypes
 import glob
 import json
+import mmap
 import os
+import sys
 import platform
 import statistics
 import time
@@ -140,7 +143,7 @@ class LeanForward:
     """Weights borrowed from ``model`` (q/k/v and gate/up concatenated once) and a KV cache [layers, kv, cap, hd]."""
 
     def __init__(self, model, compile: bool = False, pack_rows: tuple[int, ...] | None = None,
-                 gemm: str | None = None):
+                 gemm: str | None = None, release_hf: bool = False):
         reason = unsupported_reason(model)
         if reason:
             raise ConfigError(f"engine='lean' cannot run this target: {reason}; use engine='hf'")
@@ -209,7 +212,6 @@ class LeanForward:
         used = {gemm, gemm_small}
         self.blas = self._reordered("openblas") if "openblas" in used else None
         self.dnn = self._reordered("onednn") if "onednn" in used else None  # one layout for every row count
-        self.skinny = self._reordered("skinny") if "skinny" in used else None  # one packed copy, any row count
         # when skinny runs every forward, every layer runs in C (skinny.DecoderLayers) unless GRAFT_BLOCK_FUSED=0;
         # they keep the key cache transposed, so no forward may run the torch layers beside them
         self.fused, self.fused_why_not = None, "not every forward on the skinny kernel"
@@ -217,8 +219,13 @@ class LeanForward:
             self.fused_why_not = ("GRAFT_BLOCK_FUSED=0" if os.environ.get("GRAFT_BLOCK_FUSED", "1") == "0" else
                                   skinny.layers_unsupported(cfg.hidden_size, self.heads, self.kv_heads,
                                                             self.head_dim, cfg.intermediate_size))
-            if self.fused_why_not is None:
-                self.fused = self._decoder_layers(cfg)
+        # nothing reads HF's layer weights once the C layers hold their packs: with release_hf they leave memory as
+        # each layer is packed, so the two copies never sit in memory together
+        release = release_hf and self.fused_why_not is None
+        self.released = 0  # bytes of HF's weights released
+        self.skinny = self._reordered("skinny", release=release) if "skinny" in used else None  # any row count
+        if self.fused_why_not is None:
+            self.fused = self._decoder_layers(cfg)
         if used & {"mkl", "torch"}:  # F.linear runs on fused q/k/v and gate/up, which HF's modules then view
             for w in self.layers:
                 for k in ("qkv", "gu"):
@@ -230,10 +237,17 @@ class LeanForward:
                           "time and its idle threads may slow torch's: import graft_block first, or export "
                           "OPENBLAS_THREAD_TIMEOUT=20", RuntimeWarning, stacklevel=2)
 
-    def _reordered(self, kernel: str, rows: int | None = None) -> list[dict]:
+    def _reordered(self, kernel: str, rows: int | None = None, release: bool = False) -> list[dict]:
         """Per layer, the q/k/v, o, gate/up and down weights in ``kernel``'s own layout (``kernel_weight``; MKL's
-        pack for exactly ``rows``-row inputs), + the LM head."""
-        out = [{k: kernel_weight(_weight(w, k), kernel, rows) for k in ("qkv", "o", "gu", "d")} for w in self.layers]
+        pack for exactly ``rows``-row inputs), + the LM head; ``release``: each layer's HF weights leave memory
+        once packed (``release_file_pages``)."""
+        out = []
+        for w, lyr in zip(self.layers, self.model_layers):
+            out.append({k: kernel_weight(_weight(w, k), kernel, rows) for k in ("qkv", "o", "gu", "d")})
+            if release:
+                self.released += release_file_pages(
+                    [(m.weight.data_ptr(), m.weight.numel() * m.weight.element_size())
+                     for m in (*lyr.self_attn.children(), *lyr.mlp.children()) if isinstance(m, torch.nn.Linear)])
         out.append({"head": kernel_weight(self.head.weight, kernel, rows)})
         return out
 
@@ -376,6 +390,33 @@ class LeanForward:
             h = h[n - 1 :]
         logits = linear(h[None], self.head.weight, self.head.bias, self.skinny[-1]["head"])[0]
         return logits, [got[f] for f in features]
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's file-backed memory mappings (a path, not [heap] / [stack] / anonymous)."""
+    out = []
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith("/") and parts[4] != "0":  # inode 0: not a real file
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+def release_file_pages(ranges: list[tuple[int, int]]) -> int:
+    """madvise(MADV_DONTNEED) the whole pages inside each (address, bytes) range that lies in a file-backed
+    mapping; clean file pages read back unchanged on the next access. Returns the bytes released."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page, maps, released = mmap.PAGESIZE, _file_mappings(), 0
+    for addr, nbytes in ranges:
+        lo, hi = -(-addr // page) * page, (addr + nbytes) // page * page
+        if hi > lo and any(a <= lo and hi <= b for a, b in maps) and libc.madvise(lo, hi - lo, 4) == 0:
+            released += hi - lo
+    return released
 
 
 def packed_gemm_available(device, dtype) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
@@ -13,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from graft_block.tree import Tree, attention_mask, position_ids
 
 from . import cache_root
-from .engine import LeanForward, unsupported_reason
+from .engine import LeanForward, release_file_pages, unsupported_reason
 from .errors import ConfigError
 
 EMBEDDED_TARGETS = {
@@ -37,7 +38,7 @@ class Target:
     """
 
     def __init__(self, model, tokenizer=None, name: str | None = None, engine: str = "auto", compile: bool = False,
-                 gemm: str | None = None):
+                 gemm: str | None = None, release_hf: bool = False):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -63,9 +64,24 @@ class Target:
         if engine == "auto":
             engine = "hf" if unsupported_reason(model) else "lean"
         # gemm (lean, CPU fp32): "mkl" | "openblas" | "onednn" | None = measured once per machine (engine.choose_gemm)
-        self.lean = LeanForward(model, compile=compile, gemm=gemm) if engine == "lean" else None
+        # release_hf: HF's mmapped weights leave memory layer by layer as the lean engine packs its own copy, when
+        # its C layers run every forward (``release_hf_weights``)
+        self.lean = LeanForward(model, compile=compile, gemm=gemm, release_hf=release_hf) if engine == "lean" else None
         self.engine = engine
         self.compiled = bool(compile and engine == "lean")
+
+    def release_hf_weights(self) -> int:
+        """Drop from memory the pages of HF's own weights that the lean engine does not read, when every forward
+        runs in its C layers on a copy of its own. Those weights are the mmapped safetensors file: the pages go
+        back to the page cache and fault in again, unchanged, if anything reads them later (HF ``generate``, the
+        physics sweep). Memory that is not file-backed is never touched (dropping it would lose the values).
+        Returns the bytes released (0 when the engine still reads HF's weights)."""
+        if self.lean is None or getattr(self.lean, "fused", None) is None:
+            return 0
+        keep = {self.lean.embed.data_ptr(), self.lean.norm_w.data_ptr()}
+        ranges = [(p.data_ptr(), p.numel() * p.element_size()) for p in self.model.parameters()
+                  if p.device.type == "cpu" and p.dim() == 2 and p.data_ptr() not in keep]
+        return release_file_pages(ranges)
 
     @property
     def engine_label(self) -> str:
@@ -185,6 +201,40 @@ class Target:
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1], self._take_features()
 
+    @contextmanager
+    def side_cache(self):
+        """Inside the block the target decodes on a fresh cache, and afterwards the cache and the captured feature
+        layers are what they were: for work in the middle of another decoding (a drafter's warm-up at prefill)."""
+        saved = (self.lean.k, self.lean.v, self.lean.len) if self.lean is not None else self.cache
+        layers = self.feature_layers
+        if self.lean is not None:
+            self.lean.k = self.lean.v = None
+            self.lean.len = 0
+        else:
+            self.cache = DynamicCache(config=self.model.config)
+        try:
+            yield self
+        finally:
+            if self.lean is not None:
+                self.lean.k, self.lean.v, self.lean.len = saved
+            else:
+                self.cache = saved
+            self.set_feature_layers(layers)
+
+    @torch.no_grad()
+    def sequence_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] at every position of ``ids``, from one causal forward over an empty cache (on the engine
+        that decodes, so that no other copy of the weights is read; the cache is left empty)."""
+        ids = ids.to(self.device).view(-1)
+        if ids.numel() > self.max_positions:
+            raise ConfigError(f"{ids.numel()} tokens exceed the target's context window of {self.max_positions}")
+        self.reset()
+        if self.lean is None:
+            return self.model(input_ids=ids.view(1, -1), use_cache=False).logits[0]
+        logits, _ = self.lean.forward(ids, torch.arange(ids.numel(), device=self.device), None)
+        self.reset()
+        return logits
+
     @torch.no_grad()
     def verify(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over every tree node at positions ``cache_len + depth`` with the ancestor-only mask.
@@ -298,6 +348,7 @@ def load_target(
     engine: str = "auto",
     compile: bool = False,
     gemm: str | None = None,
+    release_hf: bool = False,
 ) -> Target:
     """Load the embedded default (``"smollm2-135m"``) or any local HF causal-LM folder. Never touches a hub."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -322,4 +373,4 @@ def load_target(
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError):
         tok = None
-    return Target(model, tok, name=str(name_or_path), engine=engine, compile=compile, gemm=gemm)
+    return Target(model, tok, name=str(name_or_path), engine=engine, compile=compile, gemm=gemm, release_hf=release_hf)

@@ -483,3 +483,29 @@ def test_c_decoder_layers_on_float16_exact_weights_stream_half_the_bytes_and_kee
     for target in (half, full):
         target.prefill(prompt)
     assert torch.equal(half.verify(tree)[0], full.verify(tree)[0])
+
+
+def test_hf_weights_the_c_layers_do_not_read_are_released_and_read_back_unchanged(tmp_path):
+    """With every layer in C, HF's mmapped weights leave memory (``release_hf_weights``); anything that reads them
+    later (HF generate) reads the file's values again. Weights in anonymous memory are never released: dropping
+    those pages would zero them."""
+    from graft_block import skinny
+    from graft_block.target import load_target
+
+    if not (ON_CPU and skinny.available()):
+        pytest.skip(f"the skinny kernel does not run here: {skinny.why_not()}")
+    made = tiny_target("llama", engine="hf")
+    assert Target(made.model, None, engine="lean", gemm="skinny").release_hf_weights() == 0  # anonymous memory
+    made.model.save_pretrained(tmp_path)  # safetensors: from_pretrained maps the file
+    t = load_target(str(tmp_path), gemm="skinny")
+    t.model.generation_config.eos_token_id = None
+    before = {n: p.clone() for n, p in t.model.named_parameters()}
+    assert t.release_hf_weights() > 0
+    prompt = [5, 9, 2, 7]
+    assert SpeculativeDecoder(t).generate(prompt, max_new_tokens=12).tokens == hf_greedy(t, prompt, 12)
+    assert all(torch.equal(p, before[n]) for n, p in t.model.named_parameters())
+    assert Target(t.model, None, engine="lean", gemm="mkl").release_hf_weights() == 0  # the torch layers read them
+    early = load_target(str(tmp_path), gemm="skinny", release_hf=True)  # released layer by layer while packing
+    early.model.generation_config.eos_token_id = None
+    assert early.lean.released > 0
+    assert SpeculativeDecoder(early).generate(prompt, max_new_tokens=12).tokens == hf_greedy(early, prompt, 12)

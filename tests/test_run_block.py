@@ -54,6 +54,25 @@ def test_tiny_end_to_end_json_and_table(tiny_folder, tmp_path, capsys, monkeypat
     assert rep["verify_cost_curve"]["median_s"] and data["spread"]
 
 
+def test_hf_peer_runs_in_a_child_process_once_the_engine_released_hfs_weights(tiny_folder, tmp_path, monkeypatch):
+    """The main job releases HF's weights once the engine's C layers hold their own copy; the HF peer then runs
+    each call in a child process that reloads the model, stays token-identical to AR, and reports its own memory."""
+    from graft_block import skinny
+
+    if not skinny.available():
+        pytest.skip(f"the skinny kernel does not run here: {skinny.why_not()}")
+    folder, prompts = tiny_folder
+    monkeypatch.setenv("GRAFT_BLOCK_GEMM", "skinny")
+    out = tmp_path / "run"
+    _run(["--target", str(folder), "--methods", "ar,hf", "--prompts", str(prompts), "--limit", "1",
+          "--max-new-tokens", "12", "--no-progress", "--no-plots", "--no-physics", "--out", str(out)],
+         tmp_path / "cache", monkeypatch)
+    data = json.loads((out / "results.json").read_text())
+    hf = [r for r in data["records"] if r["method"] == "hf"]
+    assert hf and all(r["matches_ar"] and r["child_peak_rss_mb"] > 0 for r in hf)
+    assert data["child_peak_rss_mb"] == max(r["child_peak_rss_mb"] for r in hf)
+
+
 def test_lossless_flag_trips_on_broken_method():
     target = tiny_target("llama")
     ar = make_method("ar", PRESETS["ar"], target, None)
