@@ -176,6 +176,31 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _libc():
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None  # not glibc: its allocator tunes itself
+
+
+def return_large_frees() -> None:
+    """glibc: allocations of 4 MB or more get their own mapping and go back to the system when freed. By default
+    the threshold grows with the largest block freed (up to 32 MB), and the engine's packing and the drafters'
+    loading then leave freed weight-sized blocks in the heap (measured: ~40 MB of the main job's peak)."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD (fixing it also stops its growth)
+
+
+def trim_heap() -> None:
+    """glibc: give the free memory at the heap's top back to the system (malloc_trim)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def own_peak_rss_mb() -> float | None:
     """This process's peak resident set from /proc/self/status (VmHWM: its own address space since exec;
     ru_maxrss of a spawned child also carries its parent's peak from before the exec)."""

@@ -135,6 +135,7 @@ def build_methods(names, extra, target, budgets, curve, prompts, chimeric):
                 methods.append(m)
             except ConfigError as exc:
                 skipped[name] = str(exc)
+            target.release_hf_weights()  # a drafter read rows of HF's embedding and LM head while it was built
     return methods, skipped, auto
 
 
@@ -181,6 +182,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     out.mkdir(parents=True, exist_ok=True)
 
     t_start = time.time()
+    machine.return_large_frees()
     guard = machine.LoadGuard(expected_cores=(world - 1) * torch.get_num_threads())
     guard.before()
     if target is None:
@@ -193,6 +195,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     curve = measure.verify_cost_curve(target, fresh=args.fresh_cost)
     target.share_drafter_checkpoints = True  # methods only read their drafters' weights: one copy per checkpoint
     runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric)
+    machine.trim_heap()
     if rank == 0:
         for n, why in skipped.items():
             print(f"[skip] {n}: {why}", file=sys.stderr)

@@ -249,6 +249,9 @@ class LeanForward:
                     [(m.weight.data_ptr(), m.weight.numel() * m.weight.element_size())
                      for m in (*lyr.self_attn.children(), *lyr.mlp.children()) if isinstance(m, torch.nn.Linear)])
         out.append({"head": kernel_weight(self.head.weight, kernel, rows)})
+        if release:  # the head is packed; embedding lookups fault back only the rows they read (tied or not)
+            self.released += release_file_pages([(w.data_ptr(), w.numel() * w.element_size())
+                                                 for w in {id(t): t for t in (self.head.weight, self.embed)}.values()])
         return out
 
     def _decoder_layers(self, cfg) -> "skinny.DecoderLayers":

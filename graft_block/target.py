@@ -71,16 +71,17 @@ class Target:
         self.compiled = bool(compile and engine == "lean")
 
     def release_hf_weights(self) -> int:
-        """Drop from memory the pages of HF's own weights that the lean engine does not read, when every forward
-        runs in its C layers on a copy of its own. Those weights are the mmapped safetensors file: the pages go
+        """Drop from memory the pages of HF's own weight matrices, when every forward runs in the lean engine's C
+        layers on a copy of its own (load_target(release_hf=True) does it layer by layer while packing; call this
+        again after reading HF's weights, e.g. once drafters gathered their LM-head rows). Those weights are the mmapped safetensors file: the pages go
         back to the page cache and fault in again, unchanged, if anything reads them later (HF ``generate``, the
         physics sweep). Memory that is not file-backed is never touched (dropping it would lose the values).
         Returns the bytes released (0 when the engine still reads HF's weights)."""
         if self.lean is None or getattr(self.lean, "fused", None) is None:
             return 0
-        keep = {self.lean.embed.data_ptr(), self.lean.norm_w.data_ptr()}
+        # every matrix: the embedding's lookups fault back only the rows they read
         ranges = [(p.data_ptr(), p.numel() * p.element_size()) for p in self.model.parameters()
-                  if p.device.type == "cpu" and p.dim() == 2 and p.data_ptr() not in keep]
+                  if p.device.type == "cpu" and p.dim() == 2]
         return release_file_pages(ranges)
 
     @property
