@@ -158,14 +158,18 @@ def cost_at(curve: dict, nodes: int) -> float:
     return curve_cost(curve, nodes)
 
 
-def auto_budget(build, curve: dict, pilot_ids, candidates=(4, 8, 16, 32), max_new_tokens: int = 48) -> dict:
+def auto_budget(build, curve: dict, pilot_ids, candidates=(4, 8, 16, 32), max_new_tokens: int = 48,
+                after=None) -> dict:
     """Cost-aware budget: the b maximising tau(b) * cost(1) / (cost(b + 1) + draft(b)), with tau and draft(b) (the
     seconds per round spent outside the verify: drafting, tree building, commit) from one greedy pilot prompt per
-    candidate, and cost from the measured verify curve. ``build(b)`` -> Method."""
+    candidate, and cost from the measured verify curve. ``build(b)`` -> Method; ``after()`` runs after each pilot
+    (the main job releases the target's weight pages a drafter read)."""
     rows = {}
     for b in candidates:
         r = build(b).run(pilot_ids, max_new_tokens, 0.0, 0)
         gc.collect()  # the pilot's drafter and its weight layouts sit in reference cycles: free them before the next
+        if after is not None:
+            after()
         tau = r.get("tau") or 1.0
         rounds = r.get("rounds") or 0
         phases = r.get("phase_s") or {}

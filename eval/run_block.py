@@ -128,7 +128,7 @@ def build_methods(names, extra, target, budgets, curve, prompts, chimeric):
                 if b == "auto":
                     pilot = encode_turn(target, [], prompts[0]["turns"][0])
                     auto[name] = measure.auto_budget(lambda x: make_method(name, spec, target, x, curve=curve),
-                                                     curve, pilot)
+                                                     curve, pilot, after=target.release_hf_weights)
                     b = auto[name]["best"]
                 m = make_method(name, spec, target, b, chimeric=chimeric, curve=curve)
                 m.name = name if (b is None or len(budgets) == 1) else f"{name}@{b}"
