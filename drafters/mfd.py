@@ -210,24 +210,25 @@ class MFDDrafter(D.DFlashDrafter):
         return D.is_dflash_layout(config) and isinstance(config.get("mfd_config"), dict)
 
     # ---- drafting ---------------------------------------------------------------------------------------
-    def mode_logits(self, state, modes: int | None = None) -> torch.Tensor:
-        """One draft forward for ``modes`` modes -> logits [K, B-1, V'] (V' = draft vocab or full)."""
+    def mode_logits(self, state, modes: int | None = None, rows: int | None = None) -> torch.Tensor:
+        """One draft forward for ``modes`` modes -> logits [K, B-1, V'] (V' = draft vocab or full); ``rows``: the
+        LM head on each mode's first ``rows`` drafting rows only."""
         K = self.use_modes if modes is None else modes
         B, dev = self.block_size, self.target.device
         ids = torch.full((B,), self.model.mask_token_id, dtype=torch.long, device=dev)
         ids[0] = state.root_token
-        rows = self.model.mode_inputs(self.target.embed(ids), K).reshape(K * B, -1)
+        embeds = self.model.mode_inputs(self.target.embed(ids), K).reshape(K * B, -1)
         start = state.cache_len
         pos = torch.arange(start, start + B, device=dev).repeat(K)  # every mode at the same positions
-        mask = mode_block_mask(K, B, self.ctx_len, rows.dtype, dev)
-        hidden = self.block_hidden(state, ids, block_embeds=rows, positions=pos, mask=mask).view(K, B, -1)
+        mask = mode_block_mask(K, B, self.ctx_len, embeds.dtype, dev)
+        hidden = self.block_hidden(state, ids, block_embeds=embeds, positions=pos, mask=mask).view(K, B, -1)
         self.last_gate = torch.softmax(self.model.gate_logits(hidden).float(), -1)
-        return self.model.logits(hidden[:, 1:], self._lm_w, self._lm_b, restricted=True,  # rows pre-gathered
+        return self.model.logits(hidden[:, 1:][:, :rows], self._lm_w, self._lm_b, restricted=True,  # pre-gathered
                                  layouts=self._lm_layouts)
 
     @torch.inference_mode()
     def propose(self, state) -> Tree:
-        logits = self.mode_logits(state)  # [K, L, V']
+        logits = self.mode_logits(state, rows=self.budget)  # [K, L, V']: no tree of this budget goes deeper
         K, L, _ = logits.shape
         k = max(self.marginal_topk, self.budget)
         cols, lps = topk_logprobs(logits.reshape(K * L, -1), k)

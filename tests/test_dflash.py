@@ -51,7 +51,7 @@ def test_greedy_identity_planted_drafter_accepts():
     full = PROMPT + ref
     W = target.model.get_output_embeddings().weight
 
-    def cheat(state):  # logits = one-hot of the true continuation at rows 1..B-1
+    def cheat(state, rows=None):  # logits = one-hot of the true continuation at rows 1..B-1
         start = state.cache_len
         nxt = full[start + 1: start + d.block_size]
         nxt = nxt + [0] * (d.block_size - 1 - len(nxt))
@@ -155,6 +155,22 @@ def _block_logits(d, target):
     st = prefilled_state(target, PROMPT, d)
     with torch.no_grad():
         return d.block_logits(st)
+
+
+@pytest.mark.parametrize("proposal", ["chain", "ddtree"])
+def test_the_head_runs_only_on_the_rows_a_tree_of_the_budget_can_reach(proposal, tiny_qwen3):
+    """Budget 3 on a block of 7 drafting rows: the LM head (the largest product of a draft) runs on 3 rows, and the
+    tree is the one the head over every row gives."""
+    d = _drafter(tiny_qwen3, proposal=proposal, budget=3)
+    st = prefilled_state(tiny_qwen3, PROMPT, d)
+    with torch.no_grad():
+        lean = d.propose(st)
+        assert d.last_block_logprobs[0].shape[0] == 3
+        full_logits = d.block_logits
+        d.block_logits = lambda state, rows=None: full_logits(state)  # every row, as before
+        full = d.propose(st)
+    assert d.last_block_logprobs[0].shape[0] == 7
+    assert torch.equal(lean.tokens, full.tokens) and torch.equal(lean.parents, full.parents)
 
 
 def test_checkpoint_round_trip(tmp_path, tiny_qwen3):

@@ -69,8 +69,8 @@ def test_planted_rows_are_accepted_in_both_alignments(one_thread):
         d._w2.zero_()
         orig = d.block_rows
 
-        def planted(state, d=d, orig=orig):
-            ids, hidden, base = orig(state)
+        def planted(state, rows=None, d=d, orig=orig):
+            ids, hidden, base = orig(state, rows)
             start = state.cache_len
             nxt = full[start + 1: start + 1 + base.shape[0]]
             nxt = nxt + [0] * (base.shape[0] - len(nxt))

@@ -149,17 +149,21 @@ class DFlashDrafter(Drafter):
             positions = torch.arange(start, start + block_embeds.shape[0], device=dev)
         return self.model(block_embeds, positions, list(zip(self.ctx_k, self.ctx_v)), mask)
 
-    def block_rows(self, state) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One draft forward of ``[root, mask x (B-1)]`` -> (block ids [B], hidden [L, H] and logits [L, V'] of the L
-        drafting rows: from row 1 in z-lab's alignment, from row 0 in DeepSpec's)."""
+    def block_rows(self, state, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One draft forward of ``[root, mask x (B-1)]`` -> (block ids [B], hidden [L, H] and logits [min(L, rows),
+        V'] of the L drafting rows: from row 1 in z-lab's alignment, from row 0 in DeepSpec's). ``rows``: the LM
+        head runs on the first ``rows`` only (a tree of budget b reaches depth b at most; the head over the draft
+        vocabulary is the largest product of a draft)."""
         ids = torch.full((self.block_size,), self.model.mask_token_id, dtype=torch.long, device=self.target.device)
         ids[0] = state.root_token
         hidden = self.block_hidden(state, ids)[getattr(self.model, "draft_offset", 1):]
-        return ids, hidden, self.model.logits(hidden, self._lm_w, self._lm_b, restricted=True, layouts=self._lm_layouts)
+        return ids, hidden, self.model.logits(hidden[:rows], self._lm_w, self._lm_b, restricted=True,
+                                              layouts=self._lm_layouts)
 
-    def block_logits(self, state) -> torch.Tensor:
-        """Draft logits [B-1, V'] (V' = draft vocab or full) for rows 1..B-1, after ``denoise_steps`` passes."""
-        ids, _, logits = self.block_rows(state)
+    def block_logits(self, state, rows: int | None = None) -> torch.Tensor:
+        """Draft logits [B-1, V'] (V' = draft vocab or full) for rows 1..B-1, after ``denoise_steps`` passes;
+        ``rows``: only the first ``rows`` of them (one pass: refinement redrafts every row)."""
+        ids, _, logits = self.block_rows(state, rows if self.denoise_steps == 1 else None)
         if self.denoise_steps > 1:
             logits = self._refine(state, ids, logits)
         return logits
@@ -190,7 +194,7 @@ class DFlashDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, state) -> Tree:
-        logits = self.block_logits(state)
+        logits = self.block_logits(state, rows=self.budget)  # no chain or tree of this budget goes deeper
         k = max(self.marginal_topk, self.budget if self.proposal == "ddtree" else 1)
         cols, lps = topk_logprobs(logits, k)
         ids = self.model.to_vocab_ids(cols.to(self.target.device)).cpu()

@@ -103,7 +103,7 @@ class DSparkDrafter(DFlashDrafter):
 
     @torch.inference_mode()
     def propose(self, state) -> Tree:
-        _, hidden, base = self.block_rows(state)
+        _, hidden, base = self.block_rows(state, rows=self.budget)  # no tree of this budget goes deeper
         temp = float(state.sampling.temperature) if state.sampling is not None else 0.0
         expand = self._expander(hidden, base, temp)
         depth = base.shape[0] if self.proposal == "ddtree" else min(self.budget, base.shape[0])
