@@ -121,6 +121,8 @@ def budgets_of(text: str | None) -> list:
 
 def build_methods(names, extra, target, budgets, curve, prompts, chimeric):
     methods, skipped, auto = [], {}, {}
+    # a drafter reads rows of HF's embedding and LM head while it is built: release those pages again after each
+    release = getattr(target, "release_hf_weights", None) or (lambda: 0)
     for name in names:
         spec = lookup(name, extra)
         for b in (budgets if presets.takes_budget(spec) else [None]):
@@ -128,14 +130,14 @@ def build_methods(names, extra, target, budgets, curve, prompts, chimeric):
                 if b == "auto":
                     pilot = encode_turn(target, [], prompts[0]["turns"][0])
                     auto[name] = measure.auto_budget(lambda x: make_method(name, spec, target, x, curve=curve),
-                                                     curve, pilot, after=target.release_hf_weights)
+                                                     curve, pilot, after=release)
                     b = auto[name]["best"]
                 m = make_method(name, spec, target, b, chimeric=chimeric, curve=curve)
                 m.name = name if (b is None or len(budgets) == 1) else f"{name}@{b}"
                 methods.append(m)
             except ConfigError as exc:
                 skipped[name] = str(exc)
-            target.release_hf_weights()  # a drafter read rows of HF's embedding and LM head while it was built
+            release()
     return methods, skipped, auto
 
 
