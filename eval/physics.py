@@ -209,6 +209,7 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
             "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "engine": measure.engine_label(target), "gemm": getattr(lean, "kernel_label", kernel),
             "layers": "C" if getattr(lean, "fused", None) is not None else "torch",
+            "skinny_tile": _skinny_tile(lean),
             "gemm_times": getattr(lean, "gemm_times", None), "bandwidth_gbs": bw, "copy_mb": copy_mb, "peak_gflops": peak,
             "peak_n": peak_n, "linear": {"count": len(weights), "params": sum(w.numel() for w, _ in weights),
                                          "bytes": nbytes, "mem_floor_ms": 1e3 * mem_floor},
@@ -216,6 +217,15 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
             "eager_engine": measure.engine_label(hf) if eager else None, "verify_source": curve.get("source", "given"),
             "verify_context": curve.get("key", {}).get("context", context), "busy": load["busy"], "load": load,
             "reps": reps, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": time.perf_counter() - t0}
+
+
+def _skinny_tile(lean) -> str | None:
+    """The skinny tile this CPU runs (e.g. ``avx512 (2 x 16-float vectors, 8-row tiles)``), when the engine uses it."""
+    if lean is None or "skinny" not in (getattr(lean, "gemm", None), getattr(lean, "gemm_small", None)):
+        return None
+    from graft_block import skinny
+
+    return skinny.label()
 
 
 def _ms(x) -> str:
@@ -248,6 +258,8 @@ def format_report(p: dict) -> str:
                      f"{'/'.join(str(n) for n in sorted(t['mkl']))} (ms): {per}")
     elif p.get("gemm"):
         lines.append(f"- products: {p['gemm']}")
+    if p.get("skinny_tile"):
+        lines.append(f"- skinny tile on this CPU: {p['skinny_tile']}")
     if p.get("layers") == "C":
         lines.append("- decoder layers: C (graft_block/skinny.py, every layer of a forward in one call); 'linear layers "
                      "alone' below times one product per Python call, so it can exceed a whole verify")

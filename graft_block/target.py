@@ -75,7 +75,8 @@ class Target:
         layers on a copy of its own (load_target(release_hf=True) does it layer by layer while packing; call this
         again after reading HF's weights, e.g. once drafters gathered their LM-head rows). Those weights are the mmapped safetensors file: the pages go
         back to the page cache and fault in again, unchanged, if anything reads them later (HF ``generate``, the
-        physics sweep). Memory that is not file-backed is never touched (dropping it would lose the values).
+        physics sweep). Memory that is not file-backed is never touched (dropping it would lose the values); a
+        weight changed in place since loading would read back as the file's (nothing here writes HF's weights).
         Returns the bytes released (0 when the engine still reads HF's weights)."""
         if self.lean is None or getattr(self.lean, "fused", None) is None:
             return 0

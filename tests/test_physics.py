@@ -43,6 +43,8 @@ def test_report_has_every_field_and_sane_numbers(phys):
            "openblas 26.0/51.0" in chosen
     assert "- decoder layers: C" not in chosen  # OpenBLAS runs the torch layers
     assert "- decoder layers: C (graft_block/skinny.py" in physics.format_report({**phys, "layers": "C"})
+    tile = physics.format_report({**phys, "skinny_tile": "avx2 (2 x 8-float vectors, 6-row tiles)"})
+    assert "- skinny tile on this CPU: avx2 (2 x 8-float vectors, 6-row tiles)" in tile
     # the lean engine is compared with HF's eager forward in the same run, row by row
     for r in phys["rows"]:  # timed alternately, rep by rep: the gain is a median of paired ratios
         assert r["eager_ms"] > 0 and r["paired_ms"] > 0 and 0.1 < r["engine_gain"] < 10
