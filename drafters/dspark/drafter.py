@@ -15,9 +15,9 @@ estimated probability that each node of the last proposed tree is accepted, from
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from graft_block.drafter import register, shared_checkpoint
+from graft_block.engine import inference_linear
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree
 from graft_block.tree.ddtree import conditional_ddtree
@@ -46,6 +46,7 @@ class DSparkDrafter(DFlashDrafter):
         if model.markov_head is not None:  # the draft-vocabulary rows of W2, gathered once
             w2 = model.markov_head.markov_w2.weight
             self._w2 = (w2 if model.draft_vocab is None else w2[model.draft_vocab.to(w2.device)]).detach()
+        self._w2_layouts: dict = {}  # W2's layout for the engine's kernel (a few parent rows per product)
         self._last: tuple[Tree, torch.Tensor | None] | None = None
 
     @classmethod
@@ -89,7 +90,8 @@ class DSparkDrafter(DFlashDrafter):
                 prev = torch.tensor(todo, device=dev)
                 z = base[depth - 1].unsqueeze(0).expand(len(todo), -1)  # no Markov head: one row for every parent
                 if self._w2 is not None:
-                    z = z + F.linear(model.markov_head.prev_embed(prev).to(self._w2.dtype), self._w2)
+                    z = z + inference_linear(model.markov_head.prev_embed(prev).to(self._w2.dtype), self._w2, None,
+                                             model.kernel, self._w2_layouts)
                 lp = torch.log_softmax(z.float() / temperature if temperature > 0 else z.float(), -1)
                 vals, cols = lp.topk(k, dim=-1)
                 ids = model.to_vocab_ids(cols).tolist()
