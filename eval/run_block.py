@@ -122,7 +122,7 @@ def budgets_of(text: str | None) -> list:
 def build_methods(names, extra, target, budgets, curve, prompts, chimeric):
     methods, skipped, auto = [], {}, {}
     # a drafter reads rows of HF's embedding and LM head while it is built: release those pages again after each
-    release = getattr(target, "release_hf_weights", None) or (lambda: 0)
+    release = target.release_hf_weights
     for name in names:
         spec = lookup(name, extra)
         for b in (budgets if presets.takes_budget(spec) else [None]):

@@ -107,6 +107,8 @@ class AdjacencyMatrix:
         return used
 
     def _warm(self, target, prompts, rounds: int, new_tokens: int) -> int:
+        from .decoder import SpeculativeDecoder  # decoder imports target, which the matrix does not need otherwise
+
         used = 0
         for rec in list(prompts)[:rounds]:
             text = rec["turns"][0] if isinstance(rec, dict) else rec
@@ -114,8 +116,6 @@ class AdjacencyMatrix:
             ids = target.encode(msg).to(target.device).view(-1)
             budget = max(0, min(new_tokens, target.max_positions - ids.numel() - 1))
             if budget:  # the target's own greedy reply, on the engine that decodes (HF's weights stay unread)
-                from .decoder import SpeculativeDecoder
-
                 reply = SpeculativeDecoder(target).generate(ids, max_new_tokens=budget).tokens
                 ids = torch.cat([ids, torch.tensor(reply, dtype=ids.dtype, device=ids.device)])
             self.update(ids, target.sequence_logits(ids))

@@ -53,9 +53,9 @@ import glob
 import json
 import mmap
 import os
-import sys
 import platform
 import statistics
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -218,7 +218,7 @@ class LeanForward:
         if gemm == gemm_small == "skinny" and not compile:
             self.fused_why_not = ("GRAFT_BLOCK_FUSED=0" if os.environ.get("GRAFT_BLOCK_FUSED", "1") == "0" else
                                   skinny.layers_unsupported(cfg.hidden_size, self.heads, self.kv_heads,
-                                                            self.head_dim, cfg.intermediate_size))
+                                                            self.head_dim))
         # nothing reads HF's layer weights once the C layers hold their packs: with release_hf they leave memory as
         # each layer is packed, so the two copies never sit in memory together
         release = release_hf and self.fused_why_not is None
@@ -245,24 +245,21 @@ class LeanForward:
         for w, lyr in zip(self.layers, self.model_layers):
             out.append({k: kernel_weight(_weight(w, k), kernel, rows) for k in ("qkv", "o", "gu", "d")})
             if release:
-                self.released += release_file_pages(
-                    [(m.weight.data_ptr(), m.weight.numel() * m.weight.element_size())
-                     for m in (*lyr.self_attn.children(), *lyr.mlp.children()) if isinstance(m, torch.nn.Linear)])
+                self.released += release_tensors(m.weight for m in (*lyr.self_attn.children(), *lyr.mlp.children())
+                                                 if isinstance(m, torch.nn.Linear))
         out.append({"head": kernel_weight(self.head.weight, kernel, rows)})
         if release:  # the head is packed; embedding lookups fault back only the rows they read (tied or not)
-            self.released += release_file_pages([(w.data_ptr(), w.numel() * w.element_size())
-                                                 for w in {id(t): t for t in (self.head.weight, self.embed)}.values()])
+            self.released += release_tensors({id(t): t for t in (self.head.weight, self.embed)}.values())
         return out
 
     def _decoder_layers(self, cfg) -> "skinny.DecoderLayers":
-        mods = [lyr.self_attn for lyr in self.model_layers]
-        qn = [getattr(a, "q_norm", None) for a in mods]
         layers = [dict(ln1=w["ln1"], ln2=w["ln2"], qkv=p["qkv"], o=p["o"], gu=p["gu"], d=p["d"], qkv_b=w["qkv_b"],
                        o_b=w["o_b"], gu_b=w["gu_b"], d_b=w["d_b"],
                        q_norm=None if w["q_norm"] is None else w["q_norm"].weight,
                        k_norm=None if w["k_norm"] is None else w["k_norm"].weight)
                   for w, p in zip(self.layers, self.skinny)]
-        qk_eps = qn[0].variance_epsilon if qn[0] is not None else 0.0
+        q_norm = self.layers[0]["q_norm"]
+        qk_eps = q_norm.variance_epsilon if q_norm is not None else 0.0
         return skinny.DecoderLayers(layers, cfg.hidden_size, self.heads, self.kv_heads, self.head_dim,
                                     cfg.intermediate_size, self.layers[0]["eps"], qk_eps, self.scaling)
 
@@ -290,8 +287,9 @@ class LeanForward:
         self.k, self.v = k, v
 
     def _keys(self, k: torch.Tensor) -> torch.Tensor:
-        """The key cache as [layers, kv_heads, cap, head_dim] (a view: the C layers keep it transposed)."""
-        return k.transpose(2, 3)[:, :, : self.v.shape[2]] if self.fused is not None else k
+        """The key cache as [layers, kv_heads, rows, head_dim] (a view: the C layers keep it transposed, with rows
+        padded past the cache's; callers read the first ``len``)."""
+        return k.transpose(2, 3) if self.fused is not None else k
 
     def reset(self) -> None:
         self.len = 0
@@ -360,9 +358,14 @@ class LeanForward:
                             causal, self.heads, self.kv_heads, self.head_dim, self.scaling)
             if i + 1 in want and i + 1 < len(self.layers):
                 got[i + 1] = x[0, :n]
+        return self._finish(x, n, start, got, features, last_only, packs)
+
+    def _finish(self, x, n, start, got, features, last_only, packs):
+        """After the layers, x [1, m, H]: the cache length, the final norm and the LM head over the first n rows
+        (pad rows dropped), and the requested features (``got`` holds those already taken)."""
         self.len = start + n  # pad rows' cache entries stay past the end
         h = _rms(x, self.norm_w, self.eps)
-        if len(self.layers) in want:
+        if len(self.layers) in features:
             got[len(self.layers)] = h[0, :n]
         if last_only:
             h = h[:, n - 1 : n]
@@ -371,7 +374,6 @@ class LeanForward:
         else:
             logits = self.head(h)[0]
         return logits, [got[f] for f in features]
-
 
     def _fused_forward(self, ids, pos, mask, features, last_only, start):
         """``_forward`` with every decoder layer in C (``skinny.DecoderLayers``): one call, no small torch ops."""
@@ -384,15 +386,8 @@ class LeanForward:
         if mask is not None:
             mask = mask.reshape(n, start + n).contiguous()
         self.fused.run(x, cos[0].contiguous(), sin[0].contiguous(), self.k, self.v, start, mask, outs)
-        self.len = start + n
         got.update({i + 1: t for i, t in outs.items()})
-        h = _rms(x, self.norm_w, self.eps)
-        if nl in features:
-            got[nl] = h
-        if last_only:
-            h = h[n - 1 :]
-        logits = linear(h[None], self.head.weight, self.head.bias, self.skinny[-1]["head"])[0]
-        return logits, [got[f] for f in features]
+        return self._finish(x[None], n, start, got, features, last_only, self.skinny)
 
 
 def _file_mappings() -> list[tuple[int, int]]:
@@ -405,6 +400,11 @@ def _file_mappings() -> list[tuple[int, int]]:
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 out.append((lo, hi))
     return out
+
+
+def release_tensors(tensors) -> int:
+    """``release_file_pages`` over the memory of each tensor."""
+    return release_file_pages([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors])
 
 
 def release_file_pages(ranges: list[tuple[int, int]]) -> int:
@@ -666,9 +666,9 @@ def streamed_weights(lean: "LeanForward") -> list[torch.Tensor]:
 
 def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, int]:
     """Measure the kernels on the weights a forward streams (``streamed_weights``), once per machine, torch/numpy
-    build, thread count and model shape; the choice is cached under the user cache dir. OpenBLAS does not compete when numpy loaded before graft_block (``import torch`` first loads it): its idle
-    threads then spin ~0.1 s after each product and slow torch's next ops 2x (measured: an 8-row verify after a
-    one-row OpenBLAS forward)."""
+    build, thread count and model shape; the choice is cached under the user cache dir. OpenBLAS does not compete
+    when numpy loaded before graft_block (``import torch`` first loads it): its idle threads then spin ~0.1 s after
+    each product and slow torch's next ops 2x (measured: an 8-row verify after a one-row OpenBLAS forward)."""
     weights = streamed_weights(lean)
     spins = graft_block.OPENBLAS_TIMEOUT_LATE
     key = {"cpu": device_name("cpu"), "torch": torch.__version__, "numpy": np.__version__,

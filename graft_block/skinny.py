@@ -127,12 +127,18 @@ static inline __attribute__((always_inline)) void product(const void *P, const f
     }
 }
 
+/* the one dispatch on the weights' precision (two inlined copies of the product in the library) */
+static void any_product(const void *P, int half, const float *X, float *Y, long out, long in, long n, int th) {
+    if (half) product(P, X, Y, out, in, n, th, 1);
+    else product(P, X, Y, out, in, n, th, 0);
+}
+
 void skinny_linear(const float *P, const float *X, float *Y, long out, long in, long n, int threads) {
-    product(P, X, Y, out, in, n, threads, 0);
+    any_product(P, 0, X, Y, out, in, n, threads);
 }
 
 void skinny_linear_half(const unsigned short *P, const float *X, float *Y, long out, long in, long n, int threads) {
-    product(P, X, Y, out, in, n, threads, 1);
+    any_product(P, 1, X, Y, out, in, n, threads);
 }
 
 int block_outputs(void) { return BO; }
@@ -160,11 +166,6 @@ typedef struct {  /* one layer's weights: packed products and vectors; a NULL bi
     const float *d_b, *q_norm, *k_norm;
     long half;  /* bit i: product i (qkv, o, gu, d) packed in float16 */
 } layer_t;
-
-static void layer_product(const void *P, int half, const float *X, float *Y, long out, long in, long n, int th) {
-    if (half) product(P, X, Y, out, in, n, th, 1);
-    else product(P, X, Y, out, in, n, th, 0);
-}
 
 typedef struct {
     long hidden, heads, kv_heads, head_dim, inter, cap, kstride;  /* cap: cache rows per kv head; kstride: the
@@ -231,7 +232,7 @@ static void attend(const float *q, const float *Kh, const float *Vh, const float
                    float scaling, long hd, long G, float *s, float *out) {
     L = vis < L ? vis : L;  /* causal: the keys past the row's own are never read */
     const long Lp = (L + 4 * VW - 1) / (4 * VW) * (4 * VW);
-    float mx[HDMAX], sum[HDMAX];  /* per head (G <= HDMAX: the caller checks) */
+    float sum[HDMAX];  /* per head (G <= HDMAX: the caller checks) */
     for (long t = 0; t < G; t++) {
         const float *qt = q + t * hd;
         float *st = s + t * Lp;
@@ -267,14 +268,14 @@ static void attend(const float *q, const float *Kh, const float *Vh, const float
             vec v = LD(st + j);
             *(vec *)(st + j) = sel(v == -INFINITY, (vec){0}, vexp(v - m));
         }
-        mx[t] = m;
         sum[t] = 0.0f;
     }
     vec o[HDMAX / VW * 4];  /* G x hd / VW accumulators, G <= 4 at a time */
     for (long t0 = 0; t0 < G; t0 += 4) {
         long g = G - t0 < 4 ? G - t0 : 4;
         for (long i = 0; i < g * hd / VW; i++) o[i] = (vec){0};
-        for (long j = 0; j < L; j++) {  /* in cache order: a tree's ancestors come in the order a decode step saw them */
+        /* in cache order: a tree's ancestors come in the order a decode step saw them */
+        for (long j = 0; j < L; j++) {
             const float *v = Vh + j * hd;
             for (long t = 0; t < g; t++) {  /* a hidden key adds exact zeros: as if absent */
                 float p = s[(t0 + t) * Lp + j];
@@ -311,7 +312,7 @@ void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long
         const layer_t *w = layers + li;
         float *Kl = K + li * nkv * hd * D->kstride, *Vl = V + li * nkv * D->cap * hd;
         for (long r = 0; r < n; r++) rms_norm(x + r * H, w->ln1, h + r * H, H, D->eps);
-        layer_product(w->qkv, w->half & 1, h, qkv, QKV, H, n, D->threads);
+        any_product(w->qkv, w->half & 1, h, qkv, QKV, H, n, D->threads);
         add_bias(qkv, w->qkv_b, n, QKV);
         for (long r = 0; r < n; r++) {
             float *row = qkv + r * QKV;
@@ -333,11 +334,11 @@ void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long
                    mask ? mask + r * L : 0, L, mask ? L : start + r + 1, D->kstride, D->scaling, hd, group,
                    sc + omp_get_thread_num() * group * Lp, att + r * A + g * group * hd);
         }
-        layer_product(w->o, w->half & 2, att, h, H, A, n, D->threads);
+        any_product(w->o, w->half & 2, att, h, H, A, n, D->threads);
         add_bias(h, w->o_b, n, H);
         for (long i = 0; i < n * H; i++) x[i] += h[i];
         for (long r = 0; r < n; r++) rms_norm(x + r * H, w->ln2, h + r * H, H, D->eps);
-        layer_product(w->gu, w->half & 4, h, gu, 2 * I, H, n, D->threads);
+        any_product(w->gu, w->half & 4, h, gu, 2 * I, H, n, D->threads);
         add_bias(gu, w->gu_b, n, 2 * I);
         for (long r = 0; r < n; r++) {
             const float *g = gu + r * 2 * I, *u = g + I;
@@ -346,7 +347,7 @@ void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long
             for (; c + VW <= I; c += VW) *(vec *)(a + c) = LD(g + c) / (1.0f + vexp(-LD(g + c))) * LD(u + c);
             for (; c < I; c++) a[c] = g[c] / (1.0f + expf(-g[c])) * u[c];
         }
-        layer_product(w->d, w->half & 8, act, h, H, I, n, D->threads);
+        any_product(w->d, w->half & 8, act, h, H, I, n, D->threads);
         add_bias(h, w->d_b, n, H);
         for (long i = 0; i < n * H; i++) x[i] += h[i];
         if (feats && feats[li]) memcpy(feats[li], x, n * H * sizeof(float));
@@ -548,7 +549,7 @@ class DecoderLayers:
 
     def __init__(self, layers: list[dict], hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
                  eps: float, qk_eps: float, scaling: float):
-        reason = layers_unsupported(hidden, heads, kv_heads, head_dim, inter)
+        reason = layers_unsupported(hidden, heads, kv_heads, head_dim)
         if reason:
             raise ValueError(f"the C decoder layers cannot run this model: {reason}")
         self._keep = []  # every tensor a pointer below points into
@@ -593,7 +594,7 @@ class DecoderLayers:
                          None if mask is None else mask.data_ptr(), self.scratch.data_ptr(), out)
 
 
-def layers_unsupported(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> str | None:
+def layers_unsupported(hidden: int, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Why the C decoder layers cannot run a model of these sizes (None = they can)."""
     if not available():
         return f"the skinny kernel is unavailable here: {_why_not}"

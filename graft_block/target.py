@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from graft_block.tree import Tree, attention_mask, position_ids
 
 from . import cache_root
-from .engine import LeanForward, release_file_pages, unsupported_reason
+from .engine import LeanForward, release_tensors, unsupported_reason
 from .errors import ConfigError
 
 EMBEDDED_TARGETS = {
@@ -73,17 +73,16 @@ class Target:
     def release_hf_weights(self) -> int:
         """Drop from memory the pages of HF's own weight matrices, when every forward runs in the lean engine's C
         layers on a copy of its own (load_target(release_hf=True) does it layer by layer while packing; call this
-        again after reading HF's weights, e.g. once drafters gathered their LM-head rows). Those weights are the mmapped safetensors file: the pages go
-        back to the page cache and fault in again, unchanged, if anything reads them later (HF ``generate``, the
-        physics sweep). Memory that is not file-backed is never touched (dropping it would lose the values); a
-        weight changed in place since loading would read back as the file's (nothing here writes HF's weights).
-        Returns the bytes released (0 when the engine still reads HF's weights)."""
-        if self.lean is None or getattr(self.lean, "fused", None) is None:
+        again after reading HF's weights, e.g. once drafters gathered their LM-head rows). Those weights are the
+        mmapped safetensors file: the pages go back to the page cache and fault in again, unchanged, if anything
+        reads them later (HF ``generate``, the physics sweep). Memory that is not file-backed is never touched
+        (dropping it would lose the values); a weight changed in place since loading would read back as the
+        file's (nothing here writes HF's weights). Returns the bytes released (0 when the engine still reads
+        HF's weights)."""
+        if self.lean is None or self.lean.fused is None:
             return 0
         # every matrix: the embedding's lookups fault back only the rows they read
-        ranges = [(p.data_ptr(), p.numel() * p.element_size()) for p in self.model.parameters()
-                  if p.device.type == "cpu" and p.dim() == 2]
-        return release_file_pages(ranges)
+        return release_tensors(p for p in self.model.parameters() if p.device.type == "cpu" and p.dim() == 2)
 
     @property
     def engine_label(self) -> str:

@@ -122,6 +122,9 @@ class _Target:
     def __init__(self, tokenizer, name="smollm2-135m"):
         self.tokenizer, self.name = tokenizer, name
 
+    def release_hf_weights(self) -> int:  # Target's: no HF weights here to release
+        return 0
+
 
 def _fake_build(tmp_path):
     """A build folder whose llama-speculative-simple replays the recorded log and keeps its argv and prompt."""
