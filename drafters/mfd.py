@@ -196,7 +196,8 @@ class MFDDrafter(D.DFlashDrafter):
                 if k in cfg}
         if cfg:
             raise ConfigError(f"unknown mfd config keys {sorted(cfg)}")
-        base = D.new_model(target, block_size=opts.get("block_size", 16), **init)
+        trained = opts["block_size"] if isinstance(opts.get("block_size"), int) else 16  # "budget": cut later
+        base = D.new_model(target, block_size=trained, **init)
         model = MFDModel.from_dflash(base, **mode_keys)
         with torch.no_grad():
             mask_e = target.embed(torch.tensor([model.mask_token_id], device=target.device))[0]

@@ -81,7 +81,7 @@ def greedy_tau_simulation(target, model, prompt_ids: list[int], output: list[int
     out = {}
     for name, spec in configs.items():
         d = DFlashDrafter(target, model, **spec)
-        d.ctx_k, d.ctx_v, d.ctx_len = [], [], 0
+        d.reset_context()
         s, rounds, committed = P, 0, 0  # root of the first round = first generated token, at position P
         while s < len(seq) - 1:
             d._extend(feats[d.ctx_len:s], d.ctx_len)

@@ -22,6 +22,7 @@ from graft_block.drafters.eagle3 import (
 from graft_block.decoder import DecodeState, SpeculativeDecoder
 from graft_block.sampling import SamplingConfig
 from graft_block.drafter import Drafter
+from graft_block.drafters.layers import use_kernel
 from graft_block.errors import ConfigError
 from graft_block.testing import prefilled_state, tiny_target
 from graft_block.tree import validate
@@ -252,6 +253,7 @@ def test_bias_key_is_ignored_like_the_reference(tmp_path, tiny_llama):
     assert dr.head.midlayer.self_attn.q_proj.bias is None and dr.head.fc.bias is None
     x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0))
     pos = torch.arange(3).view(1, 3)
+    use_kernel(dr.head, None)  # both on F.linear: the drafter's kernel (this machine's choice) is not the question
     with torch.no_grad():
         assert torch.equal(dr.head.logits(dr.head(x, x, pos)[0]), head.eval().logits(head(x, x, pos)[0]))
 
@@ -320,18 +322,19 @@ def test_one_head_forward_per_level(tiny_llama):
 
 
 def test_expansion_depth_is_capped_by_the_budget(tiny_llama):
-    """A budget-4 tree cannot be deeper than 4: depth 5 runs only 3 expansion levels, and proposes exactly the
-    tree that all 5 levels would (the deeper candidates never make the top 4)."""
+    """A budget-4 tree cannot be deeper than 4 nor use more than 4 nodes of a level: depth 5 / top_k 6 runs only
+    3 expansion levels of 4 nodes each, and proposes exactly the tree that all 5 levels of 6 would (the deeper
+    and the lower-ranked candidates never make the top 4)."""
     t = tiny_llama
     head = make_head(t)
-    capped = Eagle3Drafter(t, head=head, budget=4, depth=5, top_k=4)
+    capped = Eagle3Drafter(t, head=head, budget=4, depth=5, top_k=6)
     calls = count_forwards(head)
     st = prefilled_state(t, prompts(1, 10, 128)[0], capped)
     calls.clear()
     tree = capped.propose(st)
-    assert len(calls) == 1 + 3  # the pass over the newly committed pair, then 3 levels (not 5)
-    full = Eagle3Drafter(t, head=head, budget=4, depth=5, top_k=4)
-    full.budget = 100  # all 5 levels expanded, then the top 4 kept, as before the cap
+    assert calls[1:] == [4, 4, 4]  # after the pass over the newly committed pair: 3 levels (not 5) of 4 (not 6)
+    full = Eagle3Drafter(t, head=head, budget=4, depth=5, top_k=6)
+    full.budget = 100  # all 5 levels of 6 nodes expanded, then the top 4 kept, as before the caps
     st2 = prefilled_state(t, prompts(1, 10, 128)[0], full)
     full.propose(st2)
     full_tree = rerank(full.last_candidates, st2.root_token, 4)

@@ -63,7 +63,7 @@ def test_one_forward_equals_separate_mode_forwards(tiny_llama, mode_rows):
             on = (torch.arange(B) > 0) if mode_rows == "mask" else torch.ones(B, dtype=torch.bool)
             rows = emb + d.model.mode_embed[k] * on.float().view(-1, 1)
             h = d.block_hidden(st, ids, block_embeds=rows)  # DFlash's single-block forward, no mask
-            single = d.model.logits(h[1:], d._lm_w, d._lm_b, restricted=True)
+            single = d.model.logits(h[1:], d._lm_w, d._lm_b, restricted=True, layouts=d._lm_layouts)
             assert torch.allclose(joint[k], single, atol=1e-5)
     # the modes really differ (symmetry broken), and the anchor row is untouched in "mask" mode
     assert not torch.allclose(joint[0], joint[1])

@@ -20,10 +20,12 @@ import torch
 from graft_block.drafter import Drafter, check_budget, register, shared_checkpoint
 from graft_block.engine import drafter_kernel
 from graft_block.errors import ConfigError
+from graft_block.skinny import SkinnyWeight
 from graft_block.tree import Tree, chain
 from graft_block.tree.ddtree import ddtree, topk_logprobs
 
 from ..layers import use_kernel
+from .c_block import CContext, c_layers_for
 from .checkpoint import check_compatible, is_dflash_layout, load_checkpoint, new_model, save_checkpoint
 from . import training as dflash_training
 from .model import DFlashModel
@@ -42,13 +44,20 @@ def head_rows(target, draft_vocab: torch.Tensor | None) -> tuple[torch.Tensor, t
     if key not in shared:
         if ids is not None:  # gathered once, not every round
             w, b = w[ids].detach(), None if b is None else b[ids].detach()
-        shared[key] = (w, b, {})
+        layouts = {}
+        if "skinny" in (drafter_kernel(target) or "") and w.dtype == torch.float32 and w.device.type == "cpu" \
+                and float(w.abs().max()) < 6e4:
+            # the draft's few-row head products stream these rows every round: packed in fp16, half the bytes (a
+            # draft's numbers need not be the target's: the verify keeps only what the target computes)
+            layouts.update(key=(w.data_ptr(), w._version, tuple(w.shape)), skinny=SkinnyWeight(w.half().float()))
+        shared[key] = (w, b, layouts)
     return shared[key]
 
 @register("dflash")
 class DFlashDrafter(Drafter):
     """Config keys: ``checkpoint`` (folder in z-lab format), ``proposal`` ("chain" | "ddtree"), ``budget``
-    (non-root nodes; chain: at most B-1), ``block_size`` (<= the checkpoint's), ``denoise_steps`` (1 = one
+    (non-root nodes; chain: at most B-1), ``block_size`` (<= the checkpoint's; ``"budget"``: only the rows a
+    tree of that budget can reach, a cheaper draft: the quick-suite presets), ``denoise_steps`` (1 = one
     DFlash pass; >1 = commit-by-confidence refinement with diffusers' BlockRefinementScheduler), ``marginal_topk``
     (how many per-position candidates ``last_block_logprobs`` keeps). Random-init keys (no checkpoint, for tests):
     ``num_layers``, ``target_layer_ids``, ``mask_token_id``, ``seed``."""
@@ -61,10 +70,16 @@ class DFlashDrafter(Drafter):
         check_compatible(model, target)
         self.target, self.model, self.proposal = target, model.eval(), proposal
         use_kernel(model, drafter_kernel(target))  # drafting runs the target engine's product kernel
-        self.block_size = model.block_size if block_size is None else int(block_size)
+        offset = getattr(model, "draft_offset", 1)  # the first row that drafts (DSpark's may draft from row 0)
+        if block_size == "budget":  # the rows a tree of this budget can reach; None budget: the whole block
+            block_size = model.block_size if budget is None else \
+                min(model.block_size, max(2, check_budget(budget) + offset))
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
+            raise ConfigError(f"block_size must be an int or 'budget', got {block_size!r}")
+        self.block_size = model.block_size if block_size is None else block_size
         if not 2 <= self.block_size <= model.block_size:
             raise ConfigError(f"block_size {block_size} must be in 2..{model.block_size} (the trained block size)")
-        drafts = self.block_size - getattr(model, "draft_offset", 1)  # rows that draft (DSpark's may include row 0)
+        drafts = self.block_size - offset
         self.budget = check_budget(drafts if budget is None else budget)
         if proposal == "chain" and self.budget > drafts:
             raise ConfigError(f"a chain proposal has at most {drafts} nodes (the block's drafting rows), "
@@ -76,9 +91,11 @@ class DFlashDrafter(Drafter):
         self.checkpoint = checkpoint
         self.feature_layers = model.feature_layers
         self._lm_w, self._lm_b, self._lm_layouts = head_rows(target, model.draft_vocab)
-        self.ctx_k: list[torch.Tensor] = []
-        self.ctx_v: list[torch.Tensor] = []
-        self.ctx_len = 0
+        # the draft's context K/V: in the C layers' layout where the target runs them (one C call per draft
+        # forward), else per-layer torch tensors for the torch forward
+        layers = c_layers_for(model, target)
+        self.c_context = None if layers is None else CContext(model, layers)
+        self.reset_context()
         self.last_block_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -99,7 +116,8 @@ class DFlashDrafter(Drafter):
         if cfg:
             raise ConfigError(f"unknown dflash config keys {sorted(cfg)} (without 'checkpoint' only "
                               "num_layers/target_layer_ids/mask_token_id/seed/num_features and drafter options)")
-        model = new_model(target, block_size=opts.get("block_size", 16), **init)
+        trained = opts["block_size"] if isinstance(opts.get("block_size"), int) else 16  # "budget": cut later
+        model = new_model(target, block_size=trained, **init)
         return cls(target, model, **opts)
 
     @classmethod
@@ -119,15 +137,24 @@ class DFlashDrafter(Drafter):
         ctx = self.model.fuse(features.unsqueeze(0))
         pos = torch.arange(start, start + m, device=ctx.device).view(1, -1)
         kv = self.model.context_kv(ctx, pos)
-        if not self.ctx_k:
+        if self.c_context is not None:
+            self.c_context.append(kv)
+        elif not self.ctx_k:
             self.ctx_k, self.ctx_v = [k for k, _ in kv], [v for _, v in kv]
         else:
             self.ctx_k = [torch.cat([a, k], 2) for a, (k, _) in zip(self.ctx_k, kv)]
             self.ctx_v = [torch.cat([a, v], 2) for a, (_, v) in zip(self.ctx_v, kv)]
         self.ctx_len += m
 
+    def reset_context(self) -> None:
+        self.ctx_k: list[torch.Tensor] = []
+        self.ctx_v: list[torch.Tensor] = []
+        self.ctx_len = 0
+        if self.c_context is not None:
+            self.c_context.len = 0
+
     def prefill(self, state) -> None:
-        self.ctx_k, self.ctx_v, self.ctx_len = [], [], 0
+        self.reset_context()
         with torch.inference_mode():
             self._extend(state.new_features, state.new_features_start)
 
@@ -147,6 +174,8 @@ class DFlashDrafter(Drafter):
             block_embeds = self.target.embed(block_ids.to(dev))
         if positions is None:
             positions = torch.arange(start, start + block_embeds.shape[0], device=dev)
+        if self.c_context is not None:
+            return self.c_context.forward(block_embeds, positions, mask)
         return self.model(block_embeds, positions, list(zip(self.ctx_k, self.ctx_v)), mask)
 
     def block_rows(self, state, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -70,7 +70,8 @@ class DSparkDrafter(DFlashDrafter):
                                         "markov_rank", "confidence_head") if k in cfg}
         if cfg:
             raise ConfigError(f"unknown dspark config keys {sorted(cfg)}")
-        model = new_dspark_model(target, block_size=opts.get("block_size", 16), alignment=want or "zlab", **init)
+        trained = opts["block_size"] if isinstance(opts.get("block_size"), int) else 16  # "budget": cut later
+        model = new_dspark_model(target, block_size=trained, alignment=want or "zlab", **init)
         return cls(target, model, **opts)
 
     @classmethod

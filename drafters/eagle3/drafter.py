@@ -188,7 +188,9 @@ class Eagle3Drafter(Drafter):
         d2t = None if head.cfg.draft_vocab_size == head.cfg.vocab_size and not bool(head.d2t.any()) else head.d2t
         # a budget-b tree is at most b deep (every node brings its ancestors): deeper levels are never kept
         levels = min(self.depth, max(0, self.budget - 1))
-        cands = expand(root_lp, child_fn, levels, self.top_k, d2t, self.stop_fn)
+        # nor wider: a node outside its level's top b has b better nodes at that level, so neither it nor its
+        # children make the top b; drafting only the top min(k, b) per level proposes the same tree
+        cands = expand(root_lp, child_fn, levels, min(self.top_k, self.budget), d2t, self.stop_fn)
         with state.section("tree"):
             tree = rerank(cands, state.root_token, self.budget)
         self.last_candidates = cands

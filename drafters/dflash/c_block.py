@@ -1,0 +1,110 @@
+"""The DFlash backbone's drafting forward with every layer in C (``skinny.DecoderLayers``), as the target runs.
+
+A DFlash draft layer is a Qwen3 decoder layer whose attention reads [context K/V; block K/V] with no causal mask.
+The C layers run exactly that when the context K/V sit in their cache layout (keys transposed) and the mask is
+all-visible (DFlash) or MFD's per-mode block mask: the block's own K/V are written after the context, where the
+next commit's context rows overwrite them. One C call per draft forward replaces ~25 small torch ops per layer,
+most of a draft's cost on a 2-core CPU. Drafting numerics need not match the torch forward bit for bit (the
+verify decides what is kept); ``tests/test_dflash_c_block.py`` checks they agree to float32 rounding.
+
+Used when the target itself runs the C layers (``target.lean.fused``: skinny products on this CPU, and not
+``GRAFT_BLOCK_FUSED=0``) and the drafter is a CPU float32 model of sizes the C layers take.
+"""
+from __future__ import annotations
+
+import torch
+
+from graft_block import skinny
+
+from .model import DFlashModel
+
+
+def c_layers_for(model: DFlashModel, target) -> "skinny.DecoderLayers | None":
+    """The model's layers packed for the C layers (fp16 packs where its weights are fp16-exact), shared by every
+    drafter on the model; None where they cannot or should not run (the reason is ``why_not``)."""
+    if why_not(model, target) is not None:
+        return None
+    if "_c_layers" not in model.__dict__:
+        model.__dict__["_c_layers"] = _pack(model)
+    return model.__dict__["_c_layers"]
+
+
+def why_not(model: DFlashModel, target) -> str | None:
+    lean = getattr(target, "lean", None)
+    if lean is None or getattr(lean, "fused", None) is None:
+        return "the target does not run the C decoder layers"
+    w = model.fc.weight
+    if w.dtype != torch.float32 or w.device.type != "cpu":
+        return f"the drafter is {w.dtype} on {w.device}, not float32 on the CPU"
+    cfg = model.config
+    a = model.layers[0].self_attn
+    return skinny.layers_unsupported(cfg.hidden_size, a.heads, a.kv_heads, a.head_dim)
+
+
+def _pack(model: DFlashModel) -> "skinny.DecoderLayers":
+    def cat_bias(*mods):
+        return None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
+
+    layers = []
+    for lyr in model.layers:
+        a, mlp = lyr.self_attn, lyr.mlp
+        layers.append(dict(
+            ln1=lyr.input_layernorm.weight.detach(), ln2=lyr.post_attention_layernorm.weight.detach(),
+            qkv=skinny.SkinnyWeight(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()),
+            qkv_b=cat_bias(a.q_proj, a.k_proj, a.v_proj),
+            o=skinny.SkinnyWeight(a.o_proj.weight), o_b=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
+            gu=skinny.SkinnyWeight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()),
+            d=skinny.SkinnyWeight(mlp.down_proj.weight), q_norm=a.q_norm.weight.detach(),
+            k_norm=a.k_norm.weight.detach()))
+    first = model.layers[0]
+    a = first.self_attn
+    return skinny.DecoderLayers(layers, model.config.hidden_size, a.heads, a.kv_heads, a.head_dim,
+                                model.config.intermediate_size, first.input_layernorm.eps, a.q_norm.eps,
+                                a.head_dim ** -0.5)
+
+
+class CContext:
+    """One drafter's context K/V in the C layers' layout: keys [layers, kv_heads, head_dim, kstride] (transposed),
+    values [layers, kv_heads, cap, head_dim]; ``len`` committed rows, the block's rows written after them."""
+
+    def __init__(self, model: DFlashModel, layers: "skinny.DecoderLayers"):
+        self.model, self.layers = model, layers
+        a = model.layers[0].self_attn
+        self.shape = (len(model.layers), a.kv_heads, a.head_dim)
+        self.k = self.v = None
+        self.len = 0
+
+    def reserve(self, total: int) -> None:
+        cap = 0 if self.v is None else self.v.shape[2]
+        if total <= cap:
+            return
+        new = max(256, 1 << (total - 1).bit_length())
+        nl, kvh, hd = self.shape
+        k = torch.zeros(skinny.key_cache_shape(nl, kvh, hd, new))
+        v = torch.zeros(nl, kvh, new, hd)
+        if self.len:
+            k[..., : self.len] = self.k[..., : self.len]
+            v[:, :, : self.len] = self.v[:, :, : self.len]
+        self.k, self.v = k, v
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Per layer (k, v) [1, kv_heads, m, head_dim] (``DFlashModel.context_kv``) -> rows len..len+m."""
+        m = kv[0][0].shape[2]
+        self.reserve(self.len + m)
+        for i, (k, v) in enumerate(kv):
+            self.k[i, :, :, self.len : self.len + m] = k[0].transpose(1, 2)
+            self.v[i, :, self.len : self.len + m] = v[0]
+        self.len += m
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """embeds [R, H], positions [R], mask additive [R, len + R] or None (every row sees everything) -> the
+        block's normed hidden states [R, H]."""
+        R = embeds.shape[0]
+        self.reserve(self.len + R)
+        x = embeds.to(torch.float32).contiguous().clone()  # updated in place by the layers
+        cos, sin = self.model.rope(positions.view(1, -1), x[None])
+        if mask is None:  # DFlash's block: no causal mask (an explicit one: the C layers' default is causal)
+            mask = torch.zeros(R, self.len + R)
+        mask = mask.reshape(R, self.len + R).to(torch.float32).contiguous()
+        self.layers.run(x, cos[0].contiguous(), sin[0].contiguous(), self.k, self.v, self.len, mask, {})
+        return self.model.norm(x)

@@ -1,0 +1,91 @@
+"""The DFlash backbone's drafting forward in C (drafters/dflash/c_block.py) against the torch forward, and the
+block cut to a budget's rows (``block_size: "budget"``)."""
+import pytest
+import torch
+
+from graft_block import skinny
+from graft_block.decoder import SpeculativeDecoder
+from graft_block.drafters import dflash as D
+from graft_block.drafters import mfd as M
+from graft_block.errors import ConfigError
+from graft_block.testing import prefilled_state, tiny_target
+
+ON_CPU = torch.device("cpu") == torch.device(__import__("os").environ.get("GRAFT_BLOCK_TEST_DEVICE", "cpu"))
+
+
+@pytest.fixture(scope="module")
+def fused():
+    if not (ON_CPU and skinny.available()):
+        pytest.skip(f"the skinny kernel does not run here: {skinny.why_not()}")
+    t = tiny_target("qwen3", engine="lean", gemm="skinny")
+    assert t.lean.fused is not None, t.lean.fused_why_not
+    return t
+
+
+def _pair(target, cls=D.DFlashDrafter, **kw):
+    """The same model twice: one drafter on the C layers, one on the torch forward."""
+    base = D.new_model(target, num_layers=2, block_size=8, target_layer_ids=[0, 2], seed=3)
+    if cls is M.MFDDrafter:
+        base = M.MFDModel.from_dflash(base, num_modes=3)
+        with torch.no_grad():
+            base.break_symmetry(target.embed(torch.tensor([base.mask_token_id]))[0], 0.5, seed=1)
+    c, t = cls(target, base, **kw), cls(target, base, **kw)
+    t.c_context = None
+    return c, t
+
+
+def test_c_block_matches_the_torch_forward_as_the_context_grows(fused):
+    """A block drafted by the C layers equals the torch forward's to float32 rounding, after a prefill that
+    outgrows the first cache allocation and after commits of a few rows (appended in the C cache layout)."""
+    c, t = _pair(fused, proposal="ddtree", budget=6)
+    assert c.c_context is not None
+    prompt = torch.randint(3, 128, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    st = prefilled_state(fused, prompt, c)
+    t.prefill(st)
+    ids = torch.full((8,), c.model.mask_token_id)
+    ids[0] = st.root_token
+    feats = st.new_features
+    with torch.inference_mode():
+        for extra in (0, 1, 3):
+            if extra:  # a commit of `extra` rows: any features will do, both drafters take the same
+                more = torch.randn(extra, feats.shape[1], generator=torch.Generator().manual_seed(extra))
+                c._extend(more, c.ctx_len)
+                t._extend(more, t.ctx_len)
+                st.tokens.extend([5] * extra)
+            assert c.c_context.len == c.ctx_len == t.ctx_len
+            hc, ht = c.block_hidden(st, ids), t.block_hidden(st, ids)
+            assert torch.allclose(hc, ht, atol=1e-4, rtol=1e-4), (extra, (hc - ht).abs().max())
+            assert not torch.allclose(hc[1], hc[2])  # rows really differ: positions reach the C layers
+
+
+def test_c_block_takes_mfd_mode_masks(fused):
+    """MFD's K modes in one forward (each mode's rows see the context and their own mode's block only) give the
+    torch forward's logits on the C layers, and the modes stay distinct."""
+    c, t = _pair(fused, cls=M.MFDDrafter, budget=5)
+    prompt = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    st = prefilled_state(fused, prompt, c)
+    t.prefill(st)
+    with torch.inference_mode():
+        lc, lt = c.mode_logits(st), t.mode_logits(st)
+    assert lc.shape[0] == 3 and torch.allclose(lc, lt, atol=1e-3, rtol=1e-3), (lc - lt).abs().max()
+    assert not torch.allclose(lc[0], lc[1], atol=1e-3)
+
+
+@pytest.mark.parametrize("cls,kw", [(D.DFlashDrafter, {"proposal": "ddtree", "budget": 5}),
+                                    (M.MFDDrafter, {"budget": 4})])
+def test_c_block_drafts_stay_token_identical_to_ar(fused, cls, kw):
+    c, _ = _pair(fused, cls=cls, block_size="budget", **kw)
+    prompt = torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(5))
+    ar = SpeculativeDecoder(fused, None).generate(prompt, max_new_tokens=40)
+    spec = SpeculativeDecoder(fused, c).generate(prompt, max_new_tokens=40)
+    assert spec.tokens == ar.tokens
+    assert spec.stats.rounds < ar.stats.rounds or spec.stats.tau >= 1.0
+
+
+def test_block_size_budget_keeps_the_rows_a_tree_can_reach(tiny_qwen3):
+    base = D.new_model(tiny_qwen3, num_layers=1, block_size=8, target_layer_ids=[0, 2], seed=3)
+    assert D.DFlashDrafter(tiny_qwen3, base, proposal="ddtree", budget=3, block_size="budget").block_size == 4
+    assert D.DFlashDrafter(tiny_qwen3, base, proposal="ddtree", budget=30, block_size="budget").block_size == 8
+    assert D.DFlashDrafter(tiny_qwen3, base, proposal="chain", block_size="budget").block_size == 8  # no budget
+    with pytest.raises(ConfigError, match="block_size must be an int or 'budget'"):
+        D.DFlashDrafter(tiny_qwen3, base, proposal="ddtree", budget=3, block_size="rows")
