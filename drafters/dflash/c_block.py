@@ -41,6 +41,16 @@ def why_not(model: DFlashModel, target) -> str | None:
     return skinny.layers_unsupported(cfg.hidden_size, a.heads, a.kv_heads, a.head_dim)
 
 
+def _context_pack(model: DFlashModel) -> tuple["skinny.SkinnyWeight", torch.Tensor | None, torch.Tensor]:
+    """Every layer's k_proj and v_proj as one product (the context K/V of all layers in one call), its bias, and
+    the layers' k_norm weights [layers, 1, head_dim]."""
+    attn = [lyr.self_attn for lyr in model.layers]
+    w = torch.cat([t for a in attn for t in (a.k_proj.weight, a.v_proj.weight)]).detach()
+    b = None if attn[0].k_proj.bias is None else \
+        torch.cat([t for a in attn for t in (a.k_proj.bias, a.v_proj.bias)]).detach()
+    return skinny.SkinnyWeight(w), b, torch.stack([a.k_norm.weight.detach() for a in attn]).unsqueeze(1)
+
+
 def _pack(model: DFlashModel) -> "skinny.DecoderLayers":
     def cat_bias(*mods):
         return None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
@@ -64,47 +74,44 @@ def _pack(model: DFlashModel) -> "skinny.DecoderLayers":
 
 
 class CContext:
-    """One drafter's context K/V in the C layers' layout: keys [layers, kv_heads, head_dim, kstride] (transposed),
-    values [layers, kv_heads, cap, head_dim]; ``len`` committed rows, the block's rows written after them."""
+    """One drafter's context K/V in the C layers' layout (``skinny.LayerCache``): ``len`` committed rows, the
+    block's rows written after them."""
 
     def __init__(self, model: DFlashModel, layers: "skinny.DecoderLayers"):
         self.model, self.layers = model, layers
         a = model.layers[0].self_attn
         self.shape = (len(model.layers), a.kv_heads, a.head_dim)
-        self.k = self.v = None
+        self.cache = skinny.LayerCache(*self.shape)
         self.len = 0
 
-    def reserve(self, total: int) -> None:
-        cap = 0 if self.v is None else self.v.shape[2]
-        if total <= cap:
-            return
-        new = max(256, 1 << (total - 1).bit_length())
+    def append(self, ctx: torch.Tensor, positions: torch.Tensor) -> None:
+        """ctx [m, H] (``DFlashModel.fuse``) at ``positions`` [m] -> every layer's context K/V (``context_kv``'s
+        k_proj / k_norm / RoPE and v_proj, all layers in one product) at rows len..len+m."""
+        if "_c_context" not in self.model.__dict__:
+            self.model.__dict__["_c_context"] = _context_pack(self.model)
+        w, b, k_norm = self.model.__dict__["_c_context"]
         nl, kvh, hd = self.shape
-        k = torch.zeros(skinny.key_cache_shape(nl, kvh, hd, new))
-        v = torch.zeros(nl, kvh, new, hd)
-        if self.len:
-            k[..., : self.len] = self.k[..., : self.len]
-            v[:, :, : self.len] = self.v[:, :, : self.len]
-        self.k, self.v = k, v
-
-    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Per layer (k, v) [1, kv_heads, m, head_dim] (``DFlashModel.context_kv``) -> rows len..len+m."""
-        m = kv[0][0].shape[2]
-        self.reserve(self.len + m)
-        for i, (k, v) in enumerate(kv):
-            self.k[i, :, :, self.len : self.len + m] = k[0].transpose(1, 2)
-            self.v[i, :, self.len : self.len + m] = v[0]
+        m = ctx.shape[0]
+        kv = skinny.linear(ctx.to(torch.float32).contiguous(), w, b).view(m, nl, 2, kvh, hd)
+        k, v = kv[:, :, 0], kv[:, :, 1]
+        eps = self.model.layers[0].self_attn.k_norm.eps
+        k = k_norm * (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps))
+        cos, sin = (t[0].view(m, 1, 1, hd) for t in self.model.rope(positions.view(1, -1), k))
+        k = k * cos + torch.cat([-k[..., hd // 2:], k[..., : hd // 2]], -1) * sin
+        self.cache.reserve(self.len + m, self.len)
+        self.cache.k[:, :, :, self.len : self.len + m] = k.permute(1, 2, 3, 0)  # [layers, kv_heads, head_dim, m]
+        self.cache.v[:, :, self.len : self.len + m] = v.permute(1, 2, 0, 3)
         self.len += m
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """embeds [R, H], positions [R], mask additive [R, len + R] or None (every row sees everything) -> the
         block's normed hidden states [R, H]."""
         R = embeds.shape[0]
-        self.reserve(self.len + R)
+        self.cache.reserve(self.len + R, self.len)
         x = embeds.to(torch.float32).contiguous().clone()  # updated in place by the layers
         cos, sin = self.model.rope(positions.view(1, -1), x[None])
         if mask is None:  # DFlash's block: no causal mask (an explicit one: the C layers' default is causal)
             mask = torch.zeros(R, self.len + R)
         mask = mask.reshape(R, self.len + R).to(torch.float32).contiguous()
-        self.layers.run(x, cos[0].contiguous(), sin[0].contiguous(), self.k, self.v, self.len, mask, {})
+        self.layers.run(x, cos[0].contiguous(), sin[0].contiguous(), self.cache.k, self.cache.v, self.len, mask, {})
         return self.model.norm(x)

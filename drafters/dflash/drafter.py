@@ -136,10 +136,12 @@ class DFlashDrafter(Drafter):
         m = features.shape[0]
         ctx = self.model.fuse(features.unsqueeze(0))
         pos = torch.arange(start, start + m, device=ctx.device).view(1, -1)
-        kv = self.model.context_kv(ctx, pos)
         if self.c_context is not None:
-            self.c_context.append(kv)
-        elif not self.ctx_k:
+            self.c_context.append(ctx[0], pos[0])
+            self.ctx_len += m
+            return
+        kv = self.model.context_kv(ctx, pos)
+        if not self.ctx_k:
             self.ctx_k, self.ctx_v = [k for k, _ in kv], [v for _, v in kv]
         else:
             self.ctx_k = [torch.cat([a, k], 2) for a, (k, _) in zip(self.ctx_k, kv)]

@@ -18,6 +18,7 @@ from graft_block.tree import Tree, root_only
 from graft_block.tree.eagle import Candidates, expand, next_tree_mask, rerank
 
 from ..layers import use_kernel
+from . import c_layer
 from .checkpoint import (
     MODEL_CONFIG_KEYS,
     check_against_target,
@@ -76,6 +77,8 @@ class Eagle3Drafter(Drafter):
             if not 0 <= i <= target.num_layers:
                 raise ConfigError(f"feature layer {i} is outside 0..{target.num_layers} (HF hidden_states indices)")
         self.last_candidates: Candidates | None = None
+        # the head's layer on the C decoder layers where the target runs them (one call per level), else torch
+        self.c_layer = None if c_layer.why_not(head, target) else c_layer.CLayer(head)
         # Optional early stop of the expansion (Graft's pruning checkpoints): stop_fn(level, frontier_scores).
         self.stop_fn = None
         self._reset()
@@ -114,7 +117,7 @@ class Eagle3Drafter(Drafter):
 
     # ---- caches ---------------------------------------------------------------------------------------------
     def _reset(self):
-        self.k_cache = self.v_cache = None  # draft KV of the accepted prefix: [1, kv, n_pairs, hd]
+        self.k_cache = self.v_cache = None  # draft KV of the accepted prefix: [1, kv, n_pairs, hd] (torch layer)
         self.n_pairs = 0
         self.pending: list[tuple[torch.Tensor, int]] = []
         self.root_out = None  # pre-norm output of the last accepted pair (its row predicts the root's children)
@@ -142,6 +145,10 @@ class Eagle3Drafter(Drafter):
             emb = self.embed(toks).view(1, m, -1)
             g = self.head.fuse(feats.view(1, m, -1))
             pos = torch.arange(start, start + m, device=g.device).view(1, m)
+            if self.c_layer is not None:  # causal over the new pairs, all earlier ones visible
+                self.root_out = self.c_layer.forward(emb[0], g[0], pos[0], self.n_pairs)[-1]
+                self.n_pairs += m
+                continue
             mask = None if self.k_cache is None else prefix_mask(m, self.n_pairs, g.dtype, g.device)
             out, k, v = self.head(emb, g, pos, self.k_cache, self.v_cache, mask)
             self.k_cache = k if self.k_cache is None else torch.cat([self.k_cache, k], dim=2)
@@ -149,6 +156,12 @@ class Eagle3Drafter(Drafter):
             self.n_pairs += m
             self.root_out = out[0, -1]
         self.pending = []
+
+    def cached_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's K/V of the accepted pairs, [1, kv_heads, n_pairs, head_dim] each (for tests and tools)."""
+        if self.c_layer is not None:
+            return self.c_layer.cache.rows(self.n_pairs)
+        return self.k_cache, self.v_cache
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.embed_tokens(ids) if self.head.embed_tokens is not None else self.target.embed(ids)
@@ -176,12 +189,16 @@ class Eagle3Drafter(Drafter):
             mask = torch.full((f, n + tmask.shape[1]), torch.finfo(g.dtype).min, dtype=g.dtype, device=dev)
             mask[:, :n] = 0
             mask[:, n:].masked_fill_(tmask, 0)
+            tree_mask.append(tmask)
+            if self.c_layer is not None:  # the level's K/V after the accepted pairs and the levels before
+                out = self.c_layer.forward(emb[0], g[0], pos[0], n + tmask.shape[1] - f, mask)
+                level_out.append(out)
+                return torch.log_softmax(head.logits(out).float(), dim=-1)
             pk = torch.cat([self.k_cache] + tree_k, dim=2)
             pv = torch.cat([self.v_cache] + tree_v, dim=2)
             out, k, v = head(emb, g, pos, pk, pv, mask.view(1, 1, f, -1))
             tree_k.append(k)
             tree_v.append(v)
-            tree_mask.append(tmask)
             level_out.append(out[0])
             return torch.log_softmax(head.logits(out[0]).float(), dim=-1)
 
