@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graft_block.engine import inference_linear
+from graft_block.errors import ConfigError
 
 
 class Linear(nn.Linear):
@@ -20,6 +21,24 @@ class Linear(nn.Linear):
         if self.kernel is None:
             return F.linear(x, self.weight, self.bias)
         return inference_linear(x, self.weight, self.bias, self.kernel, laid_out(self))
+
+
+def release_linears(module: nn.Module, linears, why: str) -> int:
+    """Free the weights of ``linears`` (linear layers inside ``module``) once another copy serves every forward
+    (the C layers' packs), and mark ``module`` so that its torch forward fails clearly. Returns the bytes freed."""
+    freed = 0
+    for m in linears:
+        freed += m.weight.numel() * m.weight.element_size()
+        m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+        m.__dict__.pop("_laid_out", None)
+    module.__dict__["_released"] = why
+    return freed
+
+
+def check_not_released(module: nn.Module) -> None:
+    why = module.__dict__.get("_released")
+    if why:
+        raise ConfigError(f"this {type(module).__name__}'s torch layers were freed: {why}")
 
 
 def laid_out(module: nn.Module) -> dict:

@@ -260,7 +260,8 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         print("\n" + report.verdict_table(rep["paper_verdicts"]))
     alarm = report.lossless_alarm(rows)
     if alarm:
-        print("\n" + alarm, file=sys.stderr)
+        if "LOSSLESS CHECK FAILED" in alarm:
+            print("\n" + alarm, file=sys.stderr)
         print("\n" + alarm)
     banner = machine.busy_banner(load)
     if banner:

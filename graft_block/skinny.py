@@ -486,7 +486,8 @@ class SkinnyWeight:
     """A weight [out, in] packed for ``linear``: [ceil(out / B)][in][B] with B two vectors' worth of outputs (32
     on AVX-512, 16 on AVX2), the outputs past ``out`` zero. In float16 when every value is one exactly (a drafter
     checkpoint stored in fp16, upcast on load) and the CPU converts on load (F16C): half the bytes per product,
-    the same products bit for bit. ``half``: None = whenever exact; False = float32."""
+    the same products bit for bit. ``half``: None = whenever exact; False = float32; "round": float16 always,
+    rounded (a drafter's own copy of rows whose products need not be exact)."""
     __slots__ = ("packed", "out", "n_in")
 
     def __init__(self, w: torch.Tensor, half: bool | None = None):
@@ -500,10 +501,10 @@ class SkinnyWeight:
         self.out, self.n_in = w.shape
         block = _lib.block_outputs()
         nb = (self.out + block - 1) // block
-        if half is not False and _lib.half_weights() and bool((w.half().float() == w).all()):
-            padded = w.new_zeros(nb * block, self.n_in)
-            padded[: self.out] = w
-            self.packed = padded.view(nb, block, self.n_in).transpose(1, 2).contiguous().half().view(-1)
+        if half is not False and _lib.half_weights() and (half == "round" or bool((w.half().float() == w).all())):
+            padded = torch.zeros(nb * block, self.n_in, dtype=torch.float16)
+            padded[: self.out] = w  # rounded to float16 on the copy: no float32 transpose of the whole weight
+            self.packed = padded.view(nb, block, self.n_in).transpose(1, 2).contiguous().view(-1)
             return
         self.packed = torch.empty(nb * block * self.n_in)
         _lib.pack(w.data_ptr(), self.packed.data_ptr(), self.out, self.n_in, torch.get_num_threads())

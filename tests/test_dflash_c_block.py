@@ -89,3 +89,20 @@ def test_block_size_budget_keeps_the_rows_a_tree_can_reach(tiny_qwen3):
     assert D.DFlashDrafter(tiny_qwen3, base, proposal="chain", block_size="budget").block_size == 8  # no budget
     with pytest.raises(ConfigError, match="block_size must be an int or 'budget'"):
         D.DFlashDrafter(tiny_qwen3, base, proposal="ddtree", budget=3, block_size="rows")
+
+
+def test_benchmark_mode_frees_the_torch_layer_weights(fused):
+    """With target.share_drafter_checkpoints (the benchmark), the layer weights the C packs serve are freed: drafting
+    stays token-identical to AR, and the torch forward fails with a message naming why instead of running on
+    empty weights."""
+    t = tiny_target("qwen3", engine="lean", gemm="skinny")
+    t.share_drafter_checkpoints = True
+    base = D.new_model(t, num_layers=2, block_size=8, target_layer_ids=[0, 2], seed=3)
+    d = D.DFlashDrafter(t, base, proposal="ddtree", budget=4)
+    assert base.layers[0].mlp.gate_proj.weight.numel() == 0 and base.layers[1].self_attn.k_proj.weight.numel() == 0
+    assert base.fc.weight.numel() > 0  # the features' projection still runs in torch
+    prompt = torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(7))
+    ar = SpeculativeDecoder(t, None).generate(prompt, max_new_tokens=30)
+    assert SpeculativeDecoder(t, d).generate(prompt, max_new_tokens=30).tokens == ar.tokens
+    with pytest.raises(ConfigError, match="torch layers were freed"):
+        base(torch.zeros(8, 64), torch.arange(8), [])

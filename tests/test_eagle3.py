@@ -386,6 +386,14 @@ def test_c_layer_drafts_the_torch_layers_tree(norm_before_residual):
     (a, ca), (b, cb) = trees
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
     assert torch.allclose(ca.scores, cb.scores, atol=1e-4), (ca.scores - cb.scores).abs().max()
+    # the benchmark (share_drafter_checkpoints) frees the torch layer once packed, and says so if it is called
+    t.share_drafter_checkpoints = True
+    freed = make_head(t, seed=4, norm_before_residual=norm_before_residual)
+    dr = Eagle3Drafter(t, head=freed, budget=12, depth=3, top_k=4)
+    assert freed.midlayer.mlp.down_proj.weight.numel() == 0
+    assert SpeculativeDecoder(t, dr).generate(prompt, max_new_tokens=30).tokens == ar.tokens
+    with pytest.raises(ConfigError, match="torch layers were freed"):
+        freed(t.embed(torch.tensor([[1, 2]])), torch.zeros(1, 2, 64), torch.arange(2).view(1, 2))
 
 
 # ---- greedy identity ---------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 from graft_block import skinny
 
+from ..layers import release_linears
 from .model import DFlashModel
 
 
@@ -26,6 +27,13 @@ def c_layers_for(model: DFlashModel, target) -> "skinny.DecoderLayers | None":
         return None
     if "_c_layers" not in model.__dict__:
         model.__dict__["_c_layers"] = _pack(model)
+        model.__dict__["_c_context"] = _context_pack(model)
+        if getattr(target, "share_drafter_checkpoints", False):  # the benchmark: drafting only, on these packs
+            release_linears(model, [m for lyr in model.layers for m in (*lyr.self_attn.children(),
+                                                                      *lyr.mlp.children())
+                                    if isinstance(m, torch.nn.Linear)],
+                            "the benchmark drafts on their C-layer packs (a target with "
+                            "share_drafter_checkpoints); load the checkpoint again to run them in torch")
     return model.__dict__["_c_layers"]
 
 
@@ -87,8 +95,6 @@ class CContext:
     def append(self, ctx: torch.Tensor, positions: torch.Tensor) -> None:
         """ctx [m, H] (``DFlashModel.fuse``) at ``positions`` [m] -> every layer's context K/V (``context_kv``'s
         k_proj / k_norm / RoPE and v_proj, all layers in one product) at rows len..len+m."""
-        if "_c_context" not in self.model.__dict__:
-            self.model.__dict__["_c_context"] = _context_pack(self.model)
         w, b, k_norm = self.model.__dict__["_c_context"]
         nl, kvh, hd = self.shape
         m = ctx.shape[0]

@@ -49,7 +49,7 @@ def head_rows(target, draft_vocab: torch.Tensor | None) -> tuple[torch.Tensor, t
                 and float(w.abs().max()) < 6e4:
             # the draft's few-row head products stream these rows every round: packed in fp16, half the bytes (a
             # draft's numbers need not be the target's: the verify keeps only what the target computes)
-            layouts.update(key=(w.data_ptr(), w._version, tuple(w.shape)), skinny=SkinnyWeight(w.half().float()))
+            layouts.update(key=(w.data_ptr(), w._version, tuple(w.shape)), skinny=SkinnyWeight(w, half="round"))
         shared[key] = (w, b, layouts)
     return shared[key]
 

@@ -33,7 +33,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 from graft_block.engine import inference_linear
 from graft_block.errors import ConfigError
 
-from ..layers import RMSNorm, Rotary, apply_rope, laid_out
+from ..layers import RMSNorm, Rotary, apply_rope, check_not_released, laid_out
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -130,10 +130,12 @@ class DFlashModel(nn.Module):
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """ctx [b, m, H] (from ``fuse``), positions [b, m] -> per layer (k, v) [b, kv_heads, m, hd]."""
+        check_not_released(self)
         cos, sin = self.rope(positions, ctx)
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_kv, mask=None) -> torch.Tensor:
+        check_not_released(self)
         unbatched = block_embeds.dim() == 2
         x = block_embeds.unsqueeze(0) if unbatched else block_embeds
         pos = block_positions.view(1, -1) if block_positions.dim() == 1 else block_positions

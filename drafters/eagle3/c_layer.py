@@ -13,6 +13,7 @@ import torch
 
 from graft_block import skinny
 
+from ..layers import release_linears
 from .model import Eagle3Head
 
 
@@ -27,23 +28,35 @@ def why_not(head: Eagle3Head, target) -> str | None:
     return skinny.layers_unsupported(head.cfg.hidden_size, a.n_heads, a.n_kv, a.head_dim)
 
 
-class CLayer:
-    """The head's layer packed for C and its K/V cache (one drafter's): ``forward`` runs rows at cache rows
-    start.., each seeing the rows before start that its mask allows (causal when the mask is None)."""
+def _pack(head: Eagle3Head) -> "skinny.DecoderLayers":
+    m, cfg = head.midlayer, head.cfg
+    a, mlp = m.self_attn, m.mlp
+    bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
+    layer = dict(ln1=m.input_layernorm.weight.detach(), hn=m.hidden_norm.weight.detach(),
+                 norm_residual=m.norm_before_residual, ln2=m.post_attention_layernorm.weight.detach(),
+                 qkv=skinny.SkinnyWeight(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()),
+                 qkv_b=bias, o=skinny.SkinnyWeight(a.o_proj.weight),
+                 gu=skinny.SkinnyWeight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()),
+                 d=skinny.SkinnyWeight(mlp.down_proj.weight))
+    return skinny.DecoderLayers([layer], cfg.hidden_size, a.n_heads, a.n_kv, a.head_dim, cfg.intermediate_size,
+                                m.input_layernorm.eps, 0.0, a.head_dim ** -0.5)
 
-    def __init__(self, head: Eagle3Head):
-        m, cfg = head.midlayer, head.cfg
-        a, mlp = m.self_attn, m.mlp
-        bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
-        layer = dict(ln1=m.input_layernorm.weight.detach(), hn=m.hidden_norm.weight.detach(),
-                     norm_residual=m.norm_before_residual, ln2=m.post_attention_layernorm.weight.detach(),
-                     qkv=skinny.SkinnyWeight(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()),
-                     qkv_b=bias, o=skinny.SkinnyWeight(a.o_proj.weight),
-                     gu=skinny.SkinnyWeight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()),
-                     d=skinny.SkinnyWeight(mlp.down_proj.weight))
-        self.head = head
-        self.layers = skinny.DecoderLayers([layer], cfg.hidden_size, a.n_heads, a.n_kv, a.head_dim,
-                                           cfg.intermediate_size, m.input_layernorm.eps, 0.0, a.head_dim ** -0.5)
+
+class CLayer:
+    """The head's layer packed for C (shared by every drafter on the head) and one drafter's K/V cache:
+    ``forward`` runs rows at cache rows start.., each seeing the rows before start that its mask allows (causal
+    when the mask is None). ``release``: the head's torch layer weights are freed once packed (the benchmark)."""
+
+    def __init__(self, head: Eagle3Head, release: bool = False):
+        if "_c_layer" not in head.__dict__:
+            head.__dict__["_c_layer"] = _pack(head)
+            if release:
+                m = head.midlayer
+                release_linears(head, [*m.self_attn.children(), *m.mlp.children()],
+                                "the benchmark drafts on their C-layer packs (a target with "
+                                "share_drafter_checkpoints); load the checkpoint again to run them in torch")
+        a = head.midlayer.self_attn
+        self.head, self.layers = head, head.__dict__["_c_layer"]
         self.cache = skinny.LayerCache(1, a.n_kv, a.head_dim)
 
     def forward(self, emb: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, start: int,

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from graft_block.drafter import Drafter, check_budget, register
+from graft_block.drafter import Drafter, check_budget, register, shared_checkpoint
 from graft_block.engine import drafter_kernel
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree, root_only
@@ -53,7 +53,8 @@ class Eagle3Drafter(Drafter):
         if head is None:
             if checkpoint is None:
                 raise ConfigError("eagle3 needs a checkpoint (folder or bundled short name, e.g. 'eagle3-smollm2')")
-            head = load_head(resolve_checkpoint(checkpoint), target)
+            folder = resolve_checkpoint(checkpoint)
+            head = shared_checkpoint(target, "eagle3", folder, lambda: load_head(folder, target))
         else:
             check_against_target(head, target)
             head = head.to(device=target.device, dtype=target.dtype).eval()
@@ -78,7 +79,8 @@ class Eagle3Drafter(Drafter):
                 raise ConfigError(f"feature layer {i} is outside 0..{target.num_layers} (HF hidden_states indices)")
         self.last_candidates: Candidates | None = None
         # the head's layer on the C decoder layers where the target runs them (one call per level), else torch
-        self.c_layer = None if c_layer.why_not(head, target) else c_layer.CLayer(head)
+        self.c_layer = None if c_layer.why_not(head, target) else \
+            c_layer.CLayer(head, release=getattr(target, "share_drafter_checkpoints", False))
         # Optional early stop of the expansion (Graft's pruning checkpoints): stop_fn(level, frontier_scores).
         self.stop_fn = None
         self._reset()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graft_block.drafters.layers import RMSNorm, apply_rope
+from graft_block.drafters.layers import RMSNorm, apply_rope, check_not_released
 from graft_block.errors import ConfigError
 
 
@@ -254,6 +254,7 @@ class Eagle3Head(nn.Module):
         """One pass of the layer. emb/g [B, T, hidden], positions [B, T], past KV [B, kv, L, hd] (or None),
         mask additive [B|1, 1, T, L+T] (None = causal over the new part only when there is no past).
         Returns (pre-norm output [B, T, hidden], new k, new v)."""
+        check_not_released(self)
         attn_mod = self.midlayer.self_attn
         x, residual = self.midlayer.attn_input(emb, g)
         cos, sin = self.rope(g, positions)
