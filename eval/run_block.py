@@ -121,8 +121,12 @@ def budgets_of(text: str | None) -> list:
 
 def build_methods(names, extra, target, budgets, curve, prompts, chimeric):
     methods, skipped, auto = [], {}, {}
-    # a drafter reads rows of HF's embedding and LM head while it is built: release those pages again after each
-    release = target.release_hf_weights
+    def release():
+        # a drafter reads rows of HF's embedding and LM head while it is built: release those pages again after
+        # each; a pilot's freed drafter leaves small blocks in the heap: give them back (80 MB of the peak)
+        target.release_hf_weights()
+        machine.trim_heap()
+
     for name in names:
         spec = lookup(name, extra)
         for b in (budgets if presets.takes_budget(spec) else [None]):

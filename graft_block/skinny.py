@@ -510,6 +510,16 @@ class SkinnyWeight:
         _lib.pack(w.data_ptr(), self.packed.data_ptr(), self.out, self.n_in, torch.get_num_threads())
 
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows ``ids`` [n] back out of the pack, float32 [n, in]: the engine's resident copy, so a
+        drafter gathering LM-head rows does not fault HF's released pages back in."""
+        block = _lib.block_outputs()
+        ids = ids.to(torch.long).cpu()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out):
+            raise ValueError(f"row ids must lie in 0..{self.out - 1}")
+        return self.packed.view(-1, self.n_in, block)[ids // block, :, ids % block].float()
+
+
 def _product(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [n, in] (contiguous) times the packed weight -> [n, out_features]."""
     y = torch.empty(x.shape[0], out_features)

@@ -375,6 +375,11 @@ def test_skinny_equals_f_linear_on_awkward_shapes_whatever_the_row_or_thread_cou
         if skinny._lib.half_weights():
             assert half.packed.dtype == torch.float16 and half.packed.numel() == full.packed.numel()
         assert torch.equal(skinny.linear(x, half, b), skinny.linear(x, full, b))
+        # rows come back out of either pack exactly (a drafter's LM-head rows, read from the engine's copy)
+        ids = torch.tensor([out - 1, 0, out // 2, 1 % out])
+        assert torch.equal(pw.rows(ids), w[ids]) and torch.equal(half.rows(ids), exact[ids])
+    with pytest.raises(ValueError, match="row ids must lie in"):
+        skinny.SkinnyWeight(torch.randn(4, 8)).rows(torch.tensor([4]))
     with pytest.raises(ValueError, match="float32 CPU rows of 8"):
         skinny.linear(torch.randn(2, 7), skinny.SkinnyWeight(torch.randn(4, 8)))
     with pytest.raises(ValueError, match="skinny packs a float32 CPU weight"):

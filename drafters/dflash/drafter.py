@@ -42,7 +42,10 @@ def head_rows(target, draft_vocab: torch.Tensor | None) -> tuple[torch.Tensor, t
     key = (w.data_ptr(), w._version, None if ids is None else hashlib.sha1(ids.cpu().numpy().tobytes()).hexdigest())
     shared = target.__dict__.setdefault("_draft_head_rows", {})
     if key not in shared:
-        if ids is not None:  # gathered once, not every round
+        pack = getattr(getattr(target, "lean", None), "skinny", None)
+        if ids is not None and pack is not None:  # gathered once, from the engine's resident pack of the head
+            w, b = pack[-1]["head"].rows(ids), None if b is None else b[ids].detach()
+        elif ids is not None:
             w, b = w[ids].detach(), None if b is None else b[ids].detach()
         layouts = {}
         if "skinny" in (drafter_kernel(target) or "") and w.dtype == torch.float32 and w.device.type == "cpu" \
