@@ -90,16 +90,18 @@ class DSparkDrafter(DFlashDrafter):
             if todo:
                 prev = torch.tensor(todo, device=dev)
                 z = base[depth - 1].unsqueeze(0).expand(len(todo), -1)  # no Markov head: one row for every parent
+                emb = None
                 if self._w2 is not None:
-                    z = z + inference_linear(model.markov_head.prev_embed(prev).to(self._w2.dtype), self._w2, None,
-                                             model.kernel, self._w2_layouts)
+                    emb = model.markov_head.prev_embed(prev)
+                    z = z + inference_linear(emb.to(self._w2.dtype), self._w2, None, model.kernel, self._w2_layouts)
                 lp = torch.log_softmax(z.float() / temperature if temperature > 0 else z.float(), -1)
                 vals, cols = lp.topk(k, dim=-1)
+                vals = vals.tolist()
                 ids = model.to_vocab_ids(cols).tolist()
-                conf = model.confidence_logits(hidden[depth - 1].expand(len(todo), -1), prev)
+                conf = model.confidence_logits(hidden[depth - 1].expand(len(todo), -1), prev, emb)
                 conf = None if conf is None else model.calibrated(conf, depth - 1).tolist()
                 for i, t in enumerate(todo):
-                    cache[(depth, t)] = (ids[i], vals[i].tolist(), None if conf is None else conf[i])
+                    cache[(depth, t)] = (ids[i], vals[i], None if conf is None else conf[i])
             return [cache[(depth, prevs[0])]]
 
         return expand

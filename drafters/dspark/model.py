@@ -99,14 +99,17 @@ class DSparkModel(DFlashModel):
         """Logit correction for draft rows whose previous token is ``prev`` (0 without a Markov head)."""
         return 0.0 if self.markov_head is None else self.markov_head.bias(prev, vocab)
 
-    def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
-        """hidden [..., H] of draft rows, prev [...] their previous tokens -> pre-sigmoid confidences (None when
-        the head is off). Uncalibrated: ``calibrated`` applies the per-position temperatures."""
+    def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor,
+                          prev_emb: torch.Tensor | None = None) -> torch.Tensor | None:
+        """hidden [..., H] of draft rows, prev [...] their previous tokens (``prev_emb``: their W1 rows, when the
+        caller has them) -> pre-sigmoid confidences (None when the head is off). Uncalibrated: ``calibrated``
+        applies the per-position temperatures."""
         if self.confidence_head is None:
             return None
         feats = hidden
         if self.confidence_with_markov:
-            feats = torch.cat([hidden, self.markov_head.prev_embed(prev).to(hidden.dtype)], dim=-1)
+            emb = self.markov_head.prev_embed(prev) if prev_emb is None else prev_emb
+            feats = torch.cat([hidden, emb.to(hidden.dtype)], dim=-1)
         return self.confidence_head(feats).float()
 
     def calibrated(self, conf_logits: torch.Tensor, position: int) -> torch.Tensor:
