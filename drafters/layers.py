@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graft_block.drafter import shared_by
 from graft_block.engine import inference_linear
 from graft_block.errors import ConfigError
+from graft_block.skinny import SkinnyWeight
 
 
 class Linear(nn.Linear):
@@ -23,16 +25,51 @@ class Linear(nn.Linear):
         return inference_linear(x, self.weight, self.bias, self.kernel, laid_out(self))
 
 
-def release_linears(module: nn.Module, linears, why: str) -> int:
-    """Free the weights of ``linears`` (linear layers inside ``module``) once another copy serves every forward
-    (the C layers' packs), and mark ``module`` so that its torch forward fails clearly. Returns the bytes freed."""
-    freed = 0
+def c_layers_reason(target, weight: torch.Tensor) -> str | None:
+    """Why a drafter whose weights are like ``weight`` cannot run its layers on the target's C decoder layers
+    (``skinny.DecoderLayers``); None when it can: the target runs them, and the drafter is float32 on the CPU."""
+    lean = getattr(target, "lean", None)
+    if lean is None or getattr(lean, "fused", None) is None:
+        return "the target does not run the C decoder layers"
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return f"the drafter is {weight.dtype} on {weight.device}, not float32 on the CPU"
+    return None
+
+
+def c_layer(ln1, ln2, q, k, v, o, gate, up, down, **extra) -> dict:
+    """One decoder layer's weights for ``skinny.DecoderLayers`` from its modules: q/k/v and gate/up fused into one
+    packed product each (float16 packs where the weights are fp16-exact, as our checkpoints are); ``extra``:
+    q_norm / k_norm weights, or EAGLE-3's ``hn`` / ``norm_residual``."""
+    def bias(*mods):
+        return None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
+
+    return dict(ln1=ln1.weight.detach(), ln2=ln2.weight.detach(),
+                qkv=SkinnyWeight(torch.cat([q.weight, k.weight, v.weight]).detach()), qkv_b=bias(q, k, v),
+                o=SkinnyWeight(o.weight.detach()), o_b=bias(o),
+                gu=SkinnyWeight(torch.cat([gate.weight, up.weight]).detach()), gu_b=bias(gate, up),
+                d=SkinnyWeight(down.weight.detach()), d_b=bias(down), **extra)
+
+
+def packs_stale(module: nn.Module, params) -> bool:
+    """Whether ``module``'s C-layer packs (made once, kept on the module) predate a change of ``params`` (an
+    in-place update bumps a version, a new tensor moves the address); records the current state."""
+    key = tuple((p.data_ptr(), p._version) for p in params)
+    stale = module.__dict__.get("_c_packed") != key
+    module.__dict__["_c_packed"] = key
+    return stale
+
+
+def release_for_c_layers(target, module: nn.Module, linears) -> None:
+    """In the benchmark (``target.share_drafter_checkpoints``, ``module`` loaded through ``shared_checkpoint``),
+    free the weights of ``linears`` once the C layers' packs serve every forward, and mark ``module`` so that its
+    torch forward fails clearly. A module a caller passed in is left alone."""
+    if not getattr(target, "share_drafter_checkpoints", False) or not shared_by(target, module):
+        return
     for m in linears:
-        freed += m.weight.numel() * m.weight.element_size()
         m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
         m.__dict__.pop("_laid_out", None)
-    module.__dict__["_released"] = why
-    return freed
+    module.__dict__["_released"] = ("the benchmark drafts on their C-layer packs (a target with "
+                                    "share_drafter_checkpoints); load the checkpoint again to run them in torch")
 
 
 def check_not_released(module: nn.Module) -> None:

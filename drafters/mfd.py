@@ -196,8 +196,7 @@ class MFDDrafter(D.DFlashDrafter):
                 if k in cfg}
         if cfg:
             raise ConfigError(f"unknown mfd config keys {sorted(cfg)}")
-        trained = opts["block_size"] if isinstance(opts.get("block_size"), int) else 16  # "budget": cut later
-        base = D.new_model(target, block_size=trained, **init)
+        base = D.new_model(target, block_size=D.random_init_block(opts), **init)
         model = MFDModel.from_dflash(base, **mode_keys)
         with torch.no_grad():
             mask_e = target.embed(torch.tensor([model.mask_token_id], device=target.device))[0]

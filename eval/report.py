@@ -250,8 +250,8 @@ def spread_notes(rows: list[dict], baseline: str = "ar") -> list[str]:
     return notes
 
 
-def lossless_alarm(rows: list[dict]) -> str | None:
-    """The T=0 identity failures: ours (an alarm: the lossless contract broke), then peer engines' (a note: a
+def lossless_alarm(rows: list[dict]) -> tuple[str | None, str | None]:
+    """The T=0 identity failures as (alarm, note): ours (the lossless contract broke), and peer engines' (a
     peer's speculative output against its own greedy AR is its numerics, which no test of ours covers)."""
     ours = [(r["method"], r["mismatches"], "AR") for r in rows if r["mismatches"] and not r.get("engine")]
     peers = [(r["method"], r["mismatches"], r["engine"] + " AR") for r in rows if r["mismatches"] and r.get("engine")]
@@ -259,14 +259,11 @@ def lossless_alarm(rows: list[dict]) -> str | None:
     def lines(bad):
         return "\n".join(f"  {m}: differs from {ref} on {', '.join(ids)}" for m, ids, ref in bad)
 
-    out = []
-    if ours:
-        out.append("!!! LOSSLESS CHECK FAILED at T=0: these methods' outputs differ from the target's greedy "
-                   "output:\n" + lines(ours))
-    if peers:
-        out.append("note: peer engines whose speculative output differs from their own greedy AR at T=0 (their "
-                   "numerics, not our lossless check):\n" + lines(peers))
-    return "\n".join(out) or None
+    alarm = ("!!! LOSSLESS CHECK FAILED at T=0: these methods' outputs differ from the target's greedy output:\n"
+             + lines(ours)) if ours else None
+    note = ("note: peer engines whose speculative output differs from their own greedy AR at T=0 (their numerics, "
+            "not our lossless check):\n" + lines(peers)) if peers else None
+    return alarm, note
 
 
 def paper_verdicts(rows: list[dict], claims: list[dict] = PAPER_CLAIMS) -> list[dict]:

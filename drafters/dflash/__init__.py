@@ -21,7 +21,7 @@ from .checkpoint import (
     rope_parameters,
     save_checkpoint,
 )
-from .drafter import DFlashDrafter
+from .drafter import DFlashDrafter, random_init_block
 from .model import DFlashAttention, DFlashLayer, DFlashModel, build_target_layer_ids
 from .training import (
     TRAIN_DEFAULTS,
@@ -40,6 +40,7 @@ __all__ = [
     "ARCHITECTURE", "DEFAULT_ROPE_THETA", "DFlashAttention", "DFlashDrafter", "DFlashLayer", "DFlashModel",
     "SHAPE_KEYS", "TRAIN_DEFAULTS", "apply_rope", "block_attention_mask", "block_loss_opts", "build_target_layer_ids",
     "check_compatible", "config_dict", "is_dflash_layout", "lm_head", "load_checkpoint", "make_blocks",
-    "model_from_config", "new_model", "read_config", "rope_parameters", "row_losses", "sample_anchors",
+    "model_from_config", "new_model", "random_init_block", "read_config", "rope_parameters", "row_losses",
+    "sample_anchors",
     "save_checkpoint", "training_loss", "training_model", "warm_start",
 ]

@@ -16,37 +16,42 @@ import torch
 
 from graft_block import skinny
 
-from ..layers import release_linears
+from ..layers import c_layer, c_layers_reason, packs_stale, release_for_c_layers, rotate_half
 from .model import DFlashModel
 
 
 def c_layers_for(model: DFlashModel, target) -> "skinny.DecoderLayers | None":
-    """The model's layers packed for the C layers (fp16 packs where its weights are fp16-exact), shared by every
-    drafter on the model; None where they cannot or should not run (the reason is ``why_not``)."""
+    """The model's layers packed for the C layers (fp16 packs where its weights are fp16-exact), kept on the model
+    and shared by every drafter on it (repacked when its weights changed since); None where they cannot run."""
     if why_not(model, target) is not None:
         return None
-    if "_c_layers" not in model.__dict__:
-        model.__dict__["_c_layers"] = _pack(model)
+    if "_c_layers" not in model.__dict__ or packs_stale(model, model.layers.parameters()):
+        model.__dict__["_c_layers"] = skinny.DecoderLayers(
+            [c_layer(lyr.input_layernorm, lyr.post_attention_layernorm, lyr.self_attn.q_proj, lyr.self_attn.k_proj,
+                     lyr.self_attn.v_proj, lyr.self_attn.o_proj, lyr.mlp.gate_proj, lyr.mlp.up_proj,
+                     lyr.mlp.down_proj, q_norm=lyr.self_attn.q_norm.weight.detach(),
+                     k_norm=lyr.self_attn.k_norm.weight.detach()) for lyr in model.layers],
+            model.config.hidden_size, *_heads(model), model.config.intermediate_size,
+            model.layers[0].input_layernorm.eps, model.layers[0].self_attn.q_norm.eps,
+            model.layers[0].self_attn.head_dim ** -0.5)
         model.__dict__["_c_context"] = _context_pack(model)
-        if getattr(target, "share_drafter_checkpoints", False):  # the benchmark: drafting only, on these packs
-            release_linears(model, [m for lyr in model.layers for m in (*lyr.self_attn.children(),
-                                                                      *lyr.mlp.children())
-                                    if isinstance(m, torch.nn.Linear)],
-                            "the benchmark drafts on their C-layer packs (a target with "
-                            "share_drafter_checkpoints); load the checkpoint again to run them in torch")
+        release_for_c_layers(target, model, [m for lyr in model.layers for m in (*lyr.self_attn.children(),
+                                                                               *lyr.mlp.children())
+                                             if isinstance(m, torch.nn.Linear)])
+        packs_stale(model, model.layers.parameters())  # the freed weights are the state the packs belong to
     return model.__dict__["_c_layers"]
 
 
-def why_not(model: DFlashModel, target) -> str | None:
-    lean = getattr(target, "lean", None)
-    if lean is None or getattr(lean, "fused", None) is None:
-        return "the target does not run the C decoder layers"
-    w = model.fc.weight
-    if w.dtype != torch.float32 or w.device.type != "cpu":
-        return f"the drafter is {w.dtype} on {w.device}, not float32 on the CPU"
-    cfg = model.config
+def _heads(model: DFlashModel) -> tuple[int, int, int]:
     a = model.layers[0].self_attn
-    return skinny.layers_unsupported(cfg.hidden_size, a.heads, a.kv_heads, a.head_dim)
+    return a.heads, a.kv_heads, a.head_dim
+
+
+def why_not(model: DFlashModel, target) -> str | None:
+    reason = c_layers_reason(target, model.fc.weight)
+    if reason is None and getattr(model.config, "hidden_act", "silu") != "silu":
+        reason = f"the C layers compute SwiGLU with SiLU, and this drafter's MLP uses {model.config.hidden_act}"
+    return reason or skinny.layers_unsupported(model.config.hidden_size, *_heads(model))
 
 
 def _context_pack(model: DFlashModel) -> tuple["skinny.SkinnyWeight", torch.Tensor | None, torch.Tensor]:
@@ -57,28 +62,6 @@ def _context_pack(model: DFlashModel) -> tuple["skinny.SkinnyWeight", torch.Tens
     b = None if attn[0].k_proj.bias is None else \
         torch.cat([t for a in attn for t in (a.k_proj.bias, a.v_proj.bias)]).detach()
     return skinny.SkinnyWeight(w), b, torch.stack([a.k_norm.weight.detach() for a in attn]).unsqueeze(1)
-
-
-def _pack(model: DFlashModel) -> "skinny.DecoderLayers":
-    def cat_bias(*mods):
-        return None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
-
-    layers = []
-    for lyr in model.layers:
-        a, mlp = lyr.self_attn, lyr.mlp
-        layers.append(dict(
-            ln1=lyr.input_layernorm.weight.detach(), ln2=lyr.post_attention_layernorm.weight.detach(),
-            qkv=skinny.SkinnyWeight(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()),
-            qkv_b=cat_bias(a.q_proj, a.k_proj, a.v_proj),
-            o=skinny.SkinnyWeight(a.o_proj.weight), o_b=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
-            gu=skinny.SkinnyWeight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()),
-            d=skinny.SkinnyWeight(mlp.down_proj.weight), q_norm=a.q_norm.weight.detach(),
-            k_norm=a.k_norm.weight.detach()))
-    first = model.layers[0]
-    a = first.self_attn
-    return skinny.DecoderLayers(layers, model.config.hidden_size, a.heads, a.kv_heads, a.head_dim,
-                                model.config.intermediate_size, first.input_layernorm.eps, a.q_norm.eps,
-                                a.head_dim ** -0.5)
 
 
 class CContext:
@@ -103,7 +86,7 @@ class CContext:
         eps = self.model.layers[0].self_attn.k_norm.eps
         k = k_norm * (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps))
         cos, sin = (t[0].view(m, 1, 1, hd) for t in self.model.rope(positions.view(1, -1), k))
-        k = k * cos + torch.cat([-k[..., hd // 2:], k[..., : hd // 2]], -1) * sin
+        k = k * cos + rotate_half(k) * sin
         self.cache.reserve(self.len + m, self.len)
         self.cache.k[:, :, :, self.len : self.len + m] = k.permute(1, 2, 3, 0)  # [layers, kv_heads, head_dim, m]
         self.cache.v[:, :, self.len : self.len + m] = v.permute(1, 2, 0, 3)

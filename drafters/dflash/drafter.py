@@ -35,7 +35,9 @@ from .model import DFlashModel
 def head_rows(target, draft_vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """The target LM head's rows for a draft vocabulary (all rows for None), gathered once per target and shared
     by every drafter on that vocabulary, with one dict for their kernel layouts: each DFlash / DSpark / MFD method
-    of a run kept its own gathered copy and layout before (2 x 38 MB each for SmolLM2 at 16k rows)."""
+    of a run kept its own gathered copy and layout before (2 x 38 MB each for SmolLM2 at 16k rows). Draft-vocabulary
+    rows come from the engine's resident pack; without a draft vocabulary the head itself is read (and its fp16
+    drafting pack made from it)."""
     lm = target.model.get_output_embeddings()
     w, b = lm.weight, getattr(lm, "bias", None)
     ids = None if draft_vocab is None else draft_vocab.to(w.device)
@@ -55,6 +57,12 @@ def head_rows(target, draft_vocab: torch.Tensor | None) -> tuple[torch.Tensor, t
             layouts.update(key=(w.data_ptr(), w._version, tuple(w.shape)), skinny=SkinnyWeight(w, half="round"))
         shared[key] = (w, b, layouts)
     return shared[key]
+
+def random_init_block(opts: dict) -> int:
+    """The block a random-init drafter is built with: the asked int, else 16 ("budget" cuts it later)."""
+    b = opts.get("block_size")
+    return b if isinstance(b, int) and not isinstance(b, bool) else 16
+
 
 @register("dflash")
 class DFlashDrafter(Drafter):
@@ -119,8 +127,7 @@ class DFlashDrafter(Drafter):
         if cfg:
             raise ConfigError(f"unknown dflash config keys {sorted(cfg)} (without 'checkpoint' only "
                               "num_layers/target_layer_ids/mask_token_id/seed/num_features and drafter options)")
-        trained = opts["block_size"] if isinstance(opts.get("block_size"), int) else 16  # "budget": cut later
-        model = new_model(target, block_size=trained, **init)
+        model = new_model(target, block_size=random_init_block(opts), **init)
         return cls(target, model, **opts)
 
     @classmethod

@@ -22,7 +22,7 @@ from graft_block.errors import ConfigError
 from graft_block.tree import Tree
 from graft_block.tree.ddtree import conditional_ddtree
 
-from ..dflash.drafter import DFlashDrafter
+from ..dflash.drafter import DFlashDrafter, random_init_block
 from . import training as dspark_training
 from .checkpoint import is_dspark_layout, load_checkpoint, new_dspark_model, save_checkpoint
 from .model import DSparkModel
@@ -70,8 +70,7 @@ class DSparkDrafter(DFlashDrafter):
                                         "markov_rank", "confidence_head") if k in cfg}
         if cfg:
             raise ConfigError(f"unknown dspark config keys {sorted(cfg)}")
-        trained = opts["block_size"] if isinstance(opts.get("block_size"), int) else 16  # "budget": cut later
-        model = new_dspark_model(target, block_size=trained, alignment=want or "zlab", **init)
+        model = new_dspark_model(target, block_size=random_init_block(opts), alignment=want or "zlab", **init)
         return cls(target, model, **opts)
 
     @classmethod

@@ -13,49 +13,33 @@ import torch
 
 from graft_block import skinny
 
-from ..layers import release_linears
+from ..layers import c_layer, c_layers_reason, packs_stale, release_for_c_layers
 from .model import Eagle3Head
 
 
 def why_not(head: Eagle3Head, target) -> str | None:
-    lean = getattr(target, "lean", None)
-    if lean is None or getattr(lean, "fused", None) is None:
-        return "the target does not run the C decoder layers"
-    w = head.fc.weight
-    if w.dtype != torch.float32 or w.device.type != "cpu":
-        return f"the head is {w.dtype} on {w.device}, not float32 on the CPU"
     a = head.midlayer.self_attn
-    return skinny.layers_unsupported(head.cfg.hidden_size, a.n_heads, a.n_kv, a.head_dim)
-
-
-def _pack(head: Eagle3Head) -> "skinny.DecoderLayers":
-    m, cfg = head.midlayer, head.cfg
-    a, mlp = m.self_attn, m.mlp
-    bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
-    layer = dict(ln1=m.input_layernorm.weight.detach(), hn=m.hidden_norm.weight.detach(),
-                 norm_residual=m.norm_before_residual, ln2=m.post_attention_layernorm.weight.detach(),
-                 qkv=skinny.SkinnyWeight(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()),
-                 qkv_b=bias, o=skinny.SkinnyWeight(a.o_proj.weight),
-                 gu=skinny.SkinnyWeight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()),
-                 d=skinny.SkinnyWeight(mlp.down_proj.weight))
-    return skinny.DecoderLayers([layer], cfg.hidden_size, a.n_heads, a.n_kv, a.head_dim, cfg.intermediate_size,
-                                m.input_layernorm.eps, 0.0, a.head_dim ** -0.5)
+    return c_layers_reason(target, head.fc.weight) or \
+        skinny.layers_unsupported(head.cfg.hidden_size, a.n_heads, a.n_kv, a.head_dim)
 
 
 class CLayer:
-    """The head's layer packed for C (shared by every drafter on the head) and one drafter's K/V cache:
-    ``forward`` runs rows at cache rows start.., each seeing the rows before start that its mask allows (causal
-    when the mask is None). ``release``: the head's torch layer weights are freed once packed (the benchmark)."""
+    """The head's layer packed for C (kept on the head, shared by every drafter on it, repacked when its weights
+    changed since) and one drafter's K/V cache: ``forward`` runs rows at cache rows start.., each seeing the rows
+    before start that its mask allows (causal when the mask is None)."""
 
-    def __init__(self, head: Eagle3Head, release: bool = False):
-        if "_c_layer" not in head.__dict__:
-            head.__dict__["_c_layer"] = _pack(head)
-            if release:
-                m = head.midlayer
-                release_linears(head, [*m.self_attn.children(), *m.mlp.children()],
-                                "the benchmark drafts on their C-layer packs (a target with "
-                                "share_drafter_checkpoints); load the checkpoint again to run them in torch")
-        a = head.midlayer.self_attn
+    def __init__(self, head: Eagle3Head, target=None):
+        m, cfg = head.midlayer, head.cfg
+        a = m.self_attn
+        if "_c_layer" not in head.__dict__ or packs_stale(head, m.parameters()):
+            layer = c_layer(m.input_layernorm, m.post_attention_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
+                            m.mlp.gate_proj, m.mlp.up_proj, m.mlp.down_proj, hn=m.hidden_norm.weight.detach(),
+                            norm_residual=m.norm_before_residual)
+            head.__dict__["_c_layer"] = skinny.DecoderLayers([layer], cfg.hidden_size, a.n_heads, a.n_kv, a.head_dim,
+                                                             cfg.intermediate_size, m.input_layernorm.eps, 0.0,
+                                                             a.head_dim ** -0.5)
+            release_for_c_layers(target, head, [*a.children(), *m.mlp.children()])
+            packs_stale(head, m.parameters())  # the freed weights are the state the pack belongs to
         self.head, self.layers = head, head.__dict__["_c_layer"]
         self.cache = skinny.LayerCache(1, a.n_kv, a.head_dim)
 

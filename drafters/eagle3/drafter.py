@@ -79,8 +79,7 @@ class Eagle3Drafter(Drafter):
                 raise ConfigError(f"feature layer {i} is outside 0..{target.num_layers} (HF hidden_states indices)")
         self.last_candidates: Candidates | None = None
         # the head's layer on the C decoder layers where the target runs them (one call per level), else torch
-        self.c_layer = None if c_layer.why_not(head, target) else \
-            c_layer.CLayer(head, release=getattr(target, "share_drafter_checkpoints", False))
+        self.c_layer = None if c_layer.why_not(head, target) else c_layer.CLayer(head, target)
         # Optional early stop of the expansion (Graft's pruning checkpoints): stop_fn(level, frontier_scores).
         self.stop_fn = None
         self._reset()
