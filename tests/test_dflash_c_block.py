@@ -112,3 +112,30 @@ def test_benchmark_mode_frees_the_torch_layer_weights(fused, tmp_path):
     assert SpeculativeDecoder(t, d).generate(prompt, max_new_tokens=30).tokens == ar.tokens
     with pytest.raises(ConfigError, match="torch layers were freed"):
         base(torch.zeros(8, 64), torch.arange(8), [])
+
+
+def test_c_packs_follow_weight_changes(fused):
+    """A model whose weights change in place after a drafter packed them (training, then drafting again) is
+    repacked for the next drafter built on it, so the C forward keeps matching the torch one; and the C layers
+    refuse a forward that would run past their cache or with a mask of the wrong shape."""
+    c, t = _pair(fused, proposal="ddtree", budget=4)
+    with torch.no_grad():
+        for p in c.model.layers.parameters():
+            p.mul_(1.5)
+    c2, t2 = D.DFlashDrafter(fused, c.model, proposal="ddtree", budget=4), D.DFlashDrafter(fused, c.model,
+                                                                                        proposal="ddtree", budget=4)
+    t2.c_context = None
+    prompt = torch.randint(3, 128, (30,), generator=torch.Generator().manual_seed(8)).tolist()
+    st = prefilled_state(fused, prompt, c2)
+    t2.prefill(st)
+    ids = torch.full((8,), c2.model.mask_token_id)
+    ids[0] = st.root_token
+    with torch.inference_mode():
+        hc, ht = c2.block_hidden(st, ids), t2.block_hidden(st, ids)
+    assert torch.allclose(hc, ht, atol=1e-4, rtol=1e-4), (hc - ht).abs().max()
+    layers, cache = c2.c_context.layers, c2.c_context.cache
+    x, cs = torch.zeros(2, 64), torch.zeros(2, 16)
+    with pytest.raises(ValueError, match="do not fit a cache"):
+        layers.run(x, cs, cs, cache.k, cache.v, cache.v.shape[2] - 1, None, {})
+    with pytest.raises(ValueError, match="mask must be a contiguous"):
+        layers.run(x, cs, cs, cache.k, cache.v, 3, torch.zeros(2, 4), {})
