@@ -29,6 +29,7 @@ length of mode 0 and of the best mode per block (oracle).
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -105,9 +106,18 @@ def mode_block_mask(K: int, B: int, ctx_len: int, dtype, device) -> torch.Tensor
     None for K = 1 (DFlash's unmasked non-causal block, which keeps K = 1 bit-identical to DFlash)."""
     if K == 1:
         return None
+    out = torch.zeros(K * B, ctx_len + K * B, dtype=dtype, device=device)
+    out[:, ctx_len:] = _mode_blocks(K, B, dtype, str(device))  # every round: only the context width changes
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _mode_blocks(K: int, B: int, dtype, device: str) -> torch.Tensor:
+    """The block columns of ``mode_block_mask``: additive [K*B, K*B], 0 within a mode, the dtype's min across
+    (read only)."""
     blk = torch.arange(K, device=device).repeat_interleave(B)
-    ok = torch.cat([torch.ones(K * B, ctx_len, dtype=torch.bool, device=device), blk.view(-1, 1) == blk.view(1, -1)], 1)
-    return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill(~ok, torch.finfo(dtype).min)
+    same = blk.view(-1, 1) == blk.view(1, -1)
+    return torch.zeros(same.shape, dtype=dtype, device=device).masked_fill(~same, torch.finfo(dtype).min)
 
 
 # ---- checkpoint IO -----------------------------------------------------------------------------------------
@@ -222,7 +232,8 @@ class MFDDrafter(D.DFlashDrafter):
         pos = torch.arange(start, start + B, device=dev).repeat(K)  # every mode at the same positions
         mask = mode_block_mask(K, B, self.ctx_len, embeds.dtype, dev)
         hidden = self.block_hidden(state, ids, block_embeds=embeds, positions=pos, mask=mask).view(K, B, -1)
-        self.last_gate = torch.softmax(self.model.gate_logits(hidden).float(), -1)
+        if self.score == "mixture_gated":  # the only tree score that reads the gate
+            self.last_gate = torch.softmax(self.model.gate_logits(hidden).float(), -1)
         return self.model.logits(hidden[:, 1:][:, :rows], self._lm_w, self._lm_b, restricted=True,  # pre-gathered
                                  layouts=self._lm_layouts)
 
