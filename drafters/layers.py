@@ -50,13 +50,10 @@ def c_layer(ln1, ln2, q, k, v, o, gate, up, down, **extra) -> dict:
                 d=SkinnyWeight(down.weight.detach()), d_b=bias(down), **extra)
 
 
-def packs_stale(module: nn.Module, params) -> bool:
-    """Whether ``module``'s C-layer packs (made once, kept on the module) predate a change of ``params`` (an
-    in-place update bumps a version, a new tensor moves the address); records the current state."""
-    key = tuple((p.data_ptr(), p._version) for p in params)
-    stale = module.__dict__.get("_c_packed") != key
-    module.__dict__["_c_packed"] = key
-    return stale
+def weights_key(params) -> tuple:
+    """What C-layer packs kept on a module were made from: each parameter's address and version (an in-place
+    update bumps a version, a new tensor moves the address), so packs are redone when the weights changed."""
+    return tuple((p.data_ptr(), p._version) for p in params)
 
 
 def release_for_c_layers(target, module: nn.Module, linears) -> None:

@@ -472,13 +472,25 @@ def inference_linear(x: torch.Tensor, weight: torch.Tensor, bias, kernel: str | 
     kind = small if small and x.shape[1] <= SMALL[small] else main
     if kind == "mkl":
         return F.linear(x, weight, bias).view(*lead, -1)
+    _follow(cache, weight)
+    if kind not in cache:
+        cache[kind] = kernel_weight(weight, kind)
+    return linear(x, weight, bias, cache[kind]).view(*lead, -1)
+
+
+def keep_layout(cache: dict, weight: torch.Tensor, kind: str, layout) -> None:
+    """Have ``inference_linear`` use ``layout`` for ``weight`` on ``kind`` (a layout made another way, e.g. a
+    drafter's rounded fp16 pack), until the weight changes."""
+    _follow(cache, weight)
+    cache[kind] = layout
+
+
+def _follow(cache: dict, weight: torch.Tensor) -> None:
+    """Empty ``cache`` when ``weight`` is not the one its layouts were made from (a new tensor, or changed)."""
     key = (weight.data_ptr(), weight._version, tuple(weight.shape))
     if cache.get("key") != key:
         cache.clear()
         cache["key"] = key
-    if kind not in cache:
-        cache[kind] = kernel_weight(weight, kind)
-    return linear(x, weight, bias, cache[kind]).view(*lead, -1)
 
 
 def drafter_kernel(target) -> str | None:

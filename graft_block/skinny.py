@@ -623,6 +623,7 @@ class DecoderLayers:
                                                       half=half(w)) for w in layers])
         self.dims = _Dims(hidden, heads, kv_heads, head_dim, inter, 0, 0, eps, qk_eps, scaling, 1)
         self.scratch = torch.empty(0)
+        self.reads_emb = any(w.get("hn") is not None for w in layers)  # an EAGLE-3 layer: run() needs emb
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             start: int, mask: torch.Tensor | None, feats: dict[int, torch.Tensor],
@@ -632,8 +633,8 @@ class DecoderLayers:
         n new rows at start; mask: additive [n, start + n] or None (causal); feats[i] ([n, hidden],
         preallocated) receives x after layer i; emb [n, hidden]: the embeddings an ``hn`` layer reads."""
         n = x.shape[0]
-        if any(lyr.hn for lyr in self.layers) and (emb is None or emb.shape != x.shape or not emb.is_contiguous()
-                                                   or emb.dtype != torch.float32):
+        if self.reads_emb and (emb is None or emb.shape != x.shape or not emb.is_contiguous()
+                               or emb.dtype != torch.float32):
             raise ValueError(f"an EAGLE-3 layer (hn) needs float32 emb of x's shape {tuple(x.shape)}, contiguous")
         if start + n > v.shape[2]:
             raise ValueError(f"rows {start}..{start + n} do not fit a cache of {v.shape[2]} rows: reserve first")

@@ -125,6 +125,15 @@ class Target:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden)
 
+    def head_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head's weight and bias rows ``ids`` (a drafter's draft vocabulary), copied: from the lean engine's
+        resident pack of the head when it keeps one, so HF's released pages are not read back in."""
+        lm = self.model.get_output_embeddings()
+        ids = ids.to(lm.weight.device)
+        b = None if getattr(lm, "bias", None) is None else lm.bias[ids].detach()
+        pack = None if self.lean is None or self.lean.skinny is None else self.lean.skinny[-1]["head"]
+        return (lm.weight[ids].detach() if pack is None else pack.rows(ids)), b
+
     # ---- feature capture --------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for the device (timings on a GPU must not stop before its queued work ends); a no-op on CPU."""

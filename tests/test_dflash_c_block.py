@@ -53,7 +53,10 @@ def test_c_block_matches_the_torch_forward_as_the_context_grows(fused):
                 c._extend(more, c.ctx_len)
                 t._extend(more, t.ctx_len)
                 st.tokens.extend([5] * extra)
-            assert c.c_context.len == c.ctx_len == t.ctx_len
+            assert c.ctx_len == t.ctx_len
+            kc, vc = c.c_context.cache.rows(c.ctx_len)  # the C cache holds the torch path's context K/V
+            assert torch.allclose(kc, torch.cat(t.ctx_k), atol=1e-4)
+            assert torch.allclose(vc, torch.cat(t.ctx_v), atol=1e-4)
             hc, ht = c.block_hidden(st, ids), t.block_hidden(st, ids)
             assert torch.allclose(hc, ht, atol=1e-4, rtol=1e-4), (extra, (hc - ht).abs().max())
             assert not torch.allclose(hc[1], hc[2])  # rows really differ: positions reach the C layers

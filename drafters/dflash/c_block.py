@@ -16,7 +16,7 @@ import torch
 
 from graft_block import skinny
 
-from ..layers import c_layer, c_layers_reason, packs_stale, release_for_c_layers, rotate_half
+from ..layers import c_layer, c_layers_reason, release_for_c_layers, rotate_half, weights_key
 from .model import DFlashModel
 
 
@@ -25,8 +25,9 @@ def c_layers_for(model: DFlashModel, target) -> "skinny.DecoderLayers | None":
     and shared by every drafter on it (repacked when its weights changed since); None where they cannot run."""
     if why_not(model, target) is not None:
         return None
-    if "_c_layers" not in model.__dict__ or packs_stale(model, model.layers.parameters()):
-        model.__dict__["_c_layers"] = skinny.DecoderLayers(
+    kept = model.__dict__.get("_c_layers")
+    if kept is None or kept[0] != weights_key(model.layers.parameters()):
+        layers = skinny.DecoderLayers(
             [c_layer(lyr.input_layernorm, lyr.post_attention_layernorm, lyr.self_attn.q_proj, lyr.self_attn.k_proj,
                      lyr.self_attn.v_proj, lyr.self_attn.o_proj, lyr.mlp.gate_proj, lyr.mlp.up_proj,
                      lyr.mlp.down_proj, q_norm=lyr.self_attn.q_norm.weight.detach(),
@@ -34,12 +35,13 @@ def c_layers_for(model: DFlashModel, target) -> "skinny.DecoderLayers | None":
             model.config.hidden_size, *_heads(model), model.config.intermediate_size,
             model.layers[0].input_layernorm.eps, model.layers[0].self_attn.q_norm.eps,
             model.layers[0].self_attn.head_dim ** -0.5)
-        model.__dict__["_c_context"] = _context_pack(model)
+        context = _context_pack(model)
         release_for_c_layers(target, model, [m for lyr in model.layers for m in (*lyr.self_attn.children(),
                                                                                *lyr.mlp.children())
                                              if isinstance(m, torch.nn.Linear)])
-        packs_stale(model, model.layers.parameters())  # the freed weights are the state the packs belong to
-    return model.__dict__["_c_layers"]
+        # keyed after the release: the freed weights are the state these packs belong to
+        kept = model.__dict__["_c_layers"] = (weights_key(model.layers.parameters()), layers, context)
+    return kept[1]
 
 
 def _heads(model: DFlashModel) -> tuple[int, int, int]:
@@ -65,42 +67,39 @@ def _context_pack(model: DFlashModel) -> tuple["skinny.SkinnyWeight", torch.Tens
 
 
 class CContext:
-    """One drafter's context K/V in the C layers' layout (``skinny.LayerCache``): ``len`` committed rows, the
-    block's rows written after them."""
+    """One drafter's context K/V in the C layers' layout (``skinny.LayerCache``): the drafter's ``ctx_len``
+    committed rows, a block's rows written after them (and overwritten by the next commit)."""
 
     def __init__(self, model: DFlashModel, layers: "skinny.DecoderLayers"):
         self.model, self.layers = model, layers
-        a = model.layers[0].self_attn
-        self.shape = (len(model.layers), a.kv_heads, a.head_dim)
-        self.cache = skinny.LayerCache(*self.shape)
-        self.len = 0
+        self.cache = skinny.LayerCache(len(model.layers), *_heads(model)[1:])
 
-    def append(self, ctx: torch.Tensor, positions: torch.Tensor) -> None:
+    def append(self, ctx: torch.Tensor, positions: torch.Tensor, start: int) -> None:
         """ctx [m, H] (``DFlashModel.fuse``) at ``positions`` [m] -> every layer's context K/V (``context_kv``'s
-        k_proj / k_norm / RoPE and v_proj, all layers in one product) at rows len..len+m."""
-        w, b, k_norm = self.model.__dict__["_c_context"]
-        nl, kvh, hd = self.shape
+        k_proj / k_norm / RoPE and v_proj, all layers in one product) at rows start..start+m."""
+        _, _, (w, b, k_norm) = self.model.__dict__["_c_layers"]
+        nl, kvh, hd = self.cache.shape
         m = ctx.shape[0]
         kv = skinny.linear(ctx.to(torch.float32).contiguous(), w, b).view(m, nl, 2, kvh, hd)
         k, v = kv[:, :, 0], kv[:, :, 1]
         eps = self.model.layers[0].self_attn.k_norm.eps
-        k = k_norm * (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps))
+        k = k_norm * (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps))  # every layer's k_norm at once
         cos, sin = (t[0].view(m, 1, 1, hd) for t in self.model.rope(positions.view(1, -1), k))
         k = k * cos + rotate_half(k) * sin
-        self.cache.reserve(self.len + m, self.len)
-        self.cache.k[:, :, :, self.len : self.len + m] = k.permute(1, 2, 3, 0)  # [layers, kv_heads, head_dim, m]
-        self.cache.v[:, :, self.len : self.len + m] = v.permute(1, 2, 0, 3)
-        self.len += m
+        self.cache.reserve(start + m, start)
+        self.cache.k[:, :, :, start : start + m] = k.permute(1, 2, 3, 0)  # [layers, kv_heads, head_dim, m]
+        self.cache.v[:, :, start : start + m] = v.permute(1, 2, 0, 3)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """embeds [R, H], positions [R], mask additive [R, len + R] or None (every row sees everything) -> the
-        block's normed hidden states [R, H]."""
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                start: int) -> torch.Tensor:
+        """embeds [R, H], positions [R], mask additive [R, start + R] or None (every row sees everything), after
+        ``start`` context rows -> the block's normed hidden states [R, H]."""
         R = embeds.shape[0]
-        self.cache.reserve(self.len + R, self.len)
+        self.cache.reserve(start + R, start)
         x = embeds.to(torch.float32).contiguous().clone()  # updated in place by the layers
         cos, sin = self.model.rope(positions.view(1, -1), x[None])
         if mask is None:  # DFlash's block: no causal mask (an explicit one: the C layers' default is causal)
-            mask = torch.zeros(R, self.len + R)
-        mask = mask.reshape(R, self.len + R).to(torch.float32).contiguous()
-        self.layers.run(x, cos[0].contiguous(), sin[0].contiguous(), self.cache.k, self.cache.v, self.len, mask, {})
+            mask = torch.zeros(R, start + R)
+        mask = mask.reshape(R, start + R).to(torch.float32).contiguous()
+        self.layers.run(x, cos[0].contiguous(), sin[0].contiguous(), self.cache.k, self.cache.v, start, mask, {})
         return self.model.norm(x)

@@ -18,7 +18,7 @@ import hashlib
 import torch
 
 from graft_block.drafter import Drafter, check_budget, register, shared_checkpoint
-from graft_block.engine import drafter_kernel
+from graft_block.engine import drafter_kernel, keep_layout
 from graft_block.errors import ConfigError
 from graft_block.skinny import SkinnyWeight
 from graft_block.tree import Tree, chain
@@ -44,17 +44,14 @@ def head_rows(target, draft_vocab: torch.Tensor | None) -> tuple[torch.Tensor, t
     key = (w.data_ptr(), w._version, None if ids is None else hashlib.sha1(ids.cpu().numpy().tobytes()).hexdigest())
     shared = target.__dict__.setdefault("_draft_head_rows", {})
     if key not in shared:
-        pack = getattr(getattr(target, "lean", None), "skinny", None)
-        if ids is not None and pack is not None:  # gathered once, from the engine's resident pack of the head
-            w, b = pack[-1]["head"].rows(ids), None if b is None else b[ids].detach()
-        elif ids is not None:
-            w, b = w[ids].detach(), None if b is None else b[ids].detach()
+        if ids is not None:  # gathered once, not every round
+            w, b = target.head_rows(ids)
         layouts = {}
         if "skinny" in (drafter_kernel(target) or "") and w.dtype == torch.float32 and w.device.type == "cpu" \
                 and float(w.abs().max()) < 6e4:
             # the draft's few-row head products stream these rows every round: packed in fp16, half the bytes (a
             # draft's numbers need not be the target's: the verify keeps only what the target computes)
-            layouts.update(key=(w.data_ptr(), w._version, tuple(w.shape)), skinny=SkinnyWeight(w, half="round"))
+            keep_layout(layouts, w, "skinny", SkinnyWeight(w, half="round"))
         shared[key] = (w, b, layouts)
     return shared[key]
 
@@ -147,23 +144,20 @@ class DFlashDrafter(Drafter):
         ctx = self.model.fuse(features.unsqueeze(0))
         pos = torch.arange(start, start + m, device=ctx.device).view(1, -1)
         if self.c_context is not None:
-            self.c_context.append(ctx[0], pos[0])
-            self.ctx_len += m
-            return
-        kv = self.model.context_kv(ctx, pos)
-        if not self.ctx_k:
+            self.c_context.append(ctx[0], pos[0], start)
+        elif not self.ctx_k:
+            kv = self.model.context_kv(ctx, pos)
             self.ctx_k, self.ctx_v = [k for k, _ in kv], [v for _, v in kv]
         else:
+            kv = self.model.context_kv(ctx, pos)
             self.ctx_k = [torch.cat([a, k], 2) for a, (k, _) in zip(self.ctx_k, kv)]
             self.ctx_v = [torch.cat([a, v], 2) for a, (_, v) in zip(self.ctx_v, kv)]
         self.ctx_len += m
 
     def reset_context(self) -> None:
-        self.ctx_k: list[torch.Tensor] = []
-        self.ctx_v: list[torch.Tensor] = []
+        self.ctx_k: list[torch.Tensor] = []  # the torch forward's context K/V (the C layers keep theirs in
+        self.ctx_v: list[torch.Tensor] = []  # c_context's cache; both hold ctx_len rows)
         self.ctx_len = 0
-        if self.c_context is not None:
-            self.c_context.len = 0
 
     def prefill(self, state) -> None:
         self.reset_context()
@@ -187,7 +181,7 @@ class DFlashDrafter(Drafter):
         if positions is None:
             positions = torch.arange(start, start + block_embeds.shape[0], device=dev)
         if self.c_context is not None:
-            return self.c_context.forward(block_embeds, positions, mask)
+            return self.c_context.forward(block_embeds, positions, mask, start)
         return self.model(block_embeds, positions, list(zip(self.ctx_k, self.ctx_v)), mask)
 
     def block_rows(self, state, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

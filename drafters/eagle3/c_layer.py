@@ -13,7 +13,7 @@ import torch
 
 from graft_block import skinny
 
-from ..layers import c_layer, c_layers_reason, packs_stale, release_for_c_layers
+from ..layers import c_layer, c_layers_reason, release_for_c_layers, weights_key
 from .model import Eagle3Head
 
 
@@ -31,16 +31,17 @@ class CLayer:
     def __init__(self, head: Eagle3Head, target=None):
         m, cfg = head.midlayer, head.cfg
         a = m.self_attn
-        if "_c_layer" not in head.__dict__ or packs_stale(head, m.parameters()):
+        kept = head.__dict__.get("_c_layer")
+        if kept is None or kept[0] != weights_key(m.parameters()):
             layer = c_layer(m.input_layernorm, m.post_attention_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
                             m.mlp.gate_proj, m.mlp.up_proj, m.mlp.down_proj, hn=m.hidden_norm.weight.detach(),
                             norm_residual=m.norm_before_residual)
-            head.__dict__["_c_layer"] = skinny.DecoderLayers([layer], cfg.hidden_size, a.n_heads, a.n_kv, a.head_dim,
-                                                             cfg.intermediate_size, m.input_layernorm.eps, 0.0,
-                                                             a.head_dim ** -0.5)
+            layers = skinny.DecoderLayers([layer], cfg.hidden_size, a.n_heads, a.n_kv, a.head_dim,
+                                          cfg.intermediate_size, m.input_layernorm.eps, 0.0, a.head_dim ** -0.5)
             release_for_c_layers(target, head, [*a.children(), *m.mlp.children()])
-            packs_stale(head, m.parameters())  # the freed weights are the state the pack belongs to
-        self.head, self.layers = head, head.__dict__["_c_layer"]
+            # keyed after the release: the freed weights are the state this pack belongs to
+            kept = head.__dict__["_c_layer"] = (weights_key(m.parameters()), layers)
+        self.head, self.layers = head, kept[1]
         self.cache = skinny.LayerCache(1, a.n_kv, a.head_dim)
 
     def forward(self, emb: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, start: int,
