@@ -126,9 +126,21 @@ class Rotary:
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         self.emb = LlamaRotaryEmbedding(config)
+        # angles that do not depend on the sequence length are looked up on CPU: HF's ~10 small ops a call are
+        # a measurable share of a drafting level there (dynamic and longrope rescale with the length: computed)
+        self.static = self.emb.rope_type not in ("dynamic", "longrope")
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 cos, sin [positions, hd]
 
     def __call__(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, T, hd] in ``like``'s dtype (computed in fp32 on ``like``'s device)."""
         if self.emb.inv_freq.device != like.device:
             self.emb.to(like.device)
-        return self.emb(like, positions)
+        if not self.static or like.device.type != "cpu" or positions.numel() == 0:
+            return self.emb(like, positions)
+        top = int(positions.max()) + 1
+        if self.table is None or self.table[0].shape[0] < top:
+            rows = max(1024, 1 << (top - 1).bit_length())
+            cos, sin = self.emb(torch.empty(0), torch.arange(rows).view(1, -1))
+            self.table = cos[0], sin[0]
+        cos, sin = self.table
+        return cos[positions].to(like.dtype), sin[positions].to(like.dtype)

@@ -17,6 +17,9 @@ How a call maps onto our measurement:
     rate as our decode_tokens / decode_s. tau = N / target forwards, forwards = N - accepted drafts.
   * greedy: ``--temp 0 --top-k 1``; T > 0: pure temperature (top-k 0, top-p 1, min-p 0) with probabilistic
     drafting, llama.cpp's own RNG (seeded with the run's seed).
+  * numerics: ``-fa off -ctk f32 -ctv f32``, the precision our engine runs (fp32 K/V, plain attention). With
+    llama.cpp's defaults (F16 K/V cache, flash attention) its one-token steps and its batched verifies round
+    differently, and its speculative rows left its own greedy AR at a near tie (mtbench/82, turn 2, token 22).
   * AR: speculative-simple needs a speculator; ``ngram-simple`` with a 1024-token key and a 1-token value can
     never draft (it only drafts when value >= key), so every step is a plain one-token decode.
 """
@@ -37,6 +40,8 @@ BINARY = "llama-speculative-simple"
 BUILD_HINT = f"pass --llamacpp DIR or set {ENV} (scripts/build_llamacpp.sh builds one)"
 
 # spec name -> llama.cpp arguments (before draft / n_max ones)
+# the same K/V precision and attention path for one-token steps and batched verifies (module doc: numerics)
+EXACT = ["-fa", "off", "-ctk", "f32", "-ctv", "f32"]
 NEVER_DRAFT = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1024", "--spec-ngram-simple-size-m", "1"]
 SPEC_TYPES = ("none", "ngram-simple", "ngram-mod", "draft-dflash", "draft-eagle3", "draft-dspark")
 
@@ -146,7 +151,7 @@ def command(binary, model, prompt_file, max_new_tokens: int, threads: int, spec:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     cmd = [str(binary), "-m", str(model), "-f", str(prompt_file), "--no-escape", "-n", str(max_new_tokens - 1),
            "-c", str(ctx), "-t", str(threads), "-tb", str(threads), "--seed", str(seed), "--color", "off",
-           "--log-colors", "off"]
+           "--log-colors", "off", *EXACT]
     if temperature > 0:
         cmd += ["--temp", f"{temperature:g}", "--top-k", "0", "--top-p", "1.0", "--min-p", "0.0"]
         if any(s.startswith("draft-") for s in spec):

@@ -494,3 +494,23 @@ def test_a_target_that_opts_in_shares_loaded_checkpoints(tiny_llama, tmp_path):
     finally:
         tiny_llama.share_drafter_checkpoints = False
         tiny_llama.__dict__.pop("_shared_checkpoints", None)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0},
+                                     {"rope_type": "dynamic", "factor": 2.0}])
+def test_rope_lookup_agrees_with_hfs_computation(scaling):
+    """The CPU cos/sin table gives HF's angles at any positions (it grows past its first 1,024); rope types whose
+    angles depend on the sequence length are computed per call, never looked up."""
+    from transformers import LlamaConfig
+
+    from graft_block.drafters.layers import Rotary
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, rope_theta=10000.0, rope_scaling=scaling,
+                      max_position_embeddings=512)
+    rot = Rotary(cfg)
+    for pos in (torch.tensor([[0, 5, 5, 1023]]), torch.arange(4000, 4010).view(1, -1), torch.tensor([[7], [3000]])):
+        cos, sin = rot(torch.zeros(1), pos)
+        ref_cos, ref_sin = rot.emb(torch.zeros(1), pos)
+        assert cos.shape == ref_cos.shape == (pos.shape[0], pos.shape[1], 32)
+        assert torch.allclose(cos, ref_cos, atol=1e-6) and torch.allclose(sin, ref_sin, atol=1e-6)
+    assert (rot.table is None) == (scaling is not None and scaling["rope_type"] == "dynamic")

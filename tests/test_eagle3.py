@@ -312,7 +312,8 @@ def count_forwards(head) -> list:
 def test_one_head_forward_per_level(tiny_llama):
     t = tiny_llama
     head = make_head(t)
-    dr = Eagle3Drafter(t, head=head, budget=40, depth=5, top_k=4)
+    # a budget above the 84-node pool: no frontier is ever out of the top budget, so every level is drafted
+    dr = Eagle3Drafter(t, head=head, budget=100, depth=5, top_k=4)
     calls = count_forwards(head)
     res = SpeculativeDecoder(t, dr).generate(prompts(1, 10, 128)[0], max_new_tokens=6)
     # per round: one pass over the newly accepted pairs, then one pass per level over the whole frontier (4 nodes)
@@ -333,7 +334,9 @@ def test_expansion_depth_is_capped_by_the_budget(tiny_llama):
     st = prefilled_state(t, prompts(1, 10, 128)[0], capped)
     calls.clear()
     tree = capped.propose(st)
-    assert calls[1:] == [4, 4, 4]  # after the pass over the newly committed pair: 3 levels (not 5) of 4 (not 6)
+    # after the pass over the newly committed pair: at most 3 levels (not 5) of 4 (not 6); fewer when no frontier
+    # node can place a descendant in the top 4 (tree/eagle.frontier_is_dead)
+    assert 1 <= len(calls) - 1 <= 3 and all(c == 4 for c in calls[1:]), calls
     full = Eagle3Drafter(t, head=head, budget=4, depth=5, top_k=6)
     full.budget = 100  # all 5 levels of 6 nodes expanded, then the top 4 kept, as before the caps
     st2 = prefilled_state(t, prompts(1, 10, 128)[0], full)

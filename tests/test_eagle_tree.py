@@ -131,7 +131,7 @@ def test_next_tree_mask():
 def test_rerank_rejects_nan():
     from graft_block.tree.eagle import Candidates
     c = Candidates(torch.tensor([1, 2]), torch.tensor([-1, 0]), torch.tensor([float("nan"), -0.1]),
-                   torch.tensor([1, 2]), torch.zeros(1), torch.zeros(1))
+                   torch.tensor([1, 2]), (torch.zeros(1),))
     with pytest.raises(TreeError):
         rerank(c, 0, 1)
 
@@ -144,3 +144,45 @@ def test_auto_size_rule():
     assert pick_auto_size({8: 1.0, 16: 1.5, 32: 3.0}) == 8
     with pytest.raises(TreeError):
         pick_auto_size({})
+
+
+def _expansion(oracle, depth, top_k, budget=None):
+    levels = []
+
+    def child_fn(level, tokens, slot):
+        levels.append(level)
+        prev = paths[level - 1]
+        paths[level] = [prev[int(s)] + (int(t),) for s, t in zip(slot, tokens)]
+        return torch.stack([oracle(p) for p in paths[level]])
+
+    paths = {0: [()]}
+    return expand(oracle(()), child_fn, depth, top_k, budget=budget), levels
+
+
+@pytest.mark.parametrize("temp", [0.3, 1.5, 4.0])
+def test_budget_stop_drafts_fewer_levels_for_the_same_tree(temp):
+    """Stopping once no frontier node can place a descendant in the top budget keeps the reranked tree exactly,
+    ties included (a coarse oracle makes many), and skips levels on peaked drafts."""
+    skipped = 0
+    for seed in range(40):
+        base = make_oracle(8, temp)
+
+        def oracle(path, seed=seed):  # log-probs rounded to 0.5: frequent exact ties between candidates
+            return torch.round(base(path + (seed,)) * 2) / 2
+
+        for budget in (1, 2, 3, 4, 6, 10):
+            full, full_levels = _expansion(oracle, 5, min(4, budget))
+            cut, cut_levels = _expansion(oracle, 5, min(4, budget), budget)
+            a, b = rerank(full, 5, budget), rerank(cut, 5, budget)
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents), (seed, budget)
+            assert cut_levels == full_levels[:len(cut_levels)]
+            skipped += len(full_levels) - len(cut_levels)
+    assert skipped > 0
+
+
+def test_frontier_is_dead_counts_ties_as_ahead():
+    from graft_block.tree.eagle import frontier_is_dead
+    scores = torch.tensor([-1.0, -2.0, -2.0, -3.0])
+    assert frontier_is_dead(scores, torch.tensor([-2.0]), 3)  # -1, -2, -2 all rank ahead of a child of -2
+    assert not frontier_is_dead(scores, torch.tensor([-2.0, -3.0]), 4)
+    assert not frontier_is_dead(scores, torch.tensor([-1.0]), 2)

@@ -55,6 +55,8 @@ def test_command_line_of_every_preset(tmp_path):
         assert _after(cmd, "-t") == "2" and _after(cmd, "-tb") == "2" and _after(cmd, "-c") == "512"
         assert _after(cmd, "--temp") == "0" and _after(cmd, "--top-k") == "1" and _after(cmd, "--seed") == "7"
         assert _after(cmd, "--spec-type") == spec_type
+        # fp32 K/V and plain attention: llama.cpp's one-token steps then round like its batched verifies
+        assert _after(cmd, "-fa") == "off" and _after(cmd, "-ctk") == "f32" and _after(cmd, "-ctv") == "f32"
         if n_max:
             assert _after(cmd, "-md") == str(draft) and _after(cmd, "--spec-draft-n-max") == n_max
             assert _after(cmd, "-td") == "2" and _after(cmd, "-tbd") == "2"

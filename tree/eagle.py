@@ -30,19 +30,27 @@ class Candidates:
     """Every node an expansion proposed, in the order it was recorded (level by level).
 
     ``parents[i]`` is a candidate index (< i) or -1 for a child of the root; ``tokens`` are target ids;
-    ``frontier_logmass[j]`` / ``frontier_max[j]`` are logsumexp / max of the frontier's cumulative log-probs
-    after level j+1 was drafted (j = 0 is the root step), the signals Graft's pruning checkpoints read."""
+    ``frontiers[j]`` are the frontier's cumulative log-probs after level j+1 was drafted (j = 0 is the root step);
+    ``frontier_logmass`` / ``frontier_max`` summarise them (the signals Graft's pruning checkpoints read), on demand
+    because a logsumexp per level costs more than the level's bookkeeping."""
 
     tokens: torch.Tensor  # int64 [P]
     parents: torch.Tensor  # int64 [P]
     scores: torch.Tensor  # float32 [P]
     depths: torch.Tensor  # int64 [P], 1-based
-    frontier_logmass: torch.Tensor  # float32 [levels]
-    frontier_max: torch.Tensor  # float32 [levels]
+    frontiers: tuple  # float32 [F_j] per drafted level
 
     @property
     def size(self) -> int:
         return int(self.tokens.numel())
+
+    @property
+    def frontier_logmass(self) -> torch.Tensor:
+        return torch.stack([torch.logsumexp(f, 0) for f in self.frontiers]).float()
+
+    @property
+    def frontier_max(self) -> torch.Tensor:
+        return torch.stack([f.max() for f in self.frontiers]).float()
 
 
 def map_draft_ids(draft_ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
@@ -73,6 +81,15 @@ def next_tree_mask(prev_mask: torch.Tensor, parent_slot: torch.Tensor) -> torch.
     return torch.cat([inherited, torch.eye(f, dtype=torch.bool, device=prev_mask.device)], dim=1)
 
 
+def frontier_is_dead(scores: torch.Tensor, frontier_scores: torch.Tensor, budget: int) -> bool:
+    """True when no descendant of the frontier can make the top ``budget`` of the candidates.
+
+    A descendant scores at most its frontier ancestor (log-probs <= 0, and float addition of a non-positive term
+    never rounds up) and is recorded after every current candidate, so the stable rerank puts every current
+    candidate scoring >= the best frontier score ahead of it: ``budget`` of those leave it no room."""
+    return int((scores >= frontier_scores.max()).sum()) >= budget
+
+
 def expand(
     root_logprobs: torch.Tensor,
     child_fn: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
@@ -80,6 +97,7 @@ def expand(
     top_k: int,
     d2t: torch.Tensor | None = None,
     stop_fn: Callable[[int, torch.Tensor], bool] | None = None,
+    budget: int | None = None,
 ) -> Candidates:
     """EAGLE-2 expansion. ``root_logprobs`` [V_draft] is the draft's log-softmax at the root.
 
@@ -87,6 +105,10 @@ def expand(
     draft once over the frontier of ``level`` (1-based tree depth of the frontier nodes); ``parent_slot`` indexes
     the previous call's frontier (all 0 = the root for level 1). ``stop_fn(level, frontier_scores)`` may end the
     expansion early (pruning checkpoints); ``level`` there is the number of drafted levels so far.
+
+    ``budget``: the size ``rerank`` will keep. The expansion then stops as soon as no frontier node can place a
+    descendant in that top ``budget`` (``frontier_is_dead``), so the reranked tree is the one the full expansion
+    gives, for fewer draft forwards.
     """
     if depth < 0 or top_k < 1:
         raise TreeError(f"EAGLE expansion needs depth >= 0 and top_k >= 1, got depth={depth}, top_k={top_k}")
@@ -98,16 +120,17 @@ def expand(
     scores = [cum]
     depths = [torch.ones_like(ids)]
     frontier = torch.arange(ids.numel(), device=dev)  # candidate indices of the current frontier
+    frontier_tokens = tokens[0]
     parent_slot = torch.zeros_like(frontier)
-    mass, best = [torch.logsumexp(cum, 0)], [cum.max()]
     offset = ids.numel()
-    frontier_scores = cum
+    frontiers = [cum]
     for level in range(1, depth + 1):
-        if stop_fn is not None and stop_fn(level, frontier_scores):
+        if stop_fn is not None and stop_fn(level, frontiers[-1]):
             break
-        all_tokens = torch.cat(tokens)
-        child_lp = child_fn(level, all_tokens[frontier], parent_slot)
-        c_ids, c_cum = top_children(frontier_scores, child_lp, top_k)  # [F, k]
+        if budget is not None and frontier_is_dead(torch.cat(scores), frontiers[-1], budget):
+            break
+        child_lp = child_fn(level, frontier_tokens, parent_slot)
+        c_ids, c_cum = top_children(frontiers[-1], child_lp, top_k)  # [F, k]
         F, k = c_ids.shape
         tokens.append(map_draft_ids(c_ids.reshape(-1), d2t))
         parents.append(frontier.view(-1, 1).expand(F, k).reshape(-1))
@@ -116,17 +139,15 @@ def expand(
         pick = select_frontier(c_cum, top_k)
         parent_slot = pick // k
         frontier = offset + pick
-        frontier_scores = c_cum.reshape(-1)[pick]
+        frontier_tokens = tokens[-1][pick]
+        frontiers.append(scores[-1][pick])
         offset += F * k
-        mass.append(torch.logsumexp(frontier_scores, 0))
-        best.append(frontier_scores.max())
     return Candidates(
         tokens=torch.cat(tokens).long().cpu(),
         parents=torch.cat(parents).long().cpu(),
         scores=torch.cat(scores).float().cpu(),
         depths=torch.cat(depths).long().cpu(),
-        frontier_logmass=torch.stack(mass).float().cpu(),
-        frontier_max=torch.stack(best).float().cpu(),
+        frontiers=tuple(f.float().cpu() for f in frontiers),
     )
 
 
@@ -219,7 +240,7 @@ def paths_in_order(tree: Tree) -> list[tuple]:
 
 
 __all__: Sequence[str] = (
-    "Candidates", "map_draft_ids", "top_children", "select_frontier", "next_tree_mask", "expand", "rerank",
+    "Candidates", "frontier_is_dead", "map_draft_ids", "top_children", "select_frontier", "next_tree_mask", "expand", "rerank",
     "eagle_tree", "brute_force_eagle", "auto_weight", "pick_auto_size", "paths_in_order", "EAGLE_AUTO_SIZES",
     "EAGLE_AUTO_WEIGHTS",
 )

@@ -208,7 +208,8 @@ class Eagle3Drafter(Drafter):
         levels = min(self.depth, max(0, self.budget - 1))
         # nor wider: a node outside its level's top b has b better nodes at that level, so neither it nor its
         # children make the top b; drafting only the top min(k, b) per level proposes the same tree
-        cands = expand(root_lp, child_fn, levels, min(self.top_k, self.budget), d2t, self.stop_fn)
+        # and a level whose frontier cannot place a descendant in the top b is not drafted (frontier_is_dead)
+        cands = expand(root_lp, child_fn, levels, min(self.top_k, self.budget), d2t, self.stop_fn, self.budget)
         with state.section("tree"):
             tree = rerank(cands, state.root_token, self.budget)
         self.last_candidates = cands

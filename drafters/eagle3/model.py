@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graft_block.drafters.layers import RMSNorm, apply_rope, check_not_released
+from graft_block.drafters.layers import RMSNorm, Rotary, apply_rope, check_not_released
 from graft_block.errors import ConfigError
 
 
@@ -207,7 +207,6 @@ class Eagle3Head(nn.Module):
     def __init__(self, cfg: Eagle3Config, with_embedding: bool = False):
         super().__init__()
         from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         self.cfg = cfg
         if cfg.norm_before_fc:
@@ -225,7 +224,7 @@ class Eagle3Head(nn.Module):
                                head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
                                max_position_embeddings=cfg.max_position_embeddings)
         # Not a registered submodule: module.to(dtype) must not round inv_freq to half precision.
-        self.__dict__["rotary"] = LlamaRotaryEmbedding(rope_cfg)
+        self.__dict__["rotary"] = Rotary(rope_cfg)
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """[.., 3*target_hidden] target features -> [.., hidden] (fc applies to target features only)."""
@@ -245,10 +244,7 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def rope(self, ref: torch.Tensor, positions: torch.Tensor):
-        if self.rotary.inv_freq.device != ref.device:
-            self.rotary.to(ref.device)
-        cos, sin = self.rotary(ref, positions)
-        return cos.to(ref.dtype), sin.to(ref.dtype)
+        return self.rotary(ref, positions)
 
     def forward(self, emb, g, positions, past_k=None, past_v=None, mask=None):
         """One pass of the layer. emb/g [B, T, hidden], positions [B, T], past KV [B, kv, L, hd] (or None),
