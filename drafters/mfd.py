@@ -220,9 +220,8 @@ class MFDDrafter(D.DFlashDrafter):
         return D.is_dflash_layout(config) and isinstance(config.get("mfd_config"), dict)
 
     # ---- drafting ---------------------------------------------------------------------------------------
-    def mode_logits(self, state, modes: int | None = None, rows: int | None = None) -> torch.Tensor:
-        """One draft forward for ``modes`` modes -> logits [K, B-1, V'] (V' = draft vocab or full); ``rows``: the
-        LM head on each mode's first ``rows`` drafting rows only."""
+    def mode_hidden(self, state, modes: int | None = None) -> torch.Tensor:
+        """One draft forward for ``modes`` modes (default ``use_modes``) -> normed block states [K, B, H]."""
         K = self.use_modes if modes is None else modes
         B, dev = self.block_size, self.target.device
         ids = torch.full((B,), self.model.mask_token_id, dtype=torch.long, device=dev)
@@ -234,21 +233,40 @@ class MFDDrafter(D.DFlashDrafter):
         hidden = self.block_hidden(state, ids, block_embeds=embeds, positions=pos, mask=mask).view(K, B, -1)
         if self.score == "mixture_gated":  # the only tree score that reads the gate
             self.last_gate = torch.softmax(self.model.gate_logits(hidden).float(), -1)
-        return self.model.logits(hidden[:, 1:][:, :rows], self._lm_w, self._lm_b, restricted=True,  # pre-gathered
+        return hidden
+
+    def mode_logits(self, state, modes: int | None = None, rows: int | None = None) -> torch.Tensor:
+        """One draft forward -> logits [K, B-1, V'] (V' = draft vocab or full); ``rows``: the LM head on each
+        mode's first ``rows`` drafting rows only."""
+        return self.row_logits(self.mode_hidden(state, modes), 0, rows)
+
+    def row_logits(self, hidden: torch.Tensor, lo: int, hi: int | None) -> torch.Tensor:
+        """The LM head on drafting rows lo..hi of every mode (row 0 = depth 1) -> [K, rows, V']."""
+        return self.model.logits(hidden[:, 1:][:, lo:hi], self._lm_w, self._lm_b, restricted=True,  # pre-gathered
                                  layouts=self._lm_layouts)
 
     @torch.inference_mode()
     def propose(self, state) -> Tree:
-        logits = self.mode_logits(state, rows=self.budget)  # [K, L, V']: no tree of this budget goes deeper
-        K, L, _ = logits.shape
+        hidden = self.mode_hidden(state)
+        K, L = hidden.shape[0], min(self.budget, hidden.shape[1] - 1)  # no tree of this budget goes deeper than L
         k = max(self.marginal_topk, self.budget)
-        cols, lps = topk_logprobs(logits.reshape(K * L, -1), k)
-        ids = self.model.to_vocab_ids(cols.to(self.target.device)).cpu().view(K, L, -1)
-        lps = lps.view(K, L, -1)
-        self.last_block_logprobs = (ids, lps)  # per-mode top-k marginals [K, L, k]
-        with state.section("tree"):
-            weights = self.last_gate.cpu() if self.score == "mixture_gated" else None
-            return mixed_ddtree(state.root_token, ids, lps, self.budget, self.score, weights)
+        weights = self.last_gate.cpu() if self.score == "mixture_gated" else None
+        # The LM head over the draft vocabulary is the largest product of a round, and most trees of a small budget
+        # stay shallow: the rows are headed two, then doubling, at a time. A tree that does not reach the last
+        # headed row is the tree all L rows give (``tree.mixed``: a row is read only under a node one level up).
+        id_parts, lp_parts, done, rows = [], [], 0, min(2, L)
+        while True:
+            cols, lps = topk_logprobs(self.row_logits(hidden, done, rows).reshape(K * (rows - done), -1), k)
+            id_parts.append(self.model.to_vocab_ids(cols.to(self.target.device)).cpu().view(K, rows - done, -1))
+            lp_parts.append(lps.view(K, rows - done, -1))
+            ids, lps = torch.cat(id_parts, 1), torch.cat(lp_parts, 1)
+            with state.section("tree"):
+                tree = mixed_ddtree(state.root_token, ids, lps, self.budget, self.score, weights)
+            if rows == L or int(tree.depths.max()) < rows:
+                break
+            done, rows = rows, min(2 * rows, L)
+        self.last_block_logprobs = (ids, lps)  # per-mode top-k marginals [K, rows headed, k]
+        return tree
 
     def describe(self) -> dict:
         d = super().describe()

@@ -81,7 +81,35 @@ def test_greedy_identity_vs_hf(arch, score):
     # max_new_tokens: count every round's walk, before the stop trim)
     assert d.ctx_len == len(PROMPT) + sum((k + 1) * c for k, c in res.stats.accept_hist.items())
     ids, _lps = d.last_block_logprobs
-    assert ids.shape[:2] == (3, 7)
+    assert ids.shape[0] == 3 and 2 <= ids.shape[1] <= 7  # the rows the last tree needed headed (see below)
+
+
+@pytest.mark.parametrize("score", ["best_mode", "mixture_uniform", "mixture_gated"])
+def test_rows_headed_on_demand_give_the_tree_of_all_rows(tiny_llama, score):
+    """propose() heads the drafting rows two, then doubling, at a time and stops once its tree is shallower than
+    the rows headed: the tree is the one every row gives, and shallow trees head fewer rows."""
+    from graft_block.tree.ddtree import topk_logprobs
+    from graft_block.tree.mixed import mixed_ddtree
+
+    headed = []
+    for budget in (1, 2, 3, 5, 9, 40):
+        for prefix in range(3, len(PROMPT) + 1):
+            d = _mfd(tiny_llama, score=score, budget=budget, mode_init_scale=2.0)
+            st = prefilled_state(tiny_llama, PROMPT[:prefix], d)
+            tree = d.propose(st)
+            headed.append(d.last_block_logprobs[0].shape[1])
+            L = min(budget, d.block_size - 1)
+            with torch.no_grad():
+                logits = d.mode_logits(st, rows=L)
+            K = logits.shape[0]
+            cols, lps = topk_logprobs(logits.reshape(K * L, -1), max(d.marginal_topk, budget))
+            ids = d.model.to_vocab_ids(cols).view(K, L, -1)
+            w = d.last_gate if score == "mixture_gated" else None
+            full = mixed_ddtree(st.root_token, ids, lps.view(K, L, -1), budget, score, w)
+            for a, b in ((tree.tokens, full.tokens), (tree.parents, full.parents), (tree.modes, full.modes)):
+                assert torch.equal(a, b), (budget, prefix)
+            assert torch.allclose(tree.scores, full.scores)
+    assert min(headed) < max(headed)
 
 
 def test_mixed_trees_are_valid_and_use_several_modes(tiny_llama):
