@@ -311,7 +311,7 @@ def describe(cfg: dict) -> str:
     """The drafter column of --list-methods."""
     spec = cfg.get("spec", "none")
     if spec == "none":
-        return "llama.cpp AR"
+        return "llama.cpp AR" + (f" {' '.join(cfg['args'])}" if cfg.get("args") else "")
     if spec == "ngram-simple":
         return f"llama.cpp ngram-simple {cfg.get('ngram_n', 3)}-gram, up to {cfg.get('ngram_m', 10)}"
     if spec == "ngram-mod":

@@ -77,6 +77,10 @@ PRESETS: dict[str, dict] = {
     # llama.cpp peers (eval/llamacpp.py): llama-speculative-simple on the target's F32 GGUF, chains only. Need a
     # build (--llamacpp DIR or GRAFT_BLOCK_LLAMACPP; scripts/build_llamacpp.sh), else skipped; in no suite.
     "llamacpp": {"llamacpp": {"spec": "none"}, "about": "llama.cpp greedy AR (a peer; the 'vs llama.cpp' base)"},
+    # llama.cpp's own defaults (F16 K/V cache, flash attention): its speed at home; its one-token steps then round
+    # differently from its batched verifies (eval/llamacpp.py, numerics), so it is not the token reference
+    "llamacpp_defaults": {"llamacpp": {"spec": "none", "args": ["-fa", "auto", "-ctk", "f16", "-ctv", "f16"]},
+                          "about": "llama.cpp greedy AR at its default K/V precision and attention (speed only)"},
     "llamacpp_ngram": {"llamacpp": {"spec": "ngram-simple", "ngram_n": 3, "ngram_m": 10},
                        "about": "llama.cpp ngram-simple prompt lookup (3-gram key, up to 10 drafted), a peer"},
     "llamacpp_dflash": {"llamacpp": {"spec": "draft-dflash", "draft": "dflash-smollm2", "n_max": 7},
@@ -86,7 +90,7 @@ PRESETS: dict[str, dict] = {
     "llamacpp_dspark": {"llamacpp": {"spec": "draft-dspark", "draft": "dspark-smollm2", "n_max": 7},
                         "about": "llama.cpp draft-dspark with our DSpark exported to GGUF, chain 7, a peer"},
 }
-LLAMACPP = ["llamacpp", "llamacpp_ngram", "llamacpp_dflash", "llamacpp_eagle3", "llamacpp_dspark"]
+LLAMACPP = ["llamacpp", "llamacpp_defaults", "llamacpp_ngram", "llamacpp_dflash", "llamacpp_eagle3", "llamacpp_dspark"]
 
 QUICK = ["ar", "hf", "hf_pld", "pld", "recycling", "pld_matrix", "eagle3_graft", "dflash_tail", "dflash_ddtree",
          "mfd", "dspark_chain", "dspark_ddtree", "dspark_sched"]

@@ -41,7 +41,8 @@ def _after(cmd, flag):
 
 def test_command_line_of_every_preset(tmp_path):
     draft = tmp_path / "d.gguf"
-    want = {"llamacpp": ("ngram-simple", None), "llamacpp_ngram": ("ngram-simple", None),
+    want = {"llamacpp": ("ngram-simple", None), "llamacpp_defaults": ("ngram-simple", None),
+            "llamacpp_ngram": ("ngram-simple", None),
             "llamacpp_dflash": ("draft-dflash", "7"), "llamacpp_eagle3": ("draft-eagle3", "5"),
             "llamacpp_dspark": ("draft-dspark", "7")}
     assert set(presets.LLAMACPP) == set(want)
@@ -55,8 +56,12 @@ def test_command_line_of_every_preset(tmp_path):
         assert _after(cmd, "-t") == "2" and _after(cmd, "-tb") == "2" and _after(cmd, "-c") == "512"
         assert _after(cmd, "--temp") == "0" and _after(cmd, "--top-k") == "1" and _after(cmd, "--seed") == "7"
         assert _after(cmd, "--spec-type") == spec_type
-        # fp32 K/V and plain attention: llama.cpp's one-token steps then round like its batched verifies
-        assert _after(cmd, "-fa") == "off" and _after(cmd, "-ctk") == "f32" and _after(cmd, "-ctv") == "f32"
+        # fp32 K/V and plain attention: llama.cpp's one-token steps then round like its batched verifies (its
+        # argument parser keeps the last value: a preset's own args come after and win)
+        cmd = L.command("/b/llama-speculative-simple", "/m.gguf", "/p.txt", 80, 2, spec, 0.0, 7, 512, cfg.get("args"))
+        last = {a: cmd[len(cmd) - 1 - cmd[::-1].index(a) + 1] for a in ("-fa", "-ctk", "-ctv")}
+        assert last == ({"-fa": "auto", "-ctk": "f16", "-ctv": "f16"} if name == "llamacpp_defaults" else
+                        {"-fa": "off", "-ctk": "f32", "-ctv": "f32"})
         if n_max:
             assert _after(cmd, "-md") == str(draft) and _after(cmd, "--spec-draft-n-max") == n_max
             assert _after(cmd, "-td") == "2" and _after(cmd, "-tbd") == "2"
