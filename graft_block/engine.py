@@ -197,6 +197,12 @@ class LeanForward:
             gemm, gemm_small = env, env_small
         gemm_small = gemm_small or gemm
         small_rows = SMALL.get(gemm_small, 1)
+        # whether every decoder layer could run in C (they do when skinny runs every forward): the kernel choice
+        # credits skinny for the torch small ops it then saves
+        self.c_layers_why_not = ("GRAFT_BLOCK_FUSED=0" if os.environ.get("GRAFT_BLOCK_FUSED", "1") == "0" else
+                                 "compiled layers" if compile else "not a CPU float32 target" if not cpu32 else
+                                 skinny.layers_unsupported(cfg.hidden_size, self.heads, self.kv_heads, self.head_dim))
+        self.c_layers_possible = self.c_layers_why_not is None
         if gemm is None:
             gemm, pack_rows_measured, self.gemm_times, gemm_small, small_rows = choose_gemm(self)
             pack_rows = pack_rows_measured if pack_rows is None else pack_rows
@@ -215,10 +221,8 @@ class LeanForward:
         # when skinny runs every forward, every layer runs in C (skinny.DecoderLayers) unless GRAFT_BLOCK_FUSED=0;
         # they keep the key cache transposed, so no forward may run the torch layers beside them
         self.fused, self.fused_why_not = None, "not every forward on the skinny kernel"
-        if gemm == gemm_small == "skinny" and not compile:
-            self.fused_why_not = ("GRAFT_BLOCK_FUSED=0" if os.environ.get("GRAFT_BLOCK_FUSED", "1") == "0" else
-                                  skinny.layers_unsupported(cfg.hidden_size, self.heads, self.kv_heads,
-                                                            self.head_dim))
+        if gemm == gemm_small == "skinny":
+            self.fused_why_not = self.c_layers_why_not
         # nothing reads HF's layer weights once the C layers hold their packs: with release_hf they leave memory as
         # each layer is packed, so the two copies never sit in memory together
         release = release_hf and self.fused_why_not is None
@@ -591,7 +595,14 @@ def measure_gemms(weights: list[torch.Tensor], rows=GEMM_ROWS, reps: int = 5) ->
     return out
 
 
-def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str, int]:
+# With every decoder layer in C (skinny running every forward), a forward costs its products alone; the other
+# kernels' forwards add torch's small ops around theirs: 9-35% of a decode step here, 21% on an AVX2 machine
+# (docs/engine.md). The choice times products only, so skinny's count at this share of their value when the C
+# layers can run: at parity on products a fresh measurement picked oneDNN, and lost the C layers, 2 times in 3.
+C_LAYERS_CREDIT = 0.85
+
+
+def pick_gemm(times: dict, c_layers: bool = False) -> tuple[str, tuple[int, ...], str, int]:
     """(kernel, MKL pack buckets, small-forward kernel, rows it takes) from ``measure_gemms``: the pair with the
     lowest total over the measured row counts (MKL counting its packed GEMM wherever that beats F.linear; the
     buckets are where it wins). A small forward mostly streams the weights, and another kernel on the same thread
@@ -601,7 +612,10 @@ def pick_gemm(times: dict) -> tuple[str, tuple[int, ...], str, int]:
     bit-identical): ``skinny`` up to the largest measured row count where that holds (at most 17), another main
     kernel at 1 row only. ``skinny`` also competes as the main kernel (it runs any row count). A main kernel not
     measured at every row count (not built in) does not compete; on a tie the earlier kernel stays, and a choice
-    within 5% of the fastest that holds fewer copies of the weights is preferred."""
+    within 5% of the fastest that holds fewer copies of the weights is preferred. ``c_layers``: skinny's times
+    count ``C_LAYERS_CREDIT`` of their value (the C decoder layers run when skinny runs every forward)."""
+    if c_layers and times.get("skinny"):
+        times = {**times, "skinny": {n: t * C_LAYERS_CREDIT for n, t in times["skinny"].items()}}
     mkl, packed = times["mkl"], times.get("mkl_packed", {})
     rows = sorted(mkl)
     buckets = tuple(n for n in sorted(packed) if packed[n] < mkl[n])
@@ -687,7 +701,8 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, i
            "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights],
            "kernels": list(GEMMS) + list(SMALL), "skinny": skinny.available() and skinny.SOURCE,
            "rows": list(GEMM_ROWS),
-           "openblas_spins": spins, "small_kernel": "same pool"}
+           "openblas_spins": spins, "small_kernel": "same pool", "c_layers": lean.c_layers_possible,
+           "c_layers_credit": C_LAYERS_CREDIT}
     path = graft_block.keyed_cache_file("gemm", key)
     try:
         data = json.loads(path.read_text())
@@ -698,7 +713,8 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, i
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # no cache yet, or a damaged one: measure again
     times = measure_gemms(weights)
-    gemm, buckets, small, small_rows = pick_gemm({k: v for k, v in times.items() if not (spins and k == "openblas")})
+    gemm, buckets, small, small_rows = pick_gemm({k: v for k, v in times.items() if not (spins and k == "openblas")},
+                                                 lean.c_layers_possible)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"key": key, "gemm": gemm, "gemm_small": small, "small_rows": small_rows,

@@ -173,6 +173,13 @@ def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypat
     assert pick_gemm(wide) == ("onednn", (), "skinny", 17)
     wide["skinny"][65] = 92.0  # within 5% of the pair alone: one copy of the weights instead of two
     assert pick_gemm(wide) == ("skinny", (), "skinny", 0)
+    # products at parity with oneDNN (a fresh measurement on the 2-core EPYC): without the C layers' credit
+    # oneDNN takes every forward; with it skinny does, and every decoder layer runs in C
+    epyc = {"mkl": {1: 25.1, 9: 54.6, 17: 62.5, 65: 117.1}, "onednn": {1: 12.2, 9: 14.6, 17: 16.0, 65: 37.9},
+            "skinny": {1: 11.1, 9: 13.7, 17: 18.7, 65: 37.3}}
+    assert pick_gemm(epyc) == ("onednn", (), "onednn", 0)
+    assert pick_gemm(epyc, c_layers=True) == ("skinny", (), "skinny", 0)
+    assert pick_gemm({**epyc, "skinny": {1: 15.0, 9: 20.0, 17: 25.0, 65: 60.0}}, c_layers=True)[0] == "onednn"
 
     import graft_block.engine as E
 
