@@ -559,13 +559,14 @@ def device_name(device: torch.device | str = "cpu") -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_gemms(weights: list[torch.Tensor], rows=GEMM_ROWS, reps: int = 5) -> dict:
+def measure_gemms(weights: list[torch.Tensor], rows=GEMM_ROWS, reps: int = 5, skip: tuple = ()) -> dict:
     """Median ms of pushing an [n, in] input through every weight, per kernel and row count: ``mkl`` (F.linear),
     ``mkl_packed`` (packed for exactly n rows; n > 1), ``openblas`` (numpy, torch on one thread meanwhile),
     ``onednn`` (reordered once) and ``skinny`` (packed once, where it builds). One kernel at a time, warmed up
     first: interleaving them call by call lets one pool's spinning threads slow the other. Each kernel's copy of
     the weights is made just before its runs and freed after them, so the measurement holds one extra copy at a
-    time (all at once it was the main job's peak memory)."""
+    time (all at once it was the main job's peak memory). ``skip``: kernels not measured (their entries stay
+    empty)."""
     out: dict[str, dict[int, float]] = {"mkl": {}, "mkl_packed": {}, "openblas": {}, "onednn": {}, "skinny": {}}
     xs = {n: {w.shape[1]: torch.randn(1, n, w.shape[1]) for w in weights} for n in rows}
 
@@ -583,7 +584,7 @@ def measure_gemms(weights: list[torch.Tensor], rows=GEMM_ROWS, reps: int = 5) ->
 
     built = {"mkl_packed": packed_gemm_available("cpu", torch.float32),
              "onednn": onednn_available("cpu", torch.float32), "skinny": skinny.available()}
-    for kind in (k for k in out if built.get(k, True)):
+    for kind in (k for k in out if built.get(k, True) and k not in skip):
         if kind == "mkl_packed":  # a pack serves one row count
             for n in (n for n in rows if n > 1):
                 time_it(kind, n, [kernel_weight(w, kind, n) for w in weights])
@@ -712,7 +713,9 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, i
                     int(data["small_rows"]))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # no cache yet, or a damaged one: measure again
-    times = measure_gemms(weights)
+    # OpenBLAS cannot be chosen when its threads spin late, and it is not measured then either: its spinning
+    # threads slowed the kernels timed after it (skinny measured 24 ms at 9 rows after it, 14-16 ms without)
+    times = measure_gemms(weights, skip=("openblas",) if spins else ())
     gemm, buckets, small, small_rows = pick_gemm({k: v for k, v in times.items() if not (spins and k == "openblas")},
                                                  lean.c_layers_possible)
     try:
