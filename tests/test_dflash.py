@@ -514,3 +514,21 @@ def test_rope_lookup_agrees_with_hfs_computation(scaling):
         assert cos.shape == ref_cos.shape == (pos.shape[0], pos.shape[1], 32)
         assert torch.allclose(cos, ref_cos, atol=1e-6) and torch.allclose(sin, ref_sin, atol=1e-6)
     assert (rot.table is None) == (scaling is not None and scaling["rope_type"] == "dynamic")
+
+
+@pytest.mark.parametrize("hidden,rows", [(64, 1), (576, 4), (1728, 37)])
+def test_rms_norm_fused_path_keeps_the_reference_bits(hidden, rows):
+    """fp32 takes torch's fused rms_norm: the same bits as the reference op order (normalise in fp32, then scale);
+    other dtypes keep that order explicitly."""
+    from graft_block.drafters.layers import RMSNorm
+
+    torch.manual_seed(hidden)
+    norm = RMSNorm(hidden, 1e-6)
+    norm.weight.data = torch.randn(hidden)
+    x = torch.randn(rows, hidden) * torch.rand(rows, 1) * 10
+    ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+    assert torch.equal(norm(x), ref)
+    half = norm.to(torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    ref_b = half.weight * (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(xb.dtype)
+    assert half(xb).dtype == torch.bfloat16 and torch.equal(half(xb), ref_b)
