@@ -100,7 +100,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op, the same bits in fp32
+        # one fused op, the same bits in fp32 on CPU (tested); other devices keep the explicit order
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         dt = x.dtype
         x = x.float()
@@ -130,16 +131,20 @@ class Rotary:
         self.emb = LlamaRotaryEmbedding(config)
         # angles that do not depend on the sequence length are looked up on CPU: HF's ~10 small ops a call are
         # a measurable share of a drafting level there (dynamic and longrope rescale with the length: computed)
-        self.static = self.emb.rope_type not in ("dynamic", "longrope")
+        self.static = "dynamic" not in self.emb.rope_type and self.emb.rope_type != "longrope"  # HF's own test
         self.table: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 cos, sin [positions, hd]
 
     def __call__(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, T, hd] in ``like``'s dtype (computed in fp32 on ``like``'s device)."""
         if self.emb.inv_freq.device != like.device:
             self.emb.to(like.device)
-        if not self.static or like.device.type != "cpu" or positions.numel() == 0:
+        if (not self.static or like.device.type != "cpu" or positions.numel() == 0
+                or positions.dtype not in (torch.int32, torch.int64)):
             return self.emb(like, positions)
-        top = int(positions.max()) + 1
+        low, high = (int(v) for v in torch.aminmax(positions))
+        if low < 0:  # negative angles are HF's to compute
+            return self.emb(like, positions)
+        top = high + 1
         if self.table is None or self.table[0].shape[0] < top:
             rows = max(1024, 1 << (top - 1).bit_length())
             cos, sin = self.emb(torch.empty(0), torch.arange(rows).view(1, -1))

@@ -253,7 +253,8 @@ class MFDDrafter(D.DFlashDrafter):
         weights = self.last_gate.cpu() if self.score == "mixture_gated" else None
         # The LM head over the draft vocabulary is the largest product of a round, and most trees of a small budget
         # stay shallow: the rows are headed two, then doubling, at a time. A tree that does not reach the last
-        # headed row is the tree all L rows give (``tree.mixed``: a row is read only under a node one level up).
+        # headed row is the tree all L rows give (``tree.mixed``: a row is read only under a node one level up),
+        # given the same logits per row (a kernel chosen by row count may round a near-tie otherwise).
         id_parts, lp_parts, done, rows = [], [], 0, min(2, L)
         while True:
             cols, lps = topk_logprobs(self.row_logits(hidden, done, rows).reshape(K * (rows - done), -1), k)

@@ -78,7 +78,8 @@ PRESETS: dict[str, dict] = {
     # build (--llamacpp DIR or GRAFT_BLOCK_LLAMACPP; scripts/build_llamacpp.sh), else skipped; in no suite.
     "llamacpp": {"llamacpp": {"spec": "none"}, "about": "llama.cpp greedy AR (a peer; the 'vs llama.cpp' base)"},
     # llama.cpp's own defaults (F16 K/V cache, flash attention): its speed at home; its one-token steps then round
-    # differently from its batched verifies (eval/llamacpp.py, numerics), so it is not the token reference
+    # differently from its batched verifies (eval/llamacpp.py, numerics), so it is not the token reference, and
+    # not in the --llamacpp set (its expected difference would print a peer note every run): --methods names it
     "llamacpp_defaults": {"llamacpp": {"spec": "none", "args": ["-fa", "auto", "-ctk", "f16", "-ctv", "f16"]},
                           "about": "llama.cpp greedy AR at its default K/V precision and attention (speed only)"},
     "llamacpp_ngram": {"llamacpp": {"spec": "ngram-simple", "ngram_n": 3, "ngram_m": 10},
@@ -90,7 +91,7 @@ PRESETS: dict[str, dict] = {
     "llamacpp_dspark": {"llamacpp": {"spec": "draft-dspark", "draft": "dspark-smollm2", "n_max": 7},
                         "about": "llama.cpp draft-dspark with our DSpark exported to GGUF, chain 7, a peer"},
 }
-LLAMACPP = ["llamacpp", "llamacpp_defaults", "llamacpp_ngram", "llamacpp_dflash", "llamacpp_eagle3", "llamacpp_dspark"]
+LLAMACPP = ["llamacpp", "llamacpp_ngram", "llamacpp_dflash", "llamacpp_eagle3", "llamacpp_dspark"]
 
 QUICK = ["ar", "hf", "hf_pld", "pld", "recycling", "pld_matrix", "eagle3_graft", "dflash_tail", "dflash_ddtree",
          "mfd", "dspark_chain", "dspark_ddtree", "dspark_sched"]
@@ -107,7 +108,7 @@ SUITES: dict[str, dict] = {
     "paper": {"prompts": ["humaneval", "mtbench"], "limit": 2, "max_new_tokens": 96, "temperatures": [0.0],
               "methods": PAPER},
     "full": {"prompts": ["humaneval", "mtbench", "sharegpt"], "limit": 20, "max_new_tokens": 256,
-             "temperatures": [0.0, 1.0], "methods": [n for n in PRESETS if n not in LLAMACPP]},
+             "temperatures": [0.0, 1.0], "methods": [n for n, p in PRESETS.items() if "llamacpp" not in p]},
 }
 
 # Relative claims of the seed papers. "threshold": holds when our ratio (method / baseline) is at least it.

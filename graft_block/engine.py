@@ -613,10 +613,8 @@ def pick_gemm(times: dict, c_layers: bool = False) -> tuple[str, tuple[int, ...]
     bit-identical): ``skinny`` up to the largest measured row count where that holds (at most 17), another main
     kernel at 1 row only. ``skinny`` also competes as the main kernel (it runs any row count). A main kernel not
     measured at every row count (not built in) does not compete; on a tie the earlier kernel stays, and a choice
-    within 5% of the fastest that holds fewer copies of the weights is preferred. ``c_layers``: skinny's times
-    count ``C_LAYERS_CREDIT`` of their value (the C decoder layers run when skinny runs every forward)."""
-    if c_layers and times.get("skinny"):
-        times = {**times, "skinny": {n: t * C_LAYERS_CREDIT for n, t in times["skinny"].items()}}
+    within 5% of the fastest that holds fewer copies of the weights is preferred. ``c_layers``: skinny running
+    every forward alone counts ``C_LAYERS_CREDIT`` of its times (only then do the C decoder layers run)."""
     mkl, packed = times["mkl"], times.get("mkl_packed", {})
     rows = sorted(mkl)
     buckets = tuple(n for n in sorted(packed) if packed[n] < mkl[n])
@@ -642,7 +640,9 @@ def pick_gemm(times: dict, c_layers: bool = False) -> tuple[str, tuple[int, ...]
         return best, best_rows
 
     def total(k: str, j: str, upto: int) -> float:
-        return sum(small[j][0][n] if n <= upto else per_row[k][n] for n in rows)
+        alone_in_c = c_layers and k == "skinny" and (j == k or not upto)
+        return sum(small[j][0][n] if n <= upto else per_row[k][n] * (C_LAYERS_CREDIT if alone_in_c else 1.0)
+                   for n in rows)
 
     def copies(k: str) -> int:  # weight layouts beside the model's own (MKL's F.linear runs on those)
         j, upto = partner(k)

@@ -508,11 +508,17 @@ def test_rope_lookup_agrees_with_hfs_computation(scaling):
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, rope_theta=10000.0, rope_scaling=scaling,
                       max_position_embeddings=512)
     rot = Rotary(cfg)
-    for pos in (torch.tensor([[0, 5, 5, 1023]]), torch.arange(4000, 4010).view(1, -1), torch.tensor([[7], [3000]])):
-        cos, sin = rot(torch.zeros(1), pos)
-        ref_cos, ref_sin = rot.emb(torch.zeros(1), pos)
-        assert cos.shape == ref_cos.shape == (pos.shape[0], pos.shape[1], 32)
-        assert torch.allclose(cos, ref_cos, atol=1e-6) and torch.allclose(sin, ref_sin, atol=1e-6)
+    cases = (torch.tensor([[0, 5, 5, 1023]]), torch.arange(4000, 4010).view(1, -1), torch.tensor([[7], [3000]]),
+             torch.tensor([[-3, 2]]), torch.tensor([[9, 11]], dtype=torch.int32))
+    for pos in cases:  # (negative positions are computed by HF, not looked up)
+        for like in (torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)):
+            cos, sin = rot(like, pos)
+            ref_cos, ref_sin = rot.emb(like, pos)
+            assert cos.shape == ref_cos.shape == (pos.shape[0], pos.shape[1], 32) and cos.dtype == like.dtype
+            # the same angles; the vector cos/sin may round the last bit differently at another tensor offset
+            tol = 1e-6 if like.dtype == torch.float32 else 1e-2
+            assert torch.allclose(cos.float(), ref_cos.float(), atol=tol)
+            assert torch.allclose(sin.float(), ref_sin.float(), atol=tol)
     assert (rot.table is None) == (scaling is not None and scaling["rope_type"] == "dynamic")
 
 

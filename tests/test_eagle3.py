@@ -337,6 +337,7 @@ def test_expansion_depth_is_capped_by_the_budget(tiny_llama):
     # after the pass over the newly committed pair: at most 3 levels (not 5) of 4 (not 6); fewer when no frontier
     # node can place a descendant in the top 4 (tree/eagle.frontier_is_dead)
     assert 1 <= len(calls) - 1 <= 3 and all(c == 4 for c in calls[1:]), calls
+    assert len(calls) - 1 == len(capped.last_candidates.frontiers) - 1  # one forward per drafted level
     full = Eagle3Drafter(t, head=head, budget=4, depth=5, top_k=6)
     full.budget = 100  # all 5 levels of 6 nodes expanded, then the top 4 kept, as before the caps
     st2 = prefilled_state(t, prompts(1, 10, 128)[0], full)

@@ -296,4 +296,4 @@ def test_draft_vocab_model_is_lossless_and_proposes_in_vocab(tiny_llama):
     ref = _hf_greedy(tiny_llama, PROMPT, 24)
     assert SpeculativeDecoder(tiny_llama, d).generate(PROMPT, max_new_tokens=24).tokens == ref
     ids, _ = d.last_block_logprobs
-    assert ids.shape[:2] == (2, 5) and set(ids.flatten().tolist()) <= set(vocab.tolist())
+    assert ids.shape[0] == 2 and 2 <= ids.shape[1] <= 5 and set(ids.flatten().tolist()) <= set(vocab.tolist())

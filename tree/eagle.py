@@ -181,7 +181,8 @@ def eagle_tree(
     d2t: torch.Tensor | None = None,
     stop_fn=None,
 ) -> tuple[Tree, Candidates]:
-    """Expansion + rerank in one call. Returns (tree, all candidates)."""
+    """Expansion + rerank in one call. Returns (tree, all candidates): the whole pool, so no budget stop here
+    (``expand(..., budget=)`` gives the same tree for fewer forwards)."""
     cands = expand(root_logprobs, child_fn, depth, top_k, d2t, stop_fn)
     return rerank(cands, root_token, budget), cands
 
