@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graft_block.drafter import read_weights, register, shared_checkpoint
+from graft_block.drafter import read_weights, register, resolve_checkpoint, shared_checkpoint
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree
 from graft_block.tree.ddtree import topk_logprobs
@@ -133,7 +133,7 @@ def save_checkpoint(model: MFDModel, folder, score: str = "best_mode", dtype=tor
 
 def load_checkpoint(folder, device=None, dtype=None) -> tuple[MFDModel, dict]:
     """An MFD checkpoint -> (model, mfd_config). A plain DFlash checkpoint loads as K = 1 with a zero mode vector."""
-    folder = Path(folder)
+    folder = resolve_checkpoint(folder, "MFD")
     raw = D.read_config(folder)
     mcfg = dict(raw.get("mfd_config") or {})
     tensors = read_weights(folder, "MFD checkpoint")

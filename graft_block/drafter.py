@@ -149,6 +149,19 @@ def bundled_checkpoints() -> list[str]:
                   if (p / "config.json").exists())
 
 
+def resolve_checkpoint(ckpt: str | Path, what: str = "drafter") -> Path:
+    """A folder holding config.json, or the short name of a bundled checkpoint (``bundled_checkpoints``)."""
+    path = Path(ckpt)
+    if (path / "config.json").exists():
+        return path
+    if isinstance(ckpt, str) and "/" not in ckpt:
+        found = bundled_checkpoint(ckpt)
+        if found is not None:
+            return found
+    raise ConfigError(f"{what} checkpoint {str(ckpt)!r} is neither a folder with config.json nor a bundled name "
+                      f"(bundled: {', '.join(bundled_checkpoints()) or 'none'})")
+
+
 def bundled_checkpoint(name: str) -> Path | None:
     """The folder of a drafter shipped with graft-block (or a plugin) under the short name ``name``, if any."""
     load_plugins()

@@ -576,6 +576,8 @@ class LayerCache:
         cap = 0 if self.v is None else self.v.shape[2]
         if total <= cap:
             return
+        if keep > cap:
+            raise ValueError(f"cannot keep {keep} rows of a cache holding {cap}: reserve the rows before writing them")
         new = max(256, 1 << (total - 1).bit_length())
         nl, kvh, hd = self.shape
         k, v = torch.zeros(key_cache_shape(nl, kvh, hd, new)), torch.zeros(nl, kvh, new, hd)

@@ -538,3 +538,15 @@ def test_rms_norm_fused_path_keeps_the_reference_bits(hidden, rows):
     xb = x.to(torch.bfloat16)
     ref_b = half.weight * (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(xb.dtype)
     assert half(xb).dtype == torch.bfloat16 and torch.equal(half(xb), ref_b)
+
+
+def test_block_checkpoints_resolve_bundled_names(tiny_llama):
+    """A dict config may name a bundled checkpoint by its short name (as EAGLE-3's already could); an unknown name
+    says which ones exist."""
+    from graft_block.drafter import bundled_checkpoints
+
+    assert "dflash-smollm2" in bundled_checkpoints()
+    assert D.read_config("dflash-smollm2")["block_size"] == 16
+    for kind in ("dflash", "mfd", "dspark"):
+        with pytest.raises(ConfigError, match="neither a folder with config.json nor a bundled name.*dflash-smollm2"):
+            Drafter.from_config({"type": kind, "checkpoint": "no-such-drafter"}, target=tiny_llama)

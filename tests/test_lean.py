@@ -532,3 +532,13 @@ def test_hf_weights_the_c_layers_do_not_read_are_released_and_read_back_unchange
     early.model.generation_config.eos_token_id = None
     assert early.lean.released > 0
     assert SpeculativeDecoder(early).generate(prompt, max_new_tokens=12).tokens == hf_greedy(early, prompt, 12)
+
+
+def test_layer_cache_refuses_to_keep_rows_it_never_held():
+    from graft_block import skinny
+
+    cache = skinny.LayerCache(1, 2, 16)
+    with pytest.raises(ValueError, match="cannot keep 5 rows of a cache holding 0"):
+        cache.reserve(10, 5)
+    cache.reserve(10, 0)
+    assert cache.v.shape[2] >= 10 and cache.rows(3)[0].shape == (1, 2, 3, 16)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from graft_block.drafter import read_weights
+from graft_block.drafter import read_weights, resolve_checkpoint
 from graft_block.errors import ConfigError
 
 from .model import DFlashModel, build_target_layer_ids
@@ -37,10 +37,8 @@ def is_dflash_layout(config: dict) -> bool:
 
 
 def read_config(folder: str | Path) -> dict:
-    path = Path(folder) / "config.json"
-    if not path.exists():
-        raise ConfigError(f"DFlash checkpoint folder {folder} has no config.json")
-    return json.loads(path.read_text())
+    """config.json of a checkpoint folder or bundled name (``resolve_checkpoint``)."""
+    return json.loads((resolve_checkpoint(folder, "DFlash-family") / "config.json").read_text())
 
 
 def rope_parameters(raw: dict) -> dict:
@@ -126,7 +124,7 @@ def save_checkpoint(model: DFlashModel, folder: str | Path, dtype=torch.float16,
 def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DFlashModel:
     """Strict loader: every expected tensor present, nothing unexpected (besides optional ``draft_vocab``), shapes
     equal. Raises ConfigError naming the tensor otherwise."""
-    folder = Path(folder)
+    folder = resolve_checkpoint(folder, "DFlash")
     raw = read_config(folder)
     tensors = read_weights(folder, "DFlash checkpoint")
     vocab = tensors.pop("draft_vocab", None)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from graft_block.drafter import read_weights
+from graft_block.drafter import read_weights, resolve_checkpoint
 from graft_block.errors import ConfigError
 
 from ..dflash.checkpoint import (check_compatible, config_dict, load_strict, model_from_config, new_model,
@@ -76,7 +76,7 @@ def model_from_dspark_config(raw: dict, draft_vocab: torch.Tensor | None = None,
 
 def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DSparkModel:
     """Any of the three spellings -> DSparkModel, strictly: missing, unexpected or mis-shaped tensors are named."""
-    folder = Path(folder)
+    folder = resolve_checkpoint(folder, "DSpark")
     raw = read_config(folder)
     if not is_dspark_layout(raw):
         raise ConfigError(f"{folder}/config.json is not a DSpark checkpoint (architectures "

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from graft_block.drafter import bundled_checkpoint, read_weights
+from graft_block.drafter import read_weights
+from graft_block.drafter import resolve_checkpoint as resolve_folder
 from graft_block.errors import ConfigError
 
 from .model import Eagle3Config, Eagle3Head
@@ -198,12 +199,4 @@ def build_draft_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, to
 
 def resolve_checkpoint(ckpt: str | Path) -> Path:
     """A folder path, or the short name of a bundled checkpoint under drafters/checkpoints/."""
-    path = Path(ckpt)
-    if (path / "config.json").exists():
-        return path
-    if isinstance(ckpt, str) and "/" not in ckpt:
-        found = bundled_checkpoint(ckpt)
-        if found is not None:
-            return found
-    raise ConfigError(f"eagle3 checkpoint {ckpt!r} is neither a folder with config.json nor a bundled name under "
-                      "drafters/checkpoints/")
+    return resolve_folder(ckpt, "eagle3")
