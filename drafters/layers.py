@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graft_block.drafter import shared_by
-from graft_block.engine import inference_linear
+from graft_block.engine import inference_linear, rms_norm
 from graft_block.errors import ConfigError
 from graft_block.skinny import SkinnyWeight
 
@@ -100,13 +100,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused op, the same bits in fp32 on CPU (tested); other devices keep the explicit order
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        dt = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dt)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

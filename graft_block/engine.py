@@ -368,7 +368,7 @@ class LeanForward:
         """After the layers, x [1, m, H]: the cache length, the final norm and the LM head over the first n rows
         (pad rows dropped), and the requested features (``got`` holds those already taken)."""
         self.len = start + n  # pad rows' cache entries stay past the end
-        h = _rms(x, self.norm_w, self.eps)
+        h = rms_norm(x, self.norm_w, self.eps)
         if len(self.layers) in features:
             got[len(self.layers)] = h[0, :n]
         if last_only:
@@ -715,8 +715,9 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, i
         pass  # no cache yet, or a damaged one: measure again
     # OpenBLAS cannot be chosen when its threads spin late, and it is not measured then either: its spinning
     # threads slowed the kernels timed after it (skinny measured 24 ms at 9 rows after it, 14-16 ms without)
-    times = measure_gemms(weights, skip=("openblas",) if spins else ())
-    gemm, buckets, small, small_rows = pick_gemm({k: v for k, v in times.items() if not (spins and k == "openblas")},
+    skip = ("openblas",) if spins else ()
+    times = measure_gemms(weights, skip=skip)
+    gemm, buckets, small, small_rows = pick_gemm({k: v for k, v in times.items() if k not in skip},
                                                  lean.c_layers_possible)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -727,7 +728,8 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, i
     return gemm, buckets, times, small, small_rows
 
 
-def _rms(x, w, eps):
+def rms_norm(x, w, eps):
+    """RMSNorm as HF computes it (normalise in fp32, scale in the input dtype): the engine's, and the drafters'."""
     if x.dtype == torch.float32 and w.dtype == torch.float32:  # one fused op, bit-identical to HF's order in fp32
         return F.rms_norm(x, (x.shape[-1],), w, eps)
     # HF's LlamaRMSNorm op order (normalise in fp32, scale in the input dtype)
@@ -747,7 +749,7 @@ def _layer(x, w, pk, kc, vc, start: int, cos, sin, mask, causal: bool, heads: in
     ``pk``: this layer's weights in the forward's kernel layout (``kernel_weight``), or None for F.linear."""
     n = x.shape[1]
     pk = pk or {}
-    h = _rms(x, w["ln1"], w["eps"])
+    h = rms_norm(x, w["ln1"], w["eps"])
     qkv = linear(h, w["qkv"], w["qkv_b"], pk.get("qkv"))
     qk, v = qkv.split(((heads + kv_heads) * hd, kv_heads * hd), dim=-1)
     qk = qk.view(1, n, heads + kv_heads, hd)
@@ -762,6 +764,6 @@ def _layer(x, w, pk, kc, vc, start: int, cos, sin, mask, causal: bool, heads: in
     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scaling,
                                        enable_gqa=heads != kv_heads)
     x = x + linear(o.transpose(1, 2).reshape(1, n, heads * hd), w["o"], w["o_b"], pk.get("o"))
-    h = _rms(x, w["ln2"], w["eps"])
+    h = rms_norm(x, w["ln2"], w["eps"])
     g, u = linear(h, w["gu"], w["gu_b"], pk.get("gu")).chunk(2, dim=-1)
     return x + linear(F.silu(g) * u, w["d"], w["d_b"], pk.get("d"))

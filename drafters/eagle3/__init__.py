@@ -14,7 +14,6 @@ from .checkpoint import (
     is_eagle3_config,
     load_head,
     read_state_dict,
-    resolve_checkpoint,
     save_head,
 )
 from .drafter import DRAFTER_KEYS, Eagle3Drafter
@@ -42,6 +41,6 @@ __all__ = [
     "DRAFTER_KEYS", "LAYER_PREFIXES", "MODEL_CONFIG_KEYS", "Eagle3Attention", "Eagle3Config", "Eagle3Drafter",
     "Eagle3Head", "Eagle3Layer", "Eagle3MLP", "build_draft_vocab", "check_against_target", "check_vocab_map",
     "default_feature_layers", "head_config_for", "head_from_state_dict", "is_eagle3_config", "load_head",
-    "prefix_mask", "read_state_dict", "resolve_checkpoint", "response_token_counts", "save_head", "soft_labels",
+    "prefix_mask", "read_state_dict", "response_token_counts", "save_head", "soft_labels",
     "training_head", "ttt_forward", "ttt_loss", "warm_start", "widen_draft_vocab",
 ]

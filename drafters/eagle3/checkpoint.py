@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from graft_block.drafter import read_weights
-from graft_block.drafter import resolve_checkpoint as resolve_folder
 from graft_block.errors import ConfigError
 
 from .model import Eagle3Config, Eagle3Head
@@ -196,7 +195,3 @@ def build_draft_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, to
     t2d[used] = True
     return d2t.long(), t2d
 
-
-def resolve_checkpoint(ckpt: str | Path) -> Path:
-    """A folder path, or the short name of a bundled checkpoint under drafters/checkpoints/."""
-    return resolve_folder(ckpt, "eagle3")

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from graft_block.drafter import Drafter, check_budget, register, shared_checkpoint
+from graft_block.drafter import Drafter, check_budget, register, resolve_checkpoint, shared_checkpoint
 from graft_block.engine import drafter_kernel
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree, root_only
@@ -24,7 +24,6 @@ from .checkpoint import (
     check_against_target,
     is_eagle3_config,
     load_head,
-    resolve_checkpoint,
     save_head,
 )
 from .model import Eagle3Head, default_feature_layers, prefix_mask
@@ -53,7 +52,7 @@ class Eagle3Drafter(Drafter):
         if head is None:
             if checkpoint is None:
                 raise ConfigError("eagle3 needs a checkpoint (folder or bundled short name, e.g. 'eagle3-smollm2')")
-            folder = resolve_checkpoint(checkpoint)
+            folder = resolve_checkpoint(checkpoint, "eagle3")
             head = shared_checkpoint(target, "eagle3", folder, lambda: load_head(folder, target))
         else:
             check_against_target(head, target)
@@ -93,7 +92,7 @@ class Eagle3Drafter(Drafter):
     def build(cls, cfg: dict, target=None) -> "Eagle3Drafter":
         cfg = dict(cfg)
         ckpt = cfg.get("checkpoint")
-        folder = resolve_checkpoint(ckpt) if ckpt is not None else None
+        folder = resolve_checkpoint(ckpt, "eagle3") if ckpt is not None else None
         saved = json.loads((folder / "config.json").read_text()) if folder is not None else {}
         # Keys that came from the folder's own config.json belong to the loader (hub files carry many).
         from_file = {k for k, v in cfg.items() if k in saved and saved[k] == v}

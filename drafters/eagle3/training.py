@@ -10,9 +10,10 @@ from typing import Any, Sequence
 
 import torch
 
+from graft_block.drafter import resolve_checkpoint
 from graft_block.errors import ConfigError
 
-from .checkpoint import build_draft_vocab, load_head, resolve_checkpoint
+from .checkpoint import build_draft_vocab, load_head
 from .model import Eagle3Config, Eagle3Head, default_feature_layers
 
 
@@ -245,7 +246,7 @@ def widen_draft_vocab(head: Eagle3Head, target, add_ids: torch.Tensor) -> Eagle3
 def training_head(target, cfg: dict, init: str | None = None) -> Eagle3Head:
     """A trainable head for ``target`` (``Eagle3Drafter.training_model``; see its docstring for ``cfg``)."""
     if init not in (None, "target", "random"):
-        head = load_head(resolve_checkpoint(init), target)
+        head = load_head(resolve_checkpoint(init, "eagle3"), target)
         if cfg.get("draft_vocab") is not None:
             head = widen_draft_vocab(head, target, torch.as_tensor(cfg["draft_vocab"], dtype=torch.long))
             # the run state keeps cfg: a resume (no init) rebuilds exactly this vocabulary
