@@ -14,9 +14,10 @@ Checkpoint: the z-lab DFlash format (``drafters.dflash.save_checkpoint``) plus t
 ``mode_gate.weight``; config.json adds ``"type": "mfd"`` and ``"mfd_config": {"num_modes", "score", "mode_rows"}``.
 
 Training (the shared loop,
-``python -m graft_block.drafters.train --type mfd --init drafters/checkpoints/dflash-smollm2``): DFlash's anchors,
-blocks, position weights and soft labels, with every block replicated over the K modes. Per block and mode the
-weighted block NLL ``L_k = sum_i w_i l_{k,i}`` (l = DFlash's hard/soft row loss); the loss is
+``python -m graft_block.drafters.train --type mfd --init drafters/checkpoints/dflash-smollm2``): the block recipe
+(``dflash.training``: anchors, blocks, row weights, CE / soft CE / L1 rows), with every block replicated over the K
+modes. Per block and mode the weighted block loss ``L_k = sum_i w_i l_{k,i}`` (l = the recipe's row loss); the
+loss is
   - ``mixture`` (default): ``-log sum_k pi_k exp(-L_k)`` summed over blocks / sum of weights (EM-style: each mode
     is trained on the blocks it explains, in proportion to its posterior responsibility r_k); pi = softmax of the
     gate over modes (the gate reads detached states, so it cannot bend the drafter);
@@ -24,8 +25,9 @@ weighted block NLL ``L_k = sum_i w_i l_{k,i}`` (l = DFlash's hard/soft row loss)
   plus ``balance`` x KL(mean_r || uniform), a load-balancing term against dead modes. Symmetry breaking: mode
 vectors start as random orthogonal directions with norm ``mode_init_scale`` x ||e(MASK)||. With K = 1 the mode
 vector is frozen at 0, so the K = 1 control is plain DFlash training with the same data, steps and loss.
-Logged: per-mode win rate, pairwise argmax-block disagreement, responsibility entropy, teacher-forced accepted
-length of mode 0 and of the best mode per block (oracle).
+Logged: per-mode win rate, pairwise argmax-block disagreement, responsibility entropy (per block) and usage
+entropy (of the batch's mean responsibilities: log K when every mode is used, 0 on collapse), teacher-forced
+accepted length of mode 0 and of the best mode per block (oracle), and mode 0's tau_exp.
 """
 from __future__ import annotations
 
@@ -322,15 +324,15 @@ def training_model(target, cfg: dict, init: str | None = None) -> MFDModel:
 
 
 def training_loss(model: MFDModel, target, batch: dict):
-    """Mixture (or relaxed-WTA) NLL over whole blocks, K modes per anchor in one forward (see module doc)."""
+    """Mixture (or relaxed-WTA) loss over whole blocks, K modes per anchor in one forward (see module doc); a
+    block's loss under a mode is the block recipe's (``dflash.training.row_objective``) weighted row sum."""
     opts = model.train_opts
     K = model.num_modes
-    blk = D.make_blocks(model, batch)
+    blk = D.training_blocks(model, batch)
     valid, pos = blk["valid"], blk["pos"]  # [b, n, B-1], [b, n, B]
     b, n, B = pos.shape
     L = batch["ids"].shape[1]
     dev = pos.device
-    k = torch.arange(B, device=dev)
     # K replicas of every block (anchor-major): same anchor, same positions, own rows only.
     mask = D.block_attention_mask(blk["anchors"].repeat_interleave(K, dim=1), L, B, blk["dtype"])
     with torch.no_grad():
@@ -342,10 +344,10 @@ def training_loss(model: MFDModel, target, batch: dict):
     logits = model.logits(h, *D.lm_head(target))
     lab = blk["labels"].unsqueeze(2).expand(b, n, K, B - 1)[valid_k]
     src = blk["src"].unsqueeze(2).expand(b, n, K, B - 1)[valid_k]
-    row_loss, _ = D.row_losses(model, logits, lab, batch, src, float(opts["soft_weight"]))
-    w = torch.exp(-(k[1:].float() - 1) / opts["gamma"]).view(1, 1, 1, -1)
+    objective = D.row_objective(model, logits, lab, batch, src, opts)
+    w = D.row_weights(B - 1, opts["gamma"], dev).view(1, 1, 1, -1)
     dense = torch.zeros(b, n, K, B - 1, device=dev)
-    dense[valid_k] = row_loss
+    dense[valid_k] = objective["loss"]
     block_nll = (dense * w).sum(-1)  # [b, n, K]: L_k of every block
     live = valid.any(-1)  # blocks with at least one label
     norm = (w.view(1, 1, -1) * valid).sum().clamp(min=1e-6)  # one weight set per block, as DFlash normalises
@@ -374,6 +376,13 @@ def training_loss(model: MFDModel, target, batch: dict):
         argmax[valid_k] = pred
         m = {"loss": float(loss), "block_nll": float(block_nll[live].min(-1).values.sum() / norm) if bool(live.any())
              else 0.0, "rows": int(lab.numel())}
+        first = torch.zeros(b, n, K, B - 1, dtype=torch.bool, device=dev)
+        first[:, :, 0] = valid  # mode 0's rows: its tau_tf / tau_exp read as DFlash's
+        at0 = first[valid_k]
+        m0 = D.block_metrics(model, logits[at0], lab[at0], valid, blk["anchor_ok"],
+                             None if objective["accept"] is None else objective["accept"][at0])
+        if "tau_exp" in m0:
+            m["tau_exp"] = m0["tau_exp"]
         if bool(live.any()):
             acc = accept[live]
             m["accept_len"] = float(acc[:, 0].mean())  # mode 0 (== DFlash's metric for K = 1)
@@ -384,6 +393,8 @@ def training_loss(model: MFDModel, target, batch: dict):
                 m[f"win{j}"] = float((wins == j).float().mean())
             ent = -(resp[live] * post[live]).sum(-1).mean()
             m["resp_entropy"] = float(ent)
+            usage = resp[live].mean(0)  # how much each mode is used over the batch: log K when all are, 0 on collapse
+            m["usage_entropy"] = float(-(usage * usage.clamp(min=1e-12).log()).sum())
             if K > 1:
                 am, vm = argmax[live], valid[live]  # [N, K, B-1], [N, B-1]
                 dis = [float(((am[:, i] != am[:, j]) & vm).sum() / vm.sum().clamp(min=1))

@@ -136,6 +136,7 @@ PAPER_CLAIMS: list[dict] = [
      "baseline": "dspark_control_ddtree", "metric": "tau", "paper": "2-layer DSpark > 5-layer DFlash",
      "threshold": 1.0},
     {"claim": "DDTree chimeric share at 64 nodes in 27-33%", "method": "dflash_ddtree64", "baseline": None,
+     "sweep_alias": "dflash_ddtree@64",
      "metric": "chimeric_share", "ratio": False, "range": (0.27, 0.33), "paper": "27-33% of a 64-node tree"},
 ]
 

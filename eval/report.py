@@ -267,19 +267,37 @@ def lossless_alarm(rows: list[dict]) -> tuple[str | None, str | None]:
 
 
 def paper_verdicts(rows: list[dict], claims: list[dict] = PAPER_CLAIMS) -> list[dict]:
-    """Each claim: compare two methods' aggregates from this run and say whether it holds here."""
+    """Each claim: compare two methods' aggregates from this run and say whether it holds here. In a budget sweep
+    (rows named ``method@budget``) a claim is judged at every budget both methods ran (a budget-free baseline, e.g.
+    a chain, pairs with each), and a claim's ``sweep_alias`` stands in for its method."""
     out = []
     idx = {(r["method"], r["temperature"]): r for r in rows}
+
+    def pairs(c):
+        """(label suffix, method row, baseline row or None) for every way this run measured the claim."""
+        base = c.get("baseline")
+        a = idx.get((c["method"], 0.0)) or idx.get((c.get("sweep_alias"), 0.0))
+        if a is not None:
+            return [("", a, idx.get((base, 0.0)) if base else None)]
+        found = []
+        for (name, temp), r in idx.items():
+            head, at, budget = name.partition("@")
+            if temp != 0.0 or not at or head != c["method"]:
+                continue
+            b = (idx.get((f"{base}@{budget}", 0.0)) or idx.get((base, 0.0))) if base else None
+            found.append((f" (budget {budget})", r, b))
+        return found or [("", None, None)]
+
     for c in claims:
-        a = idx.get((c["method"], 0.0))
-        b = idx.get((c["baseline"], 0.0)) if c.get("baseline") else None
         metric = c.get("metric", "speedup")
-        if a is None or a.get(metric) is None or (c.get("baseline") and (b is None or b.get(metric) is None)):
-            out.append({"claim": c["claim"], "paper": c["paper"], "here": None, "holds": None})
-            continue
-        ours = a[metric] / b[metric] if b is not None and c.get("ratio", True) else a[metric]
-        holds = c["range"][0] <= ours <= c["range"][1] if "range" in c else ours >= c["threshold"]
-        out.append({"claim": c["claim"], "paper": c["paper"], "here": ours, "holds": holds})
+        for suffix, a, b in pairs(c):
+            claim = c["claim"] + suffix
+            if a is None or a.get(metric) is None or (c.get("baseline") and (b is None or b.get(metric) is None)):
+                out.append({"claim": claim, "paper": c["paper"], "here": None, "holds": None})
+                continue
+            ours = a[metric] / b[metric] if b is not None and c.get("ratio", True) else a[metric]
+            holds = c["range"][0] <= ours <= c["range"][1] if "range" in c else ours >= c["threshold"]
+            out.append({"claim": claim, "paper": c["paper"], "here": ours, "holds": holds})
     return out
 
 

@@ -68,9 +68,13 @@ def _dist():
     return rank, world
 
 
+EVAL_BATCH = 4  # held-out batches: fixed, so runs with different training batch sizes see the same anchors
+
+
 @torch.no_grad()
-def evaluate(klass, model, target, recs, batch_size: int, seed: int = 1234) -> dict:
-    """Mean metrics over held-out sequences with fixed anchors (same every call)."""
+def evaluate(klass, model, target, recs, batch_size: int = EVAL_BATCH, seed: int = 1234) -> dict:
+    """Mean metrics over held-out sequences with fixed anchors (same every call, and the same for every run on
+    these sequences at the default ``batch_size``)."""
     model.eval()
     g = torch.Generator().manual_seed(seed)
     tot: dict[str, float] = {}
@@ -209,8 +213,8 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             return teacher_forced_records(target, [(r["ids"].tolist(), r["prompt_len"]) for r in rs], layers)
 
         if rank == 0:  # only rank 0 evaluates
-            eval_recs = [x for i in range(0, len(eval_recs), batch_size)
-                         for x in featurize(eval_recs[i: i + batch_size])]
+            eval_recs = [x for i in range(0, len(eval_recs), EVAL_BATCH)
+                         for x in featurize(eval_recs[i: i + EVAL_BATCH])]
     H = int(meta["hidden_size"])
     cached = list(meta["feature_layers"])
     layers = layers or cached  # a drafter that names no layers takes all the data holds
@@ -254,7 +258,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             logf.flush()
 
     if rank == 0 and step == 0 and holdout:
-        ev = evaluate(klass, model, target, eval_recs, batch_size)
+        ev = evaluate(klass, model, target, eval_recs)
         write({"step": 0, "minutes": elapsed0 / 60, "tokens_seen": seen, "eval": ev})
         log("[eval] step 0: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
     t0 = time.time()
@@ -297,7 +301,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                     " ".join(f"{k} {v:.4g}" for k, v in ema.items() if k != "rows") +
                     f" ({rows / max(1e-6, time.time() - t0):.0f} rows/s)")
             if rank == 0 and holdout and eval_every and step % eval_every == 0:
-                ev = evaluate(klass, model, target, eval_recs, batch_size)
+                ev = evaluate(klass, model, target, eval_recs)
                 write({"step": step, "minutes": minutes, "tokens_seen": seen, "eval": ev})
                 log(f"[eval] step {step}: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
                 save()
@@ -307,7 +311,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                 break
         else:
             epoch += 1
-    ev = evaluate(klass, model, target, eval_recs, batch_size) if rank == 0 and holdout else {}
+    ev = evaluate(klass, model, target, eval_recs) if rank == 0 and holdout else {}
     minutes = (elapsed0 + time.time() - t0) / 60
     write({"step": step, "minutes": minutes, "tokens_seen": seen, "eval": ev, "final": True})
     if ev:

@@ -548,3 +548,49 @@ def test_smollm2_bundled_dspark_lossless(smollm2):
         assert res.stats.tau > 1.0, (proposal, sched)
         if schedule is not None:
             assert schedule.summary()["survival_source"] == {"drafter": res.stats.rounds}
+
+
+def test_one_recipe_dspark_without_heads_is_dflash(one_thread):
+    """DFlash, DSpark and MFD share the block recipe: DSpark with no heads and DFlash, given the same recipe
+    options, compute the same loss and metrics (one code path, whatever the weights)."""
+    target = tiny_target("llama")
+    recipe = {"num_anchors": 6, "unique_anchors": True, "gamma": 3.0, "ce_weight": 0.3, "soft_weight": 0.2,
+              "l1_weight": 0.7, "anchor_chunk": 4}
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 5, **recipe}
+    dmodel = D.training_model(target, dict(cfg), "random")
+    smodel = S.DSparkDrafter.training_model(target, dict(cfg, markov_rank=0, confidence_head=False), "random")
+    smodel.load_state_dict(dmodel.state_dict(), strict=False)
+    assert {k: smodel.train_opts[k] for k in D.RECIPE_KEYS} == {k: dmodel.train_opts[k] for k in D.RECIPE_KEYS}
+    batch = _batch(target, dmodel)
+    batch["generator"] = torch.Generator().manual_seed(3)
+    ld, md = D.training_loss(dmodel, target, batch)
+    batch["generator"] = torch.Generator().manual_seed(3)
+    ls, ms = S.DSparkDrafter.training_loss(smodel, target, batch)
+    assert torch.allclose(ld, ls, atol=1e-6) and md["tau_exp"] == pytest.approx(ms["tau_exp"])
+    assert md["tau_tf"] == pytest.approx(ms["tau_tf"]) and md["l1"] == pytest.approx(ms["l1"])
+    # the loss is the weighted mix: l1_weight 0 drops exactly the L1 term
+    dmodel.train_opts["l1_weight"] = 0.0
+    batch["generator"] = torch.Generator().manual_seed(3)
+    l0, m0 = D.training_loss(dmodel, target, batch)
+    assert float(ld.detach()) == pytest.approx(float(l0.detach()) + 0.7 * md["l1"], rel=1e-5)
+    # held-out evaluation uses eval_anchors unique anchors whatever the training count
+    dmodel.eval()
+    blk = D.training_blocks(dmodel, batch)
+    assert blk["anchors"].shape[1] == 17 and bool(blk["anchor_ok"].all())
+
+
+@pytest.mark.parametrize("bad, word", [({"num_anchors": 0}, "num_anchors"), ({"l1_weight": -1}, "l1_weight"),
+                                       ({"ce_weight": 0, "l1_weight": 0}, "both 0"),
+                                       ({"eval_anchors": 2.5}, "eval_anchors")])
+def test_bad_recipe_options_fail_clearly(bad, word):
+    with pytest.raises(ConfigError, match=word):
+        D.block_loss_opts(bad, 16)
+
+
+def test_l1_recipe_without_cached_topk_fails_clearly(one_thread):
+    target = tiny_target("llama")
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 5, "l1_weight": 0.5}
+    model = D.training_model(target, cfg, "random")
+    batch = {k: v for k, v in _batch(target, model).items() if k not in ("top_ids", "top_logp")}
+    with pytest.raises(ConfigError, match="top-k"):
+        D.training_loss(model, target, batch)

@@ -255,6 +255,7 @@ def test_training_loss_k4_metrics_and_gradients(tiny_qwen3, mix_loss):
     assert sum(wins) == pytest.approx(1.0) and 0.0 <= m["disagree"] <= 1.0 and m["accept_best"] >= m["accept_len"]
     # the mixture loss is never above the mean mode's loss... and the best mode's block NLL is a lower bound
     assert 0 <= m["resp_entropy"] <= torch.log(torch.tensor(4.0)).item() + 1e-5
+    assert m["resp_entropy"] - 1e-5 <= m["usage_entropy"] <= torch.log(torch.tensor(4.0)).item() + 1e-5  # concave
 
 
 def test_k1_control_keeps_mode_vector_frozen_at_zero(tiny_qwen3):

@@ -52,3 +52,23 @@ def test_suffix_decay_plot(tmp_path):
     assert "suffix_decay.png" in plots(tmp_path, rows) and (tmp_path / "suffix_decay.png").stat().st_size
     (tmp_path / "none").mkdir()
     assert "suffix_decay.png" not in plots(tmp_path / "none", [r for r in rows if r["method"] == "ar"])
+
+
+def test_paper_verdicts_judge_a_budget_sweep_at_equal_budgets():
+    """In a --budget sweep rows are named method@budget: each claim is judged at every budget both ran."""
+    rows = [{"method": "mfd@16", "temperature": 0.0, "speedup": 0.6, "tau": 1.8},
+            {"method": "mfd_k1_ddtree@16", "temperature": 0.0, "speedup": 0.7, "tau": 1.7},
+            {"method": "mfd@64", "temperature": 0.0, "speedup": 0.3, "tau": 1.9},
+            {"method": "mfd_k1_ddtree@64", "temperature": 0.0, "speedup": 0.2, "tau": 2.0},
+            {"method": "mfd@32", "temperature": 0.0, "speedup": 0.5, "tau": 1.8},  # no control at 32
+            {"method": "dflash_ddtree@64", "temperature": 0.0, "chimeric_share": 0.3},
+            {"method": "dspark_chain", "temperature": 0.0, "tau": 1.3},
+            {"method": "dflash_chain", "temperature": 0.0, "tau": 1.0}]
+    v = {x["claim"]: x for x in report.paper_verdicts(rows)}
+    fast16, fast64 = (v[f"MFD faster than DDTree at equal budget (budget {b})"] for b in (16, 64))
+    assert fast16["here"] == pytest.approx(0.6 / 0.7) and fast16["holds"] is False
+    assert fast64["here"] == pytest.approx(1.5) and fast64["holds"] is True
+    assert v["MFD accepts more than DDTree at equal budget (budget 32)"]["here"] is None  # never against another budget
+    assert v["DDTree chimeric share at 64 nodes in 27-33%"]["holds"] is True  # the sweep's 64-node row stands in
+    assert v["DSpark chain accepts >= 16% more than DFlash chain"]["here"] == pytest.approx(1.3)
+    assert v["Graft faster than EAGLE3 dense"]["here"] is None

@@ -24,13 +24,20 @@ from .checkpoint import (
 from .drafter import DFlashDrafter, random_init_block
 from .model import DFlashAttention, DFlashLayer, DFlashModel, build_target_layer_ids
 from .training import (
+    RECIPE_KEYS,
     TRAIN_DEFAULTS,
     block_attention_mask,
     block_loss_opts,
+    block_metrics,
+    draft_rows,
     lm_head,
     make_blocks,
     row_losses,
+    row_objective,
+    row_weights,
     sample_anchors,
+    target_l1,
+    training_blocks,
     training_loss,
     training_model,
     warm_start,
@@ -38,7 +45,9 @@ from .training import (
 
 __all__ = [
     "ARCHITECTURE", "DEFAULT_ROPE_THETA", "DFlashAttention", "DFlashDrafter", "DFlashLayer", "DFlashModel",
-    "SHAPE_KEYS", "TRAIN_DEFAULTS", "apply_rope", "block_attention_mask", "block_loss_opts", "build_target_layer_ids",
+    "RECIPE_KEYS", "SHAPE_KEYS", "TRAIN_DEFAULTS", "apply_rope", "block_attention_mask", "block_loss_opts",
+    "block_metrics", "build_target_layer_ids", "draft_rows", "row_objective", "row_weights", "target_l1",
+    "training_blocks",
     "check_compatible", "config_dict", "is_dflash_layout", "lm_head", "load_checkpoint", "make_blocks",
     "model_from_config", "new_model", "random_init_block", "read_config", "rope_parameters", "row_losses",
     "sample_anchors",

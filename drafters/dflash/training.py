@@ -1,10 +1,17 @@
-"""DFlash training plug-in (graft_block.training), shared with MFD.
+"""The block-drafter recipe (graft_block.training plug-in): DFlash trains with it, DSpark and MFD build on it.
 
-``training_model`` (random init, warm start from the target's own decoder layers with ``fc`` passing one feature
-through, or continue a checkpoint), ``training_loss`` (random anchors per sequence, block [anchor, mask x (B-1)],
-context strictly before the anchor, blocks isolated by an additive mask, CE with weights exp(-(k-1)/gamma) mixed
-with soft-label CE against the target's top-k, teacher-forced accepted length per block as the monitor).
-MFD reuses ``make_blocks``, ``block_attention_mask``, ``row_losses``, ``lm_head`` and ``block_loss_opts``.
+Blocks: ``num_anchors`` anchors per sequence (drawn without replacement when ``unique_anchors``), each a block
+[anchor, mask x (B-1)] with context strictly before the anchor; every block of a sequence runs in one masked forward
+(``anchor_chunk`` blocks at a time, exact). Loss per drafting row j (j = 0 for the first draft), weighted
+exp(-j/gamma):
+    ce_weight * CE + l1_weight * L1(softmax(z_j), p_target)
+CE is hard CE mixed ``soft_weight`` with CE against the target's cached top-k; p_target is that top-k, renormalised.
+Metrics, without decoding: the teacher-forced greedy accepted length (tau_tf = 1 + leading correct rows) and, with
+the top-k cached, the expected accepted length tau_exp = 1 + sum_k prod_{j<=k} (1 - TV_j). Held-out evaluation
+always uses ``eval_anchors`` unique anchors, so arms with different training anchors compare.
+DSpark adds its Markov and confidence heads (``drafters/dspark/training.py``), MFD its K modes
+(``drafters/mfd.py``); both take ``make_blocks``, ``draft_rows``, ``row_objective``, ``row_weights`` and
+``block_metrics`` from here.
 """
 from __future__ import annotations
 
@@ -18,7 +25,14 @@ from .checkpoint import check_compatible, load_checkpoint, new_model
 from .model import DFlashModel, build_target_layer_ids
 
 TRAIN_DEFAULTS = {"num_layers": 3, "block_size": 16, "target_layer_ids": None, "mask_token_id": None,
-                  "num_anchors": 32, "gamma": None, "soft_weight": 0.5, "init_layers": None, "passthrough": -1}
+                  "init_layers": None, "passthrough": -1,
+                  # the recipe (RECIPE_KEYS), shared by DFlash, DSpark and MFD. DFlash and MFD default to CE: DeepSpec's
+                  # L1 weights (DSpark's defaults) won the held-out metrics but lost greedy DDTree decoding
+                  # (docs/training.md#the-block-recipe)
+                  "num_anchors": 32, "unique_anchors": False, "anchor_chunk": 32, "eval_anchors": 64,
+                  "gamma": None, "ce_weight": 1.0, "soft_weight": 0.5, "l1_weight": 0.0}
+RECIPE_KEYS = ("num_anchors", "unique_anchors", "anchor_chunk", "eval_anchors", "gamma", "ce_weight", "soft_weight",
+               "l1_weight")
 
 
 @torch.no_grad()
@@ -86,12 +100,23 @@ def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:
     return model.to(target.device)
 
 
-def block_loss_opts(cfg: dict, block_size: int) -> dict:
-    """The block loss's options (anchors per sequence, soft-label weight, position decay gamma) from ``cfg`` over
-    ``TRAIN_DEFAULTS``; gamma defaults to the DFlash paper's value for the block size."""
-    opts = {**TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in TRAIN_DEFAULTS}}
+def block_loss_opts(cfg: dict, block_size: int, defaults: dict | None = None) -> dict:
+    """The recipe's options (``RECIPE_KEYS``) from ``cfg`` over a drafter's ``defaults`` over ``TRAIN_DEFAULTS``;
+    gamma None takes the DFlash paper's value for the block size."""
+    base = {**TRAIN_DEFAULTS, **(defaults or {})}
+    opts = {k: cfg.get(k, base[k]) for k in RECIPE_KEYS}
+    for k in ("num_anchors", "anchor_chunk", "eval_anchors"):
+        if not isinstance(opts[k], int) or isinstance(opts[k], bool) or opts[k] < 1:
+            raise ConfigError(f"{k} must be a positive integer, got {opts[k]!r}")
+    for k in ("ce_weight", "soft_weight", "l1_weight"):
+        if not isinstance(opts[k], (int, float)) or opts[k] < 0:
+            raise ConfigError(f"{k} must be a number >= 0, got {opts[k]!r}")
+    if opts["ce_weight"] == 0 and opts["l1_weight"] == 0:
+        raise ConfigError("ce_weight and l1_weight are both 0: the block loss would be zero (set one of them > 0)")
     gamma = opts["gamma"] or {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, block_size / 2.3)
-    return {"num_anchors": int(opts["num_anchors"]), "soft_weight": float(opts["soft_weight"]), "gamma": gamma}
+    return {**opts, "gamma": float(gamma), "soft_weight": float(opts["soft_weight"]),
+            "ce_weight": float(opts["ce_weight"]), "l1_weight": float(opts["l1_weight"]),
+            "unique_anchors": bool(opts["unique_anchors"])}
 
 
 def block_attention_mask(anchors: torch.Tensor, ctx_len: int, B: int, dtype) -> torch.Tensor:
@@ -207,34 +232,103 @@ def lm_head(target) -> tuple[torch.Tensor, torch.Tensor | None]:
     return lm.weight.float(), None if getattr(lm, "bias", None) is None else lm.bias.float()
 
 
-def training_loss(model: DFlashModel, target, batch: dict):
-    """Weighted CE (w_k = exp(-(k-1)/gamma)) of block rows k = 1..B-1 against the target's tokens at anchor + k,
-    mixed with soft-label CE against the target's top-k distribution there; metrics include the teacher-forced
-    accepted length per block (leading correct rows) and tau_tf = 1 + that."""
-    opts = model.train_opts
-    blk = make_blocks(model, batch)
-    valid, pos, seq_ok = blk["valid"], blk["pos"], blk["seq_ok"]
+def target_l1(q: torch.Tensor, model, batch: dict, src: torch.Tensor) -> torch.Tensor:
+    """L1 distance between draft probabilities q [N, V'] and the target's cached top-k distribution at data rows
+    ``src`` [N] (``target_topk``): sum over the top-k of |q - p| plus the draft's mass elsewhere."""
+    cols, p = target_topk(model, batch, src)
+    qk = q.gather(1, cols) * (p > 0)
+    return (qk - p).abs().sum(-1) + (1.0 - qk.sum(-1)).clamp(min=0.0)
+
+
+def training_blocks(model, batch: dict) -> dict:
+    """``make_blocks`` with the training anchors, or, for held-out evaluation (model in eval mode), with
+    ``eval_anchors`` unique anchors whatever the training count."""
+    if model.training:
+        return make_blocks(model, batch)
+    return make_blocks(model, batch, int(model.train_opts["eval_anchors"]), unique=True)
+
+
+def draft_rows(model, target, batch: dict, blk: dict, chunk: int = 32) -> torch.Tensor:
+    """Hidden states [b, n, L, H] of the drafting rows of ``blk`` (``make_blocks``), the anchors run ``chunk`` blocks
+    per masked forward (exact: a block sees only its own rows and the context before its anchor)."""
+    pos = blk["pos"]
     b, n, B = pos.shape
     L = batch["ids"].shape[1]
-    dev = pos.device
-    mask = block_attention_mask(blk["anchors"], L, B, blk["dtype"])
+    off = getattr(model, "draft_offset", 1)
     with torch.no_grad():
-        emb = target.embed(blk["blk_ids"].view(b, -1)).float()
-    hidden = model(emb, pos.view(b, -1), blk["ctx_kv"], mask).view(b, n, B, -1)[:, :, 1:]
-    logits = model.logits(hidden[valid], *lm_head(target))
+        emb = target.embed(blk["blk_ids"].view(b, -1)).float().view(b, n, B, -1)
+    hidden = []
+    for c in range(0, n, max(1, chunk)):
+        e = slice(c, min(n, c + max(1, chunk)))
+        m = e.stop - e.start
+        mask = block_attention_mask(blk["anchors"][:, e], L, B, blk["dtype"])
+        h = model(emb[:, e].reshape(b, m * B, -1), pos[:, e].reshape(b, -1), blk["ctx_kv"], mask)
+        hidden.append(h.view(b, m, B, -1)[:, :, off:])
+    return torch.cat(hidden, 1)
+
+
+def row_objective(model, logits: torch.Tensor, lab: torch.Tensor, batch: dict, src: torch.Tensor,
+                  opts: dict) -> dict:
+    """The recipe's per-row loss for draft logits [N, V'] with labels ``lab`` [N]: ce_weight * CE (mixed
+    ``soft_weight`` with soft CE) + l1_weight * L1 to the target's top-k. Returns loss, hard (CE rows), l1 and
+    accept (1 - TV, detached) rows; l1 and accept are None without a cached top-k."""
+    ce, hard = row_losses(model, logits, lab, batch, src, opts["soft_weight"])
+    loss = opts["ce_weight"] * ce
+    l1 = accept = None
+    if "top_ids" in batch:
+        l1 = target_l1(torch.softmax(logits.float(), -1), model, batch, src)
+        accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
+        loss = loss + opts["l1_weight"] * l1
+    elif opts["l1_weight"] > 0:
+        raise ConfigError("l1_weight > 0 needs the target's top-k distributions in the data cache (top_ids / "
+                          "top_logp): regenerate the cache with graft_block.drafters.train --generate")
+    return {"loss": loss, "hard": hard, "l1": l1, "accept": accept}
+
+
+def row_weights(rows: int, gamma: float, device) -> torch.Tensor:
+    """exp(-j/gamma) for drafting rows j = 0..rows-1 (the first draft weighs most)."""
+    return torch.exp(-torch.arange(rows, device=device, dtype=torch.float32) / gamma)
+
+
+@torch.no_grad()
+def block_metrics(model, logits: torch.Tensor, lab: torch.Tensor, valid: torch.Tensor, anchor_ok: torch.Tensor,
+                  accept: torch.Tensor | None) -> dict:
+    """Teacher-forced greedy accepted length (tau_tf: exact for the greedy chain, since teacher forcing feeds the
+    drafts themselves while they are right), per-row accuracies and, given 1 - TV rows, the expected accepted
+    length tau_exp; ``valid`` [b, n, L] places the flat rows."""
+    b, n, Lr = valid.shape
+    pred = model.to_vocab_ids(logits.argmax(-1))
+    correct = torch.zeros((b, n, Lr), dtype=torch.float32, device=valid.device)
+    correct[valid] = (pred == lab).float()
+    lead = correct.cumprod(-1).sum(-1)[anchor_ok]
+    m = {"acc": float((pred == lab).float().mean()) if lab.numel() else 0.0,
+         "acc_k1": float(correct[:, :, 0][valid[:, :, 0]].mean()) if bool(valid[:, :, 0].any()) else 0.0,
+         "accept_len": float(lead.mean()) if lead.numel() else 0.0, "rows": int(lab.numel())}
+    m["tau_tf"] = 1.0 + m["accept_len"]
+    if accept is not None:
+        soft = torch.zeros((b, n, Lr), dtype=torch.float32, device=valid.device)
+        soft[valid] = accept
+        exp_len = soft.cumprod(-1).sum(-1)[anchor_ok]
+        m["tau_exp"] = 1.0 + (float(exp_len.mean()) if exp_len.numel() else 0.0)
+    return m
+
+
+def training_loss(model: DFlashModel, target, batch: dict):
+    """The recipe's loss (module doc) over every drafting row of the batch's blocks, with its metrics."""
+    opts = model.train_opts
+    blk = training_blocks(model, batch)
+    valid = blk["valid"]
+    h = draft_rows(model, target, batch, blk, int(opts["anchor_chunk"]))[valid]
+    logits = model.logits(h, *lm_head(target))
     lab = blk["labels"][valid]
-    loss_rows, hard = row_losses(model, logits, lab, batch, blk["src"][valid], opts["soft_weight"])
-    k = torch.arange(B, device=dev)
-    w = torch.exp(-(k[1:].float() - 1) / opts["gamma"]).view(1, 1, -1).expand(b, n, -1)[valid]
-    loss = (w * loss_rows).sum() / w.sum().clamp(min=1e-6)
+    rows = row_objective(model, logits, lab, batch, blk["src"][valid], opts)
+    b, n, Lr = valid.shape
+    w = row_weights(Lr, opts["gamma"], valid.device).view(1, 1, -1).expand(b, n, -1)[valid]
+    wsum = w.sum().clamp(min=1e-6)
+    loss = (w * rows["loss"]).sum() / wsum
     with torch.no_grad():
-        pred = model.to_vocab_ids(logits.argmax(-1))
-        correct = torch.zeros((b, n, B - 1), dtype=torch.float32, device=dev)
-        correct[valid] = (pred == lab).float()
-        accept = correct.cumprod(-1).sum(-1)[blk["anchor_ok"]]  # leading correct rows per block
-        metrics = {"loss": float(loss), "hard_ce": float((w * hard).sum() / w.sum()),
-                   "acc": float((pred == lab).float().mean()) if lab.numel() else 0.0,
-                   "acc_k1": float(correct[:, :, 0][valid[:, :, 0]].mean()) if bool(valid[:, :, 0].any()) else 0.0,
-                   "accept_len": float(accept.mean()) if accept.numel() else 0.0,
-                   "tau_tf": 1.0 + (float(accept.mean()) if accept.numel() else 0.0), "rows": int(lab.numel())}
-    return loss, metrics
+        m = {"loss": float(loss), "hard_ce": float((w * rows["hard"]).sum() / wsum),
+             **block_metrics(model, logits, lab, valid, blk["anchor_ok"], rows["accept"])}
+        if rows["l1"] is not None:
+            m["l1"] = float((w * rows["l1"]).sum() / wsum)
+    return loss, m

@@ -22,7 +22,7 @@ from graft_block.tree.schedule import (apply_temperatures, calibrate_temperature
                                        prefix_ece)
 
 from ..dflash import training as D
-from .training import draft_logits, draft_rows
+from .training import draft_logits
 
 
 @torch.no_grad()
@@ -38,7 +38,7 @@ def acceptance_table(model, target, recs, batch_size: int = 4, anchors: int = 64
         batch["generator"] = g
         blk = D.make_blocks(model, batch, anchors, unique=True)
         ok = blk["anchor_ok"]
-        h = draft_rows(model, target, batch, blk)[ok]
+        h = D.draft_rows(model, target, batch, blk)[ok]
         prev, lab, exists = blk["prev"][ok], blk["labels"][ok], blk["valid"][ok]
         z = draft_logits(model, target, h, prev)
         out["accepted"].append(model.to_vocab_ids(z.argmax(-1)) == lab)
