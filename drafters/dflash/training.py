@@ -27,7 +27,7 @@ from .model import DFlashModel, build_target_layer_ids
 TRAIN_DEFAULTS = {"num_layers": 3, "block_size": 16, "target_layer_ids": None, "mask_token_id": None,
                   "init_layers": None, "passthrough": -1,
                   # the recipe (RECIPE_KEYS), shared by DFlash, DSpark and MFD. DFlash and MFD default to CE: DeepSpec's
-                  # L1 weights (DSpark's defaults) won the held-out metrics but lost greedy DDTree decoding
+                  # L1 weights (DSpark's defaults) won the held-out metrics but lost DDTree decoding at T 0 and T 1
                   # (docs/training.md#the-block-recipe)
                   "num_anchors": 32, "unique_anchors": False, "anchor_chunk": 32, "eval_anchors": 64,
                   "gamma": None, "ce_weight": 1.0, "soft_weight": 0.5, "l1_weight": 0.0}
