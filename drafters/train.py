@@ -12,6 +12,10 @@ cache dir), then training resumed from a bundled checkpoint:
 or in one step, the features recomputed inside every training step (no cache; see TRAINING.md for which is faster):
     python -m graft_block.drafters.train --type dflash --online --data drafters/data/smollm2-sharegpt ...
 
+DFlash, DSpark and MFD share one block recipe; its keys go in --config: num_anchors, unique_anchors, anchor_chunk,
+eval_anchors, gamma, ce_weight, soft_weight, l1_weight (defaults and measurements: docs/training.md, "The block
+recipe").
+
 DSpark from the DFlash backbone (DeepSpec's loss, 64 anchors per sequence drawn without replacement; see
 drafters/checkpoints/dspark-smollm2/TRAINING.md), then its confidence calibration:
     python -m graft_block.drafters.train --type dspark --data onpolicy-greedy-a --init drafters/checkpoints/dflash-smollm2 \
