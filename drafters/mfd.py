@@ -376,13 +376,11 @@ def training_loss(model: MFDModel, target, batch: dict):
         argmax[valid_k] = pred
         m = {"loss": float(loss), "block_nll": float(block_nll[live].min(-1).values.sum() / norm) if bool(live.any())
              else 0.0, "rows": int(lab.numel())}
-        first = torch.zeros(b, n, K, B - 1, dtype=torch.bool, device=dev)
-        first[:, :, 0] = valid  # mode 0's rows: its tau_tf / tau_exp read as DFlash's
-        at0 = first[valid_k]
-        m0 = D.block_metrics(model, logits[at0], lab[at0], valid, blk["anchor_ok"],
-                             None if objective["accept"] is None else objective["accept"][at0])
-        if "tau_exp" in m0:
-            m["tau_exp"] = m0["tau_exp"]
+        if objective["accept"] is not None:  # mode 0's expected accepted length, read as DFlash's tau_exp
+            soft = torch.zeros(b, n, K, B - 1, device=dev)
+            soft[valid_k] = objective["accept"]
+            exp_len = soft[:, :, 0].cumprod(-1).sum(-1)[blk["anchor_ok"]]
+            m["tau_exp"] = 1.0 + (float(exp_len.mean()) if exp_len.numel() else 0.0)
         if bool(live.any()):
             acc = accept[live]
             m["accept_len"] = float(acc[:, 0].mean())  # mode 0 (== DFlash's metric for K = 1)

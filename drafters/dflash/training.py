@@ -10,8 +10,8 @@ Metrics, without decoding: the teacher-forced greedy accepted length (tau_tf = 1
 the top-k cached, the expected accepted length tau_exp = 1 + sum_k prod_{j<=k} (1 - TV_j). Held-out evaluation
 always uses ``eval_anchors`` unique anchors, so arms with different training anchors compare.
 DSpark adds its Markov and confidence heads (``drafters/dspark/training.py``), MFD its K modes
-(``drafters/mfd.py``); both take ``make_blocks``, ``draft_rows``, ``row_objective``, ``row_weights`` and
-``block_metrics`` from here.
+(``drafters/mfd.py``): DSpark through ``recipe_loss``, MFD through ``training_blocks``, ``row_objective`` and
+``row_weights``.
 """
 from __future__ import annotations
 
@@ -313,16 +313,19 @@ def block_metrics(model, logits: torch.Tensor, lab: torch.Tensor, valid: torch.T
     return m
 
 
-def training_loss(model: DFlashModel, target, batch: dict):
-    """The recipe's loss (module doc) over every drafting row of the batch's blocks, with its metrics."""
+def recipe_loss(model, target, batch: dict, logits_fn=None) -> tuple[torch.Tensor, dict, dict]:
+    """The recipe's loss (module doc) over every drafting row of the batch's blocks, with its metrics.
+    ``logits_fn(hidden, prev)`` scores the rows (default: the model's LM head; DSpark adds its Markov bias).
+    Returns (loss, metrics, rows) with rows = hidden, prev, accept (1 - TV), w (row weights), wsum: what a
+    drafter's extra losses (DSpark's confidence head) need."""
     opts = model.train_opts
     blk = training_blocks(model, batch)
     valid = blk["valid"]
-    h = draft_rows(model, target, batch, blk, int(opts["anchor_chunk"]))[valid]
-    logits = model.logits(h, *lm_head(target))
-    lab = blk["labels"][valid]
-    rows = row_objective(model, logits, lab, batch, blk["src"][valid], opts)
     b, n, Lr = valid.shape
+    h = draft_rows(model, target, batch, blk, int(opts["anchor_chunk"]))[valid]
+    prev, lab = blk["prev"][valid], blk["labels"][valid]
+    logits = model.logits(h, *lm_head(target)) if logits_fn is None else logits_fn(h, prev)
+    rows = row_objective(model, logits, lab, batch, blk["src"][valid], opts)
     w = row_weights(Lr, opts["gamma"], valid.device).view(1, 1, -1).expand(b, n, -1)[valid]
     wsum = w.sum().clamp(min=1e-6)
     loss = (w * rows["loss"]).sum() / wsum
@@ -331,4 +334,9 @@ def training_loss(model: DFlashModel, target, batch: dict):
              **block_metrics(model, logits, lab, valid, blk["anchor_ok"], rows["accept"])}
         if rows["l1"] is not None:
             m["l1"] = float((w * rows["l1"]).sum() / wsum)
+    return loss, m, {"hidden": h, "prev": prev, "accept": rows["accept"], "w": w, "wsum": wsum}
+
+
+def training_loss(model: DFlashModel, target, batch: dict):
+    loss, m, _ = recipe_loss(model, target, batch)
     return loss, m

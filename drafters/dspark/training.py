@@ -59,27 +59,13 @@ def training_loss(model: DSparkModel, target, batch: dict):
     if "top_ids" not in batch:
         raise ConfigError("DSpark's L1 and confidence losses need the target's top-k distributions in the data "
                           "cache (top_ids / top_logp): regenerate the cache with graft_block.drafters.train --generate")
-    opts = model.train_opts
-    blk = D.training_blocks(model, batch)
-    valid = blk["valid"]
-    b, n, Lr = valid.shape
-    h = D.draft_rows(model, target, batch, blk, int(opts["anchor_chunk"]))[valid]
-    prev, lab = blk["prev"][valid], blk["labels"][valid]
-    z = draft_logits(model, target, h, prev)
-    rows = D.row_objective(model, z, lab, batch, blk["src"][valid], opts)
-    w = D.row_weights(Lr, opts["gamma"], valid.device).view(1, 1, -1).expand(b, n, -1)[valid]
-    wsum = w.sum().clamp(min=1e-6)
-    loss = (w * rows["loss"]).sum() / wsum
-    conf = model.confidence_logits(h, prev)
+    loss, m, rows = D.recipe_loss(model, target, batch, lambda h, prev: draft_logits(model, target, h, prev))
+    conf = model.confidence_logits(rows["hidden"], rows["prev"])
     if conf is not None:
+        w, wsum = rows["w"], rows["wsum"]
         bce = torch.nn.functional.binary_cross_entropy_with_logits(conf, rows["accept"], reduction="none")
-        loss = loss + opts["confidence_weight"] * (w * bce).sum() / wsum
-    with torch.no_grad():
-        m = {}
-        if conf is not None:
-            m["conf_bce"] = float((w * bce).sum() / wsum)
-            m["conf_abs_err"] = float((torch.sigmoid(conf) - rows["accept"]).abs().mean()) if lab.numel() else 0.0
-        m.update({"loss": float(loss), "hard_ce": float((w * rows["hard"]).sum() / wsum),
-                  "l1": float((w * rows["l1"]).sum() / wsum),
-                  **D.block_metrics(model, z, lab, valid, blk["anchor_ok"], rows["accept"])})
+        loss = loss + model.train_opts["confidence_weight"] * (w * bce).sum() / wsum
+        with torch.no_grad():
+            m.update({"loss": float(loss), "conf_bce": float((w * bce).sum() / wsum),
+                      "conf_abs_err": float((torch.sigmoid(conf) - rows["accept"]).abs().mean()) if w.numel() else 0.0})
     return loss, m
