@@ -9,7 +9,7 @@ from torch import nn
 from graft_block.drafter import shared_by
 from graft_block.engine import inference_linear, rms_norm
 from graft_block.errors import ConfigError
-from graft_block.skinny import SkinnyWeight
+from graft_block.skinny import SkinnyWeight, draft_half
 
 
 class Linear(nn.Linear):
@@ -38,22 +38,27 @@ def c_layers_reason(target, weight: torch.Tensor) -> str | None:
 
 def c_layer(ln1, ln2, q, k, v, o, gate, up, down, **extra) -> dict:
     """One decoder layer's weights for ``skinny.DecoderLayers`` from its modules: q/k/v and gate/up fused into one
-    packed product each (float16 packs where the weights are fp16-exact, as our checkpoints are); ``extra``:
-    q_norm / k_norm weights, or EAGLE-3's ``hn`` / ``norm_residual``."""
+    packed product each, packed as ``skinny.draft_half()`` says (bfloat16 on AVX512-BF16 CPUs, else float16 where
+    the weights are fp16-exact, as our checkpoints are); ``extra``: q_norm / k_norm weights, or EAGLE-3's ``hn`` /
+    ``norm_residual``."""
+    half = draft_half()
+
     def bias(*mods):
         return None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
 
-    return dict(ln1=ln1.weight.detach(), ln2=ln2.weight.detach(),
-                qkv=SkinnyWeight(torch.cat([q.weight, k.weight, v.weight]).detach()), qkv_b=bias(q, k, v),
-                o=SkinnyWeight(o.weight.detach()), o_b=bias(o),
-                gu=SkinnyWeight(torch.cat([gate.weight, up.weight]).detach()), gu_b=bias(gate, up),
-                d=SkinnyWeight(down.weight.detach()), d_b=bias(down), **extra)
+    def pack(*mods):
+        return SkinnyWeight(torch.cat([m.weight for m in mods]).detach(), half=half)
+
+    return dict(ln1=ln1.weight.detach(), ln2=ln2.weight.detach(), qkv=pack(q, k, v), qkv_b=bias(q, k, v),
+                o=pack(o), o_b=bias(o), gu=pack(gate, up), gu_b=bias(gate, up), d=pack(down), d_b=bias(down),
+                **extra)
 
 
 def weights_key(params) -> tuple:
     """What C-layer packs kept on a module were made from: each parameter's address and version (an in-place
-    update bumps a version, a new tensor moves the address), so packs are redone when the weights changed."""
-    return tuple((p.data_ptr(), p._version) for p in params)
+    update bumps a version, a new tensor moves the address) and the packing drafters use now (``draft_half``), so
+    packs are redone when either changed."""
+    return tuple((p.data_ptr(), p._version) for p in params) + (draft_half(),)
 
 
 def release_for_c_layers(target, module: nn.Module, linears) -> None:

@@ -477,8 +477,9 @@ def inference_linear(x: torch.Tensor, weight: torch.Tensor, bias, kernel: str | 
     if kind == "mkl":
         return F.linear(x, weight, bias).view(*lead, -1)
     _follow(cache, weight)
-    if kind not in cache:
-        cache[kind] = kernel_weight(weight, kind)
+    if kind not in cache:  # a drafter's products: skinny packs them as drafters pack (bf16 where the CPU has it)
+        cache[kind] = skinny.SkinnyWeight(weight, half=skinny.draft_half()) if kind == "skinny" else \
+            kernel_weight(weight, kind)
     return linear(x, weight, bias, cache[kind]).view(*lead, -1)
 
 
@@ -490,8 +491,9 @@ def keep_layout(cache: dict, weight: torch.Tensor, kind: str, layout) -> None:
 
 
 def _follow(cache: dict, weight: torch.Tensor) -> None:
-    """Empty ``cache`` when ``weight`` is not the one its layouts were made from (a new tensor, or changed)."""
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+    """Empty ``cache`` when ``weight`` is not the one its layouts were made from (a new tensor, or changed), or
+    drafters now pack otherwise (``skinny.draft_half``)."""
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape), skinny.draft_half())
     if cache.get("key") != key:
         cache.clear()
         cache["key"] = key

@@ -62,6 +62,16 @@ typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
 #define HALF 0
 #define LDH(p) ((vec){0})  /* never called: half_weights() says 0 and the caller packs float32 */
 #endif
+/* A drafter's products may also run in bfloat16 (its numbers need not be exact: the verify keeps only what the
+   target computes): bfloat16 weight pairs times bfloat16 input pairs, summed in float32 by AVX512-BF16's dot
+   product, two multiply-adds per lane per instruction where float32 does one, from half float32's bytes */
+#if defined(__AVX512BF16__) && VW == 16
+#define BF16 1
+#include <stdlib.h>
+#include <string.h>
+#else
+#define BF16 0
+#endif
 
 /* P = W [out, in] packed as [ceil(out / BO)][in][BO], outputs past `out` zero */
 void pack(const float *W, float *P, long out, long in, int threads) {
@@ -127,9 +137,81 @@ static inline __attribute__((always_inline)) void product(const void *P, const f
     }
 }
 
-/* the one dispatch on the weights' precision (two inlined copies of the product in the library) */
-static void any_product(const void *P, int half, const float *X, float *Y, long out, long in, long n, int th) {
-    if (half) product(P, X, Y, out, in, n, th, 1);
+#if BF16
+/* Y[g, o0 + j] for g < G, j < BO from P packed [in / 2][BO][2] (each output's two weights of one input pair side
+   by side) and X [G][in / 2] bfloat16 input pairs: one float32 accumulator per output, pairs in order */
+static inline __attribute__((always_inline)) void tile_bf16(const unsigned short *P, const unsigned int *X, float *Y,
+                                                             long in2, long out, long o0, const int G) {
+    __m512 a[GMAX][NV];
+    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] = _mm512_setzero_ps();
+    for (long k = 0; k < in2; k++) {
+        __m512bh w[NV];
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
+            w[v] = (__m512bh)_mm512_loadu_si512((const void *)(P + (k * BO + v * VW) * 2));
+        _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
+            __m512bh x = (__m512bh)_mm512_set1_epi32((int)X[g * in2 + k]);
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] = _mm512_dpbf16_ps(a[g][v], w[v], x);
+        }
+    }
+    long m = out - o0 < BO ? out - o0 : BO;
+    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
+        float t[BO];
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) _mm512_storeu_ps(t + v * VW, a[g][v]);
+        memcpy(Y + g * out + o0, t, m * sizeof(float));
+    }
+}
+
+#define TILE_BF16(g) case g: tile_bf16(pb, x, y, in2, out, b * BO, g); break;
+
+/* round to nearest even, as the vector conversion does */
+static inline unsigned short bf16_bits(float f) {
+    unsigned int u;
+    memcpy(&u, &f, sizeof u);
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Y [n, out] = X [n, in] W^T from the bfloat16 pack (in even): each row's inputs rounded to bfloat16 on their own,
+   so a row's value does not depend on n either */
+static void product_bf16(const unsigned short *P, const float *X, float *Y, long out, long in, long n, int threads) {
+    long in2 = in / 2, nb = (out + BO - 1) / BO;
+    unsigned int *Xb = malloc((size_t)(n * in2 > 0 ? n * in2 : 1) * sizeof(unsigned int));
+    unsigned short *xs = (unsigned short *)Xb;
+    for (long r = 0; r < n; r++) {
+        const float *xr = X + r * in;
+        long i = 0;
+        for (; i + 32 <= in; i += 32)
+            _mm512_storeu_si512((void *)(xs + r * in + i),
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + i + 16), _mm512_loadu_ps(xr + i)));
+        for (; i < in; i++) xs[r * in + i] = bf16_bits(xr[i]);
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < nb; b++) {
+        const unsigned short *pb = P + b * in2 * BO * 2;
+        for (long r = 0; r < n; r += GMAX) {
+            const unsigned int *x = Xb + r * in2;
+            float *y = Y + r * out;
+            switch (n - r < GMAX ? n - r : GMAX) {
+                TILE_BF16(1) TILE_BF16(2) TILE_BF16(3) TILE_BF16(4)
+#if GMAX > 4
+                TILE_BF16(5) TILE_BF16(6)
+#endif
+#if GMAX > 6
+                TILE_BF16(7) TILE_BF16(8)
+#endif
+            }
+        }
+    }
+    free(Xb);
+}
+#endif
+
+/* the one dispatch on the weights' precision (0 float32, 1 float16, 2 bfloat16; inlined copies of the product) */
+static void any_product(const void *P, int prec, const float *X, float *Y, long out, long in, long n, int th) {
+#if BF16
+    if (prec == 2) { product_bf16((const unsigned short *)P, X, Y, out, in, n, th); return; }
+#endif
+    if (prec == 1) product(P, X, Y, out, in, n, th, 1);
     else product(P, X, Y, out, in, n, th, 0);
 }
 
@@ -141,8 +223,13 @@ void skinny_linear_half(const unsigned short *P, const float *X, float *Y, long 
     any_product(P, 1, X, Y, out, in, n, threads);
 }
 
+void skinny_linear_bf16(const unsigned short *P, const float *X, float *Y, long out, long in, long n, int threads) {
+    any_product(P, 2, X, Y, out, in, n, threads);
+}
+
 int block_outputs(void) { return BO; }
 int half_weights(void) { return HALF; }
+int bf16_weights(void) { return BF16; }
 
 /* ---- the decoder layers around the products (a Llama-family layer, pre-norm, SwiGLU) ---------------------------
    One call runs every layer of a forward of n rows, so a decode step costs its products and a few hundred
@@ -167,7 +254,7 @@ typedef struct {  /* one layer's weights: packed products and vectors; a NULL bi
     const float *hn;     /* EAGLE-3's layer when set: the attention reads [ln1(e) ; hn(x)] (2 x hidden wide), e the
                             token embeddings passed beside x; with norm_residual the residual is hn(x) */
     long norm_residual;
-    long half;  /* bit i: product i (qkv, o, gu, d) packed in float16 */
+    long prec;  /* bits 2i, 2i+1: product i's (qkv, o, gu, d) packing, 0 float32, 1 float16, 2 bfloat16 */
 } layer_t;
 
 typedef struct {
@@ -324,7 +411,7 @@ void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long
         } else {
             for (long r = 0; r < n; r++) rms_norm(x + r * H, w->ln1, h + r * H, H, D->eps);
         }
-        any_product(w->qkv, w->half & 1, h, qkv, QKV, w->hn ? 2 * H : H, n, D->threads);
+        any_product(w->qkv, (w->prec >> 0) & 3, h, qkv, QKV, w->hn ? 2 * H : H, n, D->threads);
         add_bias(qkv, w->qkv_b, n, QKV);
         for (long r = 0; r < n; r++) {
             float *row = qkv + r * QKV;
@@ -346,11 +433,11 @@ void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long
                    mask ? mask + r * L : 0, L, mask ? L : start + r + 1, D->kstride, D->scaling, hd, group,
                    sc + omp_get_thread_num() * group * Lp, att + r * A + g * group * hd);
         }
-        any_product(w->o, w->half & 2, att, h, H, A, n, D->threads);
+        any_product(w->o, (w->prec >> 2) & 3, att, h, H, A, n, D->threads);
         add_bias(h, w->o_b, n, H);
         for (long i = 0; i < n * H; i++) x[i] += h[i];
         for (long r = 0; r < n; r++) rms_norm(x + r * H, w->ln2, h + r * H, H, D->eps);
-        any_product(w->gu, w->half & 4, h, gu, 2 * I, H, n, D->threads);
+        any_product(w->gu, (w->prec >> 4) & 3, h, gu, 2 * I, H, n, D->threads);
         add_bias(gu, w->gu_b, n, 2 * I);
         for (long r = 0; r < n; r++) {
             const float *g = gu + r * 2 * I, *u = g + I;
@@ -359,7 +446,7 @@ void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long
             for (; c + VW <= I; c += VW) *(vec *)(a + c) = LD(g + c) / (1.0f + vexp(-LD(g + c))) * LD(u + c);
             for (; c < I; c++) a[c] = g[c] / (1.0f + expf(-g[c])) * u[c];
         }
-        any_product(w->d, w->half & 8, act, h, H, I, n, D->threads);
+        any_product(w->d, (w->prec >> 6) & 3, act, h, H, I, n, D->threads);
         add_bias(h, w->d_b, n, H);
         for (long i = 0; i < n * H; i++) x[i] += h[i];
         if (feats && feats[li]) memcpy(feats[li], x, n * H * sizeof(float));
@@ -377,7 +464,7 @@ if os.environ.get("GRAFT_BLOCK_SKINNY_SHAPE"):  # "VW,NV,ROWS" to measure anothe
 
 class _Layer(ctypes.Structure):  # layer_t
     POINTERS = ("ln1", "ln2", "qkv", "qkv_b", "o", "o_b", "gu", "gu_b", "d", "d_b", "q_norm", "k_norm", "hn")
-    _fields_ = [(k, ctypes.c_void_p) for k in POINTERS] + [("norm_residual", ctypes.c_long), ("half", ctypes.c_long)]
+    _fields_ = [(k, ctypes.c_void_p) for k in POINTERS] + [("norm_residual", ctypes.c_long), ("prec", ctypes.c_long)]
 
 
 class _Dims(ctypes.Structure):  # dims_t
@@ -440,9 +527,10 @@ def _build(kind: str) -> ctypes.CDLL:
         raise RuntimeError("its OpenMP runtime is not torch's (a second thread pool would spin beside torch's)")
     lib.pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
     lib.skinny_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    lib.skinny_linear_half.argtypes = lib.skinny_linear.argtypes
+    lib.skinny_linear_half.argtypes = lib.skinny_linear_bf16.argtypes = lib.skinny_linear.argtypes
     lib.pack.restype = lib.skinny_linear.restype = lib.skinny_linear_half.restype = None
-    lib.block_outputs.restype = lib.half_weights.restype = ctypes.c_int
+    lib.skinny_linear_bf16.restype = None
+    lib.block_outputs.restype = lib.half_weights.restype = lib.bf16_weights.restype = ctypes.c_int
     lib.lean_scratch.argtypes = [ctypes.POINTER(_Dims), ctypes.c_long, ctypes.c_long]
     lib.lean_scratch.restype = ctypes.c_long
     lib.lean_layers.argtypes = [ctypes.POINTER(_Layer), ctypes.c_long, ctypes.POINTER(_Dims), ctypes.c_void_p,
@@ -482,12 +570,27 @@ def why_not() -> str | None:
     return _why_not
 
 
+DRAFT_BF16_ENV = "GRAFT_BLOCK_DRAFT_BF16"
+
+
+def draft_half() -> str | None:
+    """How a drafter packs its products (``SkinnyWeight``'s ``half``): "bf16" where this CPU has AVX512-BF16 (half
+    the bytes of float32 and twice its multiply-adds per instruction; a draft's numbers need not be the target's,
+    the verify keeps only what the target computes), unless ``GRAFT_BLOCK_DRAFT_BF16=0``; else None (float32, or
+    float16 where the weights are fp16-exact). Read at each packing, so tests can switch it."""
+    if os.environ.get(DRAFT_BF16_ENV, "1") == "0" or not available() or not _lib.bf16_weights():
+        return None
+    return "bf16"
+
+
 class SkinnyWeight:
     """A weight [out, in] packed for ``linear``: [ceil(out / B)][in][B] with B two vectors' worth of outputs (32
     on AVX-512, 16 on AVX2), the outputs past ``out`` zero. In float16 when every value is one exactly (a drafter
     checkpoint stored in fp16, upcast on load) and the CPU converts on load (F16C): half the bytes per product,
     the same products bit for bit. ``half``: None = whenever exact; False = float32; "round": float16 always,
-    rounded (a drafter's own copy of rows whose products need not be exact)."""
+    rounded (a drafter's own copy of rows whose products need not be exact); "bf16": bfloat16 pairs
+    [ceil(out / B)][in / 2][B][2], the inputs rounded to bfloat16 too (AVX512-BF16 only, ``in`` even; elsewhere
+    as "round")."""
     __slots__ = ("packed", "out", "n_in")
 
     def __init__(self, w: torch.Tensor, half: bool | str | None = None):
@@ -501,7 +604,13 @@ class SkinnyWeight:
         self.out, self.n_in = w.shape
         block = _lib.block_outputs()
         nb = (self.out + block - 1) // block
-        if half is not False and _lib.half_weights() and (half == "round" or bool((w.half().float() == w).all())):
+        if half == "bf16" and _lib.bf16_weights() and self.n_in % 2 == 0:
+            padded = torch.zeros(nb * block, self.n_in, dtype=torch.bfloat16)
+            padded[: self.out] = w  # rounded to nearest even on the copy
+            self.packed = padded.view(nb, block, self.n_in // 2, 2).transpose(1, 2).contiguous().view(-1)
+            return
+        if half is not False and _lib.half_weights() and (half in ("round", "bf16")
+                                                          or bool((w.half().float() == w).all())):
             padded = torch.zeros(nb * block, self.n_in, dtype=torch.float16)
             padded[: self.out] = w  # rounded to float16 on the copy: no float32 transpose of the whole weight
             self.packed = padded.view(nb, block, self.n_in).transpose(1, 2).contiguous().view(-1)
@@ -516,13 +625,17 @@ class SkinnyWeight:
         ids = ids.to(torch.long).cpu()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out):
             raise ValueError(f"row ids must lie in 0..{self.out - 1}")
+        if self.packed.dtype == torch.bfloat16:
+            pairs = self.packed.view(-1, self.n_in // 2, block, 2)[ids // block, :, ids % block]
+            return pairs.reshape(-1, self.n_in).float()
         return self.packed.view(-1, self.n_in, block)[ids // block, :, ids % block].float()
 
 
 def _product(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [n, in] (contiguous) times the packed weight -> [n, out_features]."""
     y = torch.empty(x.shape[0], out_features)
-    fn = _lib.skinny_linear_half if packed.dtype == torch.float16 else _lib.skinny_linear
+    fn = {torch.float16: _lib.skinny_linear_half, torch.bfloat16: _lib.skinny_linear_bf16}.get(packed.dtype,
+                                                                                            _lib.skinny_linear)
     fn(packed.data_ptr(), x.data_ptr(), y.data_ptr(), out_features, x.shape[1], x.shape[0], torch.get_num_threads())
     return y
 
@@ -612,17 +725,18 @@ class DecoderLayers:
             if t is None:
                 return None
             t = t.packed if isinstance(t, SkinnyWeight) else t.detach().contiguous()
-            if t.dtype not in (torch.float32, torch.float16) or t.device.type != "cpu":
+            if t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or t.device.type != "cpu":
                 raise ValueError(f"the C decoder layers take float32 CPU tensors; got {t.dtype} on {t.device}")
             self._keep.append(t)
             return t.data_ptr()
 
-        def half(w):  # which of the four products are packed in float16
-            return sum(1 << i for i, k in enumerate(("qkv", "o", "gu", "d")) if w[k].packed.dtype == torch.float16)
+        def prec(w):  # each product's packing, two bits apiece: 0 float32, 1 float16, 2 bfloat16
+            code = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+            return sum(code[w[k].packed.dtype] << 2 * i for i, k in enumerate(("qkv", "o", "gu", "d")))
 
         self.layers = (_Layer * len(layers))(*[_Layer(**{k: ptr(w.get(k)) for k in _Layer.POINTERS},
                                                       norm_residual=int(bool(w.get("norm_residual"))),
-                                                      half=half(w)) for w in layers])
+                                                      prec=prec(w)) for w in layers])
         self.dims = _Dims(hidden, heads, kv_heads, head_dim, inter, 0, 0, eps, qk_eps, scaling, 1)
         self.scratch = torch.empty(0)
         self.reads_emb = any(w.get("hn") is not None for w in layers)  # an EAGLE-3 layer: run() needs emb

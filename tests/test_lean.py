@@ -94,7 +94,7 @@ def test_cache_grows_past_its_first_allocation():
     lean, _ = _pair("qwen3", max_positions=2048)
     prompt = list(range(1, 100)) * 3  # 297 tokens: past the first 256-slot allocation
     assert SpeculativeDecoder(lean).generate(prompt, max_new_tokens=20).tokens == hf_greedy(lean, prompt, 20)
-    assert lean.lean.k.shape[2] >= 317
+    assert lean.lean.v.shape[2] >= 317  # [layers, kv_heads, rows, head_dim] whichever kernel runs the layers
 
 
 def test_compiled_layers_stay_lossless():
@@ -234,7 +234,7 @@ def test_kernel_choice_follows_the_measurement_and_is_cached(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "skinny", "onednn+skinny", "mkl+skinny"])
-def test_drafter_linears_take_the_engine_kernel_and_follow_weight_updates(kernel):
+def test_drafter_linears_take_the_engine_kernel_and_follow_weight_updates(kernel, monkeypatch):
     """``use_kernel`` turns every nn.Linear (also inside transformers' modules) into a drafters ``Linear``
     with the same parameters; without gradients it runs the kernel on a kept layout (in a pair, the second up to
     17 rows and the first past that; MKL is F.linear on the weight itself), redone after an in-place update; with
@@ -250,6 +250,7 @@ def test_drafter_linears_take_the_engine_kernel_and_follow_weight_updates(kernel
         pytest.skip("oneDNN is a CPU float32 kernel")
     if kernel == "skinny" and not skinny.available():
         pytest.skip(f"the skinny kernel does not build here: {skinny.why_not()}")
+    monkeypatch.setenv(skinny.DRAFT_BF16_ENV, "0")  # exact packs (bf16 drafting: test_bf16_drafter_products)
     torch.manual_seed(0)
     lin = nn.Linear(16, 8)
     net = nn.Sequential(lin, nn.ReLU())
@@ -402,6 +403,48 @@ def test_skinny_equals_f_linear_on_awkward_shapes_whatever_the_row_or_thread_cou
         skinny.linear(torch.randn(2, 7), skinny.SkinnyWeight(torch.randn(4, 8)))
     with pytest.raises(ValueError, match="skinny packs a float32 CPU weight"):
         skinny.SkinnyWeight(torch.randn(4, 8, dtype=torch.float64))
+
+
+def test_bf16_drafter_products(monkeypatch):
+    """On AVX512-BF16 CPUs drafters pack their products in bfloat16: a product equals the one of the bf16-rounded
+    inputs and weights to float32 summation rounding, a row's value does not depend on the rows beside it, rows
+    come back out of the pack, and GRAFT_BLOCK_DRAFT_BF16=0 returns drafters to the exact packs (repacked)."""
+    from graft_block import skinny
+    from graft_block.drafters.layers import Linear, use_kernel
+
+    if not ON_CPU or not skinny.available() or not skinny._lib.bf16_weights():
+        pytest.skip("bfloat16 products need the skinny kernel on an AVX512-BF16 CPU")
+    g = torch.Generator().manual_seed(1)
+    for out, n_in in [(1, 2), (37, 34), (130, 578), (1000, 1536)]:
+        w = torch.randn(out, n_in, generator=g)
+        pw = skinny.SkinnyWeight(w, half="bf16")
+        assert pw.packed.dtype == torch.bfloat16
+        x = torch.randn(20, n_in, generator=g)
+        xb, wb = x.bfloat16().double(), w.bfloat16().double()
+        bound = 1e-6 * n_in * (xb.abs() @ wb.abs().T).max()
+        y = skinny.linear(x, pw)
+        err = (y.double() - xb @ wb.T).abs().max()
+        assert err <= bound
+        assert (y - x @ w.T).abs().max() > 10 * err  # the inputs really are rounded: not the float32 product
+        for n in (1, 3, 8, 9, 17):
+            assert torch.equal(skinny.linear(x[:n], pw), y[:n])
+        ids = torch.tensor([out - 1, 0, out // 2])
+        assert torch.equal(pw.rows(ids), w[ids].bfloat16().float())
+    assert skinny.SkinnyWeight(torch.randn(4, 7), half="bf16").packed.dtype == torch.float16  # odd width: fp16
+    lin = torch.nn.Linear(64, 40)
+    use_kernel(lin, "skinny")
+    assert type(lin) is Linear
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        monkeypatch.delenv(skinny.DRAFT_BF16_ENV, raising=False)
+        assert skinny.draft_half() == "bf16"
+        y16 = lin(x)
+        assert lin._laid_out["skinny"].packed.dtype == torch.bfloat16
+        assert torch.equal(y16, skinny.linear(x, skinny.SkinnyWeight(lin.weight, half="bf16"), lin.bias))
+        monkeypatch.setenv(skinny.DRAFT_BF16_ENV, "0")
+        assert skinny.draft_half() is None
+        assert torch.allclose(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5)
+        assert lin._laid_out["skinny"].packed.dtype == torch.float32
 
 
 def test_skinny_without_a_compiler_is_left_out_and_says_why(monkeypatch, tmp_path):

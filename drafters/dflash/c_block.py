@@ -21,7 +21,7 @@ from .model import DFlashModel
 
 
 def c_layers_for(model: DFlashModel, target) -> "skinny.DecoderLayers | None":
-    """The model's layers packed for the C layers (fp16 packs where its weights are fp16-exact), kept on the model
+    """The model's layers packed for the C layers (``layers.c_layer``'s packing), kept on the model
     and shared by every drafter on it (repacked when its weights changed since); None where they cannot run."""
     if why_not(model, target) is not None:
         return None
@@ -63,7 +63,7 @@ def _context_pack(model: DFlashModel) -> tuple["skinny.SkinnyWeight", torch.Tens
     w = torch.cat([t for a in attn for t in (a.k_proj.weight, a.v_proj.weight)]).detach()
     b = None if attn[0].k_proj.bias is None else \
         torch.cat([t for a in attn for t in (a.k_proj.bias, a.v_proj.bias)]).detach()
-    return skinny.SkinnyWeight(w), b, torch.stack([a.k_norm.weight.detach() for a in attn]).unsqueeze(1)
+    return skinny.SkinnyWeight(w, half=skinny.draft_half()), b, torch.stack([a.k_norm.weight.detach() for a in attn]).unsqueeze(1)
 
 
 class CContext:

@@ -20,7 +20,7 @@ import torch
 from graft_block.drafter import Drafter, check_budget, register, shared_checkpoint
 from graft_block.engine import drafter_kernel, keep_layout
 from graft_block.errors import ConfigError
-from graft_block.skinny import SkinnyWeight
+from graft_block.skinny import SkinnyWeight, draft_half
 from graft_block.tree import Tree, chain
 from graft_block.tree.ddtree import ddtree, topk_logprobs
 
@@ -41,7 +41,8 @@ def head_rows(target, draft_vocab: torch.Tensor | None) -> tuple[torch.Tensor, t
     lm = target.model.get_output_embeddings()
     w, b = lm.weight, getattr(lm, "bias", None)
     ids = None if draft_vocab is None else draft_vocab.to(w.device)
-    key = (w.data_ptr(), w._version, None if ids is None else hashlib.sha1(ids.cpu().numpy().tobytes()).hexdigest())
+    key = (w.data_ptr(), w._version, None if ids is None else hashlib.sha1(ids.cpu().numpy().tobytes()).hexdigest(),
+           draft_half())
     shared = target.__dict__.setdefault("_draft_head_rows", {})
     if key not in shared:
         if ids is not None:  # gathered once, not every round
@@ -49,9 +50,9 @@ def head_rows(target, draft_vocab: torch.Tensor | None) -> tuple[torch.Tensor, t
         layouts = {}
         if "skinny" in (drafter_kernel(target) or "") and w.dtype == torch.float32 and w.device.type == "cpu" \
                 and float(w.abs().max()) < 6e4:
-            # the draft's few-row head products stream these rows every round: packed in fp16, half the bytes (a
-            # draft's numbers need not be the target's: the verify keeps only what the target computes)
-            keep_layout(layouts, w, "skinny", SkinnyWeight(w, half="round"))
+            # the draft's few-row head products stream these rows every round: packed in bf16 (or fp16), half the
+            # bytes (a draft's numbers need not be the target's: the verify keeps only what the target computes)
+            keep_layout(layouts, w, "skinny", SkinnyWeight(w, half=draft_half() or "round"))
         shared[key] = (w, b, layouts)
     return shared[key]
 

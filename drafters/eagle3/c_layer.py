@@ -32,17 +32,28 @@ class CLayer:
         m, cfg = head.midlayer, head.cfg
         a = m.self_attn
         kept = head.__dict__.get("_c_layer")
-        if kept is None or kept[0] != weights_key(m.parameters()):
+        if kept is None or kept[0] != weights_key([*m.parameters(), head.lm_head.weight]):
             layer = c_layer(m.input_layernorm, m.post_attention_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
                             m.mlp.gate_proj, m.mlp.up_proj, m.mlp.down_proj, hn=m.hidden_norm.weight.detach(),
                             norm_residual=m.norm_before_residual)
             layers = skinny.DecoderLayers([layer], cfg.hidden_size, a.n_heads, a.n_kv, a.head_dim,
                                           cfg.intermediate_size, m.input_layernorm.eps, 0.0, a.head_dim ** -0.5)
             release_for_c_layers(target, head, [*a.children(), *m.mlp.children()])
+            # the final norm and LM head in two calls, not a module chain: ~0.1 ms of wrappers per level otherwise
+            lm = None if head.lm_head.bias is not None else skinny.SkinnyWeight(head.lm_head.weight,
+                                                                                half=skinny.draft_half())
             # keyed after the release: the freed weights are the state this pack belongs to
-            kept = head.__dict__["_c_layer"] = (weights_key(m.parameters()), layers)
-        self.head, self.layers = head, kept[1]
+            kept = head.__dict__["_c_layer"] = (weights_key([*m.parameters(), head.lm_head.weight]), layers, lm)
+        self.head, self.layers, self.lm = head, kept[1], kept[2]
         self.cache = skinny.LayerCache(1, a.n_kv, a.head_dim)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's draft-vocabulary logits of pre-norm outputs [f, hidden] (``Eagle3Head.logits``)."""
+        if self.lm is None:
+            return self.head.logits(out)
+        n = self.head.norm
+        x = torch.rms_norm(out.to(torch.float32), (out.shape[-1],), n.weight, n.eps).contiguous()
+        return skinny._product(x, self.lm.packed, self.lm.out)
 
     def forward(self, emb: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, start: int,
                 mask: torch.Tensor | None = None) -> torch.Tensor:

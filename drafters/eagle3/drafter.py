@@ -173,7 +173,8 @@ class Eagle3Drafter(Drafter):
         if self.root_out is None:
             return root_only(state.root_token)
         head, dev = self.head, self.root_out.device
-        root_lp = torch.log_softmax(head.logits(self.root_out).float(), dim=-1)
+        logits = head.logits if self.c_layer is None else self.c_layer.logits
+        root_lp = torch.log_softmax(logits(self.root_out.view(1, -1)).float(), dim=-1)[0]
         n = self.n_pairs
         tree_k, tree_v = [], []  # KV of every drafted frontier node this round (discarded afterwards)
         level_out = [self.root_out.view(1, -1)]
@@ -193,7 +194,7 @@ class Eagle3Drafter(Drafter):
             if self.c_layer is not None:  # the level's K/V after the accepted pairs and the levels before
                 out = self.c_layer.forward(emb[0], g[0], pos[0], n + tmask.shape[1] - f, mask)
                 level_out.append(out)
-                return torch.log_softmax(head.logits(out).float(), dim=-1)
+                return torch.log_softmax(logits(out).float(), dim=-1)
             pk = torch.cat([self.k_cache] + tree_k, dim=2)
             pv = torch.cat([self.v_cache] + tree_v, dim=2)
             out, k, v = head(emb, g, pos, pk, pv, mask.view(1, 1, f, -1))
