@@ -452,6 +452,14 @@ void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long
         if (feats && feats[li]) memcpy(feats[li], x, n * H * sizeof(float));
     }
 }
+
+/* Y [n, out] = rms_norm(X) (weight w) times the packed P, via T [n, in]: a draft head's final norm and LM head in
+   one call (in a multiple of VW) */
+void skinny_norm_linear(const void *P, int prec, const float *X, const float *w, float eps, float *T, float *Y,
+                        long out, long in, long n, int threads) {
+    for (long r = 0; r < n; r++) rms_norm(X + r * in, w, T + r * in, in, eps);
+    any_product(P, prec, T, Y, out, in, n, threads);
+}
 """
 
 # The tile shape per instruction set: (floats per vector, vectors per block, rows per tile, extra compiler
@@ -537,6 +545,10 @@ def _build(kind: str) -> ctypes.CDLL:
                                 ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.lean_layers.restype = None
+    lib.skinny_norm_linear.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                       ctypes.c_int]
+    lib.skinny_norm_linear.restype = None
     return lib
 
 
@@ -664,6 +676,24 @@ def linear(x: torch.Tensor, w: SkinnyWeight, bias: torch.Tensor | None = None) -
     return y.view(*lead, w.out)
 
 
+PRECISION = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C code's codes for a pack's dtype
+
+
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: SkinnyWeight) -> torch.Tensor:
+    """``linear(rms_norm(x), w)`` in one call: x [n, in] float32 rows, ``norm_weight`` [in] float32 (a draft head's
+    final norm and LM head; ``in`` a multiple of the vector width, else the norm runs in torch)."""
+    n = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != w.n_in or x.dtype != torch.float32 or norm_weight.dtype != torch.float32:
+        raise ValueError(f"norm_linear takes float32 rows of {w.n_in}; got x {tuple(x.shape)} {x.dtype}")
+    if w.n_in % VARIANTS[_variant][0]:
+        return _product(torch.rms_norm(x, (w.n_in,), norm_weight, eps).contiguous(), w.packed, w.out)
+    x, norm_weight = x.contiguous(), norm_weight.contiguous()
+    t, y = torch.empty(n, w.n_in), torch.empty(n, w.out)
+    _lib.skinny_norm_linear(w.packed.data_ptr(), PRECISION[w.packed.dtype], x.data_ptr(), norm_weight.data_ptr(), eps,
+                            t.data_ptr(), y.data_ptr(), w.out, w.n_in, n, torch.get_num_threads())
+    return y
+
+
 CAP_MULTIPLE = 64  # a transposed key row holds a multiple of this many floats (whole blocks of 4 vectors)
 
 
@@ -731,8 +761,7 @@ class DecoderLayers:
             return t.data_ptr()
 
         def prec(w):  # each product's packing, two bits apiece: 0 float32, 1 float16, 2 bfloat16
-            code = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-            return sum(code[w[k].packed.dtype] << 2 * i for i, k in enumerate(("qkv", "o", "gu", "d")))
+            return sum(PRECISION[w[k].packed.dtype] << 2 * i for i, k in enumerate(("qkv", "o", "gu", "d")))
 
         self.layers = (_Layer * len(layers))(*[_Layer(**{k: ptr(w.get(k)) for k in _Layer.POINTERS},
                                                       norm_residual=int(bool(w.get("norm_residual"))),

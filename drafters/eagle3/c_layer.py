@@ -52,8 +52,7 @@ class CLayer:
         if self.lm is None:
             return self.head.logits(out)
         n = self.head.norm
-        x = torch.rms_norm(out.to(torch.float32), (out.shape[-1],), n.weight, n.eps).contiguous()
-        return skinny._product(x, self.lm.packed, self.lm.out)
+        return skinny.norm_linear(out.to(torch.float32), n.weight.detach(), n.eps, self.lm)
 
     def forward(self, emb: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, start: int,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
