@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from graft_block.engine import libc as _libc, trim_heap  # noqa: F401 (the main job trims through here)
+
 OTHERS_CORES = 0.25  # a quarter of a core used by other processes, on average over the window
 RUNQ_SHARE = 0.10  # our threads waited for a CPU 10% of the wall time
 STEAL_CORES = 0.10
@@ -176,15 +178,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _libc():
-    import ctypes
-
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None  # not glibc: its allocator tunes itself
-
-
 def return_large_frees() -> None:
     """glibc: allocations of 4 MB or more get their own mapping and go back to the system when freed. By default
     the threshold grows with the largest block freed (up to 32 MB), and the engine's packing and the drafters'
@@ -192,13 +185,6 @@ def return_large_frees() -> None:
     libc = _libc()
     if libc is not None:
         libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD (fixing it also stops its growth)
-
-
-def trim_heap() -> None:
-    """glibc: give the free memory at the heap's top back to the system (malloc_trim)."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
 
 
 def own_peak_rss_mb() -> float | None:

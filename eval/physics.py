@@ -254,7 +254,7 @@ def format_report(p: dict) -> str:
         t = p["gemm_times"]
         per = "; ".join(f"{k} " + "/".join(_ms(t[k].get(n)) for n in sorted(t["mkl"])) for k in t if t[k])
         lines.append(f"- products: {p['gemm']}, chosen by measuring the weights a forward streams (first layers up "
-                     f"to 4x the last-level cache, >= 256 MB, + the LM head) at rows "
+                     f"to 4x the last-level cache, >= 128 MB, + the LM head) at rows "
                      f"{'/'.join(str(n) for n in sorted(t['mkl']))} (ms): {per}")
     elif p.get("gemm"):
         lines.append(f"- products: {p['gemm']}")

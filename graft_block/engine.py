@@ -561,6 +561,22 @@ def device_name(device: torch.device | str = "cpu") -> str:
     return platform.processor() or platform.machine()
 
 
+def libc():
+    """glibc through ctypes, or None (another C library: its allocator tunes itself)."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def trim_heap() -> None:
+    """glibc: give the heap's free memory back to the system (malloc_trim): packs of a few MB live in the heap,
+    and freeing them alone leaves them resident."""
+    c = libc()
+    if c is not None:
+        c.malloc_trim(0)
+
+
 def measure_gemms(weights: list[torch.Tensor], rows=GEMM_ROWS, reps: int = 5, skip: tuple = ()) -> dict:
     """Median ms of pushing an [n, in] input through every weight, per kernel and row count: ``mkl`` (F.linear),
     ``mkl_packed`` (packed for exactly n rows; n > 1), ``openblas`` (numpy, torch on one thread meanwhile),
@@ -599,6 +615,7 @@ def measure_gemms(weights: list[torch.Tensor], rows=GEMM_ROWS, reps: int = 5, sk
             for n in rows:
                 time_it(kind, n, packs)
             del packs
+        trim_heap()  # one copy of the weights at a time: the freed packs leave memory before the next are made
         out[kind] = {n: min(t, best.get(n, t)) for n, t in out[kind].items()}
 
     plain = [k for k in kinds if k != "mkl_packed"]
@@ -687,7 +704,9 @@ def pick_gemm(times: dict, c_layers: bool = False) -> tuple[str, tuple[int, ...]
     return (best, (buckets if best == "mkl" else ())) + partner(best)
 
 
-STREAM_BYTES = 256 << 20  # the least weight a kernel measurement reads per pass, and 4x the last-level cache
+# the least weight a kernel measurement reads per pass (beside the LM head), and 4x the last-level cache: 256 MB
+# before, whose copies per kernel made the measurement the main job's peak memory (1.5-1.7 GB for SmolLM2)
+STREAM_BYTES = 128 << 20
 
 
 def last_level_cache_bytes() -> int:
@@ -704,7 +723,7 @@ def last_level_cache_bytes() -> int:
 
 def streamed_weights(lean: "LeanForward") -> list[torch.Tensor]:
     """The weights a kernel measurement pushes its rows through: the first decoder layers' (q/k/v and gate/up
-    fused) until they outweigh the last-level cache 4x (at least 256 MB, at most every layer), then the LM head.
+    fused) until they outweigh the last-level cache 4x (at least 128 MB, at most every layer), then the LM head.
     A forward streams its weights from memory; one layer alone (14 MB for SmolLM2) sits in a 32 MB cache, and
     measured that way oneDNN tied skinny on the AVX-512 EPYC (2.5 / 3.1 / 4.2 ms at 1 / 9 / 17 rows) while over
     every layer skinny read 1.13x faster at one row (9.6 against 10.9 ms) and 1.10x at 65."""

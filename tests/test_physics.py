@@ -39,7 +39,7 @@ def test_report_has_every_field_and_sane_numbers(phys):
     times = {"mkl": {1: 50.0, 8: 70.0}, "mkl_packed": {8: 94.0}, "openblas": {1: 26.0, 8: 51.0}}
     chosen = physics.format_report({**phys, "gemm_times": times})
     assert "- products: openblas, chosen by measuring the weights a forward streams (first layers up to 4x the " \
-           "last-level cache, >= 256 MB, + the LM head) at rows 1/8 (ms): mkl 50.0/70.0; mkl_packed -/94.0; " \
+           "last-level cache, >= 128 MB, + the LM head) at rows 1/8 (ms): mkl 50.0/70.0; mkl_packed -/94.0; " \
            "openblas 26.0/51.0" in chosen
     assert "- decoder layers: C" not in chosen  # OpenBLAS runs the torch layers
     assert "- decoder layers: C (graft_block/skinny.py" in physics.format_report({**phys, "layers": "C"})
