@@ -570,8 +570,13 @@ def libc():
 
 
 def trim_heap() -> None:
-    """glibc: give the heap's free memory back to the system (malloc_trim): packs of a few MB live in the heap,
-    and freeing them alone leaves them resident."""
+    """Give freed memory back to the system: MKL's kept GEMM buffers (``mkl_free_buffers``, where torch's library
+    exports it), then glibc's heap (malloc_trim: packs of a few MB live in the heap, and freeing them alone leaves
+    them resident)."""
+    try:
+        ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).mkl_serv_free_buffers()
+    except (OSError, AttributeError):
+        pass  # no MKL in this build, or not exported
     c = libc()
     if c is not None:
         c.malloc_trim(0)
@@ -763,6 +768,8 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, i
     # threads slowed the kernels timed after it (skinny measured 24 ms at 9 rows after it, 14-16 ms without)
     skip = ("openblas",) if spins else ()
     times = measure_gemms(weights, skip=skip)
+    del weights
+    trim_heap()  # the fused q/k/v copies measured (a few MB each, in the heap) leave memory now
     gemm, buckets, small, small_rows = pick_gemm({k: v for k, v in times.items() if k not in skip},
                                                  lean.c_layers_possible)
     try:

@@ -401,10 +401,12 @@ def test_c_layer_drafts_the_torch_layers_tree(norm_before_residual, tmp_path):
     save_head(make_head(t, seed=4, norm_before_residual=norm_before_residual), tmp_path)
     dr = Eagle3Drafter(t, checkpoint=tmp_path, budget=12, depth=3, top_k=4)
     freed = dr.head
-    assert freed.midlayer.mlp.down_proj.weight.numel() == 0
+    assert freed.midlayer.mlp.down_proj.weight.numel() == 0 and freed.lm_head.weight.numel() == 0  # packed in C
     assert SpeculativeDecoder(t, dr).generate(prompt, max_new_tokens=30).tokens == ar.tokens
     with pytest.raises(ConfigError, match="torch layers were freed"):
         freed(t.embed(torch.tensor([[1, 2]])), torch.zeros(1, 2, 64), torch.arange(2).view(1, 2))
+    with pytest.raises(ConfigError, match="torch layers were freed"):
+        freed.logits(torch.zeros(1, 64))
 
 
 # ---- greedy identity ---------------------------------------------------------------------------------------

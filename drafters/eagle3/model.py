@@ -238,6 +238,7 @@ class Eagle3Head(nn.Module):
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Pre-norm output -> draft-vocabulary logits."""
+        check_not_released(self)
         return self.lm_head(self.norm(out))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
