@@ -75,10 +75,28 @@ def test_c_block_takes_mfd_mode_masks(fused):
     assert not torch.allclose(lc[0], lc[1], atol=1e-3)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("cls,kw", [(D.DFlashDrafter, {"proposal": "ddtree", "budget": 5}),
                                     (M.MFDDrafter, {"budget": 4})])
-def test_c_block_drafts_stay_token_identical_to_ar(fused, cls, kw):
-    c, _ = _pair(fused, cls=cls, block_size="budget", **kw)
+def test_c_block_drafts_stay_token_identical_to_ar(fused, cls, kw, bf16, monkeypatch):
+    """Greedy output is AR's with the exact packs and with bfloat16 drafting (the benchmark's default on
+    AVX512-BF16 CPUs), whose block stays near the torch forward's."""
+    if bf16:
+        if not skinny._lib.bf16_weights():
+            pytest.skip("bfloat16 drafting needs an AVX512-BF16 CPU")
+        monkeypatch.setenv(skinny.DRAFT_BF16_ENV, "1")
+    c, t = _pair(fused, cls=cls, block_size="budget", **kw)
+    if bf16:
+        with torch.inference_mode():
+            monkeypatch.setenv(skinny.DRAFT_BF16_ENV, "0")  # the reference: torch layers on exact packs
+            st = prefilled_state(fused, list(range(3, 30)), c)
+            t.prefill(st)
+            ref = t.block_hidden(st, torch.full((c.block_size,), c.model.mask_token_id))
+            monkeypatch.setenv(skinny.DRAFT_BF16_ENV, "1")
+            got = c.block_hidden(st, torch.full((c.block_size,), c.model.mask_token_id))
+        assert c.model.__dict__["_c_layers"][1]._keep[2].dtype == torch.bfloat16  # the C layers run bf16 packs
+        err = (got - ref).abs().max()
+        assert 1e-5 < err < 0.1 * ref.abs().max(), err  # rounded, not broken
     prompt = torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(5))
     ar = SpeculativeDecoder(fused, None).generate(prompt, max_new_tokens=40)
     spec = SpeculativeDecoder(fused, c).generate(prompt, max_new_tokens=40)

@@ -409,6 +409,23 @@ def test_c_layer_drafts_the_torch_layers_tree(norm_before_residual, tmp_path):
         freed.logits(torch.zeros(1, 64))
 
 
+def test_bf16_drafting_stays_token_identical_to_ar(monkeypatch):
+    """With bfloat16 drafting (the benchmark's default on AVX512-BF16 CPUs) the head's layer and its norm + LM
+    head run bfloat16 packs in C, and greedy output is still AR's."""
+    from graft_block import skinny
+
+    if not skinny.available() or not skinny._lib.bf16_weights() or \
+            os.environ.get("GRAFT_BLOCK_TEST_DEVICE", "cpu") != "cpu":
+        pytest.skip("bfloat16 drafting needs the skinny kernel on an AVX512-BF16 CPU")
+    monkeypatch.setenv(skinny.DRAFT_BF16_ENV, "1")
+    t = tiny_target("qwen3", engine="lean", gemm="skinny")
+    dr = Eagle3Drafter(t, head=make_head(t, seed=5), budget=8, depth=3, top_k=4)
+    assert dr.c_layer is not None and dr.c_layer.lm.packed.dtype == torch.bfloat16
+    prompt = prompts(1, 20, 128, seed=7)[0]
+    ar = SpeculativeDecoder(t, None).generate(prompt, max_new_tokens=30)
+    assert SpeculativeDecoder(t, dr).generate(prompt, max_new_tokens=30).tokens == ar.tokens
+
+
 # ---- greedy identity ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("budget,depth,top_k", [(20, 4, 4), (5, 1, 3), (59, 7, 10), (1, 0, 1)])
