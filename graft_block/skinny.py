@@ -215,16 +215,8 @@ static void any_product(const void *P, int prec, const float *X, float *Y, long 
     else product(P, X, Y, out, in, n, th, 0);
 }
 
-void skinny_linear(const float *P, const float *X, float *Y, long out, long in, long n, int threads) {
-    any_product(P, 0, X, Y, out, in, n, threads);
-}
-
-void skinny_linear_half(const unsigned short *P, const float *X, float *Y, long out, long in, long n, int threads) {
-    any_product(P, 1, X, Y, out, in, n, threads);
-}
-
-void skinny_linear_bf16(const unsigned short *P, const float *X, float *Y, long out, long in, long n, int threads) {
-    any_product(P, 2, X, Y, out, in, n, threads);
+void skinny_linear(const void *P, int prec, const float *X, float *Y, long out, long in, long n, int threads) {
+    any_product(P, prec, X, Y, out, in, n, threads);
 }
 
 int block_outputs(void) { return BO; }
@@ -534,10 +526,9 @@ def _build(kind: str) -> ctypes.CDLL:
     if _openmp_runtimes() != before or not any("libgomp.so" in r for r in before):
         raise RuntimeError("its OpenMP runtime is not torch's (a second thread pool would spin beside torch's)")
     lib.pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
-    lib.skinny_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    lib.skinny_linear_half.argtypes = lib.skinny_linear_bf16.argtypes = lib.skinny_linear.argtypes
-    lib.pack.restype = lib.skinny_linear.restype = lib.skinny_linear_half.restype = None
-    lib.skinny_linear_bf16.restype = None
+    lib.skinny_linear.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + \
+        [ctypes.c_int]
+    lib.pack.restype = lib.skinny_linear.restype = None
     lib.block_outputs.restype = lib.half_weights.restype = lib.bf16_weights.restype = ctypes.c_int
     lib.lean_scratch.argtypes = [ctypes.POINTER(_Dims), ctypes.c_long, ctypes.c_long]
     lib.lean_scratch.restype = ctypes.c_long
@@ -583,6 +574,7 @@ def why_not() -> str | None:
 
 
 DRAFT_BF16_ENV = "GRAFT_BLOCK_DRAFT_BF16"
+_bf16: bool | None = None  # whether this CPU runs the bfloat16 products
 
 
 def draft_half() -> str | None:
@@ -590,9 +582,12 @@ def draft_half() -> str | None:
     the bytes of float32 and twice its multiply-adds per instruction; a draft's numbers need not be the target's,
     the verify keeps only what the target computes), unless ``GRAFT_BLOCK_DRAFT_BF16=0``; else None (float32, or
     float16 where the weights are fp16-exact). Read at each packing, so tests can switch it."""
-    if os.environ.get(DRAFT_BF16_ENV, "1") == "0" or not available() or not _lib.bf16_weights():
+    global _bf16
+    if os.environ.get(DRAFT_BF16_ENV, "1") == "0":
         return None
-    return "bf16"
+    if _bf16 is None:  # read once: drafters' linears check the packing on every call
+        _bf16 = available() and bool(_lib.bf16_weights())
+    return "bf16" if _bf16 else None
 
 
 class SkinnyWeight:
@@ -643,12 +638,14 @@ class SkinnyWeight:
         return self.packed.view(-1, self.n_in, block)[ids // block, :, ids % block].float()
 
 
+PRECISION = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C code's codes for a pack's dtype
+
+
 def _product(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [n, in] (contiguous) times the packed weight -> [n, out_features]."""
     y = torch.empty(x.shape[0], out_features)
-    fn = {torch.float16: _lib.skinny_linear_half, torch.bfloat16: _lib.skinny_linear_bf16}.get(packed.dtype,
-                                                                                            _lib.skinny_linear)
-    fn(packed.data_ptr(), x.data_ptr(), y.data_ptr(), out_features, x.shape[1], x.shape[0], torch.get_num_threads())
+    _lib.skinny_linear(packed.data_ptr(), PRECISION[packed.dtype], x.data_ptr(), y.data_ptr(), out_features,
+                       x.shape[1], x.shape[0], torch.get_num_threads())
     return y
 
 
@@ -674,9 +671,6 @@ def linear(x: torch.Tensor, w: SkinnyWeight, bias: torch.Tensor | None = None) -
     if bias is not None:
         y.add_(bias)
     return y.view(*lead, w.out)
-
-
-PRECISION = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C code's codes for a pack's dtype
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: SkinnyWeight) -> torch.Tensor:

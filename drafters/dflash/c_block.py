@@ -63,7 +63,8 @@ def _context_pack(model: DFlashModel) -> tuple["skinny.SkinnyWeight", torch.Tens
     w = torch.cat([t for a in attn for t in (a.k_proj.weight, a.v_proj.weight)]).detach()
     b = None if attn[0].k_proj.bias is None else \
         torch.cat([t for a in attn for t in (a.k_proj.bias, a.v_proj.bias)]).detach()
-    return skinny.SkinnyWeight(w, half=skinny.draft_half()), b, torch.stack([a.k_norm.weight.detach() for a in attn]).unsqueeze(1)
+    k_norm = torch.stack([a.k_norm.weight.detach() for a in attn]).unsqueeze(1)
+    return skinny.SkinnyWeight(w, half=skinny.draft_half()), b, k_norm
 
 
 class CContext:
