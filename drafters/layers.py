@@ -143,10 +143,27 @@ class Rotary:
         low, high = (int(v) for v in torch.aminmax(positions))
         if low < 0:  # negative angles are HF's to compute
             return self.emb(like, positions)
-        top = high + 1
+        cos, sin = self._table(high + 1)
+        return cos[positions].to(like.dtype), sin[positions].to(like.dtype)
+
+    def rows(self, first: int, count: int, step: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos, sin [count, hd] at positions first, first + step, ... (step 0: ``count`` rows at ``first``, a
+        tree level) on the CPU: table views, no per-call index ops (a drafting level's rows are one or the other)."""
+        if step not in (0, 1) or first < 0 or not self.static:
+            pos = first + step * torch.arange(count).view(1, -1)
+            cos, sin = self(torch.empty(0), pos)
+            return cos[0], sin[0]
+        cos, sin = self._table(first + (count if step else 1))
+        if step:
+            return cos[first:first + count], sin[first:first + count]
+        return cos[first].expand(count, -1), sin[first].expand(count, -1)
+
+    def _table(self, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU table of cos, sin for positions 0..top-1 at least (grown by powers of two)."""
         if self.table is None or self.table[0].shape[0] < top:
+            if self.emb.inv_freq.device.type != "cpu":
+                self.emb.to("cpu")
             rows = max(1024, 1 << (top - 1).bit_length())
             cos, sin = self.emb(torch.empty(0), torch.arange(rows).view(1, -1))
             self.table = cos[0], sin[0]
-        cos, sin = self.table
-        return cos[positions].to(like.dtype), sin[positions].to(like.dtype)
+        return self.table

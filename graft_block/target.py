@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from graft_block.tree import Tree, attention_mask, position_ids
@@ -120,6 +121,8 @@ class Target:
         return ids
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.lean is not None:  # the lean engine's own lookup (plain table; drafting calls this a few times a round)
+            return F.embedding(ids, self.lean.embed)
         return self.model.get_input_embeddings()(ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -521,6 +521,12 @@ def test_rope_lookup_agrees_with_hfs_computation(scaling):
             tol = 1e-6 if like.dtype == torch.float32 else 1e-2
             assert torch.allclose(cos.float(), ref_cos.float(), atol=tol)
             assert torch.allclose(sin.float(), ref_sin.float(), atol=tol)
+    # rows(first, count, step): consecutive positions (step 1) or one position repeated (step 0, a tree level)
+    for first, count, step in ((0, 3, 1), (1021, 6, 1), (5000, 4, 0), (12, 1, 0), (-2, 3, 1)):
+        cos, sin = rot.rows(first, count, step)
+        ref_cos, ref_sin = rot.emb(torch.zeros(1), first + step * torch.arange(count).view(1, -1))
+        assert cos.shape == (count, 32) and cos.dtype == torch.float32
+        assert torch.allclose(cos, ref_cos[0], atol=1e-6) and torch.allclose(sin, ref_sin[0], atol=1e-6)
     assert (rot.table is None) == (scaling is not None and scaling["rope_type"] == "dynamic")
 
 

@@ -68,7 +68,7 @@ def top_children(parent_scores: torch.Tensor, child_logprobs: torch.Tensor, top_
 
 
 def select_frontier(cum_scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Flat indices of the global top-k of the [F, k] candidate scores (stable: earlier index wins ties)."""
+    """Flat indices of the global top-k of the [F, k] (or flat) candidate scores (stable: earlier index wins ties)."""
     flat = cum_scores.reshape(-1)
     order = torch.sort(flat, descending=True, stable=True).indices
     return order[: min(int(top_k), flat.numel())]
@@ -118,35 +118,41 @@ def expand(
     tokens = [map_draft_ids(ids, d2t)]
     parents = [torch.full_like(ids, -1)]
     scores = [cum]
-    depths = [torch.ones_like(ids)]
     frontier = torch.arange(ids.numel(), device=dev)  # candidate indices of the current frontier
     frontier_tokens = tokens[0]
     parent_slot = torch.zeros_like(frontier)
     offset = ids.numel()
     frontiers = [cum]
+    # the best ``budget`` scores so far, as Python floats (float32 values, compared exactly): the dead-frontier
+    # test is then one comparison a level, not a concatenation and a count over every candidate
+    best = sorted(cum.tolist(), reverse=True)[:budget] if budget is not None else []
     for level in range(1, depth + 1):
         if stop_fn is not None and stop_fn(level, frontiers[-1]):
             break
-        if budget is not None and frontier_is_dead(torch.cat(scores), frontiers[-1], budget):
-            break
+        if budget is not None and (budget <= 0 or len(best) >= budget
+                                   and best[budget - 1] >= float(frontiers[-1].max())):
+            break  # frontier_is_dead: ``budget`` candidates already rank ahead of any descendant
         child_lp = child_fn(level, frontier_tokens, parent_slot)
         c_ids, c_cum = top_children(frontiers[-1], child_lp, top_k)  # [F, k]
-        F, k = c_ids.shape
+        k = c_ids.shape[1]
+        level_scores = c_cum.reshape(-1)
         tokens.append(map_draft_ids(c_ids.reshape(-1), d2t))
-        parents.append(frontier.view(-1, 1).expand(F, k).reshape(-1))
-        scores.append(c_cum.reshape(-1))
-        depths.append(torch.full((F * k,), level + 1, dtype=torch.long, device=dev))
-        pick = select_frontier(c_cum, top_k)
+        parents.append(frontier.repeat_interleave(k))
+        scores.append(level_scores)
+        pick = select_frontier(level_scores, top_k)
         parent_slot = pick // k
         frontier = offset + pick
         frontier_tokens = tokens[-1][pick]
-        frontiers.append(scores[-1][pick])
-        offset += F * k
+        frontiers.append(level_scores[pick])
+        offset += level_scores.numel()
+        if budget is not None:
+            best = sorted(best + level_scores.tolist(), reverse=True)[:budget]
+    sizes = torch.tensor([t.numel() for t in tokens])
     return Candidates(
         tokens=torch.cat(tokens).long().cpu(),
         parents=torch.cat(parents).long().cpu(),
         scores=torch.cat(scores).float().cpu(),
-        depths=torch.cat(depths).long().cpu(),
+        depths=torch.arange(1, len(tokens) + 1).repeat_interleave(sizes),
         frontiers=tuple(f.float().cpu() for f in frontiers),
     )
 

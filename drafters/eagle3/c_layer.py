@@ -32,7 +32,7 @@ class CLayer:
         m, cfg = head.midlayer, head.cfg
         a = m.self_attn
         kept = head.__dict__.get("_c_layer")
-        if kept is None or kept[0] != weights_key([*m.parameters(), head.lm_head.weight]):
+        if kept is None or kept[0] != weights_key([*m.parameters(), head.lm_head.weight, head.fc.weight]):
             layer = c_layer(m.input_layernorm, m.post_attention_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
                             m.mlp.gate_proj, m.mlp.up_proj, m.mlp.down_proj, hn=m.hidden_norm.weight.detach(),
                             norm_residual=m.norm_before_residual)
@@ -41,11 +41,22 @@ class CLayer:
             # the final norm and LM head in one C call, not a module chain: ~0.1 ms of wrappers per level otherwise
             lm = None if head.lm_head.bias is not None else skinny.SkinnyWeight(head.lm_head.weight,
                                                                                 half=skinny.draft_half())
-            release_for_c_layers(target, head, [*a.children(), *m.mlp.children(), *([head.lm_head] if lm else [])])
+            # fc too (its pack called directly: the module path's checks cost as much as its 1-5-row product)
+            fc = None if cfg.norm_before_fc or head.fc.bias is not None else skinny.SkinnyWeight(
+                head.fc.weight, half=skinny.draft_half())
+            release_for_c_layers(target, head, [*a.children(), *m.mlp.children(), *([head.lm_head] if lm else []),
+                                                *([head.fc] if fc else [])])
             # keyed after the release: the freed weights are the state this pack belongs to
-            kept = head.__dict__["_c_layer"] = (weights_key([*m.parameters(), head.lm_head.weight]), layers, lm)
-        self.head, self.layers, self.lm = head, kept[1], kept[2]
+            key = weights_key([*m.parameters(), head.lm_head.weight, head.fc.weight])
+            kept = head.__dict__["_c_layer"] = (key, layers, lm, fc)
+        self.head, self.layers, self.lm, self.fc = head, kept[1], kept[2], kept[3]
         self.cache = skinny.LayerCache(1, a.n_kv, a.head_dim)
+
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        """[m, 3 x target hidden] target features -> [m, hidden] float32 (``Eagle3Head.fuse``)."""
+        if self.fc is None or feats.shape[-1] != self.fc.n_in:
+            return self.head.fuse(feats)  # (which names a wrong feature width)
+        return skinny.linear(feats.to(torch.float32), self.fc)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """The head's draft-vocabulary logits of pre-norm outputs [f, hidden] (``Eagle3Head.logits``)."""
@@ -54,16 +65,15 @@ class CLayer:
         n = self.head.norm
         return skinny.norm_linear(out.to(torch.float32), n.weight.detach(), n.eps, self.lm)
 
-    def forward(self, emb: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, start: int,
+    def forward(self, emb: torch.Tensor, g: torch.Tensor, position: int, start: int,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """emb, g [f, hidden] (token embeddings, fused features), positions [f] -> the layer's pre-norm output
-        [f, hidden]; the rows' K/V go to cache rows start..start+f. mask: additive [f, start + f] or None."""
+        """emb, g [f, hidden] float32 (token embeddings, fused features) -> the layer's pre-norm output [f, hidden];
+        the rows' K/V go to cache rows start..start+f. Without a mask the rows are consecutive positions from
+        ``position``, causal; with an additive mask [f, start + f] they are one tree level, all at ``position``."""
         f = g.shape[0]
         self.cache.reserve(start + f, start)
-        x = g.to(torch.float32).contiguous().clone()  # updated in place by the layer
-        cos, sin = self.head.rope(x[None], positions.view(1, -1))
-        if mask is not None:
-            mask = mask.reshape(f, start + f).to(torch.float32).contiguous()
-        self.layers.run(x, cos[0].contiguous(), sin[0].contiguous(), self.cache.k, self.cache.v, start, mask, {},
-                        emb=emb.to(torch.float32).contiguous())
+        x = g.contiguous().clone()  # updated in place by the layer
+        cos, sin = self.head.rotary.rows(position, f, 0 if mask is not None else 1)
+        self.layers.run(x, cos.contiguous(), sin.contiguous(), self.cache.k, self.cache.v, start, mask, {},
+                        emb=emb.contiguous())
         return x

@@ -67,6 +67,8 @@ class Eagle3Drafter(Drafter):
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
             raise ConfigError(f"top_k must be an int >= 1, got {top_k!r}")
         self.depth, self.top_k = depth, top_k
+        # draft -> target id offsets; None when the draft vocabulary is the target's own (read once, not per round)
+        self.d2t = None if head.cfg.draft_vocab_size == head.cfg.vocab_size and not bool(head.d2t.any()) else head.d2t
         if feature_layers is None:
             ids = head.cfg.aux_layer_ids
             feature_layers = [i + 1 for i in ids] if ids is not None else default_feature_layers(target.num_layers)
@@ -142,13 +144,14 @@ class Eagle3Drafter(Drafter):
             toks = torch.tensor(state.tokens[start + 1: start + 1 + m], device=self.target.device)
             if toks.numel() != m:
                 raise ConfigError("eagle3: fewer committed tokens than features (token/feature shift broken)")
+            if self.c_layer is not None:  # causal over the new pairs, all earlier ones visible
+                g = self.c_layer.fuse(feats.view(m, -1))
+                self.root_out = self.c_layer.forward(self.embed(toks), g, start, self.n_pairs)[-1]
+                self.n_pairs += m
+                continue
             emb = self.embed(toks).view(1, m, -1)
             g = self.head.fuse(feats.view(1, m, -1))
             pos = torch.arange(start, start + m, device=g.device).view(1, m)
-            if self.c_layer is not None:  # causal over the new pairs, all earlier ones visible
-                self.root_out = self.c_layer.forward(emb[0], g[0], pos[0], self.n_pairs)[-1]
-                self.n_pairs += m
-                continue
             mask = None if self.k_cache is None else prefix_mask(m, self.n_pairs, g.dtype, g.device)
             out, k, v = self.head(emb, g, pos, self.k_cache, self.v_cache, mask)
             self.k_cache = k if self.k_cache is None else torch.cat([self.k_cache, k], dim=2)
@@ -183,18 +186,18 @@ class Eagle3Drafter(Drafter):
         def child_fn(level: int, tokens: torch.Tensor, parent_slot: torch.Tensor) -> torch.Tensor:
             f = tokens.numel()
             parent_slot = parent_slot.to(dev)
-            g = level_out[-1][parent_slot].view(1, f, -1)
-            emb = self.embed(tokens.to(dev)).view(1, f, -1).to(g.dtype)
-            pos = torch.full((1, f), n - 1 + level, device=dev, dtype=torch.long)
+            g = level_out[-1][parent_slot]
+            emb = self.embed(tokens.to(dev)).to(g.dtype)
             tmask = next_tree_mask(tree_mask[-1], parent_slot)  # [f, drafted + f]
-            mask = torch.full((f, n + tmask.shape[1]), torch.finfo(g.dtype).min, dtype=g.dtype, device=dev)
-            mask[:, :n] = 0
-            mask[:, n:].masked_fill_(tmask, 0)
+            mask = torch.zeros(f, n + tmask.shape[1], dtype=g.dtype, device=dev)
+            mask[:, n:].masked_fill_(~tmask, torch.finfo(g.dtype).min)
             tree_mask.append(tmask)
             if self.c_layer is not None:  # the level's K/V after the accepted pairs and the levels before
-                out = self.c_layer.forward(emb[0], g[0], pos[0], n + tmask.shape[1] - f, mask)
+                out = self.c_layer.forward(emb, g, n - 1 + level, n + tmask.shape[1] - f, mask)
                 level_out.append(out)
-                return torch.log_softmax(logits(out).float(), dim=-1)
+                return torch.log_softmax(logits(out), dim=-1)
+            g, emb = g.view(1, f, -1), emb.view(1, f, -1)
+            pos = torch.full((1, f), n - 1 + level, device=dev, dtype=torch.long)
             pk = torch.cat([self.k_cache] + tree_k, dim=2)
             pv = torch.cat([self.v_cache] + tree_v, dim=2)
             out, k, v = head(emb, g, pos, pk, pv, mask.view(1, 1, f, -1))
@@ -203,13 +206,12 @@ class Eagle3Drafter(Drafter):
             level_out.append(out[0])
             return torch.log_softmax(head.logits(out[0]).float(), dim=-1)
 
-        d2t = None if head.cfg.draft_vocab_size == head.cfg.vocab_size and not bool(head.d2t.any()) else head.d2t
         # a budget-b tree is at most b deep (every node brings its ancestors): deeper levels are never kept
         levels = min(self.depth, max(0, self.budget - 1))
         # nor wider: a node outside its level's top b has b better nodes at that level, so neither it nor its
         # children make the top b; drafting only the top min(k, b) per level proposes the same tree
         # and a level whose frontier cannot place a descendant in the top b is not drafted (frontier_is_dead)
-        cands = expand(root_lp, child_fn, levels, min(self.top_k, self.budget), d2t, self.stop_fn, self.budget)
+        cands = expand(root_lp, child_fn, levels, min(self.top_k, self.budget), self.d2t, self.stop_fn, self.budget)
         with state.section("tree"):
             tree = rerank(cands, state.root_token, self.budget)
         self.last_candidates = cands

@@ -228,6 +228,7 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """[.., 3*target_hidden] target features -> [.., hidden] (fc applies to target features only)."""
+        check_not_released(self)
         if feats.shape[-1] != self.fc.in_features:
             raise ConfigError(f"EAGLE-3 fc expects {self.fc.in_features} feature channels (3 x target hidden), got "
                               f"{feats.shape[-1]}: check feature_layers / target_hidden_size")
