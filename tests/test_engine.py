@@ -42,6 +42,25 @@ def test_greedy_identity_other_families(arch):
     assert SpeculativeDecoder(target, None).generate(prompt, max_new_tokens=48).tokens == ref
 
 
+def test_greedy_tokens_follow_torchs_argmax_rule():
+    """The greedy pick (numpy's argmax on CPU float32) is torch's: the first of tied maxima, NaN as largest, any
+    shape and stride, float32 and not; a wrong rule (the last of tied maxima) would fail here."""
+    from graft_block.sampling import greedy_tokens
+
+    g = torch.Generator().manual_seed(3)
+    ties = torch.zeros(3, 9)
+    ties[0, [2, 6]] = 4.0  # tied maxima: the first wins
+    ties[1, [1, 5]] = float("nan")  # NaN counts as largest, first NaN wins
+    ties[2, 8] = float("inf")
+    cases = [torch.randn(5, 49152, generator=g), torch.randn(49152, generator=g), ties,
+             torch.randn(6, 40, generator=g)[:, ::3], torch.randn(4, 30, generator=g).double(),
+             torch.randn(2, 3, 17, generator=g)]
+    for x in cases:
+        got = greedy_tokens(x)
+        assert torch.equal(got, x.argmax(-1)) and got.dtype == torch.long and got.shape == x.argmax(-1).shape
+    assert greedy_tokens(ties).tolist() == [2, 1, 8]
+
+
 def test_ar_loop_matches_hf_greedy(tiny_llama):
     prompt = [1, 2, 3]
     assert SpeculativeDecoder(tiny_llama).generate(prompt, max_new_tokens=40).tokens == hf_greedy(tiny_llama, prompt, 40)

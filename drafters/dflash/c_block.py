@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from graft_block import skinny
+from graft_block.engine import rms_norm
 
 from ..layers import c_layer, c_layers_reason, release_for_c_layers, rotate_half, weights_key
 from .model import DFlashModel
@@ -26,7 +27,7 @@ def c_layers_for(model: DFlashModel, target) -> "skinny.DecoderLayers | None":
     if why_not(model, target) is not None:
         return None
     kept = model.__dict__.get("_c_layers")
-    if kept is None or kept[0] != weights_key(model.layers.parameters()):
+    if kept is None or kept[0] != weights_key([*model.layers.parameters(), model.fc.weight]):
         layers = skinny.DecoderLayers(
             [c_layer(lyr.input_layernorm, lyr.post_attention_layernorm, lyr.self_attn.q_proj, lyr.self_attn.k_proj,
                      lyr.self_attn.v_proj, lyr.self_attn.o_proj, lyr.mlp.gate_proj, lyr.mlp.up_proj,
@@ -40,7 +41,8 @@ def c_layers_for(model: DFlashModel, target) -> "skinny.DecoderLayers | None":
                                                                                *lyr.mlp.children())
                                              if isinstance(m, torch.nn.Linear)])
         # keyed after the release: the freed weights are the state these packs belong to
-        kept = model.__dict__["_c_layers"] = (weights_key(model.layers.parameters()), layers, context)
+        kept = model.__dict__["_c_layers"] = (weights_key([*model.layers.parameters(), model.fc.weight]), layers,
+                                              context)
     return kept[1]
 
 
@@ -56,15 +58,16 @@ def why_not(model: DFlashModel, target) -> str | None:
     return reason or skinny.layers_unsupported(model.config.hidden_size, *_heads(model))
 
 
-def _context_pack(model: DFlashModel) -> tuple["skinny.SkinnyWeight", torch.Tensor | None, torch.Tensor]:
-    """Every layer's k_proj and v_proj as one product (the context K/V of all layers in one call), its bias, and
-    the layers' k_norm weights [layers, 1, head_dim]."""
+def _context_pack(model: DFlashModel) -> tuple:
+    """Every layer's k_proj and v_proj as one product (the context K/V of all layers in one call), its bias, the
+    layers' k_norm weights [layers, 1, head_dim], and ``fc`` packed (None with a bias: the module runs it)."""
     attn = [lyr.self_attn for lyr in model.layers]
     w = torch.cat([t for a in attn for t in (a.k_proj.weight, a.v_proj.weight)]).detach()
     b = None if attn[0].k_proj.bias is None else \
         torch.cat([t for a in attn for t in (a.k_proj.bias, a.v_proj.bias)]).detach()
     k_norm = torch.stack([a.k_norm.weight.detach() for a in attn]).unsqueeze(1)
-    return skinny.SkinnyWeight(w, half=skinny.draft_half()), b, k_norm
+    fc = None if model.fc.bias is not None else skinny.SkinnyWeight(model.fc.weight, half=skinny.draft_half())
+    return skinny.SkinnyWeight(w, half=skinny.draft_half()), b, k_norm, fc
 
 
 class CContext:
@@ -75,17 +78,26 @@ class CContext:
         self.model, self.layers = model, layers
         self.cache = skinny.LayerCache(len(model.layers), *_heads(model)[1:])
 
-    def append(self, ctx: torch.Tensor, positions: torch.Tensor, start: int) -> None:
-        """ctx [m, H] (``DFlashModel.fuse``) at ``positions`` [m] -> every layer's context K/V (``context_kv``'s
-        k_proj / k_norm / RoPE and v_proj, all layers in one product) at rows start..start+m."""
-        _, _, (w, b, k_norm) = self.model.__dict__["_c_layers"]
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[m, n_feat x H] target features -> the projected context [m, H] float32 (``DFlashModel.fuse``), fc from
+        its own pack (the module path's checks cost as much as its few-row product)."""
+        fc = self.model.__dict__["_c_layers"][2][3]
+        if fc is None or features.shape[-1] != fc.n_in:
+            return self.model.fuse(features.unsqueeze(0))[0].to(torch.float32)
+        norm = self.model.hidden_norm
+        return rms_norm(skinny.linear(features.to(torch.float32), fc), norm.weight, norm.eps)
+
+    def append(self, ctx: torch.Tensor, start: int) -> None:
+        """ctx [m, H] (``fuse``) at positions start..start+m -> every layer's context K/V (``context_kv``'s
+        k_proj / k_norm / RoPE and v_proj, all layers in one product) at cache rows start..start+m."""
+        w, b, k_norm, _ = self.model.__dict__["_c_layers"][2]
         nl, kvh, hd = self.cache.shape
         m = ctx.shape[0]
         kv = skinny.linear(ctx.to(torch.float32).contiguous(), w, b).view(m, nl, 2, kvh, hd)
         k, v = kv[:, :, 0], kv[:, :, 1]
         eps = self.model.layers[0].self_attn.k_norm.eps
-        k = k_norm * (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps))  # every layer's k_norm at once
-        cos, sin = (t[0].view(m, 1, 1, hd) for t in self.model.rope(positions.view(1, -1), k))
+        k = torch.rms_norm(k, (hd,), None, eps) * k_norm  # every layer's k_norm at once
+        cos, sin = (t.view(m, 1, 1, hd) for t in self.model.rotary.rows(start, m))
         k = k * cos + rotate_half(k) * sin
         self.cache.reserve(start + m, start)
         self.cache.k[:, :, :, start : start + m] = k.permute(1, 2, 3, 0)  # [layers, kv_heads, head_dim, m]

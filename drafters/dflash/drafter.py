@@ -142,11 +142,13 @@ class DFlashDrafter(Drafter):
         if start != self.ctx_len:
             raise ConfigError(f"draft context holds {self.ctx_len} tokens but new features start at {start}")
         m = features.shape[0]
+        if self.c_context is not None:
+            self.c_context.append(self.c_context.fuse(features), start)
+            self.ctx_len += m
+            return
         ctx = self.model.fuse(features.unsqueeze(0))
         pos = torch.arange(start, start + m, device=ctx.device).view(1, -1)
-        if self.c_context is not None:
-            self.c_context.append(ctx[0], pos[0], start)
-        elif not self.ctx_k:
+        if not self.ctx_k:
             kv = self.model.context_kv(ctx, pos)
             self.ctx_k, self.ctx_v = [k for k, _ in kv], [v for _, v in kv]
         else:
