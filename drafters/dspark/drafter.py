@@ -15,6 +15,7 @@ estimated probability that each node of the last proposed tree is accepted, from
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from graft_block.drafter import register, shared_checkpoint
 from graft_block.engine import inference_linear
@@ -42,10 +43,13 @@ class DSparkDrafter(DFlashDrafter):
         super().__init__(target, model, proposal=proposal, budget=budget, block_size=block_size,
                          marginal_topk=marginal_topk, checkpoint=checkpoint)
         self.prefetch = int(prefetch)
-        self._w2 = None
-        if model.markov_head is not None:  # the draft-vocabulary rows of W2, gathered once
+        self._w1 = self._w2 = None
+        if model.markov_head is not None:  # W1 and the draft-vocabulary rows of W2, gathered once
             w2 = model.markov_head.markov_w2.weight
             self._w2 = (w2 if model.draft_vocab is None else w2[model.draft_vocab.to(w2.device)]).detach()
+            self._w1 = model.markov_head.markov_w1.weight.detach()
+        # draft-vocabulary column -> target id as a list: a tree's few ids are mapped in Python, not by an index op
+        self._vocab = None if model.draft_vocab is None else model.draft_vocab.tolist()
         self._w2_layouts: dict = {}  # W2's layout for the engine's kernel (a few parent rows per product)
         self._last: tuple[Tree, torch.Tensor | None] | None = None
 
@@ -88,15 +92,17 @@ class DSparkDrafter(DFlashDrafter):
             todo = [t for t in dict.fromkeys(prevs[: 1 + self.prefetch]) if (depth, t) not in cache]
             if todo:
                 prev = torch.tensor(todo, device=dev)
-                z = base[depth - 1].unsqueeze(0).expand(len(todo), -1)  # no Markov head: one row for every parent
                 emb = None
-                if self._w2 is not None:
-                    emb = model.markov_head.prev_embed(prev)
-                    z = z + inference_linear(emb.to(self._w2.dtype), self._w2, None, model.kernel, self._w2_layouts)
+                if self._w2 is None:  # no Markov head: one row for every parent
+                    z = base[depth - 1].unsqueeze(0).expand(len(todo), -1)
+                else:  # base + W2 W1[prev], summed into the product's fresh output
+                    emb = F.embedding(prev, self._w1)
+                    z = inference_linear(emb.to(self._w2.dtype), self._w2, None, model.kernel, self._w2_layouts)
+                    z = z.add_(base[depth - 1]) if z.dtype == base.dtype else z + base[depth - 1]
                 lp = torch.log_softmax(z.float() / temperature if temperature > 0 else z.float(), -1)
                 vals, cols = lp.topk(k, dim=-1)
-                vals = vals.tolist()
-                ids = model.to_vocab_ids(cols).tolist()
+                vals, cols = vals.tolist(), cols.tolist()
+                ids = cols if self._vocab is None else [[self._vocab[c] for c in row] for row in cols]
                 conf = model.confidence_logits(hidden[depth - 1].expand(len(todo), -1), prev, emb)
                 conf = None if conf is None else model.calibrated(conf, depth - 1).tolist()
                 for i, t in enumerate(todo):
