@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from graft_block.engine import libc as _libc, trim_heap  # noqa: F401 (the main job trims through here)
+from graft_block.engine import libc
 
 OTHERS_CORES = 0.25  # a quarter of a core used by other processes, on average over the window
 RUNQ_SHARE = 0.10  # our threads waited for a CPU 10% of the wall time
@@ -182,9 +182,9 @@ def return_large_frees() -> None:
     """glibc: allocations of 4 MB or more get their own mapping and go back to the system when freed. By default
     the threshold grows with the largest block freed (up to 32 MB), and the engine's packing and the drafters'
     loading then leave freed weight-sized blocks in the heap (measured: ~40 MB of the main job's peak)."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD (fixing it also stops its growth)
+    c = libc()
+    if c is not None:
+        c.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD (fixing it also stops its growth)
 
 
 def own_peak_rss_mb() -> float | None:

@@ -24,7 +24,7 @@ import time
 import graft_block  # noqa: F401 - first: it sets the BLAS thread policy before numpy loads
 import torch
 
-from graft_block.engine import device_name, kernel_weight, linear, torch_threads
+from graft_block.engine import STREAM_BYTES, device_name, kernel_weight, linear, torch_threads
 from graft_block.errors import ConfigError
 from graft_block.eval import machine, measure
 
@@ -254,7 +254,7 @@ def format_report(p: dict) -> str:
         t = p["gemm_times"]
         per = "; ".join(f"{k} " + "/".join(_ms(t[k].get(n)) for n in sorted(t["mkl"])) for k in t if t[k])
         lines.append(f"- products: {p['gemm']}, chosen by measuring the weights a forward streams (first layers up "
-                     f"to 4x the last-level cache, >= 128 MB, + the LM head) at rows "
+                     f"to 4x the last-level cache, >= {STREAM_BYTES >> 20} MB, + the LM head) at rows "
                      f"{'/'.join(str(n) for n in sorted(t['mkl']))} (ms): {per}")
     elif p.get("gemm"):
         lines.append(f"- products: {p['gemm']}")

@@ -32,6 +32,7 @@ if not __package__ and (Path(__file__).resolve().parents[1] / "graft_block").is_
 import graft_block  # noqa: E402,F401 - first: it sets the BLAS thread policy before numpy loads
 import torch  # noqa: E402
 
+from graft_block.engine import trim_heap  # noqa: E402
 from graft_block.errors import ConfigError  # noqa: E402
 from graft_block.eval import llamacpp, machine, measure, physics, presets, report  # noqa: E402
 from graft_block.eval.methods import load_method_files, lookup, make_method  # noqa: E402
@@ -125,7 +126,7 @@ def build_methods(names, extra, target, budgets, curve, prompts, chimeric):
         # a drafter reads rows of HF's embedding and LM head while it is built: release those pages again after
         # each; a pilot's freed drafter leaves small blocks in the heap: give them back (80 MB of the peak)
         target.release_hf_weights()
-        machine.trim_heap()
+        trim_heap()
 
     for name in names:
         spec = lookup(name, extra)
@@ -201,7 +202,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     curve = measure.verify_cost_curve(target, fresh=args.fresh_cost)
     target.share_drafter_checkpoints = True  # methods only read their drafters' weights: one copy per checkpoint
     runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric)
-    machine.trim_heap()
+    trim_heap()
     if rank == 0:
         for n, why in skipped.items():
             print(f"[skip] {n}: {why}", file=sys.stderr)

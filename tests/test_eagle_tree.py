@@ -186,3 +186,5 @@ def test_frontier_is_dead_counts_ties_as_ahead():
     assert frontier_is_dead(scores, torch.tensor([-2.0]), 3)  # -1, -2, -2 all rank ahead of a child of -2
     assert not frontier_is_dead(scores, torch.tensor([-2.0, -3.0]), 4)
     assert not frontier_is_dead(scores, torch.tensor([-1.0]), 2)
+    assert frontier_is_dead([-1.0, -2.0, -2.0], torch.tensor([-2.0]), 3)  # the best few as a list: the same rule
+    assert not frontier_is_dead([-1.0, -2.0, -2.0], torch.tensor([-1.5]), 3)

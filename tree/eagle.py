@@ -81,13 +81,15 @@ def next_tree_mask(prev_mask: torch.Tensor, parent_slot: torch.Tensor) -> torch.
     return torch.cat([inherited, torch.eye(f, dtype=torch.bool, device=prev_mask.device)], dim=1)
 
 
-def frontier_is_dead(scores: torch.Tensor, frontier_scores: torch.Tensor, budget: int) -> bool:
-    """True when no descendant of the frontier can make the top ``budget`` of the candidates.
+def frontier_is_dead(scores, frontier_scores: torch.Tensor, budget: int) -> bool:
+    """True when no descendant of the frontier can make the top ``budget`` of the candidates (``scores``: a tensor
+    or list of the candidates' scores; the best ``budget`` of them decide it as well as all do).
 
     A descendant scores at most its frontier ancestor (log-probs <= 0, and float addition of a non-positive term
     never rounds up) and is recorded after every current candidate, so the stable rerank puts every current
     candidate scoring >= the best frontier score ahead of it: ``budget`` of those leave it no room."""
-    return int((scores >= frontier_scores.max()).sum()) >= budget
+    top = float(frontier_scores.max())
+    return sum(s >= top for s in (scores.tolist() if torch.is_tensor(scores) else scores)) >= budget
 
 
 def expand(
@@ -124,14 +126,13 @@ def expand(
     offset = ids.numel()
     frontiers = [cum]
     # the best ``budget`` scores so far, as Python floats (float32 values, compared exactly): the dead-frontier
-    # test is then one comparison a level, not a concatenation and a count over every candidate
+    # test reads these, not a concatenation of every candidate each level
     best = sorted(cum.tolist(), reverse=True)[:budget] if budget is not None else []
     for level in range(1, depth + 1):
         if stop_fn is not None and stop_fn(level, frontiers[-1]):
             break
-        if budget is not None and (budget <= 0 or len(best) >= budget
-                                   and best[budget - 1] >= float(frontiers[-1].max())):
-            break  # frontier_is_dead: ``budget`` candidates already rank ahead of any descendant
+        if budget is not None and frontier_is_dead(best, frontiers[-1], budget):
+            break
         child_lp = child_fn(level, frontier_tokens, parent_slot)
         c_ids, c_cum = top_children(frontiers[-1], child_lp, top_k)  # [F, k]
         k = c_ids.shape[1]
