@@ -12,6 +12,10 @@ cache dir), then training resumed from a bundled checkpoint:
 or in one step, the features recomputed inside every training step (no cache; see TRAINING.md for which is faster):
     python -m graft_block.drafters.train --type dflash --online --data drafters/data/smollm2-sharegpt ...
 
+Held-out figures read a split of --data (--holdout N) or, with --eval-data CACHE, a separate feature cache; the
+bundled drafters trained on the committed greedy answers, so compare them on drafters/data/smollm2-sharegpt-heldout
+(prompts none of them saw; its README has the two commands). --steps 0 only evaluates --init.
+
 DFlash, DSpark and MFD share one block recipe; its keys go in --config: num_anchors, unique_anchors, anchor_chunk,
 eval_anchors, gamma, ce_weight, soft_weight, l1_weight (defaults and measurements: docs/training.md, "The block
 recipe").
@@ -75,11 +79,15 @@ def main(argv=None):
     ap.add_argument("--run", default=None, help="run folder (state.pt, log.jsonl)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--epochs", type=float, default=1.0)
-    ap.add_argument("--steps", type=int, default=None, help="optimiser steps (overrides --epochs)")
+    ap.add_argument("--steps", type=int, default=None, help="optimiser steps (overrides --epochs); 0 only "
+                    "evaluates --init on the held-out data")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--warmup", type=float, default=0.04)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--holdout", type=int, default=24)
+    ap.add_argument("--eval-data", default=None, metavar="CACHE",
+                    help="held-out feature cache replacing --holdout (e.g. one built --from-onpolicy "
+                         "drafters/data/smollm2-sharegpt-heldout, prompts no bundled drafter trained on)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--minutes", type=float, default=None, help="training wall-clock limit")
     ap.add_argument("--draft-vocab", type=int, default=None,
@@ -132,7 +140,7 @@ def main(argv=None):
                 holdout=args.holdout, eval_every=args.eval_every,
                 time_limit_s=None if args.minutes is None else args.minutes * 60, resume=args.resume,
                 seed=args.seed, draft_vocab_size=args.draft_vocab, limit=args.limit, steps=args.steps,
-                online=args.online, kinds=args.kinds.split(",") if args.kinds else None,
+                online=args.online, kinds=args.kinds.split(",") if args.kinds else None, eval_data=args.eval_data,
                 log=lambda s: print(s, flush=True))
     print(json.dumps(res))
 

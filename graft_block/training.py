@@ -143,7 +143,19 @@ def split_holdout(recs: list[dict], holdout: int) -> tuple[list[dict], list[dict
         raise ConfigError(f"holdout {holdout} leaves no training data ({len(recs)} sequences)")
     picks = {round(i * (len(recs) - 1) / max(1, holdout - 1)) for i in range(holdout)} if holdout > 1 else {0}
     held = [recs[i] for i in sorted(picks)]
+    return held, without_overlap([r for i, r in enumerate(recs) if i not in picks], held)
 
+
+def select_features(recs: list[dict], cached: list[int], layers: list[int], H: int) -> None:
+    """Keep, in place, the feature columns of ``layers`` (HF hidden_states indices) out of ``cached``'s."""
+    if layers != cached:
+        cols = torch.cat([torch.arange(cached.index(i) * H, (cached.index(i) + 1) * H) for i in layers])
+        for r in recs:
+            r["feats"] = r["feats"][:, cols].contiguous()
+
+
+def without_overlap(recs: list[dict], held: list[dict]) -> list[dict]:
+    """``recs`` less every record whose answer or prompt equals one of ``held``'s."""
     def answer(r):
         return tuple(r["ids"][int(r.get("prompt_len", 0)):].tolist())
 
@@ -153,8 +165,7 @@ def split_holdout(recs: list[dict], holdout: int) -> tuple[list[dict], list[dict
 
     seen = {answer(r) for r in held}
     prompts = {prompt(r) for r in held} - {None}
-    return held, [r for i, r in enumerate(recs)
-                  if i not in picks and answer(r) not in seen and prompt(r) not in prompts]
+    return [r for r in recs if answer(r) not in seen and prompt(r) not in prompts]
 
 
 def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: str | Path, cfg: dict | None = None,
@@ -162,13 +173,15 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
           weight_decay: float = 0.0, batch_size: int = 4, holdout: int = 24, eval_every: int = 100,
           log_every: int = 10, time_limit_s: float | None = None, resume: bool = False, seed: int = 0,
           draft_vocab_size: int | None = None, limit: int | None = None, steps: int | None = None,
-          online: bool = False, kinds: list[str] | None = None, log=print) -> dict:
+          online: bool = False, kinds: list[str] | None = None, eval_data: str | None = None, log=print) -> dict:
     """Train ``drafter_type``'s ``training_model`` on cached (or ``online``) data; save its public checkpoint to
     ``out_dir`` and the resumable state (``state.pt``) and ``log.jsonl`` to ``run_dir``. ``steps`` (when given)
     fixes the number of optimiser steps instead of ``epochs`` (equal-step comparisons). ``online``: ``data`` names
     on-policy dataset folders (``graft_block.onpolicy``, comma-separated; ``kinds`` selects shard kinds) and each
-    batch's features and soft labels come from a target forward inside the step instead of a cache. Returns the
-    final eval metrics."""
+    batch's features and soft labels come from a target forward inside the step instead of a cache. ``eval_data``
+    (a feature cache) replaces the ``holdout`` split: every run on the same data reads the same held-out
+    sequences, less any that shares a prompt or an answer with a training sequence. ``steps=0`` only evaluates
+    the init (or, with ``resume``, the run's state). Returns the final eval metrics."""
     from .drafter import drafter_class
 
     klass = drafter_class(drafter_type)
@@ -197,7 +210,10 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         raise ConfigError(f"the run in {run_dir} trained on {state['records']} sequences and the data now holds "
                           f"{len(recs)}: its held-out split would change; start a new run with --init from its "
                           "checkpoint instead of --resume")
-    eval_recs, train_recs = split_holdout(recs, holdout)
+    eval_recs, train_recs = split_holdout(recs, 0 if eval_data else holdout)
+    if eval_data:  # held out only what no training sequence shares (a prompt or a canned answer)
+        eval_recs, eval_meta = load_records(eval_data)
+        eval_recs = without_overlap(eval_recs, train_recs)
     if draft_vocab_size and cfg.get("draft_vocab") is None:
         if online:
             raise ConfigError("draft_vocab_size counts the cached soft labels: drop --draft-vocab, or build a "
@@ -212,7 +228,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         def featurize(rs):  # the cache's records, computed now (one target forward per batch)
             return teacher_forced_records(target, [(r["ids"].tolist(), r["prompt_len"]) for r in rs], layers)
 
-        if rank == 0:  # only rank 0 evaluates
+        if rank == 0 and not eval_data:  # only rank 0 evaluates
             eval_recs = [x for i in range(0, len(eval_recs), EVAL_BATCH)
                          for x in featurize(eval_recs[i: i + EVAL_BATCH])]
     H = int(meta["hidden_size"])
@@ -221,10 +237,21 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     if any(i not in cached for i in layers):
         raise ConfigError(f"training data caches hidden_states {cached}; the drafter needs {layers}: regenerate "
                           "the data with --layers covering them")
-    if layers != cached:
-        cols = torch.cat([torch.arange(cached.index(i) * H, (cached.index(i) + 1) * H) for i in layers])
-        for r in eval_recs + train_recs:
-            r["feats"] = r["feats"][:, cols].contiguous()
+    select_features(train_recs if eval_data else eval_recs + train_recs, cached, layers, H)
+    if eval_data:
+        held_layers = list(eval_meta["feature_layers"])
+        if any(i not in held_layers for i in layers) or int(eval_meta["hidden_size"]) != H:
+            raise ConfigError(f"held-out cache {eval_data} holds hidden_states {held_layers} of width "
+                              f"{eval_meta['hidden_size']}; the drafter needs {layers} of width {H}: rebuild it "
+                              "with --generate --from-onpolicy and the same --layers")
+        select_features(eval_recs, held_layers, layers, H)
+    has_eval = rank == 0 and bool(eval_recs)
+    if steps == 0:
+        if state is not None:
+            model.load_state_dict(state["model"])
+        ev = evaluate(klass, model, target, eval_recs) if has_eval else {}
+        log("[eval] init: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+        return {"step": 0, **ev}
     lengths = [len(r["ids"]) for r in train_recs]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
@@ -235,8 +262,8 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         step, epoch0, elapsed0 = state["step"], state["epoch"], state.get("elapsed", 0.0)
     seen = state.get("tokens_seen", 0) if state is not None else 0  # training tokens consumed (the curve's x axis)
     steps_per_epoch = len(epoch_batches(len(train_recs), batch_size, 0, seed, rank, world))
-    if steps is not None and steps < 1:
-        raise ConfigError(f"steps must be >= 1, got {steps}")
+    if steps is not None and steps < 0:
+        raise ConfigError(f"steps must be >= 0 (0 only evaluates), got {steps}")
     total = steps if steps is not None else max(1, int(math.ceil(epochs * steps_per_epoch)))
     n_params = sum(p.numel() for p in params)
     log(f"[train] {drafter_type}: {n_params / 1e6:.2f} M trainable params, {len(train_recs)} train / "
@@ -257,7 +284,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
 
-    if rank == 0 and step == 0 and holdout:
+    if has_eval and step == 0:
         ev = evaluate(klass, model, target, eval_recs)
         write({"step": 0, "minutes": elapsed0 / 60, "tokens_seen": seen, "eval": ev})
         log("[eval] step 0: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
@@ -300,7 +327,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                 log(f"[train] step {step}/{total} ep {epoch} {minutes:.1f} min lr {cur_lr:.2e} " +
                     " ".join(f"{k} {v:.4g}" for k, v in ema.items() if k != "rows") +
                     f" ({rows / max(1e-6, time.time() - t0):.0f} rows/s)")
-            if rank == 0 and holdout and eval_every and step % eval_every == 0:
+            if has_eval and eval_every and step % eval_every == 0:
                 ev = evaluate(klass, model, target, eval_recs)
                 write({"step": step, "minutes": minutes, "tokens_seen": seen, "eval": ev})
                 log(f"[eval] step {step}: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
@@ -311,7 +338,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                 break
         else:
             epoch += 1
-    ev = evaluate(klass, model, target, eval_recs) if rank == 0 and holdout else {}
+    ev = evaluate(klass, model, target, eval_recs) if has_eval else {}
     minutes = (elapsed0 + time.time() - t0) / 60
     write({"step": step, "minutes": minutes, "tokens_seen": seen, "eval": ev, "final": True})
     if ev:

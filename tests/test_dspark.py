@@ -456,6 +456,29 @@ def test_training_loss_learns_and_packs_unique_anchors(one_thread):
     assert model.markov_head.markov_w2.weight.abs().sum() > 0  # the head learned (it started at W2 = 0)
 
 
+def test_training_follows_the_configured_alignment(one_thread, tmp_path):
+    """DeepSpec's alignment trains the anchor row too (B drafts a block, z-lab's B - 1), each draft j labelled with
+    the token at anchor + j + 1 either way; the saved folder says which, and a DSpark init keeps its own."""
+    target = tiny_target("llama")
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 5, "num_anchors": 4,
+           "markov_rank": 4}
+    for alignment, drafts in (("zlab", 4), ("deepspec", 5)):
+        model = S.DSparkDrafter.training_model(target, dict(cfg, alignment=alignment), "random")
+        assert model.alignment == alignment and model.draft_offset == 5 - drafts
+        batch = _batch(target, model)
+        blk = D.make_blocks(model, batch)
+        assert blk["labels"].shape[-1] == drafts
+        a0 = int(blk["anchors"][0][blk["anchor_ok"][0]][0])
+        assert blk["labels"][0, 0, :3].tolist() == batch["ids"][0, a0 + 1: a0 + 4].tolist()
+        loss, m = S.DSparkDrafter.training_loss(model, target, batch)
+        assert torch.isfinite(loss) and m["rows"] > 0
+    S.DSparkDrafter.save_trained(model, tmp_path / "ds", dict(cfg, alignment="deepspec"))
+    assert json.loads((tmp_path / "ds" / "config.json").read_text())["dflash_config"]["block_alignment"] == "deepspec"
+    assert S.DSparkDrafter.training_model(target, {}, str(tmp_path / "ds")).alignment == "deepspec"
+    with pytest.raises(ConfigError, match="keeps its alignment"):
+        S.DSparkDrafter.training_model(target, {"alignment": "zlab"}, str(tmp_path / "ds"))
+
+
 def test_chunked_anchors_equal_one_packed_forward(one_thread):
     """Blocks see only their own rows and earlier context, so chunking the anchors leaves the loss unchanged."""
     target = tiny_target("llama")

@@ -15,6 +15,7 @@ from graft_block.testing import tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 COMMITTED = Path(__file__).resolve().parents[1] / "drafters" / "data" / "smollm2-sharegpt"
+HELDOUT = COMMITTED.with_name("smollm2-sharegpt-heldout")  # prompts no bundled drafter trained on
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +79,15 @@ def test_errors_name_the_problem(tmp_path, target):
 
 
 @pytest.mark.slow
-def test_committed_smollm2_data_is_on_policy(smollm2):
+@pytest.mark.parametrize("folder", [COMMITTED, HELDOUT], ids=["train", "heldout"])
+def test_committed_smollm2_data_is_on_policy(smollm2, folder):
     """A few committed greedy answers, teacher-forced through SmolLM2: every response token is the target's argmax
     (a near-tie within 1e-4 may go either way: batched generation pads, so sums run in another order)."""
-    if not (COMMITTED / OP.MANIFEST).exists():
-        pytest.skip(f"{COMMITTED} is not committed")
-    man = json.loads((COMMITTED / OP.MANIFEST).read_text())
+    if not (folder / OP.MANIFEST).exists():
+        pytest.skip(f"{folder} is not committed")
+    man = json.loads((folder / OP.MANIFEST).read_text())
     assert man["target_fingerprint"] == OP.fingerprint(smollm2)
-    recs = [r for r in OP.read(COMMITTED, kinds=["greedy"])][:: 97][:4]
+    recs = [r for r in OP.read(folder, kinds=["greedy"])][:: 97][:4]
     assert recs
     with torch.inference_mode():
         for r in recs:
@@ -94,6 +96,24 @@ def test_committed_smollm2_data_is_on_policy(smollm2):
             best = logits.max(-1).values
             chosen = logits.gather(-1, ids[p:, None]).squeeze(-1)
             assert bool((best - chosen <= 1e-4 * best.abs().clamp(min=1)).all()), r["prompt_index"]
+
+
+def test_heldout_prompts_are_not_in_the_training_data():
+    """The held-out set is clean only while no training shard answers one of its prompts: the indices never meet,
+    and the few ShareGPT prompts repeated verbatim (or canned answers) are what training's held-out filter drops."""
+    from graft_block.training import without_overlap
+
+    if not (HELDOUT / OP.MANIFEST).exists() or not (COMMITTED / OP.MANIFEST).exists():
+        pytest.skip("the on-policy datasets are not committed")
+    held = OP.read(HELDOUT)
+    train = OP.read(COMMITTED)
+    assert not {int(r["prompt_index"]) for r in held} & {int(r["prompt_index"]) for r in train}
+    clean = without_overlap(held, train)
+    assert 100 <= len(clean) < len(held)  # 9 ShareGPT prompts recur word for word
+    prompts = {tuple(r["ids"][: r["prompt_len"]].tolist()) for r in train}
+    answers = {tuple(r["ids"][r["prompt_len"]:].tolist()) for r in train}
+    assert not any(tuple(r["ids"][: r["prompt_len"]].tolist()) in prompts for r in clean)
+    assert not any(tuple(r["ids"][r["prompt_len"]:].tolist()) in answers for r in clean)
 
 
 def test_training_cache_from_onpolicy_ids(tmp_path, target):

@@ -152,6 +152,39 @@ def test_resume_continues(tiny, data, tmp_path):
         T.train("nope", tiny, str(data), tmp_path / "x", tmp_path / "y")
 
 
+def test_separate_held_out_cache(tiny, data, tmp_path):
+    """``eval_data``: every evaluation reads that cache (not a split of the training data) less any sequence whose
+    prompt a training sequence shares, ``steps=0`` only evaluates the init, and a cache without the drafter's
+    feature layers is refused by name."""
+    recs, _ = TD.load_records(data)
+    g = torch.Generator().manual_seed(5)
+    prompts = [r["ids"][: r["prompt_len"]].tolist() for r in recs[:2]]  # 2 prompts the training data also holds
+    prompts += [torch.randint(3, 128, (7,), generator=g).tolist() for _ in range(3)]  # and 3 it does not
+    held = tmp_path / "held"
+    TD.generate_data(tiny, "held", prompts=prompts, max_new=16, batch_size=4, layers=(1, 3), topk=4, folder=held,
+                    log=lambda s: None)
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "num_anchors": 4, "mask_token_id": 127, "block_size": 4}
+    lines = []
+    ev = T.train("dflash", tiny, str(data), tmp_path / "ck", tmp_path / "run", cfg=cfg, init="random", steps=0,
+                 eval_data=str(held), log=lines.append)
+    model = D.training_model(tiny, cfg, "random")  # same seed, same init
+    held_recs, _ = TD.load_records(held, feature_layers=model.feature_layers)
+    held_recs = [r for r in held_recs if r["ids"][: r["prompt_len"]].tolist() not in prompts[:2]]
+    assert len(held_recs) == 3
+    ref = T.evaluate(D.DFlashDrafter, model, tiny, held_recs)
+    assert ev["step"] == 0 and ev["loss"] == pytest.approx(ref["loss"]) and ev["rows"] == pytest.approx(ref["rows"])
+    assert not (tmp_path / "ck").exists()  # nothing trained, nothing saved
+    T.train("dflash", tiny, str(data), tmp_path / "ck", tmp_path / "run", cfg=cfg, init="random", steps=2,
+            batch_size=4, eval_data=str(held), log=lines.append)
+    assert any("30 train / 3 held-out sequences" in x for x in lines), lines
+    bad = tmp_path / "bad"
+    TD.generate_data(tiny, "bad", prompts=prompts, max_new=4, batch_size=4, layers=(1, 2), topk=4, folder=bad,
+                    log=lambda s: None)
+    with pytest.raises(ConfigError, match="holds hidden_states \\[1, 2\\].*needs \\[1, 3\\]"):
+        T.train("dflash", tiny, str(data), tmp_path / "ck2", tmp_path / "run2", cfg=cfg, init="random", steps=0,
+                eval_data=str(bad), log=lines.append)
+
+
 def test_warm_start_copies_target_layers(tiny):
     model = D.training_model(tiny, {"num_layers": 2, "target_layer_ids": [1, 2], "mask_token_id": 127,
                                     "block_size": 4}, "target")

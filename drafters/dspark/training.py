@@ -19,7 +19,7 @@ from ..dflash.checkpoint import check_compatible
 from .checkpoint import load_checkpoint
 from .model import DSparkModel, from_dflash
 
-TRAIN_DEFAULTS = {"markov_rank": 64, "confidence_head": True, "confidence_weight": 1.0}
+TRAIN_DEFAULTS = {"markov_rank": 64, "confidence_head": True, "confidence_weight": 1.0, "alignment": "zlab"}
 RECIPE_DEFAULTS = {"ce_weight": 0.1, "l1_weight": 0.9, "soft_weight": 0.0, "gamma": 4.0, "num_anchors": 64,
                    "unique_anchors": True}  # DeepSpec's weights over the block recipe's (dflash.training)
 
@@ -27,7 +27,8 @@ RECIPE_DEFAULTS = {"ce_weight": 0.1, "l1_weight": 0.9, "soft_weight": 0.0, "gamm
 def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
     """``init``: a DSpark folder (continue it), a DFlash folder or None/"random"/"target" (a DFlash backbone as
     ``dflash.training.training_model`` builds it, wrapped with new heads: W2 = 0, so step 0 drafts as the
-    backbone does)."""
+    backbone does). ``alignment`` ("zlab" | "deepspec") picks the rows that draft for a new model; from a z-lab
+    DFlash folder, "deepspec" asks the anchor row to draft and shifts every mask row's target by one."""
     opts = {**TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in TRAIN_DEFAULTS}}
     arch = None
     if init not in (None, "random", "target"):
@@ -37,12 +38,16 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
         arch = json.loads(path.read_text()).get("architectures") or []
     if arch and "DFlashDraftModel" not in arch:
         model = load_checkpoint(init, device=target.device, dtype=torch.float32)
+        if "alignment" in cfg and cfg["alignment"] != model.alignment:
+            raise ConfigError(f"--init {init} drafts with {model.alignment!r} rows and the config asks for "
+                              f"{cfg['alignment']!r}: a DSpark checkpoint keeps its alignment (start from a DFlash "
+                              "folder to change it)")
         if model.draft_vocab is not None:
             cfg["draft_vocab"] = model.draft_vocab.cpu().tolist()  # a resume rebuilds this vocabulary
     else:
         base = D.training_model(target, cfg, init)
         model = from_dflash(base, markov_rank=int(opts["markov_rank"]), confidence_head=bool(opts["confidence_head"]),
-                            alignment="zlab", seed=int(cfg.get("seed", 0)))
+                            alignment=str(opts["alignment"]), seed=int(cfg.get("seed", 0)))
     check_compatible(model, target)
     model.train_opts = {**D.block_loss_opts(cfg, model.block_size, RECIPE_DEFAULTS),
                         "confidence_weight": float(opts["confidence_weight"])}
