@@ -146,14 +146,6 @@ def split_holdout(recs: list[dict], holdout: int) -> tuple[list[dict], list[dict
     return held, without_overlap([r for i, r in enumerate(recs) if i not in picks], held)
 
 
-def select_features(recs: list[dict], cached: list[int], layers: list[int], H: int) -> None:
-    """Keep, in place, the feature columns of ``layers`` (HF hidden_states indices) out of ``cached``'s."""
-    if layers != cached:
-        cols = torch.cat([torch.arange(cached.index(i) * H, (cached.index(i) + 1) * H) for i in layers])
-        for r in recs:
-            r["feats"] = r["feats"][:, cols].contiguous()
-
-
 def without_overlap(recs: list[dict], held: list[dict]) -> list[dict]:
     """``recs`` less every record whose answer or prompt equals one of ``held``'s."""
     def answer(r):
@@ -211,9 +203,6 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                           f"{len(recs)}: its held-out split would change; start a new run with --init from its "
                           "checkpoint instead of --resume")
     eval_recs, train_recs = split_holdout(recs, 0 if eval_data else holdout)
-    if eval_data:  # held out only what no training sequence shares (a prompt or a canned answer)
-        eval_recs, eval_meta = load_records(eval_data)
-        eval_recs = without_overlap(eval_recs, train_recs)
     if draft_vocab_size and cfg.get("draft_vocab") is None:
         if online:
             raise ConfigError("draft_vocab_size counts the cached soft labels: drop --draft-vocab, or build a "
@@ -228,7 +217,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         def featurize(rs):  # the cache's records, computed now (one target forward per batch)
             return teacher_forced_records(target, [(r["ids"].tolist(), r["prompt_len"]) for r in rs], layers)
 
-        if rank == 0 and not eval_data:  # only rank 0 evaluates
+        if rank == 0:  # only rank 0 evaluates
             eval_recs = [x for i in range(0, len(eval_recs), EVAL_BATCH)
                          for x in featurize(eval_recs[i: i + EVAL_BATCH])]
     H = int(meta["hidden_size"])
@@ -237,14 +226,16 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     if any(i not in cached for i in layers):
         raise ConfigError(f"training data caches hidden_states {cached}; the drafter needs {layers}: regenerate "
                           "the data with --layers covering them")
-    select_features(train_recs if eval_data else eval_recs + train_recs, cached, layers, H)
-    if eval_data:
-        held_layers = list(eval_meta["feature_layers"])
-        if any(i not in held_layers for i in layers) or int(eval_meta["hidden_size"]) != H:
-            raise ConfigError(f"held-out cache {eval_data} holds hidden_states {held_layers} of width "
-                              f"{eval_meta['hidden_size']}; the drafter needs {layers} of width {H}: rebuild it "
-                              "with --generate --from-onpolicy and the same --layers")
-        select_features(eval_recs, held_layers, layers, H)
+    if layers != cached:
+        cols = torch.cat([torch.arange(cached.index(i) * H, (cached.index(i) + 1) * H) for i in layers])
+        for r in eval_recs + train_recs:
+            r["feats"] = r["feats"][:, cols].contiguous()
+    if eval_data:  # held out only what no training sequence shares (a prompt or a canned answer)
+        held, held_meta = load_records(eval_data, layers)  # refuses a cache without these layers
+        if int(held_meta["hidden_size"]) != H:
+            raise ConfigError(f"held-out cache {eval_data} has features of width {held_meta['hidden_size']}, the "
+                              f"training data {H}: they come from different targets")
+        eval_recs = without_overlap(held, train_recs)
     has_eval = rank == 0 and bool(eval_recs)
     if steps == 0:
         if state is not None:

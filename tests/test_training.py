@@ -180,7 +180,7 @@ def test_separate_held_out_cache(tiny, data, tmp_path):
     bad = tmp_path / "bad"
     TD.generate_data(tiny, "bad", prompts=prompts, max_new=4, batch_size=4, layers=(1, 2), topk=4, folder=bad,
                     log=lambda s: None)
-    with pytest.raises(ConfigError, match="holds hidden_states \\[1, 2\\].*needs \\[1, 3\\]"):
+    with pytest.raises(ConfigError, match="caches hidden_states \\[1, 2\\]; the drafter needs \\[3\\]"):
         T.train("dflash", tiny, str(data), tmp_path / "ck2", tmp_path / "run2", cfg=cfg, init="random", steps=0,
                 eval_data=str(bad), log=lines.append)
 
