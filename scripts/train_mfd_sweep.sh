@@ -20,9 +20,10 @@ INIT=${INIT:-drafters/checkpoints/dflash-smollm2}   # the DFlash weights every K
 #    the user cache dir; resumable; about 12 min on 2 cores.
 python -m graft_block.drafters.train --generate --from-onpolicy drafters/data/smollm2-sharegpt --data $DATA \
     --kinds t0.7-p0.8-k20-x4 --gen-batch 16
-# 2) one run per K; --steps fixes the step count, so every K sees the same sequences in the same order
+# 2) one run per K; --steps fixes the step count, so every K sees the same sequences in the same order.
+#    gamma 7 (the recipe default until 2026-12-04) is pinned so this rebuilds the committed MFD pair
 for K in $KS; do
     python -m graft_block.drafters.train --type mfd --data $DATA --threads 2 --init $INIT \
-        --config "{\"num_modes\": $K, \"num_anchors\": 8, \"mode_init_scale\": 0.6}" --steps $STEPS --lr $LR \
+        --config "{\"num_modes\": $K, \"num_anchors\": 8, \"mode_init_scale\": 0.6, \"gamma\": 7}" --steps $STEPS --lr $LR \
         --batch-size 4 --holdout 16 --eval-every 40 --seed 0 --out $OUT/k$K/ckpt --run $OUT/k$K
 done

@@ -604,10 +604,20 @@ def test_one_recipe_dspark_without_heads_is_dflash(one_thread):
 
 @pytest.mark.parametrize("bad, word", [({"num_anchors": 0}, "num_anchors"), ({"l1_weight": -1}, "l1_weight"),
                                        ({"ce_weight": 0, "l1_weight": 0}, "both 0"),
-                                       ({"eval_anchors": 2.5}, "eval_anchors")])
+                                       ({"eval_anchors": 2.5}, "eval_anchors"), ({"gamma": 0}, "gamma"),
+                                       ({"gamma": -2.0}, "gamma"), ({"gamma": "7"}, "gamma")])
 def test_bad_recipe_options_fail_clearly(bad, word):
     with pytest.raises(ConfigError, match=word):
         D.block_loss_opts(bad, 16)
+
+
+def test_row_weights_default_to_gamma_2_and_null_gives_the_papers():
+    # gamma 2 puts 39% of a 16-row block's weight on the first draft; the paper's 7 (null) puts 15%
+    assert D.block_loss_opts({}, 16)["gamma"] == 2.0
+    assert D.block_loss_opts({"gamma": None}, 16)["gamma"] == 7.0
+    assert D.block_loss_opts({"gamma": None}, 8)["gamma"] == 4.0
+    w = D.row_weights(15, D.block_loss_opts({}, 16)["gamma"], "cpu")
+    assert float(w[0] / w.sum()) == pytest.approx(0.394, abs=1e-3)
 
 
 def test_l1_recipe_without_cached_topk_fails_clearly(one_thread):
