@@ -30,8 +30,8 @@ TRAIN_DEFAULTS = {"num_layers": 3, "block_size": 16, "target_layer_ids": None, "
                   # L1 weights (DSpark's defaults) won the held-out metrics but lost DDTree decoding at T 0 and T 1
                   # (docs/training.md#the-block-recipe)
                   "num_anchors": 32, "unique_anchors": False, "anchor_chunk": 32, "eval_anchors": 64,
-                  # gamma 2, not the DFlash paper's 7: the first rows decide acceptance, and weighting them more
-                  # won every held-out and decoded metric (docs/training.md#the-first-row-is-dflashs-weak-spot-row-weights);
+                  # gamma 2, not the DFlash paper's 7: the first rows decide acceptance, and weighting them more won
+                  # held-out and decoded tau (docs/training.md#the-first-row-is-dflashs-weak-spot-row-weights);
                   # None = the paper's value for the block size
                   "gamma": 2.0, "ce_weight": 1.0, "soft_weight": 0.5, "l1_weight": 0.0}
 RECIPE_KEYS = ("num_anchors", "unique_anchors", "anchor_chunk", "eval_anchors", "gamma", "ce_weight", "soft_weight",
@@ -116,11 +116,12 @@ def block_loss_opts(cfg: dict, block_size: int, defaults: dict | None = None) ->
             raise ConfigError(f"{k} must be a number >= 0, got {opts[k]!r}")
     if opts["ce_weight"] == 0 and opts["l1_weight"] == 0:
         raise ConfigError("ce_weight and l1_weight are both 0: the block loss would be zero (set one of them > 0)")
-    if opts["gamma"] is not None and (not isinstance(opts["gamma"], (int, float)) or isinstance(opts["gamma"], bool)
-                                      or opts["gamma"] <= 0):
+    gamma = opts["gamma"]
+    if gamma is None:
+        gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, block_size / 2.3)
+    elif not isinstance(gamma, (int, float)) or isinstance(gamma, bool) or gamma <= 0:
         raise ConfigError(f"gamma must be a number > 0 (row j weighs exp(-j/gamma)) or null for the DFlash paper's "
-                          f"value, got {opts['gamma']!r}")
-    gamma = opts["gamma"] or {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, block_size / 2.3)
+                          f"value, got {gamma!r}")
     return {**opts, "gamma": float(gamma), "soft_weight": float(opts["soft_weight"]),
             "ce_weight": float(opts["ce_weight"]), "l1_weight": float(opts["l1_weight"]),
             "unique_anchors": bool(opts["unique_anchors"])}
