@@ -9,6 +9,7 @@ from .measure import rate, speedup, speedup_interval
 from .presets import PAPER_CLAIMS
 
 MIN_N = 5  # prompt-turns per method below which no interval is read as a verdict
+CLOSE_CALL = 0.02  # a claim's ratio within 2% of its bar is too close to call "holds" on a few prompt-turns
 PHASES = ("draft", "tree", "verify", "commit", "overhead")
 
 
@@ -296,8 +297,9 @@ def paper_verdicts(rows: list[dict], claims: list[dict] = PAPER_CLAIMS) -> list[
                 out.append({"claim": claim, "paper": c["paper"], "here": None, "holds": None})
                 continue
             ours = a[metric] / b[metric] if b is not None and c.get("ratio", True) else a[metric]
-            holds = c["range"][0] <= ours <= c["range"][1] if "range" in c else ours >= c["threshold"]
-            out.append({"claim": claim, "paper": c["paper"], "here": ours, "holds": holds})
+            close = "range" not in c and not c.get("inclusive") and abs(ours / c["threshold"] - 1) < CLOSE_CALL
+            holds = c["range"][0] <= ours <= c["range"][1] if "range" in c else ours >= c["threshold"] and not close
+            out.append({"claim": claim, "paper": c["paper"], "here": ours, "holds": holds, "close": close})
     return out
 
 
@@ -307,8 +309,9 @@ def verdict_table(verdicts: list[dict]) -> str:
         if v["here"] is None:
             lines.append(f"| {v['claim']} | {v['paper']} | - | not measured (method skipped) |")
         else:
-            lines.append(f"| {v['claim']} | {v['paper']} | {v['here']:.2f} | "
-                         f"{'holds here' if v['holds'] else 'does not hold here'} |")
+            said = ("too close to call (within 2% of the bar)" if v.get("close")
+                    else "holds here" if v["holds"] else "does not hold here")
+            lines.append(f"| {v['claim']} | {v['paper']} | {v['here']:.2f} | {said} |")
     return "\n".join(lines)
 
 

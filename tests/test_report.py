@@ -72,3 +72,21 @@ def test_paper_verdicts_judge_a_budget_sweep_at_equal_budgets():
     assert v["DDTree chimeric share at 64 nodes in 27-33%"]["holds"] is True  # the sweep's 64-node row stands in
     assert v["DSpark chain accepts >= 16% more than DFlash chain"]["here"] == pytest.approx(1.3)
     assert v["Graft faster than EAGLE3 dense"]["here"] is None
+
+
+def test_a_tie_is_not_a_win_unless_the_claim_is_inclusive():
+    """Heads that tie their control (ratio 1.003) do not "beat" it; Graft's MAT >= pruning's holds at a tie."""
+    rows = [{"method": "dspark_ddtree", "temperature": 0.0, "tau": 1.625},
+            {"method": "dspark_control_ddtree", "temperature": 0.0, "tau": 1.62},
+            {"method": "eagle3_graft", "temperature": 0.0, "tau": 1.6, "speedup": 1.05},
+            {"method": "eagle3_prune", "temperature": 0.0, "tau": 1.6, "speedup": 1.0},
+            {"method": "eagle3_fixed", "temperature": 0.0, "speedup": 1.07}]
+    v = {x["claim"]: x for x in report.paper_verdicts(rows)}
+    heads = v["Markov + confidence heads beat the same recipe without them"]
+    assert heads["holds"] is False and heads["close"] is True
+    assert v["Graft MAT >= pruning-only MAT"]["holds"] is True  # inclusive: a tie is the claim
+    assert v["Graft faster than pruning only"]["holds"] is True  # 5% clears the band
+    assert v["Graft faster than fixed-ratio retrieval"]["close"] is True  # 0.98: too close either way
+    table = report.verdict_table(list(v.values()))
+    assert "| Markov + confidence heads beat the same recipe without them | 2-layer DSpark > 5-layer DFlash | 1.00 | " \
+           "too close to call (within 2% of the bar) |" in table
