@@ -294,7 +294,7 @@ def paper_verdicts(rows: list[dict], claims: list[dict] = PAPER_CLAIMS) -> list[
         for suffix, a, b in pairs(c):
             claim = c["claim"] + suffix
             if a is None or a.get(metric) is None or (c.get("baseline") and (b is None or b.get(metric) is None)):
-                out.append({"claim": claim, "paper": c["paper"], "here": None, "holds": None})
+                out.append({"claim": claim, "paper": c["paper"], "here": None, "holds": None, "close": False})
                 continue
             ours = a[metric] / b[metric] if b is not None and c.get("ratio", True) else a[metric]
             close = "range" not in c and not c.get("inclusive") and abs(ours / c["threshold"] - 1) < CLOSE_CALL
@@ -309,7 +309,7 @@ def verdict_table(verdicts: list[dict]) -> str:
         if v["here"] is None:
             lines.append(f"| {v['claim']} | {v['paper']} | - | not measured (method skipped) |")
         else:
-            said = ("too close to call (within 2% of the bar)" if v.get("close")
+            said = (f"too close to call (within {CLOSE_CALL:.0%} of the bar)" if v["close"]
                     else "holds here" if v["holds"] else "does not hold here")
             lines.append(f"| {v['claim']} | {v['paper']} | {v['here']:.2f} | {said} |")
     return "\n".join(lines)

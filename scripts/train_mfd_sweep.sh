@@ -21,7 +21,8 @@ INIT=${INIT:-drafters/checkpoints/dflash-smollm2}   # the DFlash weights every K
 python -m graft_block.drafters.train --generate --from-onpolicy drafters/data/smollm2-sharegpt --data $DATA \
     --kinds t0.7-p0.8-k20-x4 --gen-batch 16
 # 2) one run per K; --steps fixes the step count, so every K sees the same sequences in the same order.
-#    gamma 7 (the recipe default until 2026-12-04) is pinned so this rebuilds the committed MFD pair
+#    gamma 7 (the recipe default until 2026-12-04) is pinned; with INIT at the 2026-12-02 DFlash weights (commit
+#    f00595c, see drafters/checkpoints/mfd-smollm2/TRAINING.md) this rebuilds the committed MFD pair
 for K in $KS; do
     python -m graft_block.drafters.train --type mfd --data $DATA --threads 2 --init $INIT \
         --config "{\"num_modes\": $K, \"num_anchors\": 8, \"mode_init_scale\": 0.6, \"gamma\": 7}" --steps $STEPS --lr $LR \
