@@ -49,6 +49,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None,
+                    help="target dtype: default float32 on a CPU, bfloat16 on a GPU; float32 there trains on the "
+                         "features the CPU runs see")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default="smollm2-sharegpt", help="data name under .cache/train-data or a folder")
     ap.add_argument("--generate", action="store_true", help="(re)generate/extend the data cache, then exit")
@@ -96,6 +99,8 @@ def main(argv=None):
                          "target's, mapped onto the trained rows)")
     ap.add_argument("--limit", type=int, default=None, help="use at most N cached sequences")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep-best", action="store_true",
+                    help="also keep the best held-out tau_tf weights so far in <--out>-best (with best_step.json)")
     ap.add_argument("--online", action="store_true",
                     help="--data names on-policy dataset folders (comma-separated); features and soft labels come "
                          "from a target forward in every step instead of a cache (no --generate step)")
@@ -107,7 +112,7 @@ def main(argv=None):
     from graft_block.train_data import generate_data
     from graft_block.training import train
 
-    target = load_target(args.target, device=args.device)
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     gen_limit = None if args.gen_minutes is None else args.gen_minutes * 60
     if args.generate and args.from_onpolicy:
@@ -141,7 +146,7 @@ def main(argv=None):
                 time_limit_s=None if args.minutes is None else args.minutes * 60, resume=args.resume,
                 seed=args.seed, draft_vocab_size=args.draft_vocab, limit=args.limit, steps=args.steps,
                 online=args.online, kinds=args.kinds.split(",") if args.kinds else None, eval_data=args.eval_data,
-                log=lambda s: print(s, flush=True))
+                keep_best=args.keep_best, log=lambda s: print(s, flush=True))
     print(json.dumps(res))
 
 

@@ -5,7 +5,8 @@ with one teacher-forced forward, so only ids are kept (small enough to commit, a
 
 Layout of a dataset folder:
 - ``manifest.json``: target name and fingerprint, generator version, prompt source, the command, one entry per
-  shard (file, kind, sampling, seed, prompt-index range, sequences, response tokens, seconds, device);
+  shard (file, kind, sampling, seed, prompt-index range, sequences, response tokens, seconds, device), and
+  ``reserved``: prompt-index ranges [first, end) no shard may answer (the held-out set's prompts);
 - ``<kind>_<first>-<end>.npz`` (compressed): the answers to train-split prompt indices [first, end). ``kind`` is
   ``greedy`` or e.g. ``t0.7-p0.8-k20-x4`` (4 sampled answers per prompt). Arrays: ``ids`` (uint16 when the vocab
   fits, all sequences concatenated, prompt + response), ``starts`` (offsets, one more than sequences),
@@ -54,14 +55,47 @@ def row_generator(seed: int, index: int, sample: int, device) -> torch.Generator
     return torch.Generator(device=device).manual_seed((seed * 1_000_003 + index) * 257 + sample)
 
 
+def reserved(folder: str | Path | None) -> list[list[int]]:
+    """The prompt-index ranges [first, end) that dataset ``folder`` keeps out of training (its held-out prompts)."""
+    path = Path(folder) / MANIFEST if folder is not None else None
+    return json.loads(path.read_text()).get("reserved", []) if path is not None and path.exists() else []
+
+
+def is_reserved(index: int, ranges: Sequence[Sequence[int]]) -> bool:
+    return any(a <= index < b for a, b in ranges)
+
+
+def save_prompts(target, path: str | Path, max_prompt_tokens: int = 320) -> int:
+    """Write the tokenised ShareGPT train prompts (those that fit) to ``path`` (.npz): a machine without the
+    ShareGPT wheel (a GPU box) generates from this file. Returns how many prompts it holds."""
+    pool = train_prompts(target, max_prompt_tokens)
+    starts = np.concatenate([[0], np.cumsum([len(ids) for _, ids in pool])]).astype(np.int64)
+    np.savez_compressed(path, index=np.array([i for i, _ in pool], dtype=np.int32), starts=starts,
+                        ids=np.concatenate([np.asarray(ids) for _, ids in pool]).astype(np.int32),
+                        max_prompt_tokens=max_prompt_tokens, target_fingerprint=fingerprint(target))
+    return len(pool)
+
+
+def load_prompts(target, path: str | Path, max_prompt_tokens: int) -> list[tuple[int, list[int]]]:
+    """The (index, ids) pairs ``save_prompts`` wrote, refused if another target or prompt cap made them."""
+    with np.load(path) as z:
+        fp, cap = str(z["target_fingerprint"]), int(z["max_prompt_tokens"])
+        if fp != fingerprint(target) or cap != max_prompt_tokens:
+            raise ConfigError(f"{path} holds prompts tokenised for target {fp} with max_prompt_tokens={cap}, not "
+                              f"{fingerprint(target)} / {max_prompt_tokens}: rewrite it with --save-prompts")
+        s = z["starts"]
+        return [(int(i), z["ids"][s[k]:s[k + 1]].tolist()) for k, i in enumerate(z["index"])]
+
+
 def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk: int = 64, samples: int = 1,
              sampling: SamplingConfig | None = None, seed: int = 0, max_new: int = 160, batch_size: int = 64,
              max_prompt_tokens: int = 320, time_limit_s: float | None = None, max_files: int | None = None,
-             prompts: list[tuple[int, list[int]]] | None = None, command: str | None = None, log=print) -> dict:
+             prompts: list[tuple[int, list[int]]] | None = None, command: str | None = None,
+             reserve: Sequence[Sequence[int]] = (), log=print) -> dict:
     """Answer train-split prompt indices [first, first + count) in chunks of ``chunk`` indices, one shard each
     (skipping shards that exist); stop before a new shard once ``time_limit_s`` has passed or ``max_files`` new
-    shards were written. ``prompts`` (index, ids) replaces ShareGPT (tests, tokenizer-less targets). Returns the
-    manifest."""
+    shards were written. ``prompts`` (index, ids) replaces ShareGPT (tests, tokenizer-less targets). Prompt
+    indices inside a ``reserve`` range (held-out prompts) are never answered. Returns the manifest."""
     sampled = sampling is not None and not sampling.greedy
     if samples < 1 or (samples > 1 and not sampled):
         raise ConfigError(f"samples={samples}: need samples >= 1, and samples > 1 only with temperature > 0")
@@ -77,6 +111,7 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
         "generator_version": GENERATOR_VERSION, "max_prompt_tokens": max_prompt_tokens, "max_new": max_new,
         "source": "ShareGPT train split (graft_block.data.sharegpt('train')), first turn, chat template; "
                   "prompt_index = position in that split", "commands": [], "shards": []}
+    manifest["reserved"] = [list(r) for r in sorted({tuple(r) for r in [*manifest.get("reserved", []), *reserve]})]
     if manifest["target_fingerprint"] != fp:
         raise ConfigError(f"{folder} holds answers of another target ({manifest['target']}, fingerprint "
                           f"{manifest['target_fingerprint']}, this one {fp}); use another folder")
@@ -87,7 +122,8 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
     if command:
         manifest["commands"].append(command)
     manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
-    pool = dict(prompts if prompts is not None else train_prompts(target, max_prompt_tokens))
+    pool = {i: ids for i, ids in (prompts if prompts is not None else train_prompts(target, max_prompt_tokens))
+            if not is_reserved(i, manifest["reserved"])}
     dtype = np.uint16 if target.vocab_size <= 1 << 16 else np.int32
     eos = target.eos_token_ids
     t0, written = time.time(), 0
@@ -163,9 +199,26 @@ def next_index(folder: str | Path, kind: str) -> int:
     return max([e["end"] for e in shards if e["kind"] == kind], default=0)
 
 
+def drop_reserved(src: Path, dst: Path, entry: dict, ranges, log=print) -> dict:
+    """Copy shard ``src`` to ``dst`` without the answers to reserved (held-out) prompts; returns its new entry."""
+    z = dict(np.load(src))
+    starts, idx = z["starts"], z["prompt_index"]
+    keep = np.array([not is_reserved(int(i), ranges) for i in idx], dtype=bool)
+    seqs = [z["ids"][starts[n]: starts[n + 1]] for n in np.flatnonzero(keep)]
+    out = {k: z[k][keep] for k in ("prompt_len", "prompt_index", "sample")}
+    out["starts"] = np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64)
+    out["ids"] = np.concatenate(seqs).astype(z["ids"].dtype) if seqs else z["ids"][:0]
+    np.savez_compressed(dst, **out)
+    resp = int(sum(len(x) for x in seqs) - out["prompt_len"].sum())
+    log(f"{src.name}: dropped {int((~keep).sum())} answers to reserved (held-out) prompts {ranges}")
+    return {**entry, "sequences": int(keep.sum()), "response_tokens": resp,
+            "dropped_reserved": int((~keep).sum())}
+
+
 def merge(src: str | Path, dst: str | Path, log=print) -> dict:
     """Add the shards of dataset ``src`` (e.g. one made on a GPU machine) to ``dst``: same target, settings and
-    generator; a shard whose prompt indices overlap a shard of the same kind in ``dst`` is refused."""
+    generator; a shard whose prompt indices overlap a shard of the same kind in ``dst`` is refused, and answers to
+    ``dst``'s reserved (held-out) prompts are dropped, so a merge never leaks the held-out set into training."""
     import shutil
 
     src, dst = Path(src), Path(dst)
@@ -178,11 +231,15 @@ def merge(src: str | Path, dst: str | Path, log=print) -> dict:
     for key in ("target_fingerprint", "max_new", "max_prompt_tokens", "generator_version"):
         if a[key] != b[key]:
             raise ConfigError(f"cannot merge {src} into {dst}: {key} differs ({a[key]} vs {b[key]})")
+    keep_out = b.get("reserved", [])
     for e in a["shards"]:
         clash = [f["file"] for f in b["shards"] if f["kind"] == e["kind"] and f["first"] < e["end"] and e["first"] < f["end"]]
         if clash:
             raise ConfigError(f"cannot merge {e['file']}: its prompt indices overlap {clash[0]} in {dst}")
-        shutil.copy2(src / e["file"], dst / e["file"])
+        if any(a0 < e["end"] and e["first"] < b0 for a0, b0 in keep_out):
+            e = drop_reserved(src / e["file"], dst / e["file"], e, keep_out, log)
+        else:
+            shutil.copy2(src / e["file"], dst / e["file"])
         b["shards"].append(e)
         log(f"merged {e['file']} ({e['response_tokens']} response tokens, made on {e['device']})")
     b["commands"] += a.get("commands", [])
@@ -253,6 +310,10 @@ def main(argv=None):
     ap.add_argument("--minutes", type=float, default=None, help="start no new shard after this")
     ap.add_argument("--max-files", type=int, default=None, help="write at most this many new shards")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prompts", default=None, metavar="NPZ",
+                    help="tokenised train prompts from --save-prompts, instead of the ShareGPT wheel")
+    ap.add_argument("--save-prompts", default=None, metavar="NPZ",
+                    help="only write the tokenised ShareGPT train prompts to this file (for a machine without it)")
     args = ap.parse_args(argv)
     if args.merge:
         merge(args.merge, args.out)
@@ -263,12 +324,16 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
+    if args.save_prompts:
+        print(f"{save_prompts(target, args.save_prompts, args.max_prompt_tokens)} prompts -> {args.save_prompts}")
+        return
+    prompts = load_prompts(target, args.prompts, args.max_prompt_tokens) if args.prompts else None
     sampling = SamplingConfig(args.temperature, top_k=args.top_k, top_p=args.top_p) if args.temperature > 0 else None
     command = "python -m graft_block.onpolicy " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     first = next_index(args.after, kind_name(sampling, args.samples)) if args.after else args.first
     generate(target, args.out, first, args.count, args.chunk, args.samples, sampling, args.seed, args.max_new,
              args.batch, args.max_prompt_tokens, None if args.minutes is None else 60 * args.minutes,
-             args.max_files, command=command)
+             args.max_files, prompts=prompts, command=command, reserve=reserved(args.after))
     print(json.dumps(totals(args.out), indent=1))
 
 

@@ -64,4 +64,7 @@ def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
     if cfg.greedy:
         return greedy_tokens(logits)
     probs = target_probs(logits, cfg)
+    if generator is not None and generator.device != probs.device:
+        # a CPU generator with a GPU target (or the reverse): draw where the generator lives, same law
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -165,14 +165,16 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
           weight_decay: float = 0.0, batch_size: int = 4, holdout: int = 24, eval_every: int = 100,
           log_every: int = 10, time_limit_s: float | None = None, resume: bool = False, seed: int = 0,
           draft_vocab_size: int | None = None, limit: int | None = None, steps: int | None = None,
-          online: bool = False, kinds: list[str] | None = None, eval_data: str | None = None, log=print) -> dict:
+          online: bool = False, kinds: list[str] | None = None, eval_data: str | None = None,
+          keep_best: bool = False, log=print) -> dict:
     """Train ``drafter_type``'s ``training_model`` on cached (or ``online``) data; save its public checkpoint to
     ``out_dir`` and the resumable state (``state.pt``) and ``log.jsonl`` to ``run_dir``. ``steps`` (when given)
     fixes the number of optimiser steps instead of ``epochs`` (equal-step comparisons). ``online``: ``data`` names
     on-policy dataset folders (``graft_block.onpolicy``, comma-separated; ``kinds`` selects shard kinds) and each
     batch's features and soft labels come from a target forward inside the step instead of a cache. ``eval_data``
     (a feature cache) replaces the ``holdout`` split: every run on the same data reads the same held-out
-    sequences, less any that shares a prompt or an answer with a training sequence. ``steps=0`` only evaluates
+    sequences, less any that shares a prompt or an answer with a training sequence. ``keep_best``: also keep
+    the weights of the best held-out tau_tf so far in ``<out_dir>-best`` (a long run that starts to overfit). ``steps=0`` only evaluates
     the init (or, with ``resume``, the run's state). Returns the final eval metrics."""
     from .drafter import drafter_class
 
@@ -270,6 +272,14 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         klass.save_trained(model, out_dir, cfg)
         write_learning_curve(run_dir / "log.jsonl", out_dir)
 
+    best = [float("-inf")]
+
+    def save_if_best(ev):
+        if keep_best and rank == 0 and ev.get("tau_tf", float("-inf")) > best[0]:
+            best[0] = ev["tau_tf"]
+            klass.save_trained(model, Path(str(out_dir) + "-best"), cfg)
+            (Path(str(out_dir) + "-best") / "best_step.json").write_text(json.dumps({"step": step, **ev}) + "\n")
+
     def write(rec):
         if logf is not None:
             logf.write(json.dumps(rec) + "\n")
@@ -279,6 +289,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         ev = evaluate(klass, model, target, eval_recs)
         write({"step": 0, "minutes": elapsed0 / 60, "tokens_seen": seen, "eval": ev})
         log("[eval] step 0: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+        save_if_best(ev)
     t0 = time.time()
     model.train()
     ema: dict[str, float] = {}
@@ -323,6 +334,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                 write({"step": step, "minutes": minutes, "tokens_seen": seen, "eval": ev})
                 log(f"[eval] step {step}: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
                 save()
+                save_if_best(ev)
             if time_limit_s is not None and time.time() - t0 > time_limit_s:
                 log(f"[train] time limit reached at step {step}")
                 stop = True
@@ -335,6 +347,8 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     if ev:
         log(f"[eval] final step {step} ({minutes:.1f} min): " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
     save()
+    if ev:
+        save_if_best(ev)
     if logf is not None:
         logf.close()
     return {"step": step, "minutes": minutes, **ev}

@@ -109,7 +109,7 @@ def test_heldout_prompts_are_not_in_the_training_data():
     train = OP.read(COMMITTED)
     assert not {int(r["prompt_index"]) for r in held} & {int(r["prompt_index"]) for r in train}
     clean = without_overlap(held, train)
-    assert 100 <= len(clean) < len(held)  # 9 ShareGPT prompts recur word for word
+    assert 95 <= len(clean) < len(held)  # ShareGPT prompts that recur word for word (and canned answers) go
     prompts = {tuple(r["ids"][: r["prompt_len"]].tolist()) for r in train}
     answers = {tuple(r["ids"][r["prompt_len"]:].tolist()) for r in train}
     assert not any(tuple(r["ids"][: r["prompt_len"]].tolist()) in prompts for r in clean)
@@ -155,6 +155,29 @@ def test_merge_a_dataset_made_elsewhere(tmp_path, target):
         OP.merge(tmp_path / "gpu", tmp_path / "main")
 
 
+def test_reserved_prompts_are_never_answered_nor_merged(tmp_path, target):
+    """Held-out prompts stay out of training: generation skips a reserved index range, and a dataset made
+    without the reservation (on another machine) loses those answers when it is merged into one that has it."""
+    kw = dict(chunk=4, max_new=6, prompts=prompts(), log=lambda *_: None)
+    man = OP.generate(target, tmp_path / "res", 0, 12, reserve=[[4, 6]], **kw)
+    assert man["reserved"] == [[4, 6]]
+    assert [r["prompt_index"] for r in OP.read(tmp_path / "res")] == [0, 1, 2, 3, 6, 7, 8, 9, 10, 11]
+    OP.generate(target, tmp_path / "main", 0, 4, reserve=[[9, 11]], **kw)
+    OP.generate(target, tmp_path / "gpu", 4, 8, **kw)  # knows nothing of the reservation
+    man = OP.merge(tmp_path / "gpu", tmp_path / "main", log=lambda *_: None)
+    assert [r["prompt_index"] for r in OP.read(tmp_path / "main")] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 11]
+    dropped = [e for e in man["shards"] if e.get("dropped_reserved")]
+    assert [(e["first"], e["sequences"], e["dropped_reserved"]) for e in dropped] == [(8, 2, 2)]
+    assert OP.totals(tmp_path / "main")["greedy"]["sequences"] == 10
+
+
+def test_committed_data_reserves_the_heldout_prompts():
+    if not (HELDOUT / OP.MANIFEST).exists():
+        pytest.skip("the on-policy datasets are not committed")
+    held = {int(r["prompt_index"]) for r in OP.read(HELDOUT)}
+    assert all(OP.is_reserved(i, OP.reserved(COMMITTED)) for i in held)
+
+
 @pytest.mark.slow
 def test_gpu_generation_script_runs_on_cpu(tmp_path, smollm2):
     """scripts/gpu_generate.sh, shrunk to a smoke run on the CPU (sizes x 0.002, 0.01 minutes: one shard per
@@ -171,9 +194,11 @@ def test_gpu_generation_script_runs_on_cpu(tmp_path, smollm2):
     files = list(out.iterdir())
     assert len(files) <= 8 and all(f.stat().st_size <= 16 << 20 for f in files)
     man = json.loads((out / OP.MANIFEST).read_text())
-    assert {e["kind"] for e in man["shards"]} == {"greedy", "t0.7-p0.8-k20-x4"}
     start = OP.next_index(COMMITTED, "greedy")
-    assert min(e["first"] for e in man["shards"] if e["kind"] == "greedy") == start
+    # the committed greedy answers cover the whole train split (8,704 prompt indices) since the 2026-12-04 GPU run
+    assert {e["kind"] for e in man["shards"]} == {"t0.7-p0.8-k20-x4"} | ({"greedy"} if start < 8704 else set())
+    assert all(e["first"] >= start for e in man["shards"] if e["kind"] == "greedy")
+    assert man["reserved"] == OP.reserved(COMMITTED)
     recs = OP.read(out)
     assert recs and all(r["prompt_index"] >= start for r in recs if r["kind"] == "greedy")
 
@@ -193,7 +218,7 @@ def test_online_training_recomputes_the_cache_features(tmp_path, target, monkeyp
     cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "num_anchors": 8, "mask_token_id": 95, "block_size": 4}
     res = T.train("dflash", target, str(tmp_path / "ds"), tmp_path / "ck", tmp_path / "run", cfg=cfg,
                   init="random", steps=30, lr=3e-3, batch_size=4, holdout=3, eval_every=0, online=True,
-                  log=lambda *_: None)
+                  keep_best=True, log=lambda *_: None)
     assert len(fed) >= 30  # every step and both evaluations went through collate
     for rec in fed:
         ref = cached[tuple(rec["ids"].tolist())]
@@ -204,6 +229,9 @@ def test_online_training_recomputes_the_cache_features(tmp_path, target, monkeyp
         assert torch.allclose(rec["top_logp"].float(), ref["top_logp"].float(), atol=1e-2)
     log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert res["step"] == 30 and log[-1]["eval"]["loss"] < log[0]["eval"]["loss"] - 0.3, (log[0], log[-1])
+    best = json.loads((tmp_path / "ck-best" / "best_step.json").read_text())  # keep_best: the higher of 0 and 30
+    assert best["step"] in (0, 30) and best["tau_tf"] == max(log[0]["eval"]["tau_tf"], log[-1]["eval"]["tau_tf"])
+    assert (tmp_path / "ck-best" / "model.safetensors").exists()
     with pytest.raises(ConfigError, match="draft"):
         T.train("dflash", target, str(tmp_path / "ds"), tmp_path / "ck2", tmp_path / "run2", cfg=cfg,
                 init="random", steps=1, holdout=2, draft_vocab_size=32, online=True, log=lambda *_: None)
