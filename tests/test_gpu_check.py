@@ -31,3 +31,30 @@ def test_tiny_targets_follow_the_test_device(monkeypatch):
 
     monkeypatch.setenv("GRAFT_BLOCK_TEST_DEVICE", "meta")  # any device string reaches the model
     assert tiny_target("llama", engine="hf").model.device.type == "meta"
+
+
+@pytest.mark.parametrize("name", ["gpu_generate.sh", "gpu_train.sh", "device_prepare.sh", "device_session.sh"])
+def test_device_scripts_parse(name):
+    assert subprocess.run(["bash", "-n", str(SCRIPT.with_name(name))]).returncode == 0
+
+
+def test_gpu_train_needs_an_out_dir_and_an_init():
+    res = subprocess.run(["bash", str(SCRIPT.with_name("gpu_train.sh")), "/tmp/x"], capture_output=True, text=True)
+    assert res.returncode != 0 and "usage: gpu_train.sh OUT_DIR INIT" in res.stderr
+
+
+@pytest.mark.slow
+def test_gpu_train_script_runs_on_cpu(tmp_path):
+    """scripts/gpu_train.sh shrunk to 2 steps on the CPU: it builds the held-out features, continues the bundled
+    DFlash and keeps the best held-out weights beside the last (what a GPU call returns)."""
+    import json
+
+    env = {**os.environ, "PYTHON": sys.executable, "GRAFT_BLOCK_DEVICE": "cpu", "GRAFT_BLOCK_DATA": str(tmp_path / "d"),
+           "GRAFT_BLOCK_TRAIN_STEPS": "2", "GRAFT_BLOCK_TRAIN_BATCH": "2", "GRAFT_BLOCK_TRAIN_EVAL_EVERY": "1"}
+    init = SCRIPT.parents[1] / "drafters" / "checkpoints" / "dflash-smollm2"
+    res = subprocess.run(["bash", str(SCRIPT.with_name("gpu_train.sh")), str(tmp_path / "out"), str(init), "2"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "out" / "ckpt" / "model.safetensors").exists()
+    best = json.loads((tmp_path / "out" / "ckpt-best" / "best_step.json").read_text())
+    assert best["step"] in (0, 1, 2) and best["rows"] > 3000  # the whole held-out set was evaluated

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One call on a GPU machine of the `device` tool, after scripts/device_prepare.sh's first call left .gpu/a in
+# /root/stash: install the carried wheels, then the STEPS asked for (default "lossless gen train"):
+#   lossless  the engine and lean-forward tests on CUDA with tiny targets (greedy identity, exact sampling law)
+#   gen       scripts/gpu_generate.sh for GEN_MINUTES (2), merged into a copy of the committed data
+#   train     scripts/gpu_train.sh from INIT (drafters/checkpoints/dflash-smollm2) for TRAIN_MINUTES (3)
+# Everything that comes back is under $OUT: the logs and res.part.* (a tar of gen/ and train/, split to the
+# tool's 16 MiB per file). Budget as measured 2026-12-04: 20 s install, 20 s lossless, ~40 s per greedy shard of
+# 3,000 answers, 3 min training + 1 min of target loads.
+set -uo pipefail
+S=/root/stash; mkdir -p $S; cp .gpu/b/* $S/ 2>/dev/null || true
+STEPS=${STEPS:-lossless gen train}
+cat $S/smol.part.00 $S/smol.part.01 > "$S/$(cut -d' ' -f3 $S/smol.sha256)" && (cd $S && sha256sum -c smol.sha256) || exit 3
+python3 -m pip install -q --upgrade --no-index --no-deps --target /root/site $S/*.whl || exit 4
+# the project's own metadata: Drafter.from_config finds drafter types through its entry points
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /root/gb . > /root/gb.log 2>&1 \
+    || { tail -5 /root/gb.log; exit 5; }
+cp -r /root/gb/*.dist-info /root/site/
+# USE_HUB_KERNELS=0: transformers >= 5.2x otherwise asks for the `kernels` package on CUDA and stops
+export USE_HUB_KERNELS=0 PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
+    GRAFT_BLOCK_DATA=/root/traindata
+python3 -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name(0))"
+T0=$(date +%s); el() { echo "[session] $1 done at $(( $(date +%s) - T0 )) s"; }
+DATA=drafters/data/smollm2-sharegpt
+for step in $STEPS; do case $step in
+  lossless)
+    GRAFT_BLOCK_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py \
+        tests/test_lean.py -k "not compiled" > $OUT/lossless.log 2>&1; echo "lossless rc=$?"; tail -2 $OUT/lossless.log ;;
+  gen)
+    GRAFT_BLOCK_PROMPTS=$S/prompts.npz timeout $(( ${GEN_MINUTES:-2} * 60 + 60 )) bash scripts/gpu_generate.sh /root/gen \
+        "${GEN_MINUTES:-2}" > $OUT/gen.log 2>&1; echo "gen rc=$?"
+    rm -rf /root/data; cp -r $DATA /root/data && python3 -m graft_block.onpolicy --out /root/data --merge /root/gen \
+        >> $OUT/gen.log 2>&1; echo "merge rc=$?"; DATA=/root/data ;;
+  train)
+    timeout $(( ${TRAIN_MINUTES:-3} * 60 + 120 )) bash scripts/gpu_train.sh /root/train \
+        "${INIT:-drafters/checkpoints/dflash-smollm2}" "${TRAIN_MINUTES:-3}" "$DATA" > $OUT/train.log 2>&1
+    echo "train rc=$?"; grep "\[eval\]\|time limit\|Error" $OUT/train.log | tail -12 ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac; el "$step"; done
+( cd /root && tar -cf /root/res.tar $(ls -d gen train/ckpt train/ckpt-best train/run/log.jsonl 2>/dev/null) ) \
+    && split -b 15000000 /root/res.tar $OUT/res.part.; ls -la $OUT
