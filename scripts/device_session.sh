@@ -4,9 +4,12 @@
 #   lossless  the engine and lean-forward tests on CUDA with tiny targets (greedy identity, exact sampling law)
 #   gen       scripts/gpu_generate.sh for GEN_MINUTES (2), merged into a copy of the committed data
 #   train     scripts/gpu_train.sh from INIT (drafters/checkpoints/dflash-smollm2) for TRAIN_MINUTES (3)
+#   pairs     the recipe pairs from INIT, PAIR_MINUTES (1.5) each: MFD K = 4 and its K = 1 control on the sampled
+#             multi-future answers, DSpark (Markov + confidence heads) and its no-head control on the greedy ones
 # Everything that comes back is under $OUT: the logs and res.part.* (a tar of gen/ and train/, split to the
 # tool's 16 MiB per file). Budget as measured 2026-12-04: 20 s install, 20 s lossless, ~40 s per greedy shard of
-# 3,000 answers, 3 min training + 1 min of target loads.
+# 3,000 answers, 3 min training + 1 min of target loads; "pairs" (about 9 min) needs a call of its own, and the
+# DSpark pair's confidence heads are calibrated afterwards here (python -m graft_block.drafters.dspark.calibrate).
 set -uo pipefail
 S=/root/stash; mkdir -p $S; cp .gpu/b/* $S/ 2>/dev/null || true
 STEPS=${STEPS:-lossless gen train}
@@ -35,7 +38,18 @@ for step in $STEPS; do case $step in
     timeout $(( ${TRAIN_MINUTES:-3} * 60 + 120 )) bash scripts/gpu_train.sh /root/train \
         "${INIT:-drafters/checkpoints/dflash-smollm2}" "${TRAIN_MINUTES:-3}" "$DATA" > $OUT/train.log 2>&1
     echo "train rc=$?"; grep "\[eval\]\|time limit\|Error" $OUT/train.log | tail -12 ;;
+  pairs)
+    MFD='"num_anchors": 16, "mode_init_scale": 0.6, "mix_loss": "wta", "ce_weight": 0.1, "l1_weight": 0.9, "soft_weight": 0.0, "gamma": 4.0, "unique_anchors": true'
+    for arm in "mfd-k4|mfd|t0.7-p0.8-k20-x4|{\"num_modes\": 4, $MFD}" "mfd-k1|mfd|t0.7-p0.8-k20-x4|{\"num_modes\": 1, $MFD}" \
+               'dspark|dspark|greedy|{"num_anchors": 64, "markov_rank": 64}' \
+               'dspark-control|dspark|greedy|{"num_anchors": 64, "markov_rank": 0, "confidence_head": false}'; do
+        IFS='|' read -r name type kinds config <<< "$arm"
+        GRAFT_BLOCK_TRAIN_TYPE=$type GRAFT_BLOCK_TRAIN_KINDS=$kinds GRAFT_BLOCK_TRAIN_CONFIG=$config \
+            timeout 200 bash scripts/gpu_train.sh /root/pairs/$name "${INIT:-drafters/checkpoints/dflash-smollm2}" \
+            "${PAIR_MINUTES:-1.5}" "$DATA" > $OUT/pair-$name.log 2>&1; echo "$name rc=$?"
+    done ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac; el "$step"; done
-( cd /root && tar -cf /root/res.tar $(ls -d gen train/ckpt train/ckpt-best train/run/log.jsonl 2>/dev/null) ) \
+( cd /root && tar -cf /root/res.tar $(ls -d gen train/ckpt train/ckpt-best train/run/log.jsonl pairs/*/ckpt \
+    pairs/*/run/log.jsonl 2>/dev/null) ) \
     && split -b 15000000 /root/res.tar $OUT/res.part.; ls -la $OUT
