@@ -55,6 +55,22 @@ def row_generator(seed: int, index: int, sample: int, device) -> torch.Generator
     return torch.Generator(device=device).manual_seed((seed * 1_000_003 + index) * 257 + sample)
 
 
+def packed(seqs: Sequence[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences as one flat ``dtype`` array plus int64 offsets (one more than sequences): the shard layout."""
+    starts = np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64)
+    return (np.concatenate(seqs).astype(dtype) if len(seqs) else np.zeros(0, dtype)), starts
+
+
+def write_shard(path: str | Path, seqs: Sequence[np.ndarray], prompt_len, prompt_index, sample, dtype) -> int:
+    """Write one shard (module doc) and return its response tokens."""
+    ids, starts = packed(seqs, dtype)
+    prompt_len = np.asarray(prompt_len, dtype=np.int32)
+    np.savez_compressed(path, ids=ids, starts=starts, prompt_len=prompt_len,
+                        prompt_index=np.asarray(prompt_index, dtype=np.int32),
+                        sample=np.asarray(sample, dtype=np.int16))
+    return int(len(ids) - prompt_len.sum())
+
+
 def reserved(folder: str | Path | None) -> list[list[int]]:
     """The prompt-index ranges [first, end) that dataset ``folder`` keeps out of training (its held-out prompts)."""
     path = Path(folder) / MANIFEST if folder is not None else None
@@ -69,9 +85,8 @@ def save_prompts(target, path: str | Path, max_prompt_tokens: int = 320) -> int:
     """Write the tokenised ShareGPT train prompts (those that fit) to ``path`` (.npz): a machine without the
     ShareGPT wheel (a GPU box) generates from this file. Returns how many prompts it holds."""
     pool = train_prompts(target, max_prompt_tokens)
-    starts = np.concatenate([[0], np.cumsum([len(ids) for _, ids in pool])]).astype(np.int64)
-    np.savez_compressed(path, index=np.array([i for i, _ in pool], dtype=np.int32), starts=starts,
-                        ids=np.concatenate([np.asarray(ids) for _, ids in pool]).astype(np.int32),
+    flat, starts = packed([np.asarray(ids) for _, ids in pool], np.int32)
+    np.savez_compressed(path, index=np.array([i for i, _ in pool], dtype=np.int32), starts=starts, ids=flat,
                         max_prompt_tokens=max_prompt_tokens, target_fingerprint=fingerprint(target))
     return len(pool)
 
@@ -148,13 +163,9 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
                                sampling=sampling, generator=gens)
             recs += [(i, j, r) for (i, j), r in zip(part, out)]
         recs.sort(key=lambda x: (x[0], x[1]))
-        seqs = [r["ids"].numpy() for _, _, r in recs]
-        starts = np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64)
-        np.savez_compressed(folder / name, ids=np.concatenate(seqs).astype(dtype), starts=starts,
-                            prompt_len=np.array([r["prompt_len"] for _, _, r in recs], dtype=np.int32),
-                            prompt_index=np.array([i for i, _, _ in recs], dtype=np.int32),
-                            sample=np.array([j for _, j, _ in recs], dtype=np.int16))
-        resp = int(sum(len(r["ids"]) - r["prompt_len"] for _, _, r in recs))
+        resp = write_shard(folder / name, [r["ids"].numpy() for _, _, r in recs],
+                           [r["prompt_len"] for _, _, r in recs], [i for i, _, _ in recs], [j for _, j, _ in recs],
+                           dtype)
         dt = time.time() - t1
         manifest["shards"].append({"file": name, "kind": kind, "first": a, "end": b, "seed": seed,
                                    "sampling": None if not sampled else vars(sampling), "samples": samples,
@@ -202,14 +213,9 @@ def next_index(folder: str | Path, kind: str) -> int:
 def drop_reserved(src: Path, dst: Path, entry: dict, ranges, log=print) -> dict:
     """Copy shard ``src`` to ``dst`` without the answers to reserved (held-out) prompts; returns its new entry."""
     z = dict(np.load(src))
-    starts, idx = z["starts"], z["prompt_index"]
-    keep = np.array([not is_reserved(int(i), ranges) for i in idx], dtype=bool)
-    seqs = [z["ids"][starts[n]: starts[n + 1]] for n in np.flatnonzero(keep)]
-    out = {k: z[k][keep] for k in ("prompt_len", "prompt_index", "sample")}
-    out["starts"] = np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64)
-    out["ids"] = np.concatenate(seqs).astype(z["ids"].dtype) if seqs else z["ids"][:0]
-    np.savez_compressed(dst, **out)
-    resp = int(sum(len(x) for x in seqs) - out["prompt_len"].sum())
+    keep = np.array([not is_reserved(int(i), ranges) for i in z["prompt_index"]], dtype=bool)
+    resp = write_shard(dst, [z["ids"][z["starts"][n]: z["starts"][n + 1]] for n in np.flatnonzero(keep)],
+                       *(z[k][keep] for k in ("prompt_len", "prompt_index", "sample")), z["ids"].dtype)
     log(f"{src.name}: dropped {int((~keep).sum())} answers to reserved (held-out) prompts {ranges}")
     return {**entry, "sequences": int(keep.sum()), "response_tokens": resp,
             "dropped_reserved": int((~keep).sum())}

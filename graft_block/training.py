@@ -174,8 +174,8 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     batch's features and soft labels come from a target forward inside the step instead of a cache. ``eval_data``
     (a feature cache) replaces the ``holdout`` split: every run on the same data reads the same held-out
     sequences, less any that shares a prompt or an answer with a training sequence. ``keep_best``: also keep
-    the weights of the best held-out tau_tf so far in ``<out_dir>-best`` (a long run that starts to overfit). ``steps=0`` only evaluates
-    the init (or, with ``resume``, the run's state). Returns the final eval metrics."""
+    the weights of the best held-out tau_tf so far in ``<out_dir>-best`` (a long run that starts to overfit).
+    ``steps=0`` only evaluates the init (or, with ``resume``, the run's state). Returns the final eval metrics."""
     from .drafter import drafter_class
 
     klass = drafter_class(drafter_type)
@@ -272,13 +272,14 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         klass.save_trained(model, out_dir, cfg)
         write_learning_curve(run_dir / "log.jsonl", out_dir)
 
-    best = [float("-inf")]
+    best_tau, best_dir = float("-inf"), Path(str(out_dir) + "-best")
 
     def save_if_best(ev):
-        if keep_best and rank == 0 and ev.get("tau_tf", float("-inf")) > best[0]:
-            best[0] = ev["tau_tf"]
-            klass.save_trained(model, Path(str(out_dir) + "-best"), cfg)
-            (Path(str(out_dir) + "-best") / "best_step.json").write_text(json.dumps({"step": step, **ev}) + "\n")
+        nonlocal best_tau
+        if keep_best and rank == 0 and ev.get("tau_tf", float("-inf")) > best_tau:
+            best_tau = ev["tau_tf"]
+            klass.save_trained(model, best_dir, cfg)
+            (best_dir / "best_step.json").write_text(json.dumps({"step": step, **ev}) + "\n")
 
     def write(rec):
         if logf is not None:
@@ -347,8 +348,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     if ev:
         log(f"[eval] final step {step} ({minutes:.1f} min): " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
     save()
-    if ev:
-        save_if_best(ev)
+    save_if_best(ev)
     if logf is not None:
         logf.close()
     return {"step": step, "minutes": minutes, **ev}

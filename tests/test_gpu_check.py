@@ -56,14 +56,12 @@ def test_gpu_train_script_runs_on_cpu(tmp_path):
 
     src = SCRIPT.parents[1] / "drafters" / "data" / "smollm2-sharegpt-heldout"
     man = json.loads((src / OP.MANIFEST).read_text())
-    entry = man["shards"][0]
-    z = np.load(src / entry["file"])
-    n = 4
+    entry, recs = man["shards"][0], OP.read(src)[:4]  # the first shard's first 4 answers
     small = tmp_path / "heldout"
     small.mkdir()
-    np.savez_compressed(small / entry["file"], ids=z["ids"][: z["starts"][n]], starts=z["starts"][: n + 1],
-                        prompt_len=z["prompt_len"][:n], prompt_index=z["prompt_index"][:n], sample=z["sample"][:n])
-    (small / OP.MANIFEST).write_text(json.dumps({**man, "shards": [{**entry, "sequences": n}]}))
+    OP.write_shard(small / entry["file"], [r["ids"].numpy() for r in recs], [r["prompt_len"] for r in recs],
+                   [r["prompt_index"] for r in recs], [r["sample"] for r in recs], np.uint16)
+    (small / OP.MANIFEST).write_text(json.dumps({**man, "shards": [{**entry, "sequences": len(recs)}]}))
     env = {**os.environ, "PYTHON": sys.executable, "GRAFT_BLOCK_DEVICE": "cpu", "GRAFT_BLOCK_DATA": str(tmp_path / "d"),
            "GRAFT_BLOCK_HELDOUT": str(small), "GRAFT_BLOCK_TRAIN_STEPS": "2", "GRAFT_BLOCK_TRAIN_BATCH": "2",
            "GRAFT_BLOCK_TRAIN_EVAL_EVERY": "1"}
