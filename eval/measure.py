@@ -160,8 +160,9 @@ def cost_at(curve: dict, nodes: int) -> float:
 
 def auto_budget(build, curve: dict, pilot_ids, candidates=(4, 8, 16, 32), max_new_tokens: int = 48,
                 after=None) -> dict:
-    """Cost-aware budget: the b maximising tau(b) * cost(1) / (cost(b + 1) + draft(b)), with tau and draft(b) (the
-    seconds per round spent outside the verify: drafting, tree building, commit) from one greedy pilot prompt per
+    """Cost-aware budget: the b maximising tau(b) * cost(1) / (cost(1 + n(b)) + draft(b)), with tau, n(b) (the mean
+    non-root nodes verified per round: b for a full tree, fewer where a schedule cuts it) and draft(b) (the seconds
+    per round spent outside the verify: drafting, tree building, commit) from one greedy pilot prompt per
     candidate, and cost from the measured verify curve. ``build(b)`` -> Method; ``after()`` runs after each pilot
     (the main job releases the target's weight pages a drafter read)."""
     rows = {}
@@ -174,8 +175,9 @@ def auto_budget(build, curve: dict, pilot_ids, candidates=(4, 8, 16, 32), max_ne
         rounds = r.get("rounds") or 0
         phases = r.get("phase_s") or {}
         side = sum(v for k, v in phases.items() if k not in ("verify", "overhead")) / rounds if rounds else 0.0
-        rows[b] = {"tau": tau, "draft_ms": 1e3 * side, "verify_ms": 1e3 * cost_at(curve, b + 1),
-                   "est_speedup": tau * cost_at(curve, 1) / (cost_at(curve, b + 1) + side)}
+        nodes = 1 + (r.get("mean_tree_nodes") or b)  # what the verify sees: a scheduled tree is cut below b
+        rows[b] = {"tau": tau, "draft_ms": 1e3 * side, "verify_nodes": nodes, "verify_ms": 1e3 * cost_at(curve, nodes),
+                   "est_speedup": tau * cost_at(curve, 1) / (cost_at(curve, nodes) + side)}
     best = max(rows, key=lambda b: rows[b]["est_speedup"])
     return {"best": best, "pilot": rows, "curve_busy": curve.get("busy", False)}
 

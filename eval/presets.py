@@ -25,7 +25,6 @@ _EAGLE = {"type": "eagle3", "checkpoint": "@eagle3-smollm2", "budget": "{budget}
 # budget 4, 1.56 both at 8, MFD 1.41 vs 1.42) for a cheaper draft
 _DFLASH = {"type": "dflash", "checkpoint": "@dflash-smollm2", "block_size": "budget"}
 _DSPARK = {"type": "dspark", "checkpoint": "@dspark-smollm2", "block_size": "budget"}
-_CONTROL = {"type": "dspark", "checkpoint": "@dspark-smollm2-control", "block_size": "budget"}
 
 PRESETS: dict[str, dict] = {
     "ar": {"drafter": None, "about": "our loop with a root-only tree: the baseline of every speedup"},
@@ -62,11 +61,6 @@ PRESETS: dict[str, dict] = {
                      "about": "DSpark tree cut each round by its confidence head against the verify-cost curve"},
     "dspark_ddtree64": {"drafter": {**_DSPARK, "proposal": "ddtree", "budget": 64}, "chimeric": True,
                         "about": "DSpark tree at 64 nodes, with the chimeric proxy"},
-    # DSpark's control: the same backbone, data, anchors and loss without the Markov and confidence heads
-    "dspark_control_chain": {"drafter": {**_CONTROL, "proposal": "chain"},
-                             "about": "DSpark's control (no heads, same recipe) as a chain"},
-    "dspark_control_ddtree": {"drafter": {**_CONTROL, "proposal": "ddtree", "budget": "{budget}"},
-                              "default_budget": 16, "about": "DSpark's control (no heads, same recipe) as a DDTree"},
     "dflash_sched": {"drafter": {**_DFLASH, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
                      "schedule": {"cost": "curve"},
                      "about": "DFlash DDTree cut each round by its path probabilities against the verify curve"},
@@ -97,7 +91,7 @@ QUICK = ["ar", "hf", "hf_pld", "pld", "recycling", "pld_matrix", "eagle3_graft",
          "mfd", "dspark_chain", "dspark_ddtree", "dspark_sched"]
 PAPER = ["ar", "pld", "eagle3", "eagle3_prune", "eagle3_fixed", "eagle3_graft", "dflash_chain", "dflash_tail",
          "dflash_ddtree", "dflash_ddtree64", "mfd", "mfd_k1_ddtree", "dspark_chain", "dspark_ddtree", "dspark_sched",
-         "dspark_ddtree64", "dspark_control_chain", "dspark_control_ddtree", "dflash_sched"]
+         "dspark_ddtree64", "dflash_sched"]
 
 # Per suite: prompt sets, prompts per set (the --limit default), new tokens, temperatures, methods.
 SUITES: dict[str, dict] = {
@@ -134,7 +128,8 @@ PAPER_CLAIMS: list[dict] = [
      "baseline": "dflash_chain", "metric": "tau", "paper": "+16-18% accepted length (block 7), +22-30% (block 15)",
      "threshold": 1.16},
     {"claim": "Markov + confidence heads beat the same recipe without them", "method": "dspark_ddtree",
-     "baseline": "dspark_control_ddtree", "metric": "tau", "paper": "2-layer DSpark > 5-layer DFlash",
+     # dspark-smollm2's heads were trained on the frozen dflash-smollm2: that backbone is the control
+     "baseline": "dflash_ddtree", "metric": "tau", "paper": "2-layer DSpark > 5-layer DFlash",
      "threshold": 1.0},
     {"claim": "DDTree chimeric share at 64 nodes in 27-33%", "method": "dflash_ddtree64", "baseline": None,
      "sweep_alias": "dflash_ddtree@64",

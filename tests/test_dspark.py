@@ -115,6 +115,24 @@ def test_markov_head_changes_each_draft_by_its_previous_token(one_thread):
     assert toks != plain  # the correction matters for this random head
 
 
+def test_candidate_children_match_the_whole_vocabulary_ranking(one_thread):
+    """markov_candidates C ranks a node's children among its depth's C likeliest backbone tokens, the mass outside
+    them uncorrected in the normaliser: with C = V - 1 the tree is the exact one (C = 0) up to that normaliser."""
+    target = tiny_target("llama")
+    trees = {}
+    for c in (0, target.vocab_size - 1, 16):
+        d = _drafter(target, proposal="ddtree", budget=12, markov_candidates=c)
+        with torch.no_grad():  # a strong random Markov head, so that the correction reorders children
+            d.model.markov_head.markov_w2.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(4))
+        d = S.DSparkDrafter(target, d.model, proposal="ddtree", budget=12, markov_candidates=c)  # re-gathers W2
+        trees[c] = d.propose(prefilled_state(target, PROMPT, d))
+    exact, wide, narrow = trees[0], trees[target.vocab_size - 1], trees[16]
+    assert _paths(exact) == _paths(wide) and torch.allclose(exact.scores, wide.scores, atol=1e-3)
+    assert narrow.size == exact.size and len(_paths(narrow) & _paths(exact)) >= exact.size // 2
+    with pytest.raises(ConfigError, match="markov_candidates"):
+        _drafter(target, proposal="ddtree", budget=4, markov_candidates=-1)
+
+
 def test_conditional_ddtree_is_the_top_budget_prefixes_of_the_conditional_joint():
     g = torch.Generator().manual_seed(0)
     V, L = 5, 3
@@ -383,18 +401,18 @@ def _law(dec, target, prompt, n, seed=123):
     return counts, accepted
 
 
-@pytest.mark.parametrize("proposal,budget,scheduled", [("chain", 2, False), ("ddtree", 4, False),
-                                                       ("ddtree", 6, True)])
-def test_sampling_matches_target_distribution(proposal, budget, scheduled, one_thread):
-    """T=1 on a 4-token vocabulary: the joint law of 2 new tokens under DSpark (chain, Markov tree, and the tree
-    cut by its confidence head every round) equals the target's exact law (chi-square and TV), with drafted nodes
-    accepted; the T=0.8 law is rejected."""
+@pytest.mark.parametrize("proposal,budget,scheduled,candidates", [("chain", 2, False, 64), ("ddtree", 4, False, 64),
+                                                                  ("ddtree", 6, True, 64), ("ddtree", 4, False, 2)])
+def test_sampling_matches_target_distribution(proposal, budget, scheduled, candidates, one_thread):
+    """T=1 on a 4-token vocabulary: the joint law of 2 new tokens under DSpark (chain, Markov tree, the tree cut by
+    its confidence head every round, and children ranked among 2 candidate tokens) equals the target's exact law
+    (chi-square and TV), with drafted nodes accepted; the T=0.8 law is rejected."""
     from graft_block.schedule import ConfidenceSchedule
 
     V = 4
     target = tiny_target("llama", vocab_size=V, hidden_size=32, num_layers=2)
     d = _drafter(target, proposal=proposal, budget=budget, block_size=3, mask_token_id=V - 1, target_layer_ids=[0, 1],
-                 markov_rank=4)
+                 markov_rank=4, markov_candidates=candidates)
     prompt = [1, 3, 2]
     exact = exact_sequence_probs(target, prompt, 2, SamplingConfig(1.0))
     n = 800
@@ -454,6 +472,41 @@ def test_training_loss_learns_and_packs_unique_anchors(one_thread):
     assert m["loss"] < first["loss"] - 0.3 and m["tau_exp"] > first["tau_exp"] and "conf_bce" in m
     assert 1.0 <= m["tau_tf"] <= 5.0 and m["rows"] > 0
     assert model.markov_head.markov_w2.weight.abs().sum() > 0  # the head learned (it started at W2 = 0)
+
+
+def test_frozen_backbone_trains_the_heads_only_and_the_greedy_label_is_argmax_acceptance(one_thread):
+    """freeze_backbone: a step moves the Markov and confidence heads and no backbone tensor; the "greedy" confidence
+    label is 1 exactly where the row's Markov-corrected argmax is the target's token."""
+    target = tiny_target("llama")
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 5, "num_anchors": 8,
+           "markov_rank": 4, "freeze_backbone": True, "confidence_label": "greedy"}
+    model = S.DSparkDrafter.training_model(target, cfg, "random")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith(("markov_head.", "confidence_head.")) for n in trainable)
+    batch = _batch(target, model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(2):
+        batch["generator"] = torch.Generator().manual_seed(step)
+        loss, _ = S.DSparkDrafter.training_loss(model, target, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = model.state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all(k.startswith(("markov_head.", "confidence_head.")) for k in moved)
+    batch["generator"] = torch.Generator().manual_seed(5)
+    _, _, rows = D.recipe_loss(model, target, batch, lambda h, prev: S.training.draft_logits(model, target, h, prev))
+    batch["generator"] = torch.Generator().manual_seed(5)
+    blk = D.make_blocks(model, batch)
+    logits = S.training.draft_logits(model, target, D.draft_rows(model, target, batch, blk)[blk["valid"]],
+                                     blk["prev"][blk["valid"]])
+    want = (model.to_vocab_ids(logits.argmax(-1)) == blk["labels"][blk["valid"]]).float()
+    assert rows["correct"].shape == want.shape and torch.equal(rows["correct"], want)
+    with pytest.raises(ConfigError, match="confidence_label"):
+        S.DSparkDrafter.training_model(target, dict(cfg, confidence_label="argmax"), "random")
+    with pytest.raises(ConfigError, match="nothing to train"):
+        S.DSparkDrafter.training_model(target, dict(cfg, markov_rank=0, confidence_head=False), "random")
 
 
 def test_training_follows_the_configured_alignment(one_thread, tmp_path):

@@ -174,7 +174,7 @@ def tiny_tok(tmp_path_factory):
 
 
 # ---- bundled drafters -> llama.cpp --------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["dflash-smollm2", "dspark-smollm2", "dspark-smollm2-control"])
+@pytest.mark.parametrize("name", ["dflash-smollm2", "dspark-smollm2"])
 def test_bundled_dflash_family_to_gguf(name, smol_tok, tmp_path):
     folder = bundled_checkpoint(name)
     if folder is None:
@@ -263,7 +263,7 @@ def test_rope_permutation_is_llamas_norm_order():
 
 
 # ---- bundled drafters -> speculators ------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["dflash-smollm2", "dspark-smollm2", "dspark-smollm2-control", "eagle3-smollm2"])
+@pytest.mark.parametrize("name", ["dflash-smollm2", "dspark-smollm2", "eagle3-smollm2"])
 def test_bundled_to_speculators(name, tmp_path):
     folder = bundled_checkpoint(name)
     if folder is None:

@@ -207,6 +207,25 @@ def test_cost_cache_key_holds_what_changes_the_curve(tmp_path, monkeypatch):
     assert measure.verify_cost_curve(t, sizes=(1, 2), context=32, reps=2, fresh=True)["source"].startswith("measured")
 
 
+def test_budget_auto_charges_the_nodes_a_schedule_keeps():
+    """A scheduled tree is cut below its budget: the estimate charges the verify of the nodes kept, so a large
+    budget the schedule trims to 3 nodes can win over a full 4-node tree with a lower tau."""
+    curve = {"median_s": {"1": 0.020, "4": 0.021, "8": 0.025, "16": 0.050, "32": 0.060}}
+    pilots = {4: {"tau": 1.6, "mean_tree_nodes": 4.0}, 16: {"tau": 1.8, "mean_tree_nodes": 3.0}}
+
+    class Pilot:
+        def __init__(self, b):
+            self.b = b
+
+        def run(self, ids, n, temperature, seed):
+            return {**pilots[self.b], "rounds": 10, "phase_s": {"draft": 0.01, "verify": 0.2}}
+
+    auto = measure.auto_budget(Pilot, curve, [1, 2, 3], candidates=(4, 16))
+    assert auto["pilot"][16]["verify_nodes"] == 4.0 and auto["pilot"][4]["verify_nodes"] == 5.0
+    assert auto["best"] == 16
+    assert auto["pilot"][16]["est_speedup"] == pytest.approx(1.8 * 0.020 / (0.021 + 0.001))
+
+
 def test_budget_auto_picks_from_the_measured_curve(tiny_folder, tmp_path, monkeypatch, capsys):
     """--budget auto lives in the harness: pilot tau and drafting cost per candidate budget x the verify-cost curve."""
     folder, prompts = tiny_folder
@@ -219,8 +238,9 @@ def test_budget_auto_picks_from_the_measured_curve(tiny_folder, tmp_path, monkey
     assert {r["budget"] for r in rep["records"] if r["method"] == "pld"} == {auto["best"]}
     curve = rep["verify_cost_curve"]
     for b, row in auto["pilot"].items():  # the estimate charges each round its verify and its drafting cost
-        assert row["draft_ms"] > 0
-        want = row["tau"] * measure.cost_at(curve, 1) / (measure.cost_at(curve, b + 1) + row["draft_ms"] / 1e3)
+        assert row["draft_ms"] > 0 and 1 < row["verify_nodes"] <= b + 1
+        want = row["tau"] * measure.cost_at(curve, 1) / (measure.cost_at(curve, row["verify_nodes"])
+                                                         + row["draft_ms"] / 1e3)
         assert row["est_speedup"] == pytest.approx(want)
     assert auto["best"] == max(auto["pilot"], key=lambda b: auto["pilot"][b]["est_speedup"])
     assert "auto budget for pld" in capsys.readouterr().out

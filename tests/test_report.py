@@ -77,7 +77,7 @@ def test_paper_verdicts_judge_a_budget_sweep_at_equal_budgets():
 def test_a_tie_is_not_a_win_unless_the_claim_is_inclusive():
     """Heads that tie their control (ratio 1.003) do not "beat" it; Graft's MAT >= pruning's holds at a tie."""
     rows = [{"method": "dspark_ddtree", "temperature": 0.0, "tau": 1.625},
-            {"method": "dspark_control_ddtree", "temperature": 0.0, "tau": 1.62},
+            {"method": "dflash_ddtree", "temperature": 0.0, "tau": 1.62},
             {"method": "eagle3_graft", "temperature": 0.0, "tau": 1.6, "speedup": 1.05},
             {"method": "eagle3_prune", "temperature": 0.0, "tau": 1.6, "speedup": 1.0},
             {"method": "eagle3_fixed", "temperature": 0.0, "speedup": 1.07}]

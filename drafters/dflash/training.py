@@ -324,8 +324,8 @@ def block_metrics(model, logits: torch.Tensor, lab: torch.Tensor, valid: torch.T
 def recipe_loss(model, target, batch: dict, logits_fn=None) -> tuple[torch.Tensor, dict, dict]:
     """The recipe's loss (module doc) over every drafting row of the batch's blocks, with its metrics.
     ``logits_fn(hidden, prev)`` scores the rows (default: the model's LM head; DSpark adds its Markov bias).
-    Returns (loss, metrics, rows) with rows = hidden, prev, accept (1 - TV), w (row weights), wsum: what a
-    drafter's extra losses (DSpark's confidence head) need."""
+    Returns (loss, metrics, rows) with rows = hidden, prev, accept (1 - TV), correct (argmax == label), w (row
+    weights), wsum: what a drafter's extra losses (DSpark's confidence head) need."""
     opts = model.train_opts
     blk = training_blocks(model, batch)
     valid = blk["valid"]
@@ -342,7 +342,8 @@ def recipe_loss(model, target, batch: dict, logits_fn=None) -> tuple[torch.Tenso
              **block_metrics(model, logits, lab, valid, blk["anchor_ok"], rows["accept"])}
         if rows["l1"] is not None:
             m["l1"] = float((w * rows["l1"]).sum() / wsum)
-    return loss, m, {"hidden": h, "prev": prev, "accept": rows["accept"], "w": w, "wsum": wsum}
+        correct = (model.to_vocab_ids(logits.argmax(-1)) == lab).float()
+    return loss, m, {"hidden": h, "prev": prev, "accept": rows["accept"], "correct": correct, "w": w, "wsum": wsum}
 
 
 def training_loss(model: DFlashModel, target, batch: dict):

@@ -93,12 +93,14 @@ def main(argv=None) -> None:
     ap.add_argument("folder")
     ap.add_argument("--data", required=True, help="feature cache (the checkpoint's training data)")
     ap.add_argument("--holdout", type=int, default=32, help="held-out sequences, as in the training run")
+    ap.add_argument("--min-rows", type=int, default=30,
+                    help="positions reached by fewer held-out rows keep the previous position's temperature")
     ap.add_argument("--dry-run", action="store_true", help="report only, leave config.json untouched")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rep = calibrate(args.folder, args.data, args.holdout, write=not args.dry_run)
+    rep = calibrate(args.folder, args.data, args.holdout, write=not args.dry_run, min_rows=args.min_rows)
     print(json.dumps(rep, indent=1))
 
 

@@ -33,16 +33,21 @@ from .model import DSparkModel
 class DSparkDrafter(DFlashDrafter):
     """Config keys: ``checkpoint`` (a DSpark folder in any spelling), ``proposal`` ("chain" | "ddtree"),
     ``budget``, ``block_size`` (<= the checkpoint's), ``alignment`` (optional: must equal the checkpoint's),
-    ``marginal_topk``, ``prefetch`` (later siblings whose children share a node's product). Random-init keys (no
+    ``marginal_topk``, ``prefetch`` (later siblings whose children share a node's product), ``markov_candidates``
+    (children ranked among the backbone's C likeliest tokens per depth, default 64; 0 = exact). Random-init keys (no
     checkpoint, for tests): ``num_layers``, ``target_layer_ids``, ``mask_token_id``, ``seed``, ``markov_rank``,
     ``confidence_head``, ``alignment``."""
 
     def __init__(self, target, model: DSparkModel, proposal: str = "chain", budget: int | None = None,
                  block_size: int | None = None, marginal_topk: int = 8, prefetch: int = 3,
-                 checkpoint: str | None = None):
+                 markov_candidates: int = 64, checkpoint: str | None = None):
         super().__init__(target, model, proposal=proposal, budget=budget, block_size=block_size,
                          marginal_topk=marginal_topk, checkpoint=checkpoint)
         self.prefetch = int(prefetch)
+        if not isinstance(markov_candidates, int) or isinstance(markov_candidates, bool) or markov_candidates < 0:
+            raise ConfigError(f"markov_candidates must be an int >= 0 (0 = rank children over the whole draft "
+                              f"vocabulary), got {markov_candidates!r}")
+        self.markov_candidates = markov_candidates
         self._w1 = self._w2 = None
         if model.markov_head is not None:  # W1 and the draft-vocabulary rows of W2, gathered once
             w2 = model.markov_head.markov_w2.weight
@@ -58,7 +63,8 @@ class DSparkDrafter(DFlashDrafter):
         if target is None:
             raise ConfigError("the dspark drafter needs the target: Drafter.from_config(cfg, target=target)")
         cfg = dict(cfg)
-        opts = {k: cfg.pop(k) for k in ("proposal", "budget", "block_size", "marginal_topk", "prefetch") if k in cfg}
+        opts = {k: cfg.pop(k) for k in ("proposal", "budget", "block_size", "marginal_topk", "prefetch",
+                                        "markov_candidates") if k in cfg}
         want = cfg.pop("alignment", None)
         if cfg.pop("denoise_steps", 1) != 1:
             raise ConfigError("dspark drafts in one backbone pass: denoise_steps must be 1")
@@ -83,9 +89,30 @@ class DSparkDrafter(DFlashDrafter):
 
     # ---- drafting ---------------------------------------------------------------------------------------
     def _expander(self, hidden, base, temperature: float):
-        """``expand(depth, prev tokens)`` for ``conditional_ddtree``, with a per-round cache by (depth, token)."""
+        """``expand(depth, prev tokens)`` for ``conditional_ddtree``, with a per-round cache by (depth, token).
+        With ``markov_candidates`` C > 0 a node's children are ranked among the C likeliest backbone tokens of its
+        depth: the Markov bias is computed on those C columns only (one [n, r] x [r, C] product), and the
+        normaliser adds the backbone's mass outside them, uncorrected. Any tree is lossless, so the cut only
+        changes which children are drafted (C = 0: the whole draft vocabulary, exact)."""
         model, dev = self.model, base.device
         k = min(self.budget if self.proposal == "ddtree" else 1, base.shape[-1])
+        zb = base.float() / temperature if temperature > 0 else base.float()
+        C = self.markov_candidates
+        restricted = self._w2 is not None and 0 < C < zb.shape[-1]
+        if restricted:
+            k = min(k, C)  # per depth: the C candidate columns, their W2 rows and the log-mass outside them
+            cand_z, cand_cols = zb.topk(C, dim=-1)
+            lse = torch.logsumexp(zb, -1, keepdim=True)
+            inside = torch.logsumexp(cand_z, -1, keepdim=True)
+            rest = lse + torch.log1p(-torch.exp(inside - lse).clamp(max=1.0 - 1e-7))
+            cand_w2 = self._w2[cand_cols].float()  # [D, C, r]
+        conf_h = conf_e = None
+        if model.confidence_head is not None:  # the head is linear in [h ; W1[prev]]: its h part once per depth
+            w = model.confidence_head.proj.weight.float()[0]
+            H = hidden.shape[-1]
+            conf_h = hidden.float() @ w[:H] + model.confidence_head.proj.bias.float()
+            conf_e = w[H:] if model.confidence_with_markov else None
+            temps = model.confidence_temperatures.float()
         cache: dict = {}
 
         def expand(depth: int, prevs: list[int]):
@@ -94,17 +121,30 @@ class DSparkDrafter(DFlashDrafter):
                 prev = torch.tensor(todo, device=dev)
                 emb = None
                 if self._w2 is None:  # no Markov head: one row for every parent
-                    z = base[depth - 1].unsqueeze(0).expand(len(todo), -1)
-                else:  # base + W2 W1[prev], summed into the product's fresh output
+                    lp = torch.log_softmax(zb[depth - 1], -1).unsqueeze(0).expand(len(todo), -1)
+                    vals, cols = lp.topk(k, dim=-1)
+                elif restricted:
+                    d = depth - 1
+                    emb = F.embedding(prev, self._w1)
+                    bias = emb.float() @ cand_w2[d].T
+                    z = cand_z[d] + (bias / temperature if temperature > 0 else bias)
+                    z = z - torch.logaddexp(torch.logsumexp(z, -1, keepdim=True), rest[d])
+                    vals, idx = z.topk(k, dim=-1)
+                    cols = cand_cols[d][idx]
+                else:  # base + W2 W1[prev] over the whole draft vocabulary, summed into the product's output
                     emb = F.embedding(prev, self._w1)
                     z = inference_linear(emb.to(self._w2.dtype), self._w2, None, model.kernel, self._w2_layouts)
                     z = z.add_(base[depth - 1]) if z.dtype == base.dtype else z + base[depth - 1]
-                lp = torch.log_softmax(z.float() / temperature if temperature > 0 else z.float(), -1)
-                vals, cols = lp.topk(k, dim=-1)
+                    lp = torch.log_softmax(z.float() / temperature if temperature > 0 else z.float(), -1)
+                    vals, cols = lp.topk(k, dim=-1)
                 vals, cols = vals.tolist(), cols.tolist()
                 ids = cols if self._vocab is None else [[self._vocab[c] for c in row] for row in cols]
-                conf = model.confidence_logits(hidden[depth - 1].expand(len(todo), -1), prev, emb)
-                conf = None if conf is None else model.calibrated(conf, depth - 1).tolist()
+                conf = None
+                if conf_h is not None:
+                    c = conf_h[depth - 1].expand(len(todo))
+                    if conf_e is not None:
+                        c = c + (F.embedding(prev, self._w1) if emb is None else emb).float() @ conf_e
+                    conf = torch.sigmoid(c / temps[depth - 1]).tolist()
                 for i, t in enumerate(todo):
                     cache[(depth, t)] = (ids[i], vals[i], None if conf is None else conf[i])
             return [cache[(depth, prevs[0])]]

@@ -2,8 +2,10 @@
 
 DSpark's recipe defaults are DeepSpec's (``RECIPE_DEFAULTS``): 0.1 CE + 0.9 L1 to the target's top-k, rows weighted
 exp(-j/4), 64 unique anchors packed into one masked forward per chunk. The Markov head is teacher-forced on the true previous tokens (its bias enters the
-logits the recipe scores), and the confidence head adds confidence_weight * BCE(conf_j, 1 - TV_j), the label
-detached. Metrics are the recipe's (tau_tf, tau_exp) plus the confidence head's error.
+logits the recipe scores), and the confidence head adds confidence_weight * BCE(conf_j, label_j), the label
+detached: 1 - TV_j (``confidence_label: "tv"``, DeepSpec's) or whether row j's argmax is the target's token
+(``"greedy"``, what greedy decoding accepts). ``freeze_backbone`` trains the heads only, on a frozen DFlash
+backbone: the drafts stay the backbone's plus the Markov bias, and the backbone itself is the control. Metrics are the recipe's (tau_tf, tau_exp) plus the confidence head's error.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from ..dflash.checkpoint import check_compatible
 from .checkpoint import load_checkpoint
 from .model import DSparkModel, from_dflash
 
-TRAIN_DEFAULTS = {"markov_rank": 64, "confidence_head": True, "confidence_weight": 1.0, "alignment": "zlab"}
+TRAIN_DEFAULTS = {"markov_rank": 64, "confidence_head": True, "confidence_weight": 1.0, "alignment": "zlab",
+                  "freeze_backbone": False, "confidence_label": "tv"}
+CONFIDENCE_LABELS = ("tv", "greedy")  # 1 - TV (DeepSpec; acceptance when sampling) or argmax == target token
 RECIPE_DEFAULTS = {"ce_weight": 0.1, "l1_weight": 0.9, "soft_weight": 0.0, "gamma": 4.0, "num_anchors": 64,
                    "unique_anchors": True}  # DeepSpec's weights over the block recipe's (dflash.training)
 
@@ -49,8 +53,20 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
         model = from_dflash(base, markov_rank=int(opts["markov_rank"]), confidence_head=bool(opts["confidence_head"]),
                             alignment=str(opts["alignment"]), seed=int(cfg.get("seed", 0)))
     check_compatible(model, target)
+    if opts["confidence_label"] not in CONFIDENCE_LABELS:
+        raise ConfigError(f"confidence_label must be one of {CONFIDENCE_LABELS} ('tv': 1 - TV to the target, the "
+                          f"acceptance when sampling; 'greedy': the draft's argmax is the target's token), got "
+                          f"{opts['confidence_label']!r}")
+    if opts["freeze_backbone"]:  # heads only: the drafts start and stay the backbone's, plus the Markov bias
+        heads = ("markov_head.", "confidence_head.")
+        if model.markov_head is None and model.confidence_head is None:
+            raise ConfigError("freeze_backbone leaves nothing to train: this model has no Markov or confidence "
+                              "head (give markov_rank > 0 or confidence_head: true)")
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.startswith(heads))
     model.train_opts = {**D.block_loss_opts(cfg, model.block_size, RECIPE_DEFAULTS),
-                        "confidence_weight": float(opts["confidence_weight"])}
+                        "confidence_weight": float(opts["confidence_weight"]),
+                        "confidence_label": opts["confidence_label"]}
     return model.to(target.device)
 
 
@@ -68,9 +84,10 @@ def training_loss(model: DSparkModel, target, batch: dict):
     conf = model.confidence_logits(rows["hidden"], rows["prev"])
     if conf is not None:
         w, wsum = rows["w"], rows["wsum"]
-        bce = torch.nn.functional.binary_cross_entropy_with_logits(conf, rows["accept"], reduction="none")
+        label = rows["accept"] if model.train_opts.get("confidence_label", "tv") == "tv" else rows["correct"]
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(conf, label, reduction="none")
         loss = loss + model.train_opts["confidence_weight"] * (w * bce).sum() / wsum
         with torch.no_grad():
             m.update({"loss": float(loss), "conf_bce": float((w * bce).sum() / wsum),
-                      "conf_abs_err": float((torch.sigmoid(conf) - rows["accept"]).abs().mean()) if w.numel() else 0.0})
+                      "conf_abs_err": float((torch.sigmoid(conf) - label).abs().mean()) if w.numel() else 0.0})
     return loss, m
