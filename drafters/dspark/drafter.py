@@ -99,20 +99,14 @@ class DSparkDrafter(DFlashDrafter):
         zb = base.float() / temperature if temperature > 0 else base.float()
         C = self.markov_candidates
         restricted = self._w2 is not None and 0 < C < zb.shape[-1]
-        if restricted:
-            k = min(k, C)  # per depth: the C candidate columns, their W2 rows and the log-mass outside them
+        if restricted:  # per depth: the C candidate columns, their W2 rows and the log-mass outside them
+            k = min(k, C)
             cand_z, cand_cols = zb.topk(C, dim=-1)
             lse = torch.logsumexp(zb, -1, keepdim=True)
             inside = torch.logsumexp(cand_z, -1, keepdim=True)
             rest = lse + torch.log1p(-torch.exp(inside - lse).clamp(max=1.0 - 1e-7))
             cand_w2 = self._w2[cand_cols].float()  # [D, C, r]
-        conf_h = conf_e = None
-        if model.confidence_head is not None:  # the head is linear in [h ; W1[prev]]: its h part once per depth
-            w = model.confidence_head.proj.weight.float()[0]
-            H = hidden.shape[-1]
-            conf_h = hidden.float() @ w[:H] + model.confidence_head.proj.bias.float()
-            conf_e = w[H:] if model.confidence_with_markov else None
-            temps = model.confidence_temperatures.float()
+        conf_h, conf_e = model.confidence_terms(hidden) or (None, None)
         cache: dict = {}
 
         def expand(depth: int, prevs: list[int]):
@@ -144,7 +138,7 @@ class DSparkDrafter(DFlashDrafter):
                     c = conf_h[depth - 1].expand(len(todo))
                     if conf_e is not None:
                         c = c + (F.embedding(prev, self._w1) if emb is None else emb).float() @ conf_e
-                    conf = torch.sigmoid(c / temps[depth - 1]).tolist()
+                    conf = model.calibrated(c, depth - 1).tolist()
                 for i, t in enumerate(todo):
                     cache[(depth, t)] = (ids[i], vals[i], None if conf is None else conf[i])
             return [cache[(depth, prevs[0])]]

@@ -112,6 +112,16 @@ class DSparkModel(DFlashModel):
             feats = torch.cat([hidden, emb.to(hidden.dtype)], dim=-1)
         return self.confidence_head(feats).float()
 
+    def confidence_terms(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The head is linear in [h ; W1[prev]]: (its h part plus bias, per row of ``hidden`` [..., H]; the weight
+        on W1[prev] [r], None without it), so a drafter computes the h part once per block row (None: no head)."""
+        if self.confidence_head is None:
+            return None
+        w = self.confidence_head.proj.weight.float()[0]
+        H = hidden.shape[-1]
+        return hidden.float() @ w[:H] + self.confidence_head.proj.bias.float(), \
+            (w[H:] if self.confidence_with_markov else None)
+
     def calibrated(self, conf_logits: torch.Tensor, position: int) -> torch.Tensor:
         """Calibrated P(accept) of confidence logits at draft position ``position`` (0-based)."""
         return torch.sigmoid(conf_logits / float(self.confidence_temperatures[position]))
