@@ -293,13 +293,13 @@ class MFDDrafter(D.DFlashDrafter):
 
 # ---- training ----------------------------------------------------------------------------------------------
 MFD_TRAIN_DEFAULTS = {"num_modes": 4, "mode_rows": "all", "mode_init_scale": 0.5, "mix_loss": "mixture",
-                      "wta_eps": 0.05, "balance": 0.05, "seed": 0}
+                      "wta_eps": 0.05, "balance": 0.05, "seed": 0, "freeze_backbone": False}
 
 
 def training_model(target, cfg: dict, init: str | None = None) -> MFDModel:
     """``init``: a DFlash checkpoint (the trained default: modes start from it), an MFD checkpoint (continue), or
     None/"random"/"target" (DFlash's fresh inits). DFlash's training options (num_anchors, gamma, soft_weight ...)
-    apply unchanged; MFD adds ``MFD_TRAIN_DEFAULTS``."""
+    apply unchanged; MFD adds ``MFD_TRAIN_DEFAULTS`` (``freeze_backbone``: train the mode embeddings only)."""
     opts = {**MFD_TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in MFD_TRAIN_DEFAULTS}}
     if opts["mix_loss"] not in ("mixture", "wta"):
         raise ConfigError(f"mix_loss must be 'mixture' or 'wta', got {opts['mix_loss']!r}")
@@ -318,6 +318,8 @@ def training_model(target, cfg: dict, init: str | None = None) -> MFDModel:
         train_opts = D.block_loss_opts(cfg, model.block_size)
     D.check_compatible(model, target)
     model.mode_embed.requires_grad_(model.num_modes > 1)  # K = 1 control: exactly DFlash + the same extra training
+    if opts["freeze_backbone"]:  # the modes only: their control is the backbone itself
+        D.freeze_backbone(model, ("mode_embed", "mode_gate.") if model.num_modes > 1 else ())
     model.train_opts = {**train_opts, "mix_loss": opts["mix_loss"], "wta_eps": float(opts["wta_eps"]),
                         "balance": float(opts["balance"])}
     return model.to(target.device)

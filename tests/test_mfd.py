@@ -266,6 +266,21 @@ def test_k1_control_keeps_mode_vector_frozen_at_zero(tiny_qwen3):
     assert not model.mode_embed.requires_grad and float(model.mode_embed.abs().sum()) == 0
 
 
+def test_frozen_backbone_trains_the_modes_only(tiny_qwen3):
+    """freeze_backbone: gradients reach the mode vectors (through the frozen layers) and the gate, no backbone
+    tensor trains; K = 1 has nothing left to train, and says its control is the backbone."""
+    cfg = {"num_layers": 1, "block_size": 6, "target_layer_ids": [0, 2], "num_anchors": 4, "num_modes": 4,
+           "freeze_backbone": True}
+    model = M.training_model(tiny_qwen3, cfg, "target")
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {"mode_embed", "mode_gate.weight"}
+    batch = _batch(tiny_qwen3, model.feature_layers)
+    loss, _ = M.training_loss(model, tiny_qwen3, {**batch, "generator": torch.Generator().manual_seed(1)})
+    loss.backward()
+    assert float(model.mode_embed.grad.abs().sum()) > 0 and model.layers[0].mlp.up_proj.weight.grad is None
+    with pytest.raises(ConfigError, match="nothing to train.*backbone"):
+        M.training_model(tiny_qwen3, {**cfg, "num_modes": 1}, "target")
+
+
 def test_train_loop_runs_and_saves(tmp_path, tiny_qwen3, monkeypatch):
     """Two steps through the shared loop (graft_block.training.train) on a tiny cached data set."""
     from graft_block import training as T

@@ -103,6 +103,17 @@ def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:
     return model.to(target.device)
 
 
+def freeze_backbone(model, trainable: tuple[str, ...]) -> None:
+    """Train only the parameters named ``trainable*`` (what a drafter adds to its DFlash backbone: DSpark's heads,
+    MFD's mode embeddings); the backbone stays bit for bit, so it is the run's control."""
+    names = [n for n, _ in model.named_parameters()]
+    if not any(n.startswith(trainable) for n in names):
+        raise ConfigError(f"freeze_backbone leaves nothing to train: this model has no {' / '.join(trainable)} "
+                          "parameters (DSpark without heads or MFD with K = 1 is its backbone: use that as the control)")
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.startswith(trainable))
+
+
 def block_loss_opts(cfg: dict, block_size: int, defaults: dict | None = None) -> dict:
     """The recipe's options (``RECIPE_KEYS``) from ``cfg`` over a drafter's ``defaults`` over ``TRAIN_DEFAULTS``;
     gamma None takes the DFlash paper's value for the block size."""

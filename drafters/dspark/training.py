@@ -58,12 +58,7 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
                           f"acceptance when sampling; 'greedy': the draft's argmax is the target's token), got "
                           f"{opts['confidence_label']!r}")
     if opts["freeze_backbone"]:  # heads only: the drafts start and stay the backbone's, plus the Markov bias
-        heads = ("markov_head.", "confidence_head.")
-        if model.markov_head is None and model.confidence_head is None:
-            raise ConfigError("freeze_backbone leaves nothing to train: this model has no Markov or confidence "
-                              "head (give markov_rank > 0 or confidence_head: true)")
-        for name, p in model.named_parameters():
-            p.requires_grad_(name.startswith(heads))
+        D.freeze_backbone(model, ("markov_head.", "confidence_head."))
     model.train_opts = {**D.block_loss_opts(cfg, model.block_size, RECIPE_DEFAULTS),
                         "confidence_weight": float(opts["confidence_weight"]),
                         "confidence_label": opts["confidence_label"]}
