@@ -106,10 +106,9 @@ def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:
 def freeze_backbone(model, trainable: tuple[str, ...]) -> None:
     """Train only the parameters named ``trainable*`` (what a drafter adds to its DFlash backbone: DSpark's heads,
     MFD's mode embeddings); the backbone stays bit for bit, so it is the run's control."""
-    names = [n for n, _ in model.named_parameters()]
-    if not any(n.startswith(trainable) for n in names):
-        raise ConfigError(f"freeze_backbone leaves nothing to train: this model has no {' / '.join(trainable)} "
-                          "parameters (DSpark without heads or MFD with K = 1 is its backbone: use that as the control)")
+    if not any(n.startswith(trainable) for n, _ in model.named_parameters()):
+        raise ConfigError("freeze_backbone leaves nothing to train: this model adds no parameters to its backbone "
+                          "(DSpark without heads, MFD with K = 1): the backbone itself is that control")
     for n, p in model.named_parameters():
         p.requires_grad_(n.startswith(trainable))
 
