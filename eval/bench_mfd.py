@@ -5,8 +5,8 @@
     python eval/bench_mfd.py --k-sweep runs/mfd-sweep/k2/ckpt runs/mfd-sweep/k8/ckpt --base @dflash-smollm2 \\
         --futures-rounds 20 --temperature 1 --time-limit 1320
 
-Arms (per budget B): ``ddtree_bB`` = the K=1 control (``mfd-smollm2-k1``: one mode and a zero mode vector, which
-is DFlash + DDTree node for node) and ``mfd_bB`` = the K=4 checkpoint with the best-mode mixed DDTree. Optional:
+Arms (per budget B): ``ddtree_bB`` = the K=1 control (``dflash-smollm2``, mfd-smollm2's frozen backbone, loaded as
+one zero mode vector: DFlash + DDTree node for node) and ``mfd_bB`` = the K=4 checkpoint with the best-mode mixed DDTree. Optional:
 ``--k-sweep CKPT ...`` adds MFD checkpoints trained with other K at the largest budget, ``--base`` adds DDTree from
 the DFlash default they were all initialised from. A list of arms over ``run_block`` (the one measurement core;
 every other option is run_block's). Chimeric shares (``graft_block.chimeric``): the one-pass proxy (b) on every
@@ -64,7 +64,8 @@ def spread(items: list, n: int) -> list:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--control", default="@mfd-smollm2-k1", help="K=1 control checkpoint (the DDTree arm)")
+    ap.add_argument("--control", default="@dflash-smollm2",
+                    help="K=1 control checkpoint (the DDTree arm): the frozen backbone of mfd-smollm2")
     ap.add_argument("--mfd", default="@mfd-smollm2", help="MFD checkpoint")
     ap.add_argument("--base", default=None, help="also run DDTree from this DFlash checkpoint (e.g. @dflash-smollm2)")
     ap.add_argument("--score", default="best_mode", choices=["best_mode", "mixture_uniform", "mixture_gated"])

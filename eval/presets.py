@@ -64,10 +64,11 @@ PRESETS: dict[str, dict] = {
     "dflash_sched": {"drafter": {**_DFLASH, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
                      "schedule": {"cost": "curve"},
                      "about": "DFlash DDTree cut each round by its path probabilities against the verify curve"},
-    # The fair DDTree control for MFD: the K=1 drafter given the same extra training (equal compute).
-    "mfd_k1_ddtree": {"drafter": {"type": "mfd", "checkpoint": "@mfd-smollm2-k1", "budget": "{budget}",
+    # The fair DDTree control for MFD: mfd-smollm2's modes trained on a frozen dflash-smollm2, so K = 1 is that backbone
+    # (a plain DFlash folder loads as MFD with one zero mode vector).
+    "mfd_k1_ddtree": {"drafter": {"type": "mfd", "checkpoint": "@dflash-smollm2", "budget": "{budget}",
                                   "block_size": "budget"},
-                      "default_budget": 16, "about": "the K=1 control (DDTree) trained like mfd"},
+                      "default_budget": 16, "about": "the K=1 control (DDTree): mfd's frozen backbone"},
     # llama.cpp peers (eval/llamacpp.py): llama-speculative-simple on the target's F32 GGUF, chains only. Need a
     # build (--llamacpp DIR or GRAFT_BLOCK_LLAMACPP; scripts/build_llamacpp.sh), else skipped; in no suite.
     "llamacpp": {"llamacpp": {"spec": "none"}, "about": "llama.cpp greedy AR (a peer; the 'vs llama.cpp' base)"},

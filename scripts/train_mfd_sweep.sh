@@ -4,7 +4,8 @@
 # drafters/checkpoints/mfd-smollm2/TRAINING.md for the measured log. Usage:
 #   [DATA=...] [STEPS=...] [LR=...] [INIT=dflash folder] scripts/train_mfd_sweep.sh [OUT_ROOT] [K ...]
 #   (default: runs/mfd-sweep, K = 1 2 4 8)
-# The K = 4 and K = 1 results are the bundled mfd-smollm2 and mfd-smollm2-k1 (copy OUT_ROOT/k4/ckpt and k1/ckpt).
+# The K = 4 and K = 1 results were the bundled mfd-smollm2 and mfd-smollm2-k1 until 2026-12-04 (now: frozen-backbone
+# modes, drafters/checkpoints/mfd-smollm2/TRAINING.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/mfd-sweep}

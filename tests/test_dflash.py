@@ -293,7 +293,7 @@ def test_claims_own_layout_only():
 
     from graft_block.drafters.dspark import DSparkDrafter
 
-    for name, owner in (("dflash-smollm2", "dflash"), ("mfd-smollm2", "mfd"), ("mfd-smollm2-k1", "mfd"),
+    for name, owner in (("dflash-smollm2", "dflash"), ("mfd-smollm2", "mfd"),
                         ("eagle3-smollm2", None), ("dspark-smollm2", "dspark")):
         folder = bundled_checkpoint(name)
         if folder is None:
