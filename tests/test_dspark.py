@@ -87,13 +87,15 @@ def test_untrained_heads_draft_exactly_as_the_dflash_backbone(one_thread):
     target = tiny_target("qwen3")
     base = D.new_model(target, num_layers=2, block_size=8, target_layer_ids=[0, 2], mask_token_id=120, seed=3)
     spark = S.from_dflash(base, markov_rank=8, confidence_head=True)
+    headless = S.from_dflash(base, markov_rank=0, confidence_head=False)  # DeepSpec's DFlash spelling
     for proposal, budget in (("chain", 7), ("ddtree", 12)):
         a = D.DFlashDrafter(target, base, proposal=proposal, budget=budget)
-        b = S.DSparkDrafter(target, spark, proposal=proposal, budget=budget)
         ta = a.propose(prefilled_state(target, PROMPT, a))
-        tb = b.propose(prefilled_state(target, PROMPT, b))
-        assert _paths(ta) == _paths(tb) and ta.size == tb.size
-        assert torch.allclose(ta.scores.sort().values, tb.scores.sort().values, atol=1e-5)
+        for model in (spark, headless):
+            b = S.DSparkDrafter(target, model, proposal=proposal, budget=budget)
+            tb = b.propose(prefilled_state(target, PROMPT, b))
+            assert _paths(ta) == _paths(tb) and ta.size == tb.size
+            assert torch.allclose(ta.scores.sort().values, tb.scores.sort().values, atol=1e-5)
 
 
 def test_markov_head_changes_each_draft_by_its_previous_token(one_thread):

@@ -38,8 +38,9 @@ def test_device_scripts_parse(name):
     assert subprocess.run(["bash", "-n", str(SCRIPT.with_name(name))]).returncode == 0
 
 
-def test_gpu_train_needs_an_out_dir_and_an_init():
-    res = subprocess.run(["bash", str(SCRIPT.with_name("gpu_train.sh")), "/tmp/x"], capture_output=True, text=True)
+def test_gpu_train_needs_an_out_dir_and_an_init(tmp_path):
+    res = subprocess.run(["bash", str(SCRIPT.with_name("gpu_train.sh")), str(tmp_path / "x")], capture_output=True,
+                         text=True)
     assert res.returncode != 0 and "usage: gpu_train.sh OUT_DIR INIT" in res.stderr
 
 

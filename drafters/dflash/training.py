@@ -309,19 +309,18 @@ def row_weights(rows: int, gamma: float, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def block_metrics(model, logits: torch.Tensor, lab: torch.Tensor, valid: torch.Tensor, anchor_ok: torch.Tensor,
+def block_metrics(hit: torch.Tensor, valid: torch.Tensor, anchor_ok: torch.Tensor,
                   accept: torch.Tensor | None) -> dict:
     """Teacher-forced greedy accepted length (tau_tf: exact for the greedy chain, since teacher forcing feeds the
     drafts themselves while they are right), per-row accuracies and, given 1 - TV rows, the expected accepted
-    length tau_exp; ``valid`` [b, n, L] places the flat rows."""
+    length tau_exp; ``hit`` [N] (each flat row's argmax is its label), placed by ``valid`` [b, n, L]."""
     b, n, Lr = valid.shape
-    pred = model.to_vocab_ids(logits.argmax(-1))
     correct = torch.zeros((b, n, Lr), dtype=torch.float32, device=valid.device)
-    correct[valid] = (pred == lab).float()
+    correct[valid] = hit.float()
     lead = correct.cumprod(-1).sum(-1)[anchor_ok]
-    m = {"acc": float((pred == lab).float().mean()) if lab.numel() else 0.0,
+    m = {"acc": float(hit.float().mean()) if hit.numel() else 0.0,
          "acc_k1": float(correct[:, :, 0][valid[:, :, 0]].mean()) if bool(valid[:, :, 0].any()) else 0.0,
-         "accept_len": float(lead.mean()) if lead.numel() else 0.0, "rows": int(lab.numel())}
+         "accept_len": float(lead.mean()) if lead.numel() else 0.0, "rows": int(hit.numel())}
     m["tau_tf"] = 1.0 + m["accept_len"]
     if accept is not None:
         soft = torch.zeros((b, n, Lr), dtype=torch.float32, device=valid.device)
@@ -348,12 +347,13 @@ def recipe_loss(model, target, batch: dict, logits_fn=None) -> tuple[torch.Tenso
     wsum = w.sum().clamp(min=1e-6)
     loss = (w * rows["loss"]).sum() / wsum
     with torch.no_grad():
+        hit = model.to_vocab_ids(logits.argmax(-1)) == lab
         m = {"loss": float(loss), "hard_ce": float((w * rows["hard"]).sum() / wsum),
-             **block_metrics(model, logits, lab, valid, blk["anchor_ok"], rows["accept"])}
+             **block_metrics(hit, valid, blk["anchor_ok"], rows["accept"])}
         if rows["l1"] is not None:
             m["l1"] = float((w * rows["l1"]).sum() / wsum)
-        correct = (model.to_vocab_ids(logits.argmax(-1)) == lab).float()
-    return loss, m, {"hidden": h, "prev": prev, "accept": rows["accept"], "correct": correct, "w": w, "wsum": wsum}
+    return loss, m, {"hidden": h, "prev": prev, "accept": rows["accept"], "correct": hit.float(), "w": w,
+                     "wsum": wsum}
 
 
 def training_loss(model: DFlashModel, target, batch: dict):

@@ -106,6 +106,8 @@ class DSparkDrafter(DFlashDrafter):
             inside = torch.logsumexp(cand_z, -1, keepdim=True)
             rest = lse + torch.log1p(-torch.exp(inside - lse).clamp(max=1.0 - 1e-7))
             cand_w2 = self._w2[cand_cols].float()  # [D, C, r]
+        if self._w2 is None:  # no Markov head: every parent of a depth has that depth's children
+            plain_vals, plain_cols = torch.log_softmax(zb, -1).topk(k, dim=-1)
         conf_h, conf_e = model.confidence_terms(hidden) or (None, None)
         cache: dict = {}
 
@@ -114,9 +116,9 @@ class DSparkDrafter(DFlashDrafter):
             if todo:
                 prev = torch.tensor(todo, device=dev)
                 emb = None
-                if self._w2 is None:  # no Markov head: one row for every parent
-                    lp = torch.log_softmax(zb[depth - 1], -1).unsqueeze(0).expand(len(todo), -1)
-                    vals, cols = lp.topk(k, dim=-1)
+                if self._w2 is None:
+                    vals = plain_vals[depth - 1].expand(len(todo), -1)
+                    cols = plain_cols[depth - 1].expand(len(todo), -1)
                 elif restricted:
                     d = depth - 1
                     emb = F.embedding(prev, self._w1)
@@ -137,7 +139,7 @@ class DSparkDrafter(DFlashDrafter):
                 if conf_h is not None:
                     c = conf_h[depth - 1].expand(len(todo))
                     if conf_e is not None:
-                        c = c + (F.embedding(prev, self._w1) if emb is None else emb).float() @ conf_e
+                        c = c + emb.float() @ conf_e  # a head on W1[prev] implies a Markov head: emb is set
                     conf = model.calibrated(c, depth - 1).tolist()
                 for i, t in enumerate(todo):
                     cache[(depth, t)] = (ids[i], vals[i], None if conf is None else conf[i])
