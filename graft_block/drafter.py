@@ -51,8 +51,9 @@ def shared_by(target, obj) -> bool:
 
 
 def read_weights(folder: str | Path, what: str = "checkpoint") -> dict:
-    """All tensors of a checkpoint folder (``*.safetensors`` shards merged). A folder without weights or a file that
-    is not valid safetensors raises ConfigError naming the file."""
+    """All tensors of a checkpoint folder (``*.safetensors`` shards merged), on top of its ``weights_base``
+    (``base_weights``) when it is a delta folder. A folder without weights or a file that is not valid safetensors
+    raises ConfigError naming the file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -60,13 +61,63 @@ def read_weights(folder: str | Path, what: str = "checkpoint") -> dict:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{what} {folder} has no *.safetensors weights")
-    tensors = {}
+    tensors = base_weights(folder, what)
     for f in files:
         try:
             tensors.update(load_file(str(f)))
         except (SafetensorError, OSError) as e:
             raise ConfigError(f"{what} file {f} is corrupt or truncated ({e}); re-download or re-save it") from e
     return tensors
+
+
+def weights_digest(folder: str | Path) -> str:
+    """sha256 over a folder's ``*.safetensors`` files, in name order (what a delta folder pins its base by)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def base_weights(folder: Path, what: str = "checkpoint") -> dict:
+    """The tensors a delta folder does not repeat: its config.json's ``weights_base`` {"checkpoint": a sibling
+    folder or bundled name, "sha256": ``weights_digest`` of it} names the frozen backbone its heads were trained
+    on (a DSpark or MFD folder then ships only what training changed). {} for a whole folder; a base whose weights
+    changed since is refused, never silently mixed."""
+    path = folder / "config.json"
+    ref = json.loads(path.read_text()).get("weights_base") if path.exists() else None
+    if not ref:
+        return {}
+    sibling = folder.parent / ref["checkpoint"]
+    base = sibling if (sibling / "config.json").exists() else resolve_checkpoint(ref["checkpoint"], what)
+    digest = weights_digest(base)
+    if digest != ref["sha256"]:
+        raise ConfigError(f"{what} {folder} holds only what was trained on top of {ref['checkpoint']} ({base}), and "
+                          f"those weights changed since (sha256 {digest[:12]}, expected {ref['sha256'][:12]}): "
+                          "restore that backbone, or load the full checkpoint the training run wrote")
+    return read_weights(base, what)
+
+
+def write_delta(folder: str | Path, base: str | Path) -> dict:
+    """Rewrite checkpoint ``folder`` as a delta on ``base`` (a sibling folder or bundled name): keep only the
+    tensors that are not bit-identical in the base, and pin the base in config.json (``weights_base``). Loading
+    is unchanged (``read_weights``). Returns {"kept": [names], "dropped": count}."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder, name = Path(folder), str(base)
+    src = resolve_checkpoint(folder.parent / name if (folder.parent / name / "config.json").exists() else name)
+    mine, theirs = read_weights(folder), read_weights(src)
+    kept = {k: v.contiguous() for k, v in mine.items()
+            if k not in theirs or v.dtype != theirs[k].dtype or not torch.equal(v, theirs[k])}
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    save_file(kept, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["weights_base"] = {"checkpoint": Path(name).name, "sha256": weights_digest(src)}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return {"kept": sorted(kept), "dropped": len(mine) - len(kept)}
 
 
 _CHECKPOINT_ROOTS: list[Path] = []

@@ -558,3 +558,25 @@ def test_block_checkpoints_resolve_bundled_names(tiny_llama):
     for kind in ("dflash", "mfd", "dspark"):
         with pytest.raises(ConfigError, match="neither a folder with config.json nor a bundled name.*dflash-smollm2"):
             Drafter.from_config({"type": kind, "checkpoint": "no-such-drafter"}, target=tiny_llama)
+
+
+def test_delta_folder_loads_its_frozen_base_and_refuses_a_changed_one(tmp_path):
+    """write_delta keeps only the tensors training changed and pins the base by its sha256; read_weights gives
+    back every tensor bit for bit, and a base whose weights changed is refused, not mixed in."""
+    from safetensors.torch import save_file
+
+    from graft_block.drafter import read_weights, write_delta
+
+    g = torch.Generator().manual_seed(0)
+    base = {"a": torch.randn(4, 3, generator=g).half(), "b": torch.randn(5, generator=g).half()}
+    heads = {**base, "b": base["b"] + 1, "c": torch.randn(2, 2, generator=g).half()}
+    for name, tensors in (("base", base), ("heads", heads)):
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+        (tmp_path / name / "config.json").write_text(json.dumps({"name": name}))
+    assert write_delta(tmp_path / "heads", "base") == {"kept": ["b", "c"], "dropped": 1}
+    got = read_weights(tmp_path / "heads")
+    assert set(got) == set(heads) and all(torch.equal(got[k], heads[k]) for k in heads)
+    save_file({**base, "a": base["a"] * 2}, str(tmp_path / "base" / "model.safetensors"))
+    with pytest.raises(ConfigError, match="changed since"):
+        read_weights(tmp_path / "heads")
