@@ -145,7 +145,7 @@ def linear_sweep(weights, sizes, device: torch.device, dtype: torch.dtype, reps:
 def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool = True, fresh: bool = False,
                     reps: int = 3, copy_mb: int | None = None, peak_n: int | None = None, context: int = 200,
                     verify_reps: int = 5, probe_s: float = 0.5, compare: bool = True) -> dict:
-    """Every figure of the report as a dict, at row counts ``sizes`` (default: the curve's, else SIZES). ``curve``:
+    """Every figure of the report as a dict, at row counts ``sizes`` (default: SIZES, or those of them the curve has). ``curve``:
     a verify-cost curve already measured in this run (reused, not re-timed); otherwise ``measure.verify_cost_curve``
     with ``cache``/``fresh``, ``context``, ``verify_reps``. ``compare``: also time HF's eager forward on the same
     weights when the target runs another engine (the before/after of the engine, one run)."""
@@ -153,7 +153,9 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
     gpu = dev.type == "cuda"
     copy_mb = copy_mb or (1024 if gpu else 256)  # well past the last-level cache, cheap to copy
     peak_n = peak_n or (8192 if gpu else 2048)
-    sizes = [int(n) for n in (sizes or (sorted(int(k) for k in curve["median_s"]) if curve else SIZES))]
+    measured = sorted(int(k) for k in curve["median_s"]) if curve else None
+    # the report's row counts: SIZES where the curve has them (its in-between sizes only serve the schedule)
+    sizes = [int(n) for n in (sizes or (([n for n in SIZES if n in measured] or measured) if curve else SIZES))]
     t0 = time.perf_counter()
     guard = machine.LoadGuard(probe_s)
     guard.before()
