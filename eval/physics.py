@@ -145,10 +145,11 @@ def linear_sweep(weights, sizes, device: torch.device, dtype: torch.dtype, reps:
 def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool = True, fresh: bool = False,
                     reps: int = 3, copy_mb: int | None = None, peak_n: int | None = None, context: int = 200,
                     verify_reps: int = 5, probe_s: float = 0.5, compare: bool = True) -> dict:
-    """Every figure of the report as a dict, at row counts ``sizes`` (default: SIZES, or those of them the curve has). ``curve``:
-    a verify-cost curve already measured in this run (reused, not re-timed); otherwise ``measure.verify_cost_curve``
-    with ``cache``/``fresh``, ``context``, ``verify_reps``. ``compare``: also time HF's eager forward on the same
-    weights when the target runs another engine (the before/after of the engine, one run)."""
+    """Every figure of the report as a dict, at row counts ``sizes`` (default: SIZES, those the curve has).
+    ``curve``: a verify-cost curve already measured in this run (reused, not re-timed); otherwise
+    ``measure.verify_cost_curve`` with ``cache``/``fresh``, ``context``, ``verify_reps``. ``compare``: also time
+    HF's eager forward on the same weights when the target runs another engine (the before/after of the engine,
+    one run)."""
     dev, dtype = target.device, target.dtype
     gpu = dev.type == "cuda"
     copy_mb = copy_mb or (1024 if gpu else 256)  # well past the last-level cache, cheap to copy
