@@ -64,6 +64,9 @@ LOST = {
                     "Output is unchanged (the target verifies); llama.cpp measured the same tau either way"),
     "temperatures": ("DSpark's calibrated per-position confidence temperatures dropped: {where} reads the raw "
                      "sigmoid of the confidence head{how}"),
+    "first_draft": ("markov_first_draft false dropped: {where} adds the Markov bias to every draft, the first "
+                    "too (its previous token is the anchor), so its first drafts can differ from ours. Output is "
+                    "unchanged (the target verifies); acceptance may be lower"),
 }
 
 
@@ -438,6 +441,8 @@ def _lost_common(res: ExportResult, s: dict, src: Source, where: str, how: str) 
     vocab = s.get("draft_vocab")
     if vocab is not None and vocab.numel() < int(s["vocab_size"]):
         res.lost.append(LOST["draft_vocab"].format(n=vocab.numel(), V=s["vocab_size"], where=where))
+    if s.get("markov_rank") and s.get("markov_first_draft") is False:
+        res.lost.append(LOST["first_draft"].format(where=where))
     temps = s.get("confidence_temperatures")
     if s.get("confidence_head") and temps is not None and any(abs(float(t) - 1.0) > 1e-9 for t in temps):
         res.lost.append(LOST["temperatures"].format(where=where, how=how))

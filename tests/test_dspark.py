@@ -117,6 +117,38 @@ def test_markov_head_changes_each_draft_by_its_previous_token(one_thread):
     assert toks != plain  # the correction matters for this random head
 
 
+def test_first_draft_off_drafts_the_backbone_row_then_the_corrected_ones(one_thread, tmp_path):
+    """markov_first_draft false: draft 0 (previous token = the anchor, which the backbone reads) is the backbone's
+    argmax and later drafts keep the bias, in the drafter and in the training logits; the switch survives a save,
+    a non-bool is refused, and greedy decoding stays the target's."""
+    target = tiny_target("llama")
+    d = _drafter(target, proposal="chain", budget=7, markov_first_draft=False)
+    st = prefilled_state(target, PROMPT, d)
+    tree = d.propose(st)
+    with torch.no_grad():
+        _, hidden, base = d.block_rows(st)
+        W1, W2 = d.model.markov_head.markov_w1.weight, d.model.markov_head.markov_w2.weight
+        toks = [int(base[0].argmax())]
+        for j in range(1, 7):
+            toks.append(int((base[j] + W2 @ W1[toks[-1]]).argmax()))
+        assert tree.tokens[1:].tolist() == toks
+        assert int((base[0] + W2 @ W1[st.root_token]).argmax()) != toks[0]  # the bias would have changed draft 0
+        prev, j = torch.tensor([st.root_token, toks[0]]), torch.tensor([0, 1])
+        z = S.training.draft_logits(d.model, target, hidden[:2], prev, j)
+        plain = d.model.logits(hidden[:2], *D.lm_head(target))
+        assert torch.equal(z[0], plain[0]) and not torch.allclose(z[1], plain[1])
+    S.save_checkpoint(d.model, tmp_path / "ck", dtype=torch.float32)
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert cfg["dflash_config"]["markov_first_draft"] is False
+    assert S.load_checkpoint(tmp_path / "ck").markov_first_draft is False
+    cfg["dflash_config"]["markov_first_draft"] = "no"
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="markov_first_draft"):
+        S.load_checkpoint(tmp_path / "ck")
+    tree_d = _drafter(target, proposal="ddtree", budget=12, markov_first_draft=False)
+    assert SpeculativeDecoder(target, tree_d).generate(PROMPT, max_new_tokens=32).tokens == hf_greedy(target, PROMPT, 32)
+
+
 def test_candidate_children_match_the_whole_vocabulary_ranking(one_thread):
     """markov_candidates C ranks a node's children among its depth's C likeliest backbone tokens, the mass outside
     them uncorrected in the normaliser: with C = V - 1 the tree is the exact one (C = 0) up to that normaliser."""
@@ -403,18 +435,19 @@ def _law(dec, target, prompt, n, seed=123):
     return counts, accepted
 
 
-@pytest.mark.parametrize("proposal,budget,scheduled,candidates", [("chain", 2, False, 64), ("ddtree", 4, False, 64),
-                                                                  ("ddtree", 6, True, 64), ("ddtree", 4, False, 2)])
-def test_sampling_matches_target_distribution(proposal, budget, scheduled, candidates, one_thread):
+@pytest.mark.parametrize("proposal,budget,scheduled,candidates,first", [
+    ("chain", 2, False, 64, True), ("ddtree", 4, False, 64, True), ("ddtree", 6, True, 64, True),
+    ("ddtree", 4, False, 2, True), ("ddtree", 4, False, 64, False)])
+def test_sampling_matches_target_distribution(proposal, budget, scheduled, candidates, first, one_thread):
     """T=1 on a 4-token vocabulary: the joint law of 2 new tokens under DSpark (chain, Markov tree, the tree cut by
-    its confidence head every round, and children ranked among 2 candidate tokens) equals the target's exact law
-    (chi-square and TV), with drafted nodes accepted; the T=0.8 law is rejected."""
+    its confidence head every round, children ranked among 2 candidate tokens, and no bias on the first draft)
+    equals the target's exact law (chi-square and TV), with drafted nodes accepted; the T=0.8 law is rejected."""
     from graft_block.schedule import ConfidenceSchedule
 
     V = 4
     target = tiny_target("llama", vocab_size=V, hidden_size=32, num_layers=2)
     d = _drafter(target, proposal=proposal, budget=budget, block_size=3, mask_token_id=V - 1, target_layer_ids=[0, 1],
-                 markov_rank=4, markov_candidates=candidates)
+                 markov_rank=4, markov_candidates=candidates, markov_first_draft=first)
     prompt = [1, 3, 2]
     exact = exact_sequence_probs(target, prompt, 2, SamplingConfig(1.0))
     n = 800
@@ -498,17 +531,51 @@ def test_frozen_backbone_trains_the_heads_only_and_the_greedy_label_is_argmax_ac
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved and all(k.startswith(("markov_head.", "confidence_head.")) for k in moved)
     batch["generator"] = torch.Generator().manual_seed(5)
-    _, _, rows = D.recipe_loss(model, target, batch, lambda h, prev: S.training.draft_logits(model, target, h, prev))
+    _, _, rows = D.recipe_loss(model, target, batch,
+                               lambda h, prev, j: S.training.draft_logits(model, target, h, prev, j))
     batch["generator"] = torch.Generator().manual_seed(5)
     blk = D.make_blocks(model, batch)
+    j = torch.arange(blk["valid"].shape[-1]).expand_as(blk["valid"])[blk["valid"]]
     logits = S.training.draft_logits(model, target, D.draft_rows(model, target, batch, blk)[blk["valid"]],
-                                     blk["prev"][blk["valid"]])
+                                     blk["prev"][blk["valid"]], j)
     want = (model.to_vocab_ids(logits.argmax(-1)) == blk["labels"][blk["valid"]]).float()
     assert rows["correct"].shape == want.shape and torch.equal(rows["correct"], want)
     with pytest.raises(ConfigError, match="confidence_label"):
         S.DSparkDrafter.training_model(target, dict(cfg, confidence_label="argmax"), "random")
     with pytest.raises(ConfigError, match="nothing to train"):
         S.DSparkDrafter.training_model(target, dict(cfg, markov_rank=0, confidence_head=False), "random")
+
+
+def test_embedding_basis_trains_two_small_matrices_and_saves_the_tables_it_implies(one_thread, tmp_path):
+    """markov_basis "embedding": only A, B [H, r] train (W1 = E A, W2 = E B on the target's embedding E); the
+    saved folder holds DeepSpec's tables, and the loaded drafter's logits equal the training model's."""
+    target = tiny_target("llama")
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 5, "num_anchors": 8,
+           "markov_rank": 4, "freeze_backbone": True, "markov_basis": "embedding"}
+    model = S.DSparkDrafter.training_model(target, cfg, "random")
+    trainable = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+    H = target.model.config.hidden_size
+    assert {k: tuple(v) for k, v in trainable.items() if k.startswith("markov_head.")} == {
+        "markov_head.a": (H, 4), "markov_head.b": (H, 4)}
+    batch = _batch(target, model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(2):
+        batch["generator"] = torch.Generator().manual_seed(step)
+        loss, _ = S.DSparkDrafter.training_loss(model, target, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(model.markov_head.b.detach().abs().sum()) > 0  # W2 left 0: the bias moved
+    S.DSparkDrafter.save_trained(model, tmp_path / "ck", cfg)
+    loaded = S.load_checkpoint(tmp_path / "ck", dtype=torch.float32)
+    E = target.model.get_input_embeddings().weight.float()
+    w1 = loaded.markov_head.markov_w1.weight
+    assert torch.allclose(w1, (E @ model.markov_head.a).half().float(), atol=1e-6)
+    prev = torch.tensor([3, 7, 7, 50])
+    want = model.markov_bias(prev, model.draft_vocab)
+    assert torch.allclose(loaded.markov_bias(prev, loaded.draft_vocab), want, atol=2e-3 * float(want.abs().max()))
+    with pytest.raises(ConfigError, match="markov_basis"):
+        S.DSparkDrafter.training_model(target, dict(cfg, markov_basis="rows"), "random")
 
 
 def test_training_follows_the_configured_alignment(one_thread, tmp_path):

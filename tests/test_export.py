@@ -208,6 +208,7 @@ def test_bundled_dflash_family_to_gguf(name, smol_tok, tmp_path):
     assert any("draft-vocabulary restriction (16384 of 49152" in line for line in res.lost)
     calibrated = any(t != 1.0 for t in dcfg.get("confidence_temperatures", [1.0]))
     assert any("temperatures" in line for line in res.lost) == calibrated
+    assert any("markov_first_draft false" in line for line in res.lost) == (dcfg.get("markov_first_draft") is False)
 
 
 def test_bundled_eagle3_to_gguf_with_the_embedded_tokenizer(tmp_path):

@@ -25,7 +25,7 @@ from graft_block.errors import ConfigError
 from ..dflash.checkpoint import (check_compatible, config_dict, load_strict, model_from_config, new_model,
                                  read_config)
 from ..dflash.checkpoint import save_checkpoint as dflash_save
-from .model import ALIGNMENTS, DSparkModel, from_dflash
+from .model import ALIGNMENTS, DSparkModel, EmbeddingMarkovHead, from_dflash
 
 NATIVE_ARCHITECTURES = ("Qwen3DSparkModel",)
 UNSUPPORTED_ARCHITECTURES = ("Gemma4DSparkModel",)
@@ -57,9 +57,12 @@ def dspark_options(raw: dict, where: str = "config.json") -> dict:
     alignment = src.get("block_alignment", raw.get("block_alignment", "deepspec"))
     if alignment not in ALIGNMENTS:
         raise ConfigError(f"{where}: block_alignment {alignment!r} is not one of {sorted(ALIGNMENTS)}")
+    first = src.get("markov_first_draft", True)  # absent in DeepSpec's folders: they bias every draft
+    if not isinstance(first, bool):
+        raise ConfigError(f"{where}: markov_first_draft must be true or false, got {first!r}")
     return {"markov_rank": int(rank), "markov_head_type": src.get("markov_head_type", "vanilla"),
             "confidence_head": conf, "confidence_with_markov": bool(with_markov) if conf else False,
-            "alignment": alignment}
+            "alignment": alignment, "markov_first_draft": first}
 
 
 def model_from_dspark_config(raw: dict, draft_vocab: torch.Tensor | None = None, where: str = "config.json"):
@@ -103,21 +106,29 @@ def dspark_config_dict(model: DSparkModel, extra: dict | None = None) -> dict:
         "projector_type": "dspark", "markov_rank": model.markov_rank, "markov_head_type": model.markov_head_type,
         "enable_confidence_head": model.confidence_head is not None,
         "confidence_head_with_markov": model.confidence_with_markov, "block_alignment": model.alignment,
+        "markov_first_draft": model.markov_first_draft,
         "confidence_temperatures": [round(float(t), 6) for t in model.confidence_temperatures]})
     out.update(extra or {})
     return out
 
 
 def save_checkpoint(model: DSparkModel, folder: str | Path, dtype=torch.float16, extra: dict | None = None) -> Path:
-    return dflash_save(model, folder, dtype, config=dspark_config_dict(model, extra))
+    head = model.markov_head
+    if isinstance(head, EmbeddingMarkovHead):  # a factored training head is stored as DeepSpec's tables
+        model.markov_head = head.tables()
+    try:
+        return dflash_save(model, folder, dtype, config=dspark_config_dict(model, extra))
+    finally:
+        model.markov_head = head
 
 
 def new_dspark_model(target, num_layers: int = 2, block_size: int = 16, markov_rank: int = 8,
-                     confidence_head: bool = True, alignment: str = "zlab", seed: int = 0, **kw) -> DSparkModel:
+                     confidence_head: bool = True, alignment: str = "zlab", seed: int = 0,
+                     markov_first_draft: bool = True, **kw) -> DSparkModel:
     """A randomly initialised DSpark drafter for ``target`` (tests, or training from scratch)."""
     base = new_model(target, num_layers=num_layers, block_size=block_size, seed=seed, **kw)
     model = from_dflash(base, markov_rank=markov_rank, confidence_head=confidence_head, alignment=alignment,
-                        seed=seed)
+                        seed=seed, markov_first_draft=markov_first_draft)
     if model.markov_head is not None:  # a visible correction, unlike a trained start's W2 = 0
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():

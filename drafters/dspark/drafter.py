@@ -36,7 +36,7 @@ class DSparkDrafter(DFlashDrafter):
     ``marginal_topk``, ``prefetch`` (later siblings whose children share a node's product), ``markov_candidates``
     (children ranked among the backbone's C likeliest tokens per depth, default 64; 0 = exact). Random-init keys (no
     checkpoint, for tests): ``num_layers``, ``target_layer_ids``, ``mask_token_id``, ``seed``, ``markov_rank``,
-    ``confidence_head``, ``alignment``."""
+    ``confidence_head``, ``alignment``, ``markov_first_draft``."""
 
     def __init__(self, target, model: DSparkModel, proposal: str = "chain", budget: int | None = None,
                  block_size: int | None = None, marginal_topk: int = 8, prefetch: int = 3,
@@ -77,7 +77,7 @@ class DSparkDrafter(DFlashDrafter):
                                   f"{model.alignment!r} rows: drop the option or use a matching checkpoint")
             return cls(target, model, checkpoint=str(ckpt), **opts)
         init = {k: cfg.pop(k) for k in ("num_layers", "target_layer_ids", "mask_token_id", "seed", "num_features",
-                                        "markov_rank", "confidence_head") if k in cfg}
+                                        "markov_rank", "confidence_head", "markov_first_draft") if k in cfg}
         if cfg:
             raise ConfigError(f"unknown dspark config keys {sorted(cfg)}")
         model = new_dspark_model(target, block_size=random_init_block(opts), alignment=want or "zlab", **init)
@@ -95,7 +95,7 @@ class DSparkDrafter(DFlashDrafter):
         normaliser adds the backbone's mass outside them, uncorrected. Any tree is lossless, so the cut only
         changes which children are drafted (C = 0: the whole draft vocabulary, exact)."""
         model, dev = self.model, base.device
-        k = min(self.budget if self.proposal == "ddtree" else 1, base.shape[-1])
+        k = k_all = min(self.budget if self.proposal == "ddtree" else 1, base.shape[-1])
         zb = base.float() / temperature if temperature > 0 else base.float()
         C = self.markov_candidates
         restricted = self._w2 is not None and 0 < C < zb.shape[-1]
@@ -106,8 +106,9 @@ class DSparkDrafter(DFlashDrafter):
             inside = torch.logsumexp(cand_z, -1, keepdim=True)
             rest = lse + torch.log1p(-torch.exp(inside - lse).clamp(max=1.0 - 1e-7))
             cand_w2 = self._w2[cand_cols].float()  # [D, C, r]
-        if self._w2 is None:  # no Markov head: every parent of a depth has that depth's children
-            plain_vals, plain_cols = torch.log_softmax(zb, -1).topk(k, dim=-1)
+        plain_first = self._w2 is not None and not model.markov_first_draft  # depth 1 drafts the backbone's row
+        if self._w2 is None or plain_first:  # no bias: every parent of a depth has that depth's children
+            plain_vals, plain_cols = torch.log_softmax(zb[:1] if plain_first else zb, -1).topk(k_all, dim=-1)
         conf_h, conf_e = model.confidence_terms(hidden) or (None, None)
         cache: dict = {}
 
@@ -115,20 +116,18 @@ class DSparkDrafter(DFlashDrafter):
             todo = [t for t in dict.fromkeys(prevs[: 1 + self.prefetch]) if (depth, t) not in cache]
             if todo:
                 prev = torch.tensor(todo, device=dev)
-                emb = None
-                if self._w2 is None:
+                emb = None if self._w1 is None else F.embedding(prev, self._w1)
+                if self._w2 is None or (plain_first and depth == 1):
                     vals = plain_vals[depth - 1].expand(len(todo), -1)
                     cols = plain_cols[depth - 1].expand(len(todo), -1)
                 elif restricted:
                     d = depth - 1
-                    emb = F.embedding(prev, self._w1)
                     bias = emb.float() @ cand_w2[d].T
                     z = cand_z[d] + (bias / temperature if temperature > 0 else bias)
                     z = z - torch.logaddexp(torch.logsumexp(z, -1, keepdim=True), rest[d])
                     vals, idx = z.topk(k, dim=-1)
                     cols = cand_cols[d][idx]
                 else:  # base + W2 W1[prev] over the whole draft vocabulary, summed into the product's output
-                    emb = F.embedding(prev, self._w1)
                     z = inference_linear(emb.to(self._w2.dtype), self._w2, None, model.kernel, self._w2_layouts)
                     z = z.add_(base[depth - 1]) if z.dtype == base.dtype else z + base[depth - 1]
                     lp = torch.log_softmax(z.float() / temperature if temperature > 0 else z.float(), -1)

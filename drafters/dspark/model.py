@@ -6,6 +6,8 @@ heads, both keyed on the token *before* each draft row:
     ``W2 = Linear(r, V, bias=False)``; U_j are the backbone's logits through the target's LM head. prev_0 is the
     block's anchor (the last committed token) and prev_j the token drafted at row j-1, so drafting is a loop of
     small products after one backbone forward.
+    ``markov_first_draft: false`` (ours; DeepSpec has no such switch) leaves draft 0 unbiased: its previous token
+    is the anchor, which the backbone already reads, and a bias there only blurs the backbone's best row.
   - Confidence head: ``sigmoid(proj([h_j ; W1[prev_j]]))`` (or ``proj(h_j)`` without the Markov embedding), an
     estimate of P(draft j accepted | drafts < j accepted). It reads only drafts before j.
 ``markov_rank: 0`` with the confidence head off is a plain DFlash block drafter (DeepSpec's "DFlash").
@@ -49,6 +51,37 @@ class MarkovHead(nn.Module):
         return F.linear(self.prev_embed(prev), w2)
 
 
+class EmbeddingMarkovHead(nn.Module):
+    """A training-time Markov head in the target's embedding space: W1 = E A and W2 = E B, with E the target's
+    frozen input embedding [V, H] and A, B [H, r] the only parameters. A table W1[prev] learns only from the
+    rows whose previous token is ``prev``; here every row trains the same 2 H r numbers, so tokens seen rarely
+    borrow from their neighbours in E. It saves as the vanilla tables (``tables``), so checkpoints and drafting
+    are unchanged."""
+
+    def __init__(self, embed: torch.Tensor, rank: int, seed: int = 0):
+        super().__init__()
+        self.register_buffer("embed", embed.detach(), persistent=False)
+        g = torch.Generator().manual_seed(seed)
+        scale = 0.02 / float(embed.detach().float().norm(dim=-1).mean())  # W1 rows start at the table's 0.02 scale
+        self.a = nn.Parameter((torch.randn(embed.shape[1], rank, generator=g) * scale).to(embed))
+        self.b = nn.Parameter(torch.zeros(embed.shape[1], rank).to(embed))  # W2 = 0: step 0 drafts as the backbone
+
+    def prev_embed(self, prev: torch.Tensor) -> torch.Tensor:
+        return F.embedding(prev, self.embed) @ self.a
+
+    def bias(self, prev: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        e = self.embed if vocab is None else self.embed[vocab]
+        return F.linear(self.prev_embed(prev), e @ self.b)
+
+    def tables(self) -> MarkovHead:
+        """The vanilla head with W1 = E A and W2 = E B (what a checkpoint stores)."""
+        head = MarkovHead(self.embed.shape[0], self.a.shape[1]).to(self.a)
+        with torch.no_grad():
+            head.markov_w1.weight.copy_(self.embed @ self.a)
+            head.markov_w2.weight.copy_(self.embed @ self.b)
+        return head
+
+
 class ConfidenceHead(nn.Module):
     def __init__(self, in_dim: int):
         super().__init__()
@@ -66,7 +99,7 @@ class DSparkModel(DFlashModel):
 
     def __init__(self, *args, markov_rank: int = 0, markov_head_type: str = "vanilla",
                  confidence_head: bool = False, confidence_with_markov: bool = True, alignment: str = "zlab",
-                 **kw):
+                 markov_first_draft: bool = True, **kw):
         super().__init__(*args, **kw)
         if alignment not in ALIGNMENTS:
             raise ConfigError(f"block alignment must be one of {sorted(ALIGNMENTS)}, got {alignment!r} ('zlab': "
@@ -83,6 +116,8 @@ class DSparkModel(DFlashModel):
         self.draft_offset = ALIGNMENTS[alignment]
         self.markov_rank = markov_rank
         self.markov_head_type = markov_head_type
+        # DeepSpec biases every draft; draft 0's previous token is the anchor, which the backbone already reads
+        self.markov_first_draft = bool(markov_first_draft)
         V, H = self.config.vocab_size, self.config.hidden_size
         self.markov_head = MarkovHead(V, markov_rank) if markov_rank else None
         self.confidence_with_markov = bool(confidence_head and confidence_with_markov)
@@ -95,9 +130,19 @@ class DSparkModel(DFlashModel):
         """Drafts one block yields: B - 1 (zlab) or B (deepspec)."""
         return self.block_size - self.draft_offset
 
-    def markov_bias(self, prev: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor | float:
-        """Logit correction for draft rows whose previous token is ``prev`` (0 without a Markov head)."""
-        return 0.0 if self.markov_head is None else self.markov_head.bias(prev, vocab)
+    def markov_bias(self, prev: torch.Tensor, vocab: torch.Tensor | None = None,
+                    draft_index: torch.Tensor | None = None) -> torch.Tensor | float:
+        """Logit correction for draft rows whose previous token is ``prev`` (0 without a Markov head).
+        ``draft_index`` [...]: each row's draft position j, needed when ``markov_first_draft`` is off (draft 0 then
+        gets no bias)."""
+        if self.markov_head is None:
+            return 0.0
+        bias = self.markov_head.bias(prev, vocab)
+        if not self.markov_first_draft:
+            if draft_index is None:
+                raise ConfigError("this model's Markov head skips the first draft: pass each row's draft_index")
+            bias = bias * (draft_index != 0).unsqueeze(-1).to(bias.dtype)
+        return bias
 
     def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor,
                           prev_emb: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -128,13 +173,14 @@ class DSparkModel(DFlashModel):
 
 
 def from_dflash(base, markov_rank: int = 64, confidence_head: bool = True, alignment: str = "zlab",
-                markov_head_type: str = "vanilla", seed: int = 0) -> DSparkModel:
+                markov_head_type: str = "vanilla", seed: int = 0, markov_first_draft: bool = True) -> DSparkModel:
     """A DSpark model around a DFlash backbone's weights (shared tensors copied). The Markov head starts with
     W2 = 0, so the new model drafts exactly as the backbone did until it is trained; W1 starts random."""
     model = DSparkModel(base.config, base.block_size, base.target_layer_ids, base.mask_token_id,
                         base.num_target_layers, base.draft_vocab, markov_rank=markov_rank,
                         markov_head_type=markov_head_type, confidence_head=confidence_head,
-                        confidence_with_markov=bool(confidence_head and markov_rank), alignment=alignment)
+                        confidence_with_markov=bool(confidence_head and markov_rank), alignment=alignment,
+                        markov_first_draft=markov_first_draft)
     model.to(device=base.fc.weight.device, dtype=base.fc.weight.dtype)
     missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
     if unexpected or any(not (k.startswith("markov_head.") or k.startswith("confidence_head.")) for k in missing):

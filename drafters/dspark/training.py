@@ -4,7 +4,9 @@ DSpark's recipe defaults are DeepSpec's (``RECIPE_DEFAULTS``): 0.1 CE + 0.9 L1 t
 exp(-j/4), 64 unique anchors packed into one masked forward per chunk. The Markov head is teacher-forced on the
 true previous tokens (its bias enters the logits the recipe scores), and the confidence head adds
 confidence_weight * BCE(conf_j, label_j), the label detached: 1 - TV_j (``confidence_label: "tv"``, DeepSpec's) or
-whether row j's argmax is the target's token (``"greedy"``, what greedy decoding accepts). ``freeze_backbone``
+whether row j's argmax is the target's token (``"greedy"``, what greedy decoding accepts). ``markov_basis:
+"embedding"`` trains W1 = E A and W2 = E B on the target's embedding E (saved as the usual tables);
+``markov_first_draft: false`` leaves draft 0 (previous token = the anchor) unbiased. ``freeze_backbone``
 trains the heads only, on a frozen DFlash backbone: the drafts stay the backbone's plus the Markov bias, and the
 backbone itself is the control. Metrics are the recipe's (tau_tf, tau_exp) plus the confidence head's error.
 """
@@ -20,10 +22,12 @@ from graft_block.errors import ConfigError
 from ..dflash import training as D
 from ..dflash.checkpoint import check_compatible
 from .checkpoint import load_checkpoint
-from .model import DSparkModel, from_dflash
+from .model import DSparkModel, EmbeddingMarkovHead, from_dflash
 
 TRAIN_DEFAULTS = {"markov_rank": 64, "confidence_head": True, "confidence_weight": 1.0, "alignment": "zlab",
-                  "freeze_backbone": False, "confidence_label": "tv"}
+                  "freeze_backbone": False, "confidence_label": "tv", "markov_basis": "table",
+                  "markov_first_draft": True}
+MARKOV_BASES = ("table", "embedding")  # W1/W2 as free [V, r] tables (DeepSpec) or E A / E B (EmbeddingMarkovHead)
 CONFIDENCE_LABELS = ("tv", "greedy")  # 1 - TV (DeepSpec; acceptance when sampling) or argmax == target token
 RECIPE_DEFAULTS = {"ce_weight": 0.1, "l1_weight": 0.9, "soft_weight": 0.0, "gamma": 4.0, "num_anchors": 64,
                    "unique_anchors": True}  # DeepSpec's weights over the block recipe's (dflash.training)
@@ -53,7 +57,23 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
         base = D.training_model(target, cfg, init)
         model = from_dflash(base, markov_rank=int(opts["markov_rank"]), confidence_head=bool(opts["confidence_head"]),
                             alignment=str(opts["alignment"]), seed=int(cfg.get("seed", 0)))
+    if not isinstance(opts["markov_first_draft"], bool):
+        raise ConfigError(f"markov_first_draft must be true or false, got {opts['markov_first_draft']!r}")
+    if "markov_first_draft" in cfg or not (arch and "DFlashDraftModel" not in arch):  # a DSpark init keeps its own
+        model.markov_first_draft = opts["markov_first_draft"]
     check_compatible(model, target)
+    if opts["markov_basis"] not in MARKOV_BASES:
+        raise ConfigError(f"markov_basis must be one of {MARKOV_BASES} ('table': free W1/W2 rows per token, "
+                          f"DeepSpec's; 'embedding': W1 = E A, W2 = E B on the target's embedding E), got "
+                          f"{opts['markov_basis']!r}")
+    if opts["markov_basis"] == "embedding":
+        if arch and "DFlashDraftModel" not in arch:
+            raise ConfigError("markov_basis 'embedding' trains a new Markov head: --init a DFlash folder (the "
+                              "backbone), not a DSpark one, whose tables it would discard")
+        if model.markov_head is None:
+            raise ConfigError("markov_basis 'embedding' needs a Markov head: set markov_rank > 0")
+        embed = target.model.get_input_embeddings().weight.detach().to(target.device, torch.float32)
+        model.markov_head = EmbeddingMarkovHead(embed, model.markov_rank, seed=int(cfg.get("seed", 0)))
     if opts["confidence_label"] not in CONFIDENCE_LABELS:
         raise ConfigError(f"confidence_label must be one of {CONFIDENCE_LABELS} ('tv': 1 - TV to the target, the "
                           f"acceptance when sampling; 'greedy': the draft's argmax is the target's token), got "
@@ -66,17 +86,19 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
     return model.to(target.device)
 
 
-def draft_logits(model: DSparkModel, target, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-    """Markov-corrected draft logits over the draft vocabulary: U(hidden) + W2 W1[prev] (teacher-forced prev)."""
+def draft_logits(model: DSparkModel, target, hidden: torch.Tensor, prev: torch.Tensor,
+                 draft_index: torch.Tensor) -> torch.Tensor:
+    """Markov-corrected draft logits over the draft vocabulary: U(hidden) + W2 W1[prev] (teacher-forced prev;
+    ``draft_index``: each row's draft position j)."""
     z = model.logits(hidden, *D.lm_head(target))
-    return z if model.markov_head is None else z + model.markov_bias(prev, model.draft_vocab)
+    return z if model.markov_head is None else z + model.markov_bias(prev, model.draft_vocab, draft_index)
 
 
 def training_loss(model: DSparkModel, target, batch: dict):
     if "top_ids" not in batch:
         raise ConfigError("DSpark's L1 and confidence losses need the target's top-k distributions in the data "
                           "cache (top_ids / top_logp): regenerate the cache with graft_block.drafters.train --generate")
-    loss, m, rows = D.recipe_loss(model, target, batch, lambda h, prev: draft_logits(model, target, h, prev))
+    loss, m, rows = D.recipe_loss(model, target, batch, lambda h, prev, j: draft_logits(model, target, h, prev, j))
     conf = model.confidence_logits(rows["hidden"], rows["prev"])
     if conf is not None:
         w, wsum = rows["w"], rows["wsum"]
