@@ -477,6 +477,19 @@ def _batch(target, model, n=3, L=24, plen=6):
             "lengths": torch.full((n,), L), "prompt_len": torch.full((n,), plen)}
 
 
+def _train_steps(target, model, steps: int) -> dict:
+    """``steps`` AdamW steps of the DSpark loss on one ``_batch``; returns the batch."""
+    batch = _batch(target, model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(steps):
+        batch["generator"] = torch.Generator().manual_seed(step)
+        loss, _ = S.DSparkDrafter.training_loss(model, target, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return batch
+
+
 def test_training_loss_learns_and_packs_unique_anchors(one_thread):
     target = tiny_target("llama")
     cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 5, "num_anchors": 64,
@@ -519,14 +532,7 @@ def test_frozen_backbone_trains_the_heads_only_and_the_greedy_label_is_argmax_ac
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.startswith(("markov_head.", "confidence_head.")) for n in trainable)
-    batch = _batch(target, model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    for step in range(2):
-        batch["generator"] = torch.Generator().manual_seed(step)
-        loss, _ = S.DSparkDrafter.training_loss(model, target, batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    batch = _train_steps(target, model, 2)
     after = model.state_dict()
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved and all(k.startswith(("markov_head.", "confidence_head.")) for k in moved)
@@ -557,14 +563,7 @@ def test_embedding_basis_trains_two_small_matrices_and_saves_the_tables_it_impli
     H = target.model.config.hidden_size
     assert {k: tuple(v) for k, v in trainable.items() if k.startswith("markov_head.")} == {
         "markov_head.a": (H, 4), "markov_head.b": (H, 4)}
-    batch = _batch(target, model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    for step in range(2):
-        batch["generator"] = torch.Generator().manual_seed(step)
-        loss, _ = S.DSparkDrafter.training_loss(model, target, batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train_steps(target, model, 2)
     assert float(model.markov_head.b.detach().abs().sum()) > 0  # W2 left 0: the bias moved
     S.DSparkDrafter.save_trained(model, tmp_path / "ck", cfg)
     loaded = S.load_checkpoint(tmp_path / "ck", dtype=torch.float32)
