@@ -50,6 +50,8 @@ PRESETS: dict[str, dict] = {
                       "about": "DFlash DDTree (best-first heap)"},
     "dflash_ddtree64": {"drafter": {**_DFLASH, "proposal": "ddtree", "budget": 64}, "chimeric": True,
                         "about": "DFlash DDTree at 64 nodes, with the chimeric proxy"},
+    "dflash_graft": {"drafter": {**_DFLASH, "proposal": "ddtree", "budget": "{budget}"}, "graft": {"mode": "graft"},
+                     "default_budget": 16, "about": "DFlash DDTree + Graft (prune -> retrieve -> splice)"},
     "mfd": {"drafter": {"type": "mfd", "checkpoint": "@mfd-smollm2", "budget": "{budget}", "block_size": "budget"},
             "default_budget": 16,
             "about": "Multi-Future Drafting, K=4 best-mode mixed tree"},
@@ -59,6 +61,8 @@ PRESETS: dict[str, dict] = {
     "dspark_sched": {"drafter": {**_DSPARK, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
                      "schedule": {"cost": "curve"},
                      "about": "DSpark tree cut each round by its confidence head against the verify-cost curve"},
+    "dspark_graft": {"drafter": {**_DSPARK, "proposal": "ddtree", "budget": "{budget}"}, "graft": {"mode": "graft"},
+                     "default_budget": 16, "about": "DSpark Markov tree + Graft (prune -> retrieve -> splice)"},
     "dspark_ddtree64": {"drafter": {**_DSPARK, "proposal": "ddtree", "budget": 64}, "chimeric": True,
                         "about": "DSpark tree at 64 nodes, with the chimeric proxy"},
     "dflash_sched": {"drafter": {**_DFLASH, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
@@ -89,10 +93,10 @@ PRESETS: dict[str, dict] = {
 LLAMACPP = ["llamacpp", "llamacpp_ngram", "llamacpp_dflash", "llamacpp_eagle3", "llamacpp_dspark"]
 
 QUICK = ["ar", "hf", "hf_pld", "pld", "recycling", "pld_matrix", "eagle3_graft", "dflash_tail", "dflash_ddtree",
-         "mfd", "dspark_chain", "dspark_ddtree", "dspark_sched"]
+         "dflash_graft", "mfd", "dspark_chain", "dspark_ddtree", "dspark_sched", "dspark_graft"]
 PAPER = ["ar", "pld", "eagle3", "eagle3_prune", "eagle3_fixed", "eagle3_graft", "dflash_chain", "dflash_tail",
          "dflash_ddtree", "dflash_ddtree64", "mfd", "mfd_k1_ddtree", "dspark_chain", "dspark_ddtree", "dspark_sched",
-         "dspark_ddtree64", "dflash_sched"]
+         "dspark_ddtree64", "dflash_sched", "dflash_graft", "dspark_graft"]
 
 # Per suite: prompt sets, prompts per set (the --limit default), new tokens, temperatures, methods.
 SUITES: dict[str, dict] = {
