@@ -671,9 +671,11 @@ def test_dspark_tree_composes_with_graft_losslessly(one_thread):
 # ---- the bundled drafter on the real target ---------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_bundled_dspark_lossless(smollm2):
-    """dspark-smollm2 on SmolLM2: chain, Markov tree and the scheduled tree equal HF greedy token for token, with
-    drafts accepted on a code prompt (one HF reference serves all three)."""
+    """dspark-smollm2 on SmolLM2: chain, Markov tree, the scheduled tree and the grafted tree (dspark_graft) equal
+    HF greedy token for token, with drafts accepted on a code prompt (one HF reference serves all four)."""
+    from graft_block.adjacency import AdjacencyMatrix
     from graft_block.drafter import bundled_checkpoint
+    from graft_block.graft import Graft
     from graft_block.schedule import ConfidenceSchedule
 
     folder = bundled_checkpoint("dspark-smollm2")
@@ -683,15 +685,20 @@ def test_smollm2_bundled_dspark_lossless(smollm2):
                                                          "number."}]).tolist()
     n = 40
     ref = hf_greedy(smollm2, prompt, n)
-    for proposal, budget, sched in (("chain", 15, None), ("ddtree", 16, None), ("ddtree", 16, "curve")):
+    for proposal, budget, sched in (("chain", 15, None), ("ddtree", 16, None), ("ddtree", 16, "curve"),
+                                    ("ddtree", 16, "graft")):
         d = Drafter.from_config({"type": "dspark", "checkpoint": str(folder), "proposal": proposal, "budget": budget},
                                 target=smollm2)
-        schedule = None if sched is None else ConfidenceSchedule(lambda k: 0.03 + 0.002 * k)
-        res = SpeculativeDecoder(smollm2, d, schedule=schedule).generate(prompt, max_new_tokens=n)
+        schedule = ConfidenceSchedule(lambda k: 0.03 + 0.002 * k) if sched == "curve" else None
+        graft = None if sched != "graft" else Graft.from_config(
+            {"mode": "graft"}, matrix=AdjacencyMatrix(smollm2.vocab_size, 8, "int32", "cpu"), target=smollm2, drafter=d)
+        res = SpeculativeDecoder(smollm2, d, schedule=schedule, graft=graft).generate(prompt, max_new_tokens=n)
         assert res.tokens == ref, (proposal, sched)
         assert res.stats.tau > 1.0, (proposal, sched)
         if schedule is not None:
             assert schedule.summary()["survival_source"] == {"drafter": res.stats.rounds}
+        if graft is not None:  # retrieved nodes were spliced into the verified trees
+            assert graft.summary()["mean_retrieved_nodes"] > 0
 
 
 def test_one_recipe_dspark_without_heads_is_dflash(one_thread):
