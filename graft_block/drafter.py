@@ -80,6 +80,12 @@ def weights_digest(folder: str | Path) -> str:
     return h.hexdigest()
 
 
+def delta_base_folder(folder: Path, name: str, what: str = "checkpoint") -> Path:
+    """A delta folder's base: the sibling folder ``name`` when there is one, else the bundled/registered ``name``."""
+    sibling = Path(folder).parent / name
+    return sibling if (sibling / "config.json").exists() else resolve_checkpoint(name, what)
+
+
 def base_weights(folder: Path, what: str = "checkpoint") -> dict:
     """The tensors a delta folder does not repeat: its config.json's ``weights_base`` {"checkpoint": a sibling
     folder or bundled name, "sha256": ``weights_digest`` of it} names the frozen backbone its heads were trained
@@ -89,8 +95,7 @@ def base_weights(folder: Path, what: str = "checkpoint") -> dict:
     ref = json.loads(path.read_text()).get("weights_base") if path.exists() else None
     if not ref:
         return {}
-    sibling = folder.parent / ref["checkpoint"]
-    base = sibling if (sibling / "config.json").exists() else resolve_checkpoint(ref["checkpoint"], what)
+    base = delta_base_folder(folder, ref["checkpoint"], what)
     digest = weights_digest(base)
     if digest != ref["sha256"]:
         raise ConfigError(f"{what} {folder} holds only what was trained on top of {ref['checkpoint']} ({base}), and "
@@ -107,7 +112,7 @@ def write_delta(folder: str | Path, base: str | Path) -> dict:
     from safetensors.torch import save_file
 
     folder, name = Path(folder), str(base)
-    src = resolve_checkpoint(folder.parent / name if (folder.parent / name / "config.json").exists() else name)
+    src = delta_base_folder(folder, name)
     mine, theirs = read_weights(folder), read_weights(src)
     kept = {k: v.contiguous() for k, v in mine.items()
             if k not in theirs or v.dtype != theirs[k].dtype or not torch.equal(v, theirs[k])}

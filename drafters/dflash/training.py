@@ -179,7 +179,7 @@ def make_blocks(model: DFlashModel, batch: dict, num_anchors: int | None = None,
     1 for z-lab's alignment, 0 for DeepSpec's) are labelled with the target's tokens at anchor+1, anchor+2, ...
     Returns anchors / anchor_ok [b, n], seq_ok [b], pos [b, n, B], blk_ids [b, n, B], valid / labels [b, n, L]
     (L drafting rows), src [b, n, L] (flat row of the target's top-k distribution for that label), prev [b, n, L]
-    (each label's previous token: teacher forcing for a Markov head) and ctx_kv. ``num_anchors`` / ``unique``
+    (each label's previous token: teacher forcing for a Markov head), draft_index [b, n, L] (j) and ctx_kv. ``num_anchors`` / ``unique``
     override the model's training options (a fixed held-out evaluation whatever the training count)."""
     ids, lengths, plen = batch["ids"], batch["lengths"], batch["prompt_len"]
     dev = model.fc.weight.device
@@ -205,8 +205,10 @@ def make_blocks(model: DFlashModel, batch: dict, num_anchors: int | None = None,
     src = torch.arange(b, device=dev).view(b, 1, 1) * L + (lab_pos - 1).clamp(max=L - 1)
     ctx = model.fuse(batch["feats"])
     ctx_kv = model.context_kv(ctx, torch.arange(L, device=dev).expand(b, L))
+    draft_index = torch.arange(labels.shape[-1], device=dev).expand_as(labels)  # draft j of each label row
     return {"anchors": anchors, "anchor_ok": ok, "seq_ok": ok.any(1), "pos": pos, "blk_ids": blk_ids,
-            "valid": valid, "labels": labels, "src": src, "prev": prev, "ctx_kv": ctx_kv, "dtype": ctx.dtype}
+            "valid": valid, "labels": labels, "src": src, "prev": prev, "draft_index": draft_index, "ctx_kv": ctx_kv,
+            "dtype": ctx.dtype}
 
 
 def row_losses(model: DFlashModel, logits: torch.Tensor, lab: torch.Tensor, batch: dict, src: torch.Tensor,
@@ -345,7 +347,7 @@ def recipe_loss(model, target, batch: dict, logits_fn=None) -> tuple[torch.Tenso
     if logits_fn is None:
         logits = model.logits(h, *lm_head(target))
     else:
-        logits = logits_fn(h, prev, torch.arange(Lr, device=valid.device).expand(b, n, Lr)[valid])
+        logits = logits_fn(h, prev, blk["draft_index"][valid])
     rows = row_objective(model, logits, lab, batch, blk["src"][valid], opts)
     w = row_weights(Lr, opts["gamma"], valid.device).view(1, 1, -1).expand(b, n, -1)[valid]
     wsum = w.sum().clamp(min=1e-6)

@@ -40,7 +40,7 @@ def acceptance_table(model, target, recs, batch_size: int = 4, anchors: int = 64
         ok = blk["anchor_ok"]
         h = D.draft_rows(model, target, batch, blk)[ok]
         prev, lab, exists = blk["prev"][ok], blk["labels"][ok], blk["valid"][ok]
-        z = draft_logits(model, target, h, prev, torch.arange(prev.shape[-1], device=prev.device).expand_as(prev))
+        z = draft_logits(model, target, h, prev, blk["draft_index"][ok])
         out["accepted"].append(model.to_vocab_ids(z.argmax(-1)) == lab)
         out["logits"].append(model.confidence_logits(h, prev))
         out["exists"].append(exists)

@@ -144,18 +144,14 @@ class DSparkModel(DFlashModel):
             bias = bias * (draft_index != 0).unsqueeze(-1).to(bias.dtype)
         return bias
 
-    def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor,
-                          prev_emb: torch.Tensor | None = None) -> torch.Tensor | None:
-        """hidden [..., H] of draft rows, prev [...] their previous tokens (``prev_emb``: their W1 rows, when the
-        caller has them) -> pre-sigmoid confidences (None when the head is off). Uncalibrated: ``calibrated``
-        applies the per-position temperatures."""
-        if self.confidence_head is None:
+    def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """hidden [..., H] of draft rows, prev [...] their previous tokens -> pre-sigmoid confidences (None when the
+        head is off). Uncalibrated: ``calibrated`` applies the per-position temperatures."""
+        terms = self.confidence_terms(hidden)
+        if terms is None:
             return None
-        feats = hidden
-        if self.confidence_with_markov:
-            emb = self.markov_head.prev_embed(prev) if prev_emb is None else prev_emb
-            feats = torch.cat([hidden, emb.to(hidden.dtype)], dim=-1)
-        return self.confidence_head(feats).float()
+        conf, w_emb = terms
+        return conf if w_emb is None else conf + self.markov_head.prev_embed(prev).float() @ w_emb
 
     def confidence_terms(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The head is linear in [h ; W1[prev]]: (its h part plus bias, per row of ``hidden`` [..., H]; the weight

@@ -45,7 +45,8 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
         if not path.exists():
             raise ConfigError(f"--init {init}: no config.json there (a DSpark or DFlash checkpoint folder)")
         arch = json.loads(path.read_text()).get("architectures") or []
-    if arch and "DFlashDraftModel" not in arch:
+    from_dspark = bool(arch) and "DFlashDraftModel" not in arch  # continue a DSpark folder, heads included
+    if from_dspark:
         model = load_checkpoint(init, device=target.device, dtype=torch.float32)
         if "alignment" in cfg and cfg["alignment"] != model.alignment:
             raise ConfigError(f"--init {init} drafts with {model.alignment!r} rows and the config asks for "
@@ -59,7 +60,7 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
                             alignment=str(opts["alignment"]), seed=int(cfg.get("seed", 0)))
     if not isinstance(opts["markov_first_draft"], bool):
         raise ConfigError(f"markov_first_draft must be true or false, got {opts['markov_first_draft']!r}")
-    if "markov_first_draft" in cfg or not (arch and "DFlashDraftModel" not in arch):  # a DSpark init keeps its own
+    if "markov_first_draft" in cfg or not from_dspark:  # a DSpark init keeps its own unless asked
         model.markov_first_draft = opts["markov_first_draft"]
     check_compatible(model, target)
     if opts["markov_basis"] not in MARKOV_BASES:
@@ -67,7 +68,7 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
                           f"DeepSpec's; 'embedding': W1 = E A, W2 = E B on the target's embedding E), got "
                           f"{opts['markov_basis']!r}")
     if opts["markov_basis"] == "embedding":
-        if arch and "DFlashDraftModel" not in arch:
+        if from_dspark:
             raise ConfigError("markov_basis 'embedding' trains a new Markov head: --init a DFlash folder (the "
                               "backbone), not a DSpark one, whose tables it would discard")
         if model.markov_head is None:
