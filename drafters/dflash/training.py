@@ -179,8 +179,9 @@ def make_blocks(model: DFlashModel, batch: dict, num_anchors: int | None = None,
     1 for z-lab's alignment, 0 for DeepSpec's) are labelled with the target's tokens at anchor+1, anchor+2, ...
     Returns anchors / anchor_ok [b, n], seq_ok [b], pos [b, n, B], blk_ids [b, n, B], valid / labels [b, n, L]
     (L drafting rows), src [b, n, L] (flat row of the target's top-k distribution for that label), prev [b, n, L]
-    (each label's previous token: teacher forcing for a Markov head), draft_index [b, n, L] (j) and ctx_kv. ``num_anchors`` / ``unique``
-    override the model's training options (a fixed held-out evaluation whatever the training count)."""
+    (each label's previous token: teacher forcing for a Markov head), draft_index [b, n, L] (j) and ctx_kv.
+    ``num_anchors`` / ``unique`` override the model's training options (a fixed held-out evaluation whatever the
+    training count)."""
     ids, lengths, plen = batch["ids"], batch["lengths"], batch["prompt_len"]
     dev = model.fc.weight.device
     b, L = ids.shape
