@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from graft_block.tree import Tree, TreeError
-from graft_block.tree.schedule import cost_function, survival_from_scores, schedule_tree
+from graft_block.tree.schedule import convex_cost_curve, cost_function, survival_from_scores, schedule_tree
 
 from .errors import ConfigError
 
@@ -20,13 +20,14 @@ class ConfidenceSchedule:
     """Cut each round's tree to the nodes worth their verify cost (DSpark's Algorithm 1 at batch 1).
 
     ``cost``: a callable nodes -> verify seconds (root included) or the harness's verify-cost curve
-    (``{"median_s": {"1": s, ...}}``). ``min_nodes``: non-root nodes kept every round whatever the cost says."""
+    (``{"median_s": {"1": s, ...}}``, read through its lower convex envelope). ``min_nodes``: non-root nodes kept
+    every round whatever the cost says."""
 
     def __init__(self, cost, min_nodes: int = 0):
         if not isinstance(min_nodes, int) or isinstance(min_nodes, bool) or min_nodes < 0:
             raise ConfigError(f"schedule min_nodes must be an int >= 0 (non-root nodes always kept), got {min_nodes!r}")
-        try:
-            self.cost = cost_function(cost)
+        try:  # a measured curve is read through its convex envelope (tree/schedule.convex_cost_curve says why)
+            self.cost = cost_function(convex_cost_curve(cost) if isinstance(cost, dict) else cost)
         except TreeError as exc:
             raise ConfigError(f"schedule cost: {exc}") from None
         self.curve = cost if isinstance(cost, dict) else None

@@ -13,7 +13,7 @@ from graft_block.sampling import SamplingConfig, choose
 from graft_block.schedule import ConfidenceSchedule
 from graft_block.testing import chi_square_test, exact_sequence_probs, hf_greedy, null_tv_quantile, tiny_target
 from graft_block.tree import chain, make_tree, walk
-from graft_block.tree.schedule import (apply_temperatures, calibrate_temperatures, curve_cost,
+from graft_block.tree.schedule import (apply_temperatures, calibrate_temperatures, convex_cost_curve, curve_cost,
                                        expected_calibration_error, survival_from_scores, path_survival,
                                        prefix_ece, schedule_tree)
 
@@ -64,6 +64,24 @@ def test_stops_at_the_first_drop_even_if_the_objective_rises_again():
     out, info = schedule_tree(tree, surv, curve)
     assert out.size == 2 and info["kept"] == 1
     assert info["objective"] == pytest.approx(1.9) and info["expected_tokens"] == pytest.approx(1.9)
+
+
+def test_a_measured_curve_is_read_through_its_convex_envelope():
+    """The same step as above, handed to the decoder's schedule as a measured curve: its convex envelope makes the
+    first drop the global best, so the schedule keeps the whole chain instead of stopping at the step."""
+    curve = {"median_s": {"1": 1.0, "2": 1.0, "3": 2.0, "10": 2.0}}
+    assert convex_cost_curve(curve)["median_s"] == pytest.approx({"1": 1.0, "2": 1.0, "3": 1.125, "10": 2.0})
+    tree = chain(0, [1, 2, 3, 4, 5], scores=torch.log(torch.full((5,), 0.9)).cumsum(0))  # survival 0.9^depth
+    assert schedule_tree(tree, survival_from_scores(tree), curve)[0].size == 2  # the raw step stops it at 1 node
+    assert ConfidenceSchedule(curve).apply(tree).size == 6  # on the envelope every node pays
+    # a 12-04 sample: the envelope never lies above a median, and its per-node slope never falls
+    sizes = [1, 2, 3, 4, 6, 8, 16]
+    noisy = {"median_s": dict(zip(map(str, sizes), [17.4, 17.4, 19.2, 20.4, 22.1, 22.1, 31.1]))}
+    env = [convex_cost_curve(noisy)["median_s"][str(n)] for n in sizes]
+    assert all(e <= noisy["median_s"][str(n)] + 1e-12 for e, n in zip(env, sizes))
+    slopes = [(b - a) / (m - n) for a, b, n, m in zip(env, env[1:], sizes, sizes[1:])]
+    assert all(s2 >= s1 - 1e-12 for s1, s2 in zip(slopes, slopes[1:])), slopes
+    assert env[0] == 17.4 and env[-1] == 31.1  # the ends are measured points
 
 
 def test_min_nodes_is_kept_and_never_more_than_the_tree():

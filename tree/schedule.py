@@ -42,6 +42,24 @@ def curve_cost(curve: Mapping, nodes: int) -> float:
     return tb + (tb - ta) * (nodes - b) / (b - a)
 
 
+def convex_cost_curve(curve: Mapping) -> dict:
+    """The lower convex envelope of a verify-cost curve, at the same sizes: ``{"median_s": {size: seconds}}``.
+
+    With a convex cost and nodes added in decreasing survival, expected tokens per second is unimodal in the node
+    count (its upper level sets are intervals), so the schedule's first drop is also its best cut. A measured
+    step (two sizes timed alike, then a jump) would stop the schedule at the step instead."""
+    curve_cost(curve, 1)  # the same error as the raw curve for a missing table
+    pts = sorted((int(k), float(v)) for k, v in curve["median_s"].items())
+    hull: list[tuple[int, float]] = []
+    for x, y in pts:  # monotone chain: drop the last point while it lies on or above the chord to the new one
+        while len(hull) >= 2 and (hull[-1][1] - hull[-2][1]) * (x - hull[-2][0]) >= \
+                (y - hull[-2][1]) * (hull[-1][0] - hull[-2][0]):
+            hull.pop()
+        hull.append((x, y))
+    envelope = {"median_s": {str(a): b for a, b in hull}}
+    return {"median_s": {str(x): curve_cost(envelope, x) for x, _ in pts}}
+
+
 def cost_function(cost: CostLike) -> Callable[[int], float]:
     """``cost`` as a callable nodes -> seconds (a curve dict is interpolated by ``curve_cost``)."""
     if callable(cost):
