@@ -84,7 +84,11 @@ def parse_args(argv=None, prog: str | None = None):
     ap.add_argument("--out", default=None, help="output folder (default runs/<suite>-<time>)")
     ap.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up generation per method (0 = none)")
     ap.add_argument("--time-limit", type=float, default=None, help="seconds: start no new prompt after this")
-    ap.add_argument("--fresh-cost", action="store_true", help="re-measure the verify-cost curve (ignore the cache)")
+    ap.add_argument("--cached-cost", action="store_true",
+                    help="reuse the last verify-cost curve measured for this setup instead of timing it now (a few "
+                         "seconds); the VM's speed drifts within minutes, so the default times it every run")
+    ap.add_argument("--fresh-cost", action="store_true", help="time the verify-cost curve now (the default; kept so "
+                    "older commands still run)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--chimeric", action="store_true", help="add the one-pass chimeric proxy column")
@@ -199,7 +203,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         # child process (eval/peers.py)
         target = load_target(args.target, device=args.device, dtype=args.dtype, engine=args.engine,
                              compile=args.compile, release_hf=True)
-    curve = measure.verify_cost_curve(target, fresh=args.fresh_cost)
+    curve = measure.verify_cost_curve(target, fresh=not args.cached_cost)
     target.share_drafter_checkpoints = True  # methods only read their drafters' weights: one copy per checkpoint
     runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric)
     trim_heap()
