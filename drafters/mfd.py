@@ -42,7 +42,7 @@ from graft_block.drafter import read_weights, register, resolve_checkpoint, shar
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree
 from graft_block.tree.ddtree import topk_logprobs
-from graft_block.tree.mixed import SCORES, mixed_ddtree
+from graft_block.tree.mixed import SCORES, conditional_mixed_ddtree, mixed_ddtree
 
 from . import dflash as D
 
@@ -170,13 +170,16 @@ def load_checkpoint(folder, device=None, dtype=None) -> tuple[MFDModel, dict]:
 class MFDDrafter(D.DFlashDrafter):
     """Config keys: ``checkpoint`` (MFD or DFlash folder), ``budget``, ``score`` ("best_mode" | "mixture_uniform"
     | "mixture_gated"), ``use_modes`` (draft with the first n modes only; default all), ``block_size``,
-    ``marginal_topk`` (per-mode candidates per position; the tree uses max(marginal_topk, budget)).
+    ``marginal_topk`` (per-mode candidates per position; the tree uses max(marginal_topk, budget)), ``markov`` (a
+    DSpark checkpoint on the same backbone whose Markov head every mode shares: each node's children then come
+    from softmax(U_{m,d} + W2 W1[node token]), ``tree.mixed.conditional_mixed_ddtree``; best_mode only),
+    ``markov_candidates`` (children ranked among each mode's C likeliest backbone tokens per depth, default 64).
     Random-init keys (tests): ``num_modes``, ``mode_rows``, ``mode_init_scale``, plus DFlash's ``num_layers``,
     ``target_layer_ids``, ``mask_token_id``, ``seed``, ``num_features``."""
 
     def __init__(self, target, model: MFDModel, budget: int | None = None, block_size: int | None = None,
                  marginal_topk: int = 8, checkpoint: str | None = None, score: str = "best_mode",
-                 use_modes: int | None = None):
+                 use_modes: int | None = None, markov: str | None = None, markov_candidates: int = 64):
         if not isinstance(model, MFDModel):
             raise ConfigError("MFDDrafter needs an MFDModel (MFDModel.from_dflash(dflash_model, num_modes))")
         super().__init__(target, model, proposal="ddtree", budget=budget, block_size=block_size, denoise_steps=1,
@@ -188,6 +191,9 @@ class MFDDrafter(D.DFlashDrafter):
             raise ConfigError(f"use_modes must be an int in 1..{model.num_modes} (the checkpoint's modes), got {use!r}")
         self.proposal, self.score, self.use_modes = "mixed", score, use
         self.last_gate: torch.Tensor | None = None
+        self.markov = None
+        if markov is not None:
+            self._share_markov(markov, markov_candidates)
 
     @classmethod
     def build(cls, cfg: dict, target=None) -> MFDDrafter:
@@ -195,7 +201,8 @@ class MFDDrafter(D.DFlashDrafter):
             raise ConfigError("the mfd drafter needs the target: Drafter.from_config(cfg, target=target)")
         cfg = dict(cfg)
         cfg.pop("mfd_config", None)
-        opts = {k: cfg.pop(k) for k in ("budget", "block_size", "marginal_topk", "score", "use_modes") if k in cfg}
+        opts = {k: cfg.pop(k) for k in ("budget", "block_size", "marginal_topk", "score", "use_modes", "markov",
+                                        "markov_candidates") if k in cfg}
         ckpt = cfg.pop("checkpoint", None)
         if ckpt is not None:
             model, mcfg = shared_checkpoint(target, "mfd", ckpt,
@@ -220,6 +227,90 @@ class MFDDrafter(D.DFlashDrafter):
         """This project's MFD checkpoints: the DFlash layout plus ``mfd_config`` (a plain DFlash folder is dflash's,
         although ``build`` also loads one as K = 1)."""
         return D.is_dflash_layout(config) and isinstance(config.get("mfd_config"), dict)
+
+    # ---- a Markov head shared by the modes (DSpark + MFD) ---------------------------------------------------
+    def _share_markov(self, folder, candidates) -> None:
+        """Take the Markov head of the DSpark checkpoint ``folder``. It corrects the logits of the backbone it was
+        trained on, so that backbone must be this one, tensor for tensor (the mode vectors aside)."""
+        from .dspark.checkpoint import load_checkpoint as load_dspark
+
+        if not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1:
+            raise ConfigError(f"markov_candidates must be an int >= 1 (children ranked among each mode's C likeliest "
+                              f"backbone tokens per depth), got {candidates!r}")
+        if self.score != "best_mode":
+            raise ConfigError(f"a shared Markov head builds the best_mode tree only, not score={self.score!r}")
+        path = resolve_checkpoint(folder, "markov")
+        dm = shared_checkpoint(self.target, "dspark", path,
+                               lambda: load_dspark(path, device=self.target.device, dtype=self.target.dtype))
+        if dm.markov_head is None:
+            raise ConfigError(f"markov: {folder} has no Markov head (markov_rank 0), so there is nothing to share")
+        if dm.draft_offset != getattr(self.model, "draft_offset", 1):
+            raise ConfigError(f"markov: {folder} drafts from block row {dm.draft_offset} ({dm.alignment!r} alignment) "
+                              f"but this MFD model from row {getattr(self.model, 'draft_offset', 1)}: their rows "
+                              "predict different tokens")
+        # fresh copies from disk: a loaded model's layer weights may have moved into the C layers' packs
+        dev, dt = self.target.device, self.target.dtype
+        mine = (self.model if self.checkpoint is None else load_checkpoint(self.checkpoint, dev, dt)[0]).state_dict()
+        theirs = load_dspark(path, device=dev, dtype=dt).state_dict()
+        for name, t in mine.items():
+            if name in ("mode_embed", "mode_gate.weight"):
+                continue
+            if name not in theirs or theirs[name].shape != t.shape or not torch.equal(theirs[name].to(t), t):
+                raise ConfigError(f"markov: {folder}'s backbone differs from this MFD checkpoint's at {name!r}; a "
+                                  "Markov head corrects the logits of the backbone it was trained on: train one on "
+                                  "this backbone (graft-block train --type dspark --init <this MFD's base>)")
+        w2 = dm.markov_head.markov_w2.weight
+        self._w2 = (w2 if dm.draft_vocab is None else w2[dm.draft_vocab.to(w2.device)]).detach().float()
+        self._w1 = dm.markov_head.markov_w1.weight.detach().float()
+        self._markov_first = dm.markov_first_draft
+        self.markov_candidates = candidates
+        self.markov = str(folder)
+
+    def _markov_expander(self, hidden: torch.Tensor, temperature: float, rows: int):
+        """``expand(mode, depth, token)`` for ``conditional_mixed_ddtree``: mode m's children at ``depth`` under a
+        node of ``token``, ranked among the mode's C likeliest backbone tokens there (the mass outside them stays
+        in the normaliser, uncorrected). LM-head rows are computed when a depth is first reached, doubling."""
+        K = hidden.shape[0]
+        k = max(self.marginal_topk, self.budget)
+        got: dict[str, torch.Tensor] = {}
+        cache: dict = {}
+
+        def head(depth: int) -> None:
+            done = 0 if not got else got["cand_z"].shape[1]
+            if depth <= done:
+                return
+            upto = min(rows, max(depth, 2 * done, 2))
+            z = self.row_logits(hidden, done, upto).float()  # [K, upto - done, V']
+            z = z / temperature if temperature > 0 else z
+            C = min(self.markov_candidates, z.shape[-1])
+            cz, cc = z.topk(C, dim=-1)
+            lse, inside = torch.logsumexp(z, -1, keepdim=True), torch.logsumexp(cz, -1, keepdim=True)
+            rest = lse + torch.log1p(-torch.exp(inside - lse).clamp(max=1.0 - 1e-7))
+            kk = min(k, C)  # a row's plain top-k is the head of its sorted top-C
+            new = {"cand_z": cz, "cand_cols": cc, "rest": rest, "plain_vals": cz[..., :kk] - lse,
+                   "plain_cols": cc[..., :kk]}
+            for key, v in new.items():
+                got[key] = v if key not in got else torch.cat([got[key], v], 1)
+
+        def expand(m: int, depth: int, token: int):
+            key = (depth, token) if (depth > 1 or self._markov_first) else (depth,)
+            if key not in cache:  # every mode's children under this (depth, token) in one product: modes share tokens
+                head(depth)
+                d = depth - 1
+                if len(key) == 1:  # draft 0 keeps the backbone's row (as in DSpark)
+                    vals, cols = got["plain_vals"][:, d], got["plain_cols"][:, d]
+                else:
+                    cand = got["cand_cols"][:, d]  # [K, C]
+                    bias = self._w2[cand] @ self._w1[token]  # [K, C]
+                    z = got["cand_z"][:, d] + (bias / temperature if temperature > 0 else bias)
+                    z = z - torch.logaddexp(torch.logsumexp(z, -1, keepdim=True), got["rest"][:, d])
+                    vals, idx = z.topk(min(k, z.shape[-1]), dim=-1)
+                    cols = cand.gather(1, idx)
+                cache[key] = (self.model.to_vocab_ids(cols).tolist(), vals.tolist())
+            ids, lps = cache[key]
+            return ids[m], lps[m]
+
+        return expand
 
     # ---- drafting ---------------------------------------------------------------------------------------
     def mode_hidden(self, state, modes: int | None = None) -> torch.Tensor:
@@ -251,6 +342,12 @@ class MFDDrafter(D.DFlashDrafter):
     def propose(self, state) -> Tree:
         hidden = self.mode_hidden(state)
         K, L = hidden.shape[0], min(self.budget, hidden.shape[1] - 1)  # no tree of this budget goes deeper than L
+        if self.markov is not None:
+            temp = float(state.sampling.temperature) if state.sampling is not None else 0.0
+            expand = self._markov_expander(hidden, temp, L)
+            self.last_block_logprobs = None  # no per-mode marginals: each node has its own distribution
+            with state.section("tree"):
+                return conditional_mixed_ddtree(state.root_token, expand, self.budget, L, K)
         k = max(self.marginal_topk, self.budget)
         weights = self.last_gate.cpu() if self.score == "mixture_gated" else None
         # The LM head over the draft vocabulary is the largest product of a round, and most trees of a small budget
@@ -274,7 +371,7 @@ class MFDDrafter(D.DFlashDrafter):
     def describe(self) -> dict:
         d = super().describe()
         d.update({"num_modes": self.model.num_modes, "use_modes": self.use_modes, "score": self.score,
-                  "mode_rows": self.model.mode_rows})
+                  "mode_rows": self.model.mode_rows, "markov": self.markov})
         return d
 
     # ---- training plug-in (graft_block.training) --------------------------------------------------------

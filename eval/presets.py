@@ -55,6 +55,10 @@ PRESETS: dict[str, dict] = {
     "mfd": {"drafter": {"type": "mfd", "checkpoint": "@mfd-smollm2", "budget": "{budget}", "block_size": "budget"},
             "default_budget": 16,
             "about": "Multi-Future Drafting, K=4 best-mode mixed tree"},
+    # DSpark + MFD: mfd-smollm2 and dspark-smollm2 share the dflash-smollm2 backbone, so the modes can share the head
+    "mfd_markov": {"drafter": {"type": "mfd", "checkpoint": "@mfd-smollm2", "budget": "{budget}",
+                               "block_size": "budget", "markov": "@dspark-smollm2"}, "default_budget": 16,
+                   "about": "MFD's K=4 modes under DSpark's Markov head (shared): a best-mode tree of corrected modes"},
     "dspark_chain": {"drafter": {**_DSPARK, "proposal": "chain"}, "about": "DSpark block, Markov-corrected chain"},
     "dspark_ddtree": {"drafter": {**_DSPARK, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
                       "about": "DSpark Markov-corrected DDTree (each node expands by its own distribution)"},
@@ -93,10 +97,10 @@ PRESETS: dict[str, dict] = {
 LLAMACPP = ["llamacpp", "llamacpp_ngram", "llamacpp_dflash", "llamacpp_eagle3", "llamacpp_dspark"]
 
 QUICK = ["ar", "hf", "hf_pld", "pld", "recycling", "pld_matrix", "eagle3_graft", "dflash_tail", "dflash_ddtree",
-         "dflash_graft", "mfd", "dspark_chain", "dspark_ddtree", "dspark_sched", "dspark_graft"]
+         "dflash_graft", "mfd", "mfd_markov", "dspark_chain", "dspark_ddtree", "dspark_sched", "dspark_graft"]
 PAPER = ["ar", "pld", "eagle3", "eagle3_prune", "eagle3_fixed", "eagle3_graft", "dflash_chain", "dflash_tail",
-         "dflash_ddtree", "dflash_ddtree64", "mfd", "mfd_k1_ddtree", "dspark_chain", "dspark_ddtree", "dspark_sched",
-         "dspark_ddtree64", "dflash_sched", "dflash_graft", "dspark_graft"]
+         "dflash_ddtree", "dflash_ddtree64", "mfd", "mfd_k1_ddtree", "mfd_markov", "dspark_chain", "dspark_ddtree",
+         "dspark_sched", "dspark_ddtree64", "dflash_sched", "dflash_graft", "dspark_graft"]
 
 # Per suite: prompt sets, prompts per set (the --limit default), new tokens, temperatures, methods.
 SUITES: dict[str, dict] = {

@@ -124,12 +124,38 @@ def test_mixed_trees_are_valid_and_use_several_modes(tiny_llama):
     assert any(b != 7 for b in bits)  # some nodes are proposed by a subset of the modes only
 
 
-def test_sampling_matches_target_distribution():
-    """T=1, 8-token vocabulary, K=3 modes: the joint law of the first 2 new tokens under MFD mixed trees equals
+def _mfd_sharing_a_markov_head(target, folder, **kw):
+    """A random DSpark drafter saved (fp32) to ``folder``, and a K=3 MFD on its backbone that shares its head."""
+    from graft_block.drafters.dspark.checkpoint import save_checkpoint
+
+    ds = Drafter.from_config({"type": "dspark", "num_layers": 2, "seed": 1, "markov_rank": 4, **kw}, target=target)
+    dm = ds.model
+    with torch.no_grad():  # a strong head, so that the correction reorders children
+        dm.markov_head.markov_w2.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(4))
+    save_checkpoint(dm, folder, dtype=torch.float32)
+    model = M.MFDModel(dm.config, dm.block_size, dm.target_layer_ids, dm.mask_token_id, dm.num_target_layers,
+                       dm.draft_vocab, num_modes=3)
+    backbone = {k: v for k, v in dm.state_dict().items() if not k.startswith(("markov_head.", "confidence_head."))}
+    missing, unexpected = model.load_state_dict(backbone, strict=False)
+    assert not unexpected and set(missing) == {"mode_embed", "mode_gate.weight"}
+    model.break_symmetry(target.embed(torch.tensor([dm.mask_token_id]))[0], 1.0, seed=1)
+    return model
+
+
+@pytest.mark.parametrize("markov", [False, True])
+def test_sampling_matches_target_distribution(markov, tmp_path):
+    """T=1, 8-token vocabulary, K=3 modes: the joint law of the first 2 new tokens under MFD mixed trees (and
+    under the modes sharing a DSpark Markov head: each node's children from its own corrected distribution) equals
     the target's exact law: chi-square p > 1e-3, and TV below the 99.9% quantile of TV under exact sampling with
     the same n (about 0.08 at n = 1600). Negative control: the same test rejects the T=0.8 law."""
     target = tiny_target("llama", vocab_size=8, hidden_size=32, num_layers=2)
-    d = _mfd(target, budget=8, block_size=4, mask_token_id=7, target_layer_ids=[0, 1])
+    shape = dict(block_size=4, mask_token_id=7, target_layer_ids=[0, 1])
+    if markov:
+        model = _mfd_sharing_a_markov_head(target, tmp_path / "dspark", **shape)
+        d = M.MFDDrafter(target, model, budget=8, markov=str(tmp_path / "dspark"))
+        assert d.markov is not None
+    else:
+        d = _mfd(target, budget=8, **shape)
     dec = SpeculativeDecoder(target, d)
     prompt = [1, 3, 5]
     exact = exact_sequence_probs(target, prompt, 2, SamplingConfig(1.0))

@@ -114,3 +114,74 @@ def test_budget_larger_than_support_and_zero():
     tree = mixed_ddtree(0, ids, lps, 1000)
     assert tree.size - 1 == len(brute_force_mixed(ids, lps, 1000))
     assert mixed_ddtree(0, ids, lps, 0).size == 1
+
+
+# ---- conditional (Markov-corrected) modes ------------------------------------------------------------------
+def _conditional_table(M, L, V, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.log_softmax(torch.randn(M, L, V, V, generator=g) * 2, -1)  # [mode, depth, parent token, child]
+
+
+def _table_expand(table, K):
+    def expand(m, depth, token):
+        vals, ids = table[m, depth - 1, token].sort(descending=True)
+        return ids[:K].tolist(), vals[:K].tolist()
+    return expand
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_conditional_mixed_is_the_top_budget_paths_by_best_mode_conditional_score(seed):
+    """Children that depend on the parent token, per mode: the tree is exactly the top-B token paths by max over
+    modes of the mode's summed conditional log-probs (brute force over every path in some mode's top-K)."""
+    from graft_block.tree.mixed import conditional_mixed_ddtree
+
+    M, L, V, K = 3, 3, 5, 3
+    table = _conditional_table(M, L, V, seed)
+    best: dict[tuple, float] = {}
+
+    def rec(m, path, prev, score):
+        if len(path) == L:
+            return
+        vals, ids = table[m, len(path), prev].sort(descending=True)
+        for t, v in zip(ids[:K].tolist(), vals[:K].tolist()):
+            p = path + (t,)
+            best[p] = max(best.get(p, -math.inf), score + v)
+            rec(m, p, t, score + v)
+
+    for m in range(M):
+        rec(m, (), 0, 0.0)
+    ranked = sorted(best.items(), key=lambda kv: -kv[1])
+    for budget in (1, 4, 10, 25):
+        tree = conditional_mixed_ddtree(0, _table_expand(table, K), budget, L, M)
+        validate(tree, budget=budget, root_token=0)
+        paths = tree_paths(tree)
+        assert set(paths) == {p for p, _ in ranked[:budget]}
+        for p, i in paths.items():  # a node's score is its path's best-mode score; some mode reaches it
+            assert float(tree.scores[i]) == pytest.approx(best[p])
+            assert int(tree.modes[i]) != 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_conditional_mixed_with_one_mode_is_conditional_ddtree(seed):
+    from graft_block.tree.ddtree import conditional_ddtree
+    from graft_block.tree.mixed import conditional_mixed_ddtree
+
+    table = _conditional_table(1, 4, 6, 50 + seed)
+    expand = _table_expand(table, 4)
+    for budget in (1, 5, 12):
+        ref, _ = conditional_ddtree(0, lambda d, prevs: [(*expand(0, d, prevs[0]), None)], budget, 4)
+        got = conditional_mixed_ddtree(0, expand, budget, 4, 1)
+        assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.parents, ref.parents)
+
+
+def test_conditional_mixed_without_parent_dependence_is_the_mixed_tree():
+    """Distributions that ignore the parent token: the best_mode mixed DDTree over the same marginals."""
+    from graft_block.tree.mixed import conditional_mixed_ddtree
+
+    ids, lps = random_modes(3, 4, 4, 9, seed=3)
+    expand = lambda m, d, tok: (ids[m, d - 1].tolist(), lps[m, d - 1].tolist())  # noqa: E731
+    for budget in (3, 9, 20):
+        assert tree_paths(conditional_mixed_ddtree(0, expand, budget, 4, 3)) == \
+            tree_paths(mixed_ddtree(0, ids, lps, budget))
+    with pytest.raises(TreeError, match="modes"):
+        conditional_mixed_ddtree(0, expand, 3, 4, 0)

@@ -8,6 +8,7 @@ import torch
 from graft_block import Drafter, SpeculativeDecoder
 from graft_block.data import humaneval
 from graft_block.drafter import bundled_checkpoint
+from graft_block.errors import ConfigError
 from graft_block.sampling import SamplingConfig
 from graft_block.testing import chi_square_test, exact_sequence_probs, hf_greedy
 
@@ -63,6 +64,26 @@ def test_smollm2_mfd_lossless(smollm2):
         res = dec.generate(p, max_new_tokens=64)
         assert res.tokens == ref
         assert res.stats.tau > 1.0
+
+
+def test_smollm2_mfd_with_a_shared_markov_head_is_lossless(smollm2):
+    """mfd-smollm2's modes under dspark-smollm2's Markov head (both on the dflash-smollm2 backbone): greedy output
+    equals AR; a Markov head from another backbone is refused, naming the first tensor that differs."""
+    if bundled_checkpoint("mfd-smollm2") is None or bundled_checkpoint("dspark-smollm2") is None:
+        pytest.skip("the bundled mfd-smollm2 / dspark-smollm2 checkpoints are not present")
+    prompt = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+    ref = SpeculativeDecoder(smollm2).generate(prompt, max_new_tokens=48).tokens
+    d = Drafter.from_config({"type": "mfd", "checkpoint": "mfd-smollm2", "budget": 16, "markov": "dspark-smollm2"},
+                            target=smollm2)
+    res = SpeculativeDecoder(smollm2, d).generate(prompt, max_new_tokens=48)
+    assert res.tokens == ref and res.stats.tau > 1.0
+    assert d.describe()["markov"] == "dspark-smollm2"
+    with pytest.raises(ConfigError, match="backbone differs from this MFD checkpoint's at"):
+        Drafter.from_config({"type": "mfd", "num_layers": 1, "seed": 3, "budget": 8, "markov": "dspark-smollm2"},
+                            target=smollm2)
+    with pytest.raises(ConfigError, match="best_mode"):
+        Drafter.from_config({"type": "mfd", "checkpoint": "mfd-smollm2", "budget": 8, "markov": "dspark-smollm2",
+                             "score": "mixture_uniform"}, target=smollm2)
 
 
 def test_smollm2_mfd_sampling_exact(smollm2):

@@ -117,6 +117,50 @@ def _best_mode_heap(root_token, ids, lps, budget, M, L, K):
     return tokens, parents, scores
 
 
+def conditional_mixed_ddtree(root_token: int, expand, budget: int, max_depth: int, modes: int) -> Tree:
+    """``best_mode`` tree of M modes whose children depend on the parent's token (MFD modes under a Markov head):
+    ``expand(mode, depth, token)`` -> (ids, logprobs), mode m's top-K children at ``depth`` (1-based) under a
+    node of ``token``, sorted by log-prob. A path's score is max over modes of that mode's summed conditional
+    log-probs; the heap is ``_best_mode_heap``'s with children fetched per (mode, node) when first needed, so
+    with M = 1 it is ``tree.ddtree.conditional_ddtree`` node for node. ``Tree.modes``: the modes whose own entry
+    for the node was popped, i.e. that rate the path at least as high as the weakest node that made the tree."""
+    if not isinstance(modes, int) or isinstance(modes, bool) or modes < 1:
+        raise TreeError(f"modes must be an int >= 1, got {modes!r}")
+    tokens, parents, scores, bits = [int(root_token)], [-1], [0.0], [(1 << modes) - 1]
+    if budget < 1 or max_depth < 1:
+        return make_tree(tokens, parents, scores, SOURCE_DRAFT, bits)
+    child: dict[tuple[int, int], int] = {}
+    kids = {(m, 0): expand(m, 1, int(root_token)) for m in range(modes)}
+    heap = [(-kids[(m, 0)][1][0], m, m, 0, 1, 0) for m in range(modes) if len(kids[(m, 0)][0])]
+    heapq.heapify(heap)  # (-score, pop-order tiebreak, mode, parent node, depth, rank)
+    seq = modes
+    while heap and len(tokens) - 1 < budget:
+        neg, _, m, parent, depth, rank = heapq.heappop(heap)
+        s = -neg
+        ids, lps = kids[(m, parent)]
+        tok = int(ids[rank])
+        node = child.get((parent, tok))
+        if node is None:  # first pop of this path: its best-mode score
+            node = len(tokens)
+            child[(parent, tok)] = node
+            tokens.append(tok)
+            parents.append(parent)
+            scores.append(s)
+            bits.append(0)
+        bits[node] |= 1 << m
+        if rank + 1 < len(ids):  # mode m's next sibling
+            heapq.heappush(heap, (-(s - lps[rank] + lps[rank + 1]), seq, m, parent, depth, rank + 1))
+            seq += 1
+        if depth < max_depth and len(tokens) - 1 < budget:  # mode m's first child (never under the last node)
+            if (m, node) not in kids:
+                kids[(m, node)] = expand(m, depth + 1, tok)
+            k_ids, k_lps = kids[(m, node)]
+            if len(k_ids):
+                heapq.heappush(heap, (-(s + k_lps[0]), seq, m, node, depth + 1, 0))
+                seq += 1
+    return make_tree(tokens, parents, scores, SOURCE_DRAFT, bits)
+
+
 def _logmix(vals, logw):
     terms = [v + lw for v, lw in zip(vals, logw) if v != NEG_INF and lw != NEG_INF]
     if not terms:
