@@ -45,6 +45,7 @@ from graft_block.tree.ddtree import topk_logprobs
 from graft_block.tree.mixed import SCORES, conditional_mixed_ddtree, mixed_ddtree
 
 from . import dflash as D
+from .dspark.drafter import tempered_candidates
 
 MODE_ROWS = ("all", "mask")
 
@@ -263,6 +264,7 @@ class MFDDrafter(D.DFlashDrafter):
         self._w2 = (w2 if dm.draft_vocab is None else w2[dm.draft_vocab.to(w2.device)]).detach().float()
         self._w1 = dm.markov_head.markov_w1.weight.detach().float()
         self._markov_first = dm.markov_first_draft
+        self._draft_temps = dm.draft_temperatures.tolist()  # the head's calibration (DSpark's calibrate.py)
         self.markov_candidates = candidates
         self.markov = str(folder)
 
@@ -286,9 +288,11 @@ class MFDDrafter(D.DFlashDrafter):
             cz, cc = z.topk(C, dim=-1)
             lse, inside = torch.logsumexp(z, -1, keepdim=True), torch.logsumexp(cz, -1, keepdim=True)
             rest = lse + torch.log1p(-torch.exp(inside - lse).clamp(max=1.0 - 1e-7))
-            kk = min(k, C)  # a row's plain top-k is the head of its sorted top-C
-            new = {"cand_z": cz, "cand_cols": cc, "rest": rest, "plain_vals": cz[..., :kk] - lse,
-                   "plain_cols": cc[..., :kk]}
+            kk = min(k, C)  # a row's plain top-k is the head of its sorted top-C (of the tempered row at depth 1)
+            t0 = self._draft_temps[0]
+            first = cz[..., :kk] - lse if t0 == 1.0 or done else \
+                cz[..., :kk] / t0 - torch.logsumexp(z / t0, -1, keepdim=True)
+            new = {"cand_z": cz, "cand_cols": cc, "rest": rest, "plain_vals": first, "plain_cols": cc[..., :kk]}
             for key, v in new.items():
                 got[key] = v if key not in got else torch.cat([got[key], v], 1)
 
@@ -303,7 +307,7 @@ class MFDDrafter(D.DFlashDrafter):
                     cand = got["cand_cols"][:, d]  # [K, C]
                     bias = self._w2[cand] @ self._w1[token]  # [K, C]
                     z = got["cand_z"][:, d] + (bias / temperature if temperature > 0 else bias)
-                    z = z - torch.logaddexp(torch.logsumexp(z, -1, keepdim=True), got["rest"][:, d])
+                    z = tempered_candidates(z, got["rest"][:, d], self._draft_temps[d])
                     vals, idx = z.topk(min(k, z.shape[-1]), dim=-1)
                     cols = cand.gather(1, idx)
                 cache[key] = (self.model.to_vocab_ids(cols).tolist(), vals.tolist())

@@ -378,6 +378,7 @@ def test_round_trip_keeps_alignment_calibration_and_vocab(tmp_path, one_thread):
     with torch.no_grad():
         model.markov_head.markov_w2.weight.normal_()
     model.confidence_temperatures = torch.linspace(0.5, 2.0, 7)
+    model.draft_temperatures = torch.linspace(1.0, 3.0, 7)
     S.save_checkpoint(model, tmp_path / "ck", dtype=torch.float32, extra={"type": "dspark"})
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
     assert cfg["architectures"] == ["DSparkDraftModel"] and cfg["dflash_config"]["block_alignment"] == "zlab"
@@ -385,6 +386,7 @@ def test_round_trip_keeps_alignment_calibration_and_vocab(tmp_path, one_thread):
     b = Drafter.from_config({"type": "dspark", "checkpoint": str(tmp_path / "ck"), "proposal": "ddtree",
                              "budget": 10}, target=target)
     assert torch.allclose(b.model.confidence_temperatures, model.confidence_temperatures)
+    assert torch.allclose(b.model.draft_temperatures, model.draft_temperatures)
     ta, tb = a.propose(prefilled_state(target, PROMPT, a)), b.propose(prefilled_state(target, PROMPT, b))
     assert torch.equal(ta.tokens, tb.tokens) and torch.equal(ta.parents, tb.parents)
     assert set(tb.tokens[1:].tolist()) <= set(vocab.tolist())
@@ -418,6 +420,11 @@ def test_bad_dspark_folders_fail_clearly(tmp_path):
     cfg["dflash_config"]["confidence_temperatures"] = [1.0, 2.0]
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="confidence_temperatures has 2 entries"):
+        Drafter.from_config(str(folder), target=target)
+    cfg["dflash_config"]["confidence_temperatures"] = [1.0] * 6
+    cfg["dflash_config"]["draft_temperatures"] = [1.0] * 5 + [-1.0]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="draft_temperatures must be positive"):
         Drafter.from_config(str(folder), target=target)
     with pytest.raises(ConfigError, match="at most 7 nodes"):
         _drafter(target, proposal="chain", budget=8)
@@ -613,6 +620,34 @@ def test_chunked_anchors_equal_one_packed_forward(one_thread):
     batch["generator"] = torch.Generator().manual_seed(0)
     parts, _ = S.DSparkDrafter.training_loss(model, target, batch)
     assert torch.allclose(whole, parts, atol=1e-5)
+
+
+def test_tempered_candidates_keep_their_mass_share_and_order():
+    from graft_block.drafters.dspark.drafter import tempered_candidates
+
+    g = torch.Generator().manual_seed(0)
+    z, rest = torch.randn(3, 8, generator=g) * 3, torch.randn(3, 1, generator=g)
+    plain = tempered_candidates(z, rest, 1.0)
+    assert torch.allclose(plain, z - torch.logaddexp(torch.logsumexp(z, -1, keepdim=True), rest))
+    for t in (0.5, 2.0):
+        hot = tempered_candidates(z, rest, t)
+        assert torch.allclose(torch.logsumexp(hot, -1), torch.logsumexp(plain, -1), atol=1e-6)  # same share
+        assert torch.equal(hot.argsort(-1), plain.argsort(-1))  # same order within a node's children
+        top = (hot.max(-1).values - torch.logsumexp(hot, -1)).exp()
+        assert bool(((top < (plain.max(-1).values - torch.logsumexp(plain, -1)).exp()) == (t > 1)).all())
+
+
+def test_draft_temperatures_are_the_least_nll_grid_points():
+    """fit_draft_temperatures: per position the grid temperature of least summed NLL; a position with too few
+    rows keeps the previous position's temperature (1.0 at the first)."""
+    from graft_block.drafters.dspark.calibrate import TEMP_GRID, fit_draft_temperatures
+
+    assert 1.0 in TEMP_GRID and TEMP_GRID == tuple(sorted(TEMP_GRID))
+    best = [TEMP_GRID.index(1.0), TEMP_GRID.index(1.0) + 5, 3]
+    nll = torch.stack([(torch.arange(len(TEMP_GRID), dtype=torch.float64) - b) ** 2 for b in best])
+    assert fit_draft_temperatures(nll, torch.tensor([100, 100, 100]), min_rows=30) == [TEMP_GRID[b] for b in best]
+    assert fit_draft_temperatures(nll, torch.tensor([5, 100, 5]), min_rows=30) == [1.0, TEMP_GRID[best[1]],
+                                                                                  TEMP_GRID[best[1]]]
 
 
 def test_acceptance_table_counts_a_position_only_after_accepted_ones(one_thread, monkeypatch):

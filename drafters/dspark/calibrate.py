@@ -1,5 +1,9 @@
-"""Calibrate a DSpark checkpoint's confidence head on held-out data: one temperature per draft position (sequential
-temperature scaling), written into its config.json (``dflash_config.confidence_temperatures``).
+"""Calibrate a DSpark checkpoint on held-out data, one temperature per draft position, written into its config.json:
+- the confidence head (sequential temperature scaling): ``dflash_config.confidence_temperatures``;
+- the draft distributions a tree ranks nodes by (``dflash_config.draft_temperatures``): per position, the
+  temperature minimising the NLL of the target's token under the drafter's own candidate distribution (the top-C
+  backbone tokens, Markov-corrected, their share of the mass kept). DeepSpec's L1 loss is no proper scoring rule,
+  and the corrected rows come out overconfident, which sends a best-first tree too deep.
 
 Greedy, teacher-forced and without decoding: for every anchor of the held-out sequences the chain's draft j is
 accepted when the Markov-corrected argmax equals the target's token, and position j counts only when every
@@ -50,6 +54,59 @@ def acceptance_table(model, target, recs, batch_size: int = 4, anchors: int = 64
     return logits, accepted, valid, exists
 
 
+TEMP_GRID = tuple(round(1.05 ** i, 4) for i in range(-14, 34))  # 0.51 .. 5.25 in 5% steps, 1.0 included
+
+
+@torch.no_grad()
+def draft_nll_table(model, target, recs, candidates: int = 64, batch_size: int = 4, anchors: int = 64,
+                    seed: int = 0, grid=TEMP_GRID, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed NLL [K, len(grid)], rows [K]): per draft position, the NLL of the target's token under the tempered
+    candidate distribution log_softmax(z_C / T) (z = backbone logits + Markov bias, C = the backbone's top
+    ``candidates``), over the rows whose token is a candidate (the others add a constant in T)."""
+    from graft_block.train_data import collate
+
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    K = model.num_drafts
+    nll = torch.zeros(K, len(grid), dtype=torch.float64)
+    rows = torch.zeros(K, dtype=torch.long)
+    for i in range(0, len(recs), batch_size):
+        batch = collate(recs[i: i + batch_size], target.device)
+        batch["generator"] = g
+        blk = D.make_blocks(model, batch, anchors, unique=True)
+        ok = blk["anchor_ok"]
+        h = D.draft_rows(model, target, batch, blk)[ok]  # [N, L, H]
+        L = h.shape[1]
+        flat = [t.reshape(-1, *t.shape[2:]) for t in (h, blk["prev"][ok], blk["draft_index"][ok],
+                                                      blk["labels"][ok], blk["valid"][ok])]
+        pos = torch.arange(L, device=h.device).repeat(h.shape[0])
+        for c in range(0, flat[0].shape[0], chunk):
+            hh, prev, j, lab, valid = (t[c: c + chunk] for t in flat)
+            base = model.logits(hh, *D.lm_head(target)).float()
+            cols = base.topk(min(candidates, base.shape[-1]), dim=-1).indices
+            z = draft_logits(model, target, hh, prev, j).float().gather(-1, cols)
+            hit = (model.to_vocab_ids(cols) == lab.unsqueeze(-1)) & valid.unsqueeze(-1)
+            keep = hit.any(-1)
+            if not bool(keep.any()):
+                continue
+            z, hit, p = z[keep], hit[keep].double(), pos[c: c + chunk][keep]
+            rows.index_add_(0, p.cpu(), torch.ones_like(p.cpu()))
+            for gi, t in enumerate(grid):
+                ll = (torch.log_softmax(z / t, -1).double() * hit).sum(-1)
+                nll[:, gi].index_add_(0, p.cpu(), -ll.cpu())
+    return nll, rows
+
+
+def fit_draft_temperatures(nll: torch.Tensor, rows: torch.Tensor, grid=TEMP_GRID, min_rows: int = 30) -> list[float]:
+    """Per position the grid temperature of least NLL; a position with fewer than ``min_rows`` rows keeps the
+    previous position's (1.0 at the first)."""
+    out: list[float] = []
+    for k in range(nll.shape[0]):
+        out.append(float(grid[int(nll[k].argmin())]) if int(rows[k]) >= max(1, min_rows) else
+                   (out[-1] if out else 1.0))
+    return out
+
+
 def calibration_report(logits, accepted, valid, exists, temps) -> dict:
     """ECE of the conditional confidences and of the survival products, before and after ``temps``."""
     raw, cal = torch.sigmoid(logits.double()), apply_temperatures(logits, temps)
@@ -69,21 +126,32 @@ def calibrate(folder: str | Path, data: str, holdout: int = 32, target=None, wri
 
     target = target or load_target("smollm2-135m")
     model = load_checkpoint(folder, device=target.device, dtype=torch.float32)
-    if model.confidence_head is None:
-        raise SystemExit(f"{folder}: no confidence head to calibrate")
     model.train_opts = {"num_anchors": 64, "unique_anchors": True}
     recs, _ = load_records(data, model.feature_layers)
     held, _ = split_holdout(recs, holdout)
     fit, test = held[0::2], held[1::2]
-    tf = acceptance_table(model, target, fit)
-    temps = calibrate_temperatures(tf[0], tf[1], tf[2], min_rows=min_rows).float()
-    rep = {"temperatures": [round(float(t), 4) for t in temps], "fit_rows": int(tf[0].shape[0]),
-           "fit_rows_per_position": tf[2].sum(0).tolist(),
-           **calibration_report(*acceptance_table(model, target, test), temps)}
+    nll, n = draft_nll_table(model, target, fit)
+    draft_temps = fit_draft_temperatures(nll, n, min_rows=min_rows)
+    test_nll, test_n = draft_nll_table(model, target, test)
+    at = [TEMP_GRID.index(t) if t in TEMP_GRID else None for t in draft_temps]
+    one = TEMP_GRID.index(1.0)
+    rep = {"draft_temperatures": draft_temps, "draft_fit_rows": n.tolist(),
+           "draft_nll_before": [round(float(test_nll[k, one] / max(1, test_n[k])), 4) for k in range(len(at))],
+           "draft_nll_after": [round(float(test_nll[k, i] / max(1, test_n[k])), 4) if i is not None else None
+                               for k, i in enumerate(at)]}
+    if model.confidence_head is not None:
+        tf = acceptance_table(model, target, fit)
+        temps = calibrate_temperatures(tf[0], tf[1], tf[2], min_rows=min_rows).float()
+        rep.update({"temperatures": [round(float(t), 4) for t in temps], "fit_rows": int(tf[0].shape[0]),
+                    "fit_rows_per_position": tf[2].sum(0).tolist(),
+                    **calibration_report(*acceptance_table(model, target, test), temps)})
     if write:
         path = Path(folder) / "config.json"
         cfg = json.loads(path.read_text())
-        cfg.setdefault("dflash_config", {})["confidence_temperatures"] = rep["temperatures"]
+        dcfg = cfg.setdefault("dflash_config", {})
+        dcfg["draft_temperatures"] = rep["draft_temperatures"]
+        if "temperatures" in rep:
+            dcfg["confidence_temperatures"] = rep["temperatures"]
         path.write_text(json.dumps(cfg, indent=2) + "\n")
     return rep
 

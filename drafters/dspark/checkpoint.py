@@ -68,12 +68,16 @@ def dspark_options(raw: dict, where: str = "config.json") -> dict:
 def model_from_dspark_config(raw: dict, draft_vocab: torch.Tensor | None = None, where: str = "config.json"):
     # dflash's parser reads mask_token_id / target_layer_ids from dflash_config or the top level (native)
     model = model_from_config(raw, draft_vocab, cls=DSparkModel, **dspark_options(raw, where))
-    temps = (raw.get("dflash_config") or {}).get("confidence_temperatures")
-    if temps is not None:
-        if len(temps) != model.num_drafts:
-            raise ConfigError(f"{where}: confidence_temperatures has {len(temps)} entries, the block drafts "
-                              f"{model.num_drafts}")
-        model.confidence_temperatures = torch.tensor([float(t) for t in temps])
+    for key in ("confidence_temperatures", "draft_temperatures"):
+        temps = (raw.get("dflash_config") or {}).get(key)
+        if temps is None:
+            continue
+        if not isinstance(temps, list) or len(temps) != model.num_drafts:
+            raise ConfigError(f"{where}: {key} has {len(temps) if isinstance(temps, list) else temps!r} entries, the "
+                              f"block drafts {model.num_drafts} (one temperature per draft position)")
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in temps):
+            raise ConfigError(f"{where}: {key} must be positive numbers, got {temps}")
+        setattr(model, key, torch.tensor([float(t) for t in temps]))
     return model
 
 
@@ -107,7 +111,8 @@ def dspark_config_dict(model: DSparkModel, extra: dict | None = None) -> dict:
         "enable_confidence_head": model.confidence_head is not None,
         "confidence_head_with_markov": model.confidence_with_markov, "block_alignment": model.alignment,
         "markov_first_draft": model.markov_first_draft,
-        "confidence_temperatures": [round(float(t), 6) for t in model.confidence_temperatures]})
+        "confidence_temperatures": [round(float(t), 6) for t in model.confidence_temperatures],
+        "draft_temperatures": [round(float(t), 6) for t in model.draft_temperatures]})
     out.update(extra or {})
     return out
 

@@ -29,6 +29,17 @@ from .checkpoint import is_dspark_layout, load_checkpoint, new_dspark_model, sav
 from .model import DSparkModel
 
 
+def tempered_candidates(z: torch.Tensor, rest: torch.Tensor, t: float) -> torch.Tensor:
+    """Log-probs of C candidate children from their corrected logits ``z`` [..., C] and the log-mass ``rest`` [..., 1]
+    of the tokens outside them: the candidates keep their share of the mass, and temperature ``t`` (the
+    checkpoint's ``draft_temperatures`` at this depth) reshapes the distribution inside it."""
+    total = torch.logaddexp(torch.logsumexp(z, -1, keepdim=True), rest)
+    if t == 1.0:
+        return z - total
+    share = torch.logsumexp(z, -1, keepdim=True) - total
+    return torch.log_softmax(z / t, -1) + share
+
+
 @register("dspark")
 class DSparkDrafter(DFlashDrafter):
     """Config keys: ``checkpoint`` (a DSpark folder in any spelling), ``proposal`` ("chain" | "ddtree"),
@@ -107,8 +118,11 @@ class DSparkDrafter(DFlashDrafter):
             rest = lse + torch.log1p(-torch.exp(inside - lse).clamp(max=1.0 - 1e-7))
             cand_w2 = self._w2[cand_cols].float()  # [D, C, r]
         plain_first = self._w2 is not None and not model.markov_first_draft  # depth 1 drafts the backbone's row
+        temps = model.draft_temperatures.tolist()  # the tree's ranking only: a row's top-k order is unchanged
         if self._w2 is None or plain_first:  # no bias: every parent of a depth has that depth's children
-            plain_vals, plain_cols = torch.log_softmax(zb[:1] if plain_first else zb, -1).topk(k_all, dim=-1)
+            rows = zb[:1] if plain_first else zb
+            t_rows = model.draft_temperatures[: rows.shape[0]].to(rows).unsqueeze(-1)
+            plain_vals, plain_cols = torch.log_softmax(rows / t_rows, -1).topk(k_all, dim=-1)
         conf_h, conf_e = model.confidence_terms(hidden) or (None, None)
         cache: dict = {}
 
@@ -124,13 +138,13 @@ class DSparkDrafter(DFlashDrafter):
                     d = depth - 1
                     bias = emb.float() @ cand_w2[d].T
                     z = cand_z[d] + (bias / temperature if temperature > 0 else bias)
-                    z = z - torch.logaddexp(torch.logsumexp(z, -1, keepdim=True), rest[d])
+                    z = tempered_candidates(z, rest[d], temps[d])
                     vals, idx = z.topk(k, dim=-1)
                     cols = cand_cols[d][idx]
                 else:  # base + W2 W1[prev] over the whole draft vocabulary, summed into the product's output
                     z = inference_linear(emb.to(self._w2.dtype), self._w2, None, model.kernel, self._w2_layouts)
                     z = z.add_(base[depth - 1]) if z.dtype == base.dtype else z + base[depth - 1]
-                    lp = torch.log_softmax(z.float() / temperature if temperature > 0 else z.float(), -1)
+                    lp = torch.log_softmax((z.float() / temperature if temperature > 0 else z.float()) / temps[depth - 1], -1)
                     vals, cols = lp.topk(k, dim=-1)
                 vals, cols = vals.tolist(), cols.tolist()
                 ids = cols if self._vocab is None else [[self._vocab[c] for c in row] for row in cols]

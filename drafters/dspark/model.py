@@ -95,7 +95,9 @@ class ConfidenceHead(nn.Module):
 class DSparkModel(DFlashModel):
     """``DFlashModel`` + optional ``markov_head`` and ``confidence_head``; ``alignment`` says which block row
     drafts first. ``confidence_temperatures`` (per draft position, a buffer saved in the checkpoint config) hold
-    the calibration of the confidence head (1 = uncalibrated)."""
+    the calibration of the confidence head (1 = uncalibrated); ``draft_temperatures`` (the same, ours) that of the
+    draft distributions a tree ranks its nodes by: DeepSpec's L1 loss is no proper scoring rule, and its
+    Markov-corrected rows come out overconfident (``calibrate.py``)."""
 
     def __init__(self, *args, markov_rank: int = 0, markov_head_type: str = "vanilla",
                  confidence_head: bool = False, confidence_with_markov: bool = True, alignment: str = "zlab",
@@ -124,6 +126,7 @@ class DSparkModel(DFlashModel):
         self.confidence_head = (ConfidenceHead(H + (markov_rank if self.confidence_with_markov else 0))
                                 if confidence_head else None)
         self.register_buffer("confidence_temperatures", torch.ones(self.num_drafts), persistent=False)
+        self.register_buffer("draft_temperatures", torch.ones(self.num_drafts), persistent=False)
 
     @property
     def num_drafts(self) -> int:
