@@ -92,6 +92,19 @@ def mixed_ddtree(
     return make_tree(tokens, parents, scores, SOURCE_DRAFT, modes)
 
 
+def _trie_node(child: dict, tokens: list, parents: list, scores: list, parent: int, tok: int, score: float) -> int:
+    """The node of token path (parent's path, tok), created with ``score`` on its first pop: pops come in
+    non-increasing score order, so the first one carries the path's best-mode score."""
+    node = child.get((parent, tok))
+    if node is None:
+        node = len(tokens)
+        child[(parent, tok)] = node
+        tokens.append(tok)
+        parents.append(parent)
+        scores.append(score)
+    return node
+
+
 def _best_mode_heap(root_token, ids, lps, budget, M, L, K):
     tokens, parents, scores = [int(root_token)], [-1], [0.0]
     child: dict[tuple[int, int], int] = {}
@@ -101,14 +114,7 @@ def _best_mode_heap(root_token, ids, lps, budget, M, L, K):
     while heap and len(tokens) - 1 < budget:
         neg, ranks, m, parent, depth, rank = heapq.heappop(heap)
         s = -neg
-        tok = ids[m][depth - 1][rank]
-        node = child.get((parent, tok))
-        if node is None:  # first pop of this path: its best-mode score
-            node = len(tokens)
-            child[(parent, tok)] = node
-            tokens.append(tok)
-            parents.append(parent)
-            scores.append(s)
+        node = _trie_node(child, tokens, parents, scores, parent, ids[m][depth - 1][rank], s)
         if rank + 1 < K:  # mode m's next sibling
             s2 = s - lps[m][depth - 1][rank] + lps[m][depth - 1][rank + 1]
             heapq.heappush(heap, (-s2, ranks[:-1] + (rank + 1,), m, parent, depth, rank + 1))
@@ -139,13 +145,8 @@ def conditional_mixed_ddtree(root_token: int, expand, budget: int, max_depth: in
         s = -neg
         ids, lps = kids[(m, parent)]
         tok = int(ids[rank])
-        node = child.get((parent, tok))
-        if node is None:  # first pop of this path: its best-mode score
-            node = len(tokens)
-            child[(parent, tok)] = node
-            tokens.append(tok)
-            parents.append(parent)
-            scores.append(s)
+        node = _trie_node(child, tokens, parents, scores, parent, tok, s)
+        if node == len(bits):
             bits.append(0)
         bits[node] |= 1 << m
         if rank + 1 < len(ids):  # mode m's next sibling
