@@ -45,7 +45,7 @@ from graft_block.tree.ddtree import topk_logprobs
 from graft_block.tree.mixed import SCORES, conditional_mixed_ddtree, mixed_ddtree
 
 from . import dflash as D
-from .dspark.drafter import tempered_candidates
+from .dspark.drafter import candidate_logprobs, candidate_split
 
 MODE_ROWS = ("all", "mask")
 
@@ -240,19 +240,17 @@ class MFDDrafter(D.DFlashDrafter):
                               f"backbone tokens per depth), got {candidates!r}")
         if self.score != "best_mode":
             raise ConfigError(f"a shared Markov head builds the best_mode tree only, not score={self.score!r}")
-        path = resolve_checkpoint(folder, "markov")
-        dm = shared_checkpoint(self.target, "dspark", path,
-                               lambda: load_dspark(path, device=self.target.device, dtype=self.target.dtype))
+        # fresh copies from disk: a loaded model's layer weights may have moved into the C layers' packs
+        dev, dt = self.target.device, self.target.dtype
+        dm = load_dspark(resolve_checkpoint(folder, "markov"), device=dev, dtype=dt)
         if dm.markov_head is None:
             raise ConfigError(f"markov: {folder} has no Markov head (markov_rank 0), so there is nothing to share")
         if dm.draft_offset != getattr(self.model, "draft_offset", 1):
             raise ConfigError(f"markov: {folder} drafts from block row {dm.draft_offset} ({dm.alignment!r} alignment) "
                               f"but this MFD model from row {getattr(self.model, 'draft_offset', 1)}: their rows "
                               "predict different tokens")
-        # fresh copies from disk: a loaded model's layer weights may have moved into the C layers' packs
-        dev, dt = self.target.device, self.target.dtype
         mine = (self.model if self.checkpoint is None else load_checkpoint(self.checkpoint, dev, dt)[0]).state_dict()
-        theirs = load_dspark(path, device=dev, dtype=dt).state_dict()
+        theirs = dm.state_dict()
         for name, t in mine.items():
             if name in ("mode_embed", "mode_gate.weight"):
                 continue
@@ -284,16 +282,10 @@ class MFDDrafter(D.DFlashDrafter):
             upto = min(rows, max(depth, 2 * done, 2))
             z = self.row_logits(hidden, done, upto).float()  # [K, upto - done, V']
             z = z / temperature if temperature > 0 else z
-            C = min(self.markov_candidates, z.shape[-1])
-            cz, cc = z.topk(C, dim=-1)
-            lse, inside = torch.logsumexp(z, -1, keepdim=True), torch.logsumexp(cz, -1, keepdim=True)
-            rest = lse + torch.log1p(-torch.exp(inside - lse).clamp(max=1.0 - 1e-7))
-            kk = min(k, C)  # a row's plain top-k is the head of its sorted top-C (of the tempered row at depth 1)
-            t0 = self._draft_temps[0]
-            first = cz[..., :kk] - lse if t0 == 1.0 or done else \
-                cz[..., :kk] / t0 - torch.logsumexp(z / t0, -1, keepdim=True)
-            new = {"cand_z": cz, "cand_cols": cc, "rest": rest, "plain_vals": first, "plain_cols": cc[..., :kk]}
-            for key, v in new.items():
+            if not done:  # depth 1's children when the head skips the first draft: the backbone's row, tempered
+                got["first"] = torch.log_softmax(z[:, 0] / self._draft_temps[0], -1).topk(min(k, z.shape[-1]), dim=-1)
+            parts = candidate_split(z, min(self.markov_candidates, z.shape[-1]))
+            for key, v in zip(("cand_z", "cand_cols", "rest"), parts):
                 got[key] = v if key not in got else torch.cat([got[key], v], 1)
 
         def expand(m: int, depth: int, token: int):
@@ -301,13 +293,12 @@ class MFDDrafter(D.DFlashDrafter):
             if key not in cache:  # every mode's children under this (depth, token) in one product: modes share tokens
                 head(depth)
                 d = depth - 1
-                if len(key) == 1:  # draft 0 keeps the backbone's row (as in DSpark)
-                    vals, cols = got["plain_vals"][:, d], got["plain_cols"][:, d]
+                if len(key) == 1:
+                    vals, cols = got["first"]
                 else:
                     cand = got["cand_cols"][:, d]  # [K, C]
-                    bias = self._w2[cand] @ self._w1[token]  # [K, C]
-                    z = got["cand_z"][:, d] + (bias / temperature if temperature > 0 else bias)
-                    z = tempered_candidates(z, got["rest"][:, d], self._draft_temps[d])
+                    z = candidate_logprobs(got["cand_z"][:, d], self._w2[cand] @ self._w1[token], got["rest"][:, d],
+                                           temperature, self._draft_temps[d])
                     vals, idx = z.topk(min(k, z.shape[-1]), dim=-1)
                     cols = cand.gather(1, idx)
                 cache[key] = (self.model.to_vocab_ids(cols).tolist(), vals.tolist())

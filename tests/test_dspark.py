@@ -623,7 +623,10 @@ def test_chunked_anchors_equal_one_packed_forward(one_thread):
 
 
 def test_tempered_candidates_keep_their_mass_share_and_order():
-    from graft_block.drafters.dspark.drafter import tempered_candidates
+    from graft_block.drafters.dspark.drafter import candidate_logprobs
+
+    def tempered_candidates(z, rest, t):  # no Markov bias, greedy: the draft temperature alone
+        return candidate_logprobs(z, torch.zeros_like(z), rest, 0.0, t)
 
     g = torch.Generator().manual_seed(0)
     z, rest = torch.randn(3, 8, generator=g) * 3, torch.randn(3, 1, generator=g)

@@ -29,10 +29,21 @@ from .checkpoint import is_dspark_layout, load_checkpoint, new_dspark_model, sav
 from .model import DSparkModel
 
 
-def tempered_candidates(z: torch.Tensor, rest: torch.Tensor, t: float) -> torch.Tensor:
-    """Log-probs of C candidate children from their corrected logits ``z`` [..., C] and the log-mass ``rest`` [..., 1]
-    of the tokens outside them: the candidates keep their share of the mass, and temperature ``t`` (the
-    checkpoint's ``draft_temperatures`` at this depth) reshapes the distribution inside it."""
+def candidate_split(z: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of backbone logits ``z`` [..., V]: the C likeliest columns' logits and indices [..., C] and the
+    log-mass of the columns outside them [..., 1] (kept, uncorrected, in the children's normaliser)."""
+    cand_z, cand_cols = z.topk(C, dim=-1)
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    inside = torch.logsumexp(cand_z, -1, keepdim=True)
+    return cand_z, cand_cols, lse + torch.log1p(-torch.exp(inside - lse).clamp(max=1.0 - 1e-7))
+
+
+def candidate_logprobs(cand_z: torch.Tensor, bias: torch.Tensor, rest: torch.Tensor, temperature: float,
+                       t: float) -> torch.Tensor:
+    """Log-probs of a node's C candidate children: backbone logits ``cand_z`` plus the Markov ``bias`` (both at the
+    sampling ``temperature``; 0 = greedy), normalised with the outside mass ``rest``. The candidates keep their
+    share of the mass, and the checkpoint's draft temperature ``t`` at this depth reshapes it inside."""
+    z = cand_z + (bias / temperature if temperature > 0 else bias)
     total = torch.logaddexp(torch.logsumexp(z, -1, keepdim=True), rest)
     if t == 1.0:
         return z - total
@@ -112,10 +123,7 @@ class DSparkDrafter(DFlashDrafter):
         restricted = self._w2 is not None and 0 < C < zb.shape[-1]
         if restricted:  # per depth: the C candidate columns, their W2 rows and the log-mass outside them
             k = min(k, C)
-            cand_z, cand_cols = zb.topk(C, dim=-1)
-            lse = torch.logsumexp(zb, -1, keepdim=True)
-            inside = torch.logsumexp(cand_z, -1, keepdim=True)
-            rest = lse + torch.log1p(-torch.exp(inside - lse).clamp(max=1.0 - 1e-7))
+            cand_z, cand_cols, rest = candidate_split(zb, C)
             cand_w2 = self._w2[cand_cols].float()  # [D, C, r]
         plain_first = self._w2 is not None and not model.markov_first_draft  # depth 1 drafts the backbone's row
         temps = model.draft_temperatures.tolist()  # the tree's ranking only: a row's top-k order is unchanged
@@ -136,15 +144,14 @@ class DSparkDrafter(DFlashDrafter):
                     cols = plain_cols[depth - 1].expand(len(todo), -1)
                 elif restricted:
                     d = depth - 1
-                    bias = emb.float() @ cand_w2[d].T
-                    z = cand_z[d] + (bias / temperature if temperature > 0 else bias)
-                    z = tempered_candidates(z, rest[d], temps[d])
+                    z = candidate_logprobs(cand_z[d], emb.float() @ cand_w2[d].T, rest[d], temperature, temps[d])
                     vals, idx = z.topk(k, dim=-1)
                     cols = cand_cols[d][idx]
                 else:  # base + W2 W1[prev] over the whole draft vocabulary, summed into the product's output
                     z = inference_linear(emb.to(self._w2.dtype), self._w2, None, model.kernel, self._w2_layouts)
                     z = z.add_(base[depth - 1]) if z.dtype == base.dtype else z + base[depth - 1]
-                    lp = torch.log_softmax((z.float() / temperature if temperature > 0 else z.float()) / temps[depth - 1], -1)
+                    z = z.float() / temperature if temperature > 0 else z.float()
+                    lp = torch.log_softmax(z / temps[depth - 1], -1)
                     vals, cols = lp.topk(k, dim=-1)
                 vals, cols = vals.tolist(), cols.tolist()
                 ids = cols if self._vocab is None else [[self._vocab[c] for c in row] for row in cols]
