@@ -83,8 +83,8 @@ def draft_nll_table(model, target, recs, candidates: int = 64, batch_size: int =
         for c in range(0, flat[0].shape[0], chunk):
             hh, prev, j, lab, valid = (t[c: c + chunk] for t in flat)
             base = model.logits(hh, *D.lm_head(target)).float()
-            cols = base.topk(min(candidates, base.shape[-1]), dim=-1).indices
-            z = draft_logits(model, target, hh, prev, j).float().gather(-1, cols)
+            cols = base.topk(min(candidates, base.shape[-1]), dim=-1).indices  # ranked by the backbone, as drafting
+            z = (base + model.markov_bias(prev, model.draft_vocab, j)).gather(-1, cols)  # draft_logits, one head
             hit = (model.to_vocab_ids(cols) == lab.unsqueeze(-1)) & valid.unsqueeze(-1)
             keep = hit.any(-1)
             if not bool(keep.any()):
@@ -133,12 +133,10 @@ def calibrate(folder: str | Path, data: str, holdout: int = 32, target=None, wri
     nll, n = draft_nll_table(model, target, fit)
     draft_temps = fit_draft_temperatures(nll, n, min_rows=min_rows)
     test_nll, test_n = draft_nll_table(model, target, test)
-    at = [TEMP_GRID.index(t) if t in TEMP_GRID else None for t in draft_temps]
-    one = TEMP_GRID.index(1.0)
+    per_row = test_nll / test_n.clamp(min=1).unsqueeze(-1)
     rep = {"draft_temperatures": draft_temps, "draft_fit_rows": n.tolist(),
-           "draft_nll_before": [round(float(test_nll[k, one] / max(1, test_n[k])), 4) for k in range(len(at))],
-           "draft_nll_after": [round(float(test_nll[k, i] / max(1, test_n[k])), 4) if i is not None else None
-                               for k, i in enumerate(at)]}
+           "draft_nll_before": [round(float(v), 4) for v in per_row[:, TEMP_GRID.index(1.0)]],
+           "draft_nll_after": [round(float(per_row[k, TEMP_GRID.index(t)]), 4) for k, t in enumerate(draft_temps)]}
     if model.confidence_head is not None:
         tf = acceptance_table(model, target, fit)
         temps = calibrate_temperatures(tf[0], tf[1], tf[2], min_rows=min_rows).float()
