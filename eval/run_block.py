@@ -87,8 +87,6 @@ def parse_args(argv=None, prog: str | None = None):
     ap.add_argument("--cached-cost", action="store_true",
                     help="reuse the last verify-cost curve measured for this setup instead of timing it now (a few "
                          "seconds); the VM's speed drifts within minutes, so the default times it every run")
-    ap.add_argument("--fresh-cost", action="store_true", help="time the verify-cost curve now (the default; kept so "
-                    "older commands still run)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--chimeric", action="store_true", help="add the one-pass chimeric proxy column")
