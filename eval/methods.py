@@ -63,15 +63,15 @@ def warm_matrix(target, k: int = 8, rounds: int = 5):
 
 
 def make_schedule(scfg, curve: dict | None):
-    """A preset's ``"schedule": {"cost": "curve", "min_nodes": 0}`` -> ConfidenceSchedule on the run's verify-cost
-    curve (``"cost"`` may also be a curve dict itself)."""
+    """A preset's ``"schedule": {"cost": "curve", "min_nodes": 0, "stop": "best"}`` -> ConfidenceSchedule on the
+    run's verify-cost curve (``"cost"`` may also be a curve dict itself; ``"stop"``: "best" or "first_drop")."""
     from graft_block.schedule import ConfidenceSchedule
 
     scfg = {"cost": "curve", **(scfg if isinstance(scfg, dict) else {})}
-    unknown = set(scfg) - {"cost", "min_nodes"}
+    unknown = set(scfg) - {"cost", "min_nodes", "stop"}
     if unknown:
-        raise ConfigError(f"unknown schedule keys {sorted(unknown)}; a schedule takes 'cost' ('curve') and "
-                          "'min_nodes'")
+        raise ConfigError(f"unknown schedule keys {sorted(unknown)}; a schedule takes 'cost' ('curve'), "
+                          "'min_nodes' and 'stop'")
     cost = scfg["cost"]
     if cost == "curve":
         if not curve:
@@ -81,7 +81,7 @@ def make_schedule(scfg, curve: dict | None):
     elif not isinstance(cost, dict):
         raise ConfigError(f"schedule cost must be 'curve' (the run's verify-cost curve) or a curve dict "
                           f"{{'median_s': {{nodes: seconds}}}}, got {cost!r}")
-    return ConfidenceSchedule(cost, min_nodes=scfg.get("min_nodes", 0))
+    return ConfidenceSchedule(cost, min_nodes=scfg.get("min_nodes", 0), stop=scfg.get("stop", "best"))
 
 
 def make_method(name: str, spec: dict, target, budget: int | None, chimeric: bool = False,

@@ -1,6 +1,6 @@
 """Confidence-scheduled verification as a decoder schedule object (the algorithm is ``tree/schedule.py``).
 
-``ConfidenceSchedule(cost, min_nodes=0)`` is what ``SpeculativeDecoder(schedule=...)`` takes: each round the decoder
+``ConfidenceSchedule(cost, min_nodes=0, stop="best")`` is what ``SpeculativeDecoder(schedule=...)`` takes: each round the decoder
 calls ``schedule.apply(tree, state, drafter)`` after graft, and verifies the returned subtree. Survival per node:
 ``drafter.node_survival(tree)`` when the drafter offers it and it returns a tensor (a confidence head), else the
 tree's own path probabilities (``survival_from_scores``). Neither reads the target, so the kept set never
@@ -20,18 +20,23 @@ class ConfidenceSchedule:
     """Cut each round's tree to the nodes worth their verify cost (DSpark's Algorithm 1 at batch 1).
 
     ``cost``: a callable nodes -> verify seconds (root included) or the harness's verify-cost curve
-    (``{"median_s": {"1": s, ...}}``, read through its lower convex envelope). ``min_nodes``: non-root nodes kept
-    every round whatever the cost says."""
+    (``{"median_s": {"1": s, ...}}``). ``min_nodes``: non-root nodes kept every round whatever the cost says.
+    ``stop``: "best" (the node count of the highest expected tokens per second; the measured curve's stairs are
+    real and it climbs them) or "first_drop" (DSpark's early stop; the curve is then read through its lower convex
+    envelope, on which the first drop is the best cut: ``tree/schedule.convex_cost_curve``)."""
 
-    def __init__(self, cost, min_nodes: int = 0):
+    def __init__(self, cost, min_nodes: int = 0, stop: str = "best"):
         if not isinstance(min_nodes, int) or isinstance(min_nodes, bool) or min_nodes < 0:
             raise ConfigError(f"schedule min_nodes must be an int >= 0 (non-root nodes always kept), got {min_nodes!r}")
-        try:  # a measured curve is read through its convex envelope (tree/schedule.convex_cost_curve says why)
-            self.cost = cost_function(convex_cost_curve(cost) if isinstance(cost, dict) else cost)
+        if stop not in ("best", "first_drop"):
+            raise ConfigError(f"schedule stop must be 'best' or 'first_drop', got {stop!r}")
+        try:
+            envelope = isinstance(cost, dict) and stop == "first_drop"
+            self.cost = cost_function(convex_cost_curve(cost) if envelope else cost)
         except TreeError as exc:
             raise ConfigError(f"schedule cost: {exc}") from None
         self.curve = cost if isinstance(cost, dict) else None
-        self.min_nodes = min_nodes
+        self.min_nodes, self.stop = min_nodes, stop
         self.reset_stats()
 
     def survival(self, tree: Tree, drafter=None):
@@ -57,7 +62,7 @@ class ConfidenceSchedule:
         the target's choices)."""
         survival, source = self.survival(tree, drafter)
         try:
-            out, info = schedule_tree(tree, survival, self.cost, self.min_nodes, self.overhead(state))
+            out, info = schedule_tree(tree, survival, self.cost, self.min_nodes, self.overhead(state), self.stop)
         except TreeError as exc:
             raise ConfigError(f"confidence schedule: {exc} (a drafter's node_survival must return one probability "
                               "per node of the tree it is given)") from None
@@ -73,7 +78,7 @@ class ConfidenceSchedule:
         """Per-round means: nodes in and kept, the share kept, expected tokens per round; survival sources."""
         s = self.stats
         r = max(s["rounds"], 1)
-        return {"rounds": s["rounds"], "min_nodes": self.min_nodes, "mean_nodes_in": s["nodes_in"] / r,
+        return {"rounds": s["rounds"], "min_nodes": self.min_nodes, "stop": self.stop, "mean_nodes_in": s["nodes_in"] / r,
                 "mean_nodes_kept": s["nodes_kept"] / r,
                 "kept_share": s["nodes_kept"] / s["nodes_in"] if s["nodes_in"] else None,
                 "mean_expected_tokens": s["expected_tokens"] / r,
@@ -84,4 +89,4 @@ class ConfidenceSchedule:
                       "survival_source": Counter()}
 
     def describe(self) -> dict:
-        return {"min_nodes": self.min_nodes, "cost": "curve" if self.curve is not None else "callable"}
+        return {"min_nodes": self.min_nodes, "stop": self.stop, "cost": "curve" if self.curve is not None else "callable"}

@@ -1,4 +1,4 @@
-"""Confidence-scheduled verification: the scheduler (prefix-closed, first-drop stop, min_nodes, cost curve), the
+"""Confidence-scheduled verification: the scheduler (prefix-closed, best and first-drop stops, min_nodes, cost curve), the
 calibration of confidences, the decoder/harness wiring, and the exact law of decoding with a schedule (with a
 peeking schedule as the negative control the test must reject)."""
 from collections import Counter
@@ -53,27 +53,43 @@ def test_child_above_its_parent_waits_for_the_parent():
     assert path_survival(tree, torch.tensor([1.0, 0.3, 0.9, 0.5])).tolist() == pytest.approx([1.0, 0.3, 0.3, 0.5])
 
 
-def test_stops_at_the_first_drop_even_if_the_objective_rises_again():
-    # cost: 1 for 1-2 positions, 2 from 3 on (a step); five nodes of survival 0.9 in a chain
+def test_first_drop_stops_at_a_stair_and_best_climbs_it():
+    # cost: 1 for 1-2 positions, 2 from 3 on (a stair); five nodes of survival 0.9 in a chain
     curve = {"median_s": {"1": 1.0, "2": 1.0, "3": 2.0, "10": 2.0}}
     tree = chain(0, [1, 2, 3, 4, 5])
     surv = torch.tensor([1.0, 0.9, 0.9, 0.9, 0.9, 0.9])
     # objectives for k kept nodes: 1.0, 1.9, 1.4 (drop), 1.85, 2.3, 2.75: the global best keeps all 5
     objective = [(1 + 0.9 * k) / curve_cost(curve, 1 + k) for k in range(6)]
     assert objective[2] < objective[1] < objective[4] and max(objective) == objective[5]
-    out, info = schedule_tree(tree, surv, curve)
+    out, info = schedule_tree(tree, surv, curve, stop="first_drop")
     assert out.size == 2 and info["kept"] == 1
     assert info["objective"] == pytest.approx(1.9) and info["expected_tokens"] == pytest.approx(1.9)
+    out, info = schedule_tree(tree, surv, curve)  # stop="best"
+    assert out.size == 6 and info["objective"] == pytest.approx(2.75) and info["expected_tokens"] == pytest.approx(5.5)
+    # a stair the survivals do not pay for: best stops below it, at the first stair's end (ties: fewer nodes)
+    low = torch.tensor([1.0, 0.9, 0.1, 0.1, 0.1, 0.1])  # 1.9 / 1 at k = 1 beats (1.9 + 0.1 j) / 2 for every j
+    assert schedule_tree(tree, low, curve)[1]["kept"] == 1
+    assert schedule_tree(tree, low, curve, min_nodes=3)[1]["kept"] == 5  # past the floor, best still climbs
+    with pytest.raises(ValueError, match="stop must be"):
+        schedule_tree(tree, surv, curve, stop="first")
 
 
-def test_a_measured_curve_is_read_through_its_convex_envelope():
-    """The same step as above, handed to the decoder's schedule as a measured curve: its convex envelope makes the
-    first drop the global best, so the schedule keeps the whole chain instead of stopping at the step."""
+def test_a_measured_curve_is_read_raw_for_best_and_through_its_envelope_for_first_drop():
+    """The same stair handed to the decoder's schedule as a measured curve: "best" reads it as measured and keeps
+    the whole chain; "first_drop" reads its convex envelope, on which the first drop is the global best."""
     curve = {"median_s": {"1": 1.0, "2": 1.0, "3": 2.0, "10": 2.0}}
     assert convex_cost_curve(curve)["median_s"] == pytest.approx({"1": 1.0, "2": 1.0, "3": 1.125, "10": 2.0})
     tree = chain(0, [1, 2, 3, 4, 5], scores=torch.log(torch.full((5,), 0.9)).cumsum(0))  # survival 0.9^depth
-    assert schedule_tree(tree, survival_from_scores(tree), curve)[0].size == 2  # the raw step stops it at 1 node
-    assert ConfidenceSchedule(curve).apply(tree).size == 6  # on the envelope every node pays
+    assert schedule_tree(tree, survival_from_scores(tree), curve, stop="first_drop")[0].size == 2  # the raw stair
+    assert ConfidenceSchedule(curve, stop="first_drop").apply(tree).size == 6  # on the envelope every node pays
+    assert ConfidenceSchedule(curve).apply(tree).size == 6
+    # on a staircase that the envelope would smooth, "best" cuts at a stair's end: nodes 2-3 here cost nothing extra
+    stairs = {"median_s": {"1": 1.0, "2": 1.0, "3": 1.0, "4": 1.5, "5": 1.5, "6": 2.0}}
+    weak = chain(0, [1, 2, 3, 4], scores=torch.log(torch.tensor([0.5, 0.2, 0.1, 0.05])).cumsum(0))
+    kept = ConfidenceSchedule(stairs).apply(weak)
+    assert kept.size == 3  # 1 + 0.5 + 0.1 = 1.6 at cost 1 beats (1.6 + 0.01 + 0.0005) / 1.5
+    with pytest.raises(ConfigError, match="stop must be"):
+        ConfidenceSchedule(stairs, stop="never")
     # a 12-04 sample: the envelope never lies above a median, and its per-node slope never falls
     sizes = [1, 2, 3, 4, 6, 8, 16]
     noisy = {"median_s": dict(zip(map(str, sizes), [17.4, 17.4, 19.2, 20.4, 22.1, 22.1, 31.1]))}
