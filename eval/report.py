@@ -107,6 +107,7 @@ def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf", engin
             "accept_hist": dict(sorted(hist.items())),
             "suffix_decay": decay,
             "suffix_reach": reach,
+            "schedule": schedule_summary(rs),
             "chimeric_share": _med([r.get("chimeric_share") for r in rs]),
             "graft_hit_rate": (sum(r.get("retrieved_accepted") or 0 for r in rs) / retr) if retr else None,
             "retrieval_state_bytes": max([r.get("retrieval_state_bytes") or 0 for r in rs]) or None,
@@ -165,6 +166,40 @@ def markdown_table(rows: list[dict]) -> str:
             + f"{split} | "
             f"{_f(r['chimeric_share'])} | {_f(r['graft_hit_rate'])} | {r['retrieval_state_bytes'] or '-'} | "
             f"{busy} | {loss} |")
+    return "\n".join(lines)
+
+
+def schedule_summary(records: list[dict]) -> dict | None:
+    """Per-round means over a scheduled method's records: nodes drafted and kept, the tokens the survivals
+    expected and the tokens realised (tau): their gap is the survivals' calibration on these prompts. None when
+    no record was scheduled."""
+    rs = [r for r in records if r.get("schedule") and r["schedule"].get("rounds")]
+    if not rs:
+        return None
+    n = sum(r["schedule"]["rounds"] for r in rs)
+    mean = lambda key: sum(r["schedule"][key] * r["schedule"]["rounds"] for r in rs) / n  # noqa: E731
+    sources: dict = {}
+    for r in rs:
+        for k, v in (r["schedule"].get("survival_source") or {}).items():
+            sources[k] = sources.get(k, 0) + v
+    return {"rounds": n, "nodes_in": mean("mean_nodes_in"), "nodes_kept": mean("mean_nodes_kept"),
+            "expected_tokens": mean("mean_expected_tokens"),
+            "realised_tokens": sum(r["tau"] * r["schedule"]["rounds"] for r in rs) / n,
+            "survival_source": sources}
+
+
+def schedule_table(rows: list[dict]) -> str | None:
+    """Markdown: per scheduled method, nodes drafted -> kept per round and expected vs realised tokens per round."""
+    rs = [r for r in rows if r.get("schedule")]
+    if not rs:
+        return None
+    lines = ["| method | T | budget | nodes drafted | nodes kept | expected tokens | realised tokens | survival from |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rs:
+        s = r["schedule"]
+        src = ", ".join(f"{k} {v}" for k, v in s["survival_source"].items())
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {r['budget'] or '-'} | {s['nodes_in']:.2f} | "
+                     f"{s['nodes_kept']:.2f} | {s['expected_tokens']:.2f} | {s['realised_tokens']:.2f} | {src} |")
     return "\n".join(lines)
 
 

@@ -13,7 +13,8 @@ Speedup vs AR = decode tokens / decode seconds of the method over the same for o
 prompt-turns (total over total), with the per-prompt median, IQR and a paired-bootstrap interval beside it.
 At temperature 0 every method's tokens are compared with AR's and any mismatch is flagged loudly. The machine's
 load is sampled before, during and after: a busy machine is flagged in the header and in the JSON.
-After the table come the suffix decay (acceptance at draft depth k given depth k - 1, per method) and the physics
+After the table come the suffix decay (acceptance at draft depth k given depth k - 1, per method), the schedule's
+kept nodes and expected vs realised tokens per round (scheduled methods), and the physics
 report (eval/physics.py: bandwidth, matrix-product peak, linear layers vs the verify curve measured above);
 --no-physics skips the latter.
 """
@@ -245,6 +246,11 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         print("\nsuffix decay: P(depth k accepted | depth k-1 accepted), from the summed accept_hist (capped by the "
               "trees' depth)\n")
         print(decay)
+    sched = report.schedule_table(rows)
+    if sched:
+        print("\nschedule: per round, nodes drafted and kept, and the tokens the survivals expected against those "
+              "realised\n")
+        print(sched)
     for by in ("set", "category"):
         rep[f"per_{by}"] = report.group_rows(records, by)
         table = report.group_table(rep[f"per_{by}"])

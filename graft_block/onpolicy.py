@@ -1,4 +1,4 @@
-"""The on-policy dataset: the target's own answers to ShareGPT *train* prompts, stored as token ids only.
+"""The on-policy dataset: the target's own answers to ShareGPT *train* (or *calibration*) prompts, as token ids.
 
 The expensive part of drafter data is the target's generations; features and soft labels are cheap to recompute
 with one teacher-forced forward, so only ids are kept (small enough to commit, and shared by every drafter).
@@ -36,6 +36,7 @@ from .train_data import answer_batch, data_root, forward_cache, train_prompts
 
 GENERATOR_VERSION = 1
 MANIFEST = "manifest.json"
+SPLITS = ("train", "calibration")  # ShareGPT's eval slice stays the benchmark's
 
 
 def kind_name(sampling: SamplingConfig | None, samples: int) -> str:
@@ -106,16 +107,20 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
              sampling: SamplingConfig | None = None, seed: int = 0, max_new: int = 160, batch_size: int = 64,
              max_prompt_tokens: int = 320, time_limit_s: float | None = None, max_files: int | None = None,
              prompts: list[tuple[int, list[int]]] | None = None, command: str | None = None,
-             reserve: Sequence[Sequence[int]] = (), log=print) -> dict:
-    """Answer train-split prompt indices [first, first + count) in chunks of ``chunk`` indices, one shard each
-    (skipping shards that exist); stop before a new shard once ``time_limit_s`` has passed or ``max_files`` new
-    shards were written. ``prompts`` (index, ids) replaces ShareGPT (tests, tokenizer-less targets). Prompt
-    indices inside a ``reserve`` range (held-out prompts) are never answered. Returns the manifest."""
+             reserve: Sequence[Sequence[int]] = (), split: str = "train", log=print) -> dict:
+    """Answer prompt indices [first, first + count) of ShareGPT's ``split`` ("train", or "calibration": prompts
+    no drafter trains on, for clean held-out data) in chunks of ``chunk`` indices, one shard each (skipping shards
+    that exist); stop before a new shard once ``time_limit_s`` has passed or ``max_files`` new shards were written.
+    ``prompts`` (index, ids) replaces ShareGPT (tests, tokenizer-less targets). Prompt indices inside a
+    ``reserve`` range (held-out prompts) are never answered. A folder holds one split. Returns the manifest."""
     sampled = sampling is not None and not sampling.greedy
     if samples < 1 or (samples > 1 and not sampled):
         raise ConfigError(f"samples={samples}: need samples >= 1, and samples > 1 only with temperature > 0")
     if count < 1 or chunk < 1 or first < 0:
         raise ConfigError(f"need first >= 0, count >= 1 and chunk >= 1, got {first}, {count}, {chunk}")
+    if split not in SPLITS:
+        raise ConfigError(f"split {split!r}: answer 'train' prompts (training data) or 'calibration' prompts "
+                          "(held-out data); the 'eval' slice is the benchmark's")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     kind = kind_name(sampling, samples)
@@ -124,8 +129,11 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {
         "target": str(target.name), "target_fingerprint": fp, "vocab_size": target.vocab_size,
         "generator_version": GENERATOR_VERSION, "max_prompt_tokens": max_prompt_tokens, "max_new": max_new,
-        "source": "ShareGPT train split (graft_block.data.sharegpt('train')), first turn, chat template; "
-                  "prompt_index = position in that split", "commands": [], "shards": []}
+        "source": f"ShareGPT {split} split (graft_block.data.sharegpt('{split}')), first turn, chat template; "
+                  "prompt_index = position in that split", "split": split, "commands": [], "shards": []}
+    if manifest.get("split", "train") != split:
+        raise ConfigError(f"{folder} answers ShareGPT {manifest.get('split', 'train')!r} prompts, not {split!r}: "
+                          "use another folder")
     manifest["reserved"] = [list(r) for r in sorted({tuple(r) for r in [*manifest.get("reserved", []), *reserve]})]
     if manifest["target_fingerprint"] != fp:
         raise ConfigError(f"{folder} holds answers of another target ({manifest['target']}, fingerprint "
@@ -137,7 +145,8 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
     if command:
         manifest["commands"].append(command)
     manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
-    pool = {i: ids for i, ids in (prompts if prompts is not None else train_prompts(target, max_prompt_tokens))
+    pool = {i: ids for i, ids in (prompts if prompts is not None else train_prompts(target, max_prompt_tokens,
+                                                                                     split=split))
             if not is_reserved(i, manifest["reserved"])}
     dtype = np.uint16 if target.vocab_size <= 1 << 16 else np.int32
     eos = target.eos_token_ids
@@ -299,7 +308,9 @@ def main(argv=None):
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 on a GPU")
-    ap.add_argument("--first", type=int, default=0, help="first train-split prompt index")
+    ap.add_argument("--first", type=int, default=0, help="first prompt index of the split")
+    ap.add_argument("--split", default="train", choices=SPLITS,
+                    help="ShareGPT split: train (drafter data) or calibration (held-out data no drafter trains on)")
     ap.add_argument("--after", default=None, metavar="FOLDER",
                     help="start after the last shard of the same kind in this dataset (extending it elsewhere)")
     ap.add_argument("--merge", default=None, metavar="FOLDER", help="only merge this dataset's shards into --out")
@@ -329,6 +340,9 @@ def main(argv=None):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if (args.prompts or args.save_prompts) and args.split != "train":
+        raise ConfigError("--prompts / --save-prompts files hold train prompts only: generate the calibration split "
+                          "on a machine with the ShareGPT wheel")
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     if args.save_prompts:
         print(f"{save_prompts(target, args.save_prompts, args.max_prompt_tokens)} prompts -> {args.save_prompts}")
@@ -339,7 +353,7 @@ def main(argv=None):
     first = next_index(args.after, kind_name(sampling, args.samples)) if args.after else args.first
     generate(target, args.out, first, args.count, args.chunk, args.samples, sampling, args.seed, args.max_new,
              args.batch, args.max_prompt_tokens, None if args.minutes is None else 60 * args.minutes,
-             args.max_files, prompts=prompts, command=command, reserve=reserved(args.after))
+             args.max_files, prompts=prompts, command=command, reserve=reserved(args.after), split=args.split)
     print(json.dumps(totals(args.out), indent=1))
 
 

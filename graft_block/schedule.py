@@ -23,13 +23,18 @@ class ConfidenceSchedule:
     (``{"median_s": {"1": s, ...}}``). ``min_nodes``: non-root nodes kept every round whatever the cost says.
     ``stop``: "best" (the node count of the highest expected tokens per second; the measured curve's stairs are
     real and it climbs them) or "first_drop" (DSpark's early stop; the curve is then read through its lower convex
-    envelope, on which the first drop is the best cut: ``tree/schedule.convex_cost_curve``)."""
+    envelope, on which the first drop is the best cut: ``tree/schedule.convex_cost_curve``). ``survival``: "drafter"
+    (its ``node_survival`` when it has one, else path probabilities) or "scores" (path probabilities always)."""
 
-    def __init__(self, cost, min_nodes: int = 0, stop: str = "best"):
+    def __init__(self, cost, min_nodes: int = 0, stop: str = "best", survival: str = "drafter"):
         if not isinstance(min_nodes, int) or isinstance(min_nodes, bool) or min_nodes < 0:
             raise ConfigError(f"schedule min_nodes must be an int >= 0 (non-root nodes always kept), got {min_nodes!r}")
         if stop not in ("best", "first_drop"):
             raise ConfigError(f"schedule stop must be 'best' or 'first_drop', got {stop!r}")
+        if survival not in ("drafter", "scores"):
+            raise ConfigError(f"schedule survival must be 'drafter' (its confidence head where it has one) or "
+                              f"'scores' (path probabilities), got {survival!r}")
+        self.survival_from = survival
         try:
             envelope = isinstance(cost, dict) and stop == "first_drop"
             self.cost = cost_function(convex_cost_curve(cost) if envelope else cost)
@@ -41,7 +46,7 @@ class ConfidenceSchedule:
 
     def survival(self, tree: Tree, drafter=None):
         """(survival tensor, where it came from): the drafter's confidence head first, the tree's scores else."""
-        head = getattr(drafter, "node_survival", None)
+        head = getattr(drafter, "node_survival", None) if self.survival_from == "drafter" else None
         if head is not None:
             s = head(tree)
             if s is not None:
@@ -89,4 +94,4 @@ class ConfidenceSchedule:
                       "survival_source": Counter()}
 
     def describe(self) -> dict:
-        return {"min_nodes": self.min_nodes, "stop": self.stop, "cost": "curve" if self.curve is not None else "callable"}
+        return {"min_nodes": self.min_nodes, "stop": self.stop, "survival": self.survival_from, "cost": "curve" if self.curve is not None else "callable"}

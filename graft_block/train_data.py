@@ -50,13 +50,15 @@ def data_root() -> Path:
 
 
 # ---- data generation ---------------------------------------------------------------------------------------
-def train_prompts(target, max_prompt_tokens: int, limit: int | None = None) -> list[tuple[int, list[int]]]:
-    """(train-split index, chat-template ids) of the first ``limit`` ShareGPT train prompts, those that fit
-    ``max_prompt_tokens`` kept; an index is the prompt's position in the split, so it never shifts."""
+def train_prompts(target, max_prompt_tokens: int, limit: int | None = None,
+                  split: str = "train") -> list[tuple[int, list[int]]]:
+    """(index, chat-template ids) of the first ``limit`` ShareGPT prompts of ``split`` (train, or calibration for
+    held-out data no drafter trains on), those that fit ``max_prompt_tokens`` kept; an index is the prompt's
+    position in the split, so it never shifts."""
     from .data import sharegpt
 
     out = []
-    for i, rec in enumerate(sharegpt("train", limit=limit)):
+    for i, rec in enumerate(sharegpt(split, limit=limit)):
         ids = target.encode([{"role": "user", "content": rec["turns"][0]}]).tolist()
         if len(ids) <= max_prompt_tokens:
             out.append((i, ids))

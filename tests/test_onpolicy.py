@@ -15,7 +15,8 @@ from graft_block.testing import tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 COMMITTED = Path(__file__).resolve().parents[1] / "drafters" / "data" / "smollm2-sharegpt"
-HELDOUT = COMMITTED.with_name("smollm2-sharegpt-heldout")  # prompts no bundled drafter trained on
+HELDOUT = COMMITTED.with_name("smollm2-sharegpt-heldout")  # train-split prompts reserved (one backbone saw them)
+CALIBRATION = COMMITTED.with_name("smollm2-sharegpt-calibration")  # ShareGPT's calibration split: never trained on
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,13 @@ def test_errors_name_the_problem(tmp_path, target):
     other = tiny_target("llama", vocab_size=96, seed=1)
     with pytest.raises(ConfigError, match="another target"):
         OP.generate(other, tmp_path, 4, 4, chunk=4, max_new=6, prompts=prompts())
+    with pytest.raises(ConfigError, match="answers ShareGPT 'train' prompts, not 'calibration'"):
+        OP.generate(target, tmp_path, 4, 4, chunk=4, max_new=6, prompts=prompts(), split="calibration")
+    with pytest.raises(ConfigError, match="'eval' slice is the benchmark's"):
+        OP.generate(target, tmp_path / "e", 0, 4, prompts=prompts(), split="eval")
+    man = OP.generate(target, tmp_path / "c", 0, 4, chunk=4, max_new=6, prompts=prompts(), split="calibration",
+                      log=lambda *_: None)
+    assert man["split"] == "calibration" and "calibration split" in man["source"]
     (tmp_path / "greedy_000000-000004.npz").write_bytes(b"not a zip")
     with pytest.raises(ConfigError, match="corrupt"):
         OP.read(tmp_path)
@@ -79,7 +87,7 @@ def test_errors_name_the_problem(tmp_path, target):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("folder", [COMMITTED, HELDOUT], ids=["train", "heldout"])
+@pytest.mark.parametrize("folder", [COMMITTED, HELDOUT, CALIBRATION], ids=["train", "heldout", "calibration"])
 def test_committed_smollm2_data_is_on_policy(smollm2, folder):
     """A few committed greedy answers, teacher-forced through SmolLM2: every response token is the target's argmax
     (a near-tie within 1e-4 may go either way: batched generation pads, so sums run in another order)."""

@@ -199,6 +199,11 @@ def test_confidence_schedule_prefers_the_drafter_head_and_counts():
     assert sched.apply(tree, None, _Head(torch.tensor([1.0, 0.9, 0.05]))).tokens.tolist() == [0, 1]
     assert sched.apply(tree, None, _Head(None)).tokens.tolist() == [0, 2]  # head declines: scores
     assert sched.apply(tree, None).tokens.tolist() == [0, 2]
+    by_scores = ConfidenceSchedule(lambda m: 1.0 + 0.3 * (m - 1), survival="scores")  # the head is not asked
+    assert by_scores.apply(tree, None, _Head(torch.tensor([1.0, 0.9, 0.05]))).tokens.tolist() == [0, 2]
+    assert by_scores.summary()["survival_source"] == {"scores": 1}
+    with pytest.raises(ConfigError, match="survival must be 'drafter'"):
+        ConfidenceSchedule(lambda m: 1.0, survival="head")
     s = sched.summary()
     assert s["rounds"] == 3 and s["mean_nodes_in"] == 2 and s["mean_nodes_kept"] == 1
     assert s["survival_source"] == {"drafter": 1, "scores": 2}
