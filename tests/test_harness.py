@@ -227,6 +227,28 @@ def test_cost_curve_is_timed_round_robin_and_never_falls(monkeypatch):
     assert curve["median_s"] == pytest.approx({"1": 0.011, "2": 0.013, "4": 0.0165, "8": 0.0165})
 
 
+def test_budget_auto_also_tries_the_budget_below_each_stair():
+    # the 12-05 fast-state curve (ms): 9 positions cost 16% more than 8, 17 8% more than 16, 5 no more than 4
+    ms = {1: 10.4, 2: 11.6, 3: 12.5, 4: 13.0, 5: 13.0, 6: 14.1, 7: 14.6, 8: 15.6, 9: 18.1, 12: 20.0, 16: 23.2,
+          17: 25.2, 24: 30.2, 32: 37.8}
+    curve = {"median_s": {str(k): v / 1e3 for k, v in ms.items()}}
+    assert measure.below_stairs(curve, (4, 8, 16, 32)) == [4, 7, 8, 15, 16, 23, 32]
+    assert measure.below_stairs(curve, (4,), drop=0.2) == [4]  # 3 positions are only 4% cheaper than 5
+    flat = {"median_s": {"1": 1.0, "64": 1.0}}
+    assert measure.below_stairs(flat, (4, 8)) == [4, 8]
+    seen = []
+
+    class Pilot:
+        def __init__(self, b):
+            seen.append(b)
+
+        def run(self, ids, n, temperature, seed):
+            return {"tau": 1.5, "rounds": 10, "mean_tree_nodes": float(seen[-1]), "phase_s": {"draft": 0.01}}
+
+    auto = measure.auto_budget(Pilot, curve, [1, 2, 3], candidates=(4, 8))
+    assert seen == [4, 7, 8] and auto["best"] == 4  # equal tau: the cheapest verify wins
+
+
 def test_budget_auto_charges_the_nodes_a_schedule_keeps():
     """A scheduled tree is cut below its budget: the estimate charges the verify of the nodes kept, so a large
     budget the schedule trims to 3 nodes can win over a full 4-node tree with a lower tau."""
@@ -254,7 +276,8 @@ def test_budget_auto_picks_from_the_measured_curve(tiny_folder, tmp_path, monkey
                           "--max-new-tokens", "8", "--budget", "auto", "--no-progress", "--no-plots",
                           "--out", str(tmp_path / "run")])
     auto = rep["auto_budget"]["pld"]
-    assert set(auto["pilot"]) == {4, 8, 16, 32} and auto["best"] in auto["pilot"]
+    assert set(auto["pilot"]) == set(measure.below_stairs(rep["verify_cost_curve"], (4, 8, 16, 32)))
+    assert {4, 8, 16, 32} <= set(auto["pilot"]) and auto["best"] in auto["pilot"]
     assert {r["budget"] for r in rep["records"] if r["method"] == "pld"} == {auto["best"]}
     curve = rep["verify_cost_curve"]
     for b, row in auto["pilot"].items():  # the estimate charges each round its verify and its drafting cost
