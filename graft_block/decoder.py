@@ -164,7 +164,8 @@ class SpeculativeDecoder:
     ``graft`` (optional) has ``apply(tree, state) -> Tree`` and ``observe(verified, state)``; ``schedule``
     (optional, e.g. ``graft_block.schedule.ConfidenceSchedule``) has ``apply(tree, state, drafter) -> Tree``: it runs
     after graft and before validation (timed as "tree") and returns the subtree to verify; it gets the drafter that
-    proposed the tree so that it can ask for per-node confidences, and must not read the target's choices.
+    proposed the tree so that it can ask for per-node confidences, and must not read the target's choices (an
+    optional ``observe(verified, state)`` sees each round's outcome afterwards, for later rounds).
     ``round_hooks`` are called as ``hook(verified, state)`` after every round (analysis such as chimeric shares).
     """
 
@@ -267,6 +268,8 @@ class SpeculativeDecoder:
                     verified = Verified(tree, logits, choices, path, bonus, feats)
                     if self.graft is not None:
                         self.graft.observe(verified, state)
+                    if self.schedule is not None and hasattr(self.schedule, "observe"):
+                        self.schedule.observe(verified, state)
                     if self.drafter is not None:
                         self.drafter.commit(state, verified)
                     for hook in self.round_hooks:

@@ -217,6 +217,34 @@ def test_confidence_schedule_prefers_the_drafter_head_and_counts():
         ConfidenceSchedule(lambda m: 1.0, min_nodes=-2)
 
 
+def test_online_recalibration_counts_tested_nodes_and_rescales_later_rounds():
+    from graft_block.decoder import Verified
+
+    # root -> a (0.8) -> c (0.5 of a); root -> b (0.1): conditionals 0.8, 0.1, 0.5
+    tree = make_tree([0, 1, 2, 3], [-1, 0, 0, 1], scores=torch.log(torch.tensor([1.0, 0.8, 0.1, 0.4])).tolist())
+    sched = ConfidenceSchedule(lambda m: 1.0, adapt=2.0)  # a flat cost keeps every node
+    state = type("S", (), {"round": 0})()
+    out = sched.apply(tree, state)
+    assert out is tree and sched.factors() == {}
+    # the target took a, then not c: depth 1 tested a and b (predicted 0.9, 1 accepted), depth 2 tested c (0.5, 0)
+    sched.observe(Verified(out, None, None, torch.tensor([0, 1]), 7, None))
+    assert sched._counts == {1: [pytest.approx(0.9), 1.0], 2: [pytest.approx(0.5), 0.0]}
+    assert sched.factors() == {1: pytest.approx(3 / 2.9), 2: pytest.approx(2 / 2.5)}
+    state.round = 1  # the next round of the same call reads them: a -> min(1, 0.8 * 1.034), c -> 0.5 * 0.8
+    sched.apply(tree, state)
+    assert sched.stats["expected_tokens"] - 2.3 == pytest.approx(1 + 0.8 * 3 / 2.9 + 0.1 * 3 / 2.9
+                                                                  + 0.8 * 3 / 2.9 * 0.4)
+    assert sched.stats["expected_raw"] == pytest.approx(2 * 2.3)
+    sched.observe(Verified(make_tree([0], [-1]), None, None, torch.tensor([0]), 7, None))  # not its tree: ignored
+    assert sched._counts[1] == [pytest.approx(0.9), 1.0]
+    state.round = 0  # a new generate call starts from the prior again
+    sched.apply(tree, state)
+    assert sched._counts == {} and sched.factors() == {}
+    assert ConfidenceSchedule(lambda m: 1.0, adapt=0).factors() == {}
+    with pytest.raises(ConfigError, match="adapt must be a number >= 0"):
+        ConfidenceSchedule(lambda m: 1.0, adapt=-1)
+
+
 class FullTreeDrafter(Drafter):
     """Every token at every node down to ``depth``, with random sibling log-probs (its own generator): a tree
     that never depends on the target."""
@@ -289,6 +317,7 @@ def test_schedule_keeps_the_exact_law(one_thread):
     s = sched.summary()
     assert 1.0 <= s["mean_nodes_kept"] < s["mean_nodes_in"] == 20  # trees were cut, and not to the root
     assert accepted > n // 5  # drafted nodes on the kept path were accepted
+    assert s["adapt"] > 0 and abs(s["mean_expected_tokens"] - s["mean_expected_raw"]) > 0.01  # recalibrated cuts
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
     stat, dof, p = chi_square_test(counts, exact)
     assert tv < null_tv_quantile(exact, n) and p > 1e-3, (tv, stat, dof, p)

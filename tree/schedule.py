@@ -92,6 +92,22 @@ def path_survival(tree: Tree, survival: torch.Tensor) -> torch.Tensor:
     return torch.tensor(vals, dtype=torch.float64)
 
 
+def conditional_survival(tree: Tree, survival: torch.Tensor) -> list[float]:
+    """Each node's estimated P(accepted | its parent accepted): its path survival over its parent's (root 1)."""
+    s = path_survival(tree, survival).tolist()
+    pars = tree.parents.tolist()
+    return [1.0] + [s[i] / s[pars[i]] if s[pars[i]] > 0 else 0.0 for i in range(1, len(s))]
+
+
+def rescaled_survival(tree: Tree, conditional: list[float], factors: Mapping[int, float]) -> torch.Tensor:
+    """Path survival from per-node conditionals, each times its depth's factor (missing: 1) and capped at 1."""
+    pars, depths = tree.parents.tolist(), tree.depths.tolist()
+    out = [1.0] * len(conditional)
+    for i in range(1, len(out)):  # topological order: the parent is final before its children
+        out[i] = out[pars[i]] * min(1.0, conditional[i] * factors.get(depths[i], 1.0))
+    return torch.tensor(out, dtype=torch.float64)
+
+
 # ---- the scheduler ------------------------------------------------------------------------------------------
 def schedule_tree(tree: Tree, survival: torch.Tensor, cost: CostLike, min_nodes: int = 0,
                   overhead: float = 0.0, stop: str = "best") -> tuple[Tree, dict]:
@@ -123,7 +139,8 @@ def schedule_tree(tree: Tree, survival: torch.Tensor, cost: CostLike, min_nodes:
     k = max(range(floor, len(best)), key=lambda j: (best[j], -j)) if stop == "best" else len(best) - 1
     keep = [0] + order[:k]
     out = tree.subset(torch.tensor(sorted(keep), dtype=torch.long)) if k < len(order) else tree
-    info = {"nodes_in": tree.size - 1, "kept": k, "expected_tokens": expected[k], "objective": best[k]}
+    info = {"nodes_in": tree.size - 1, "kept": k, "expected_tokens": expected[k], "objective": best[k],
+            "nodes": sorted(keep)}
     return out, info
 
 
