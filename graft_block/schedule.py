@@ -1,10 +1,11 @@
 """Confidence-scheduled verification as a decoder schedule object (the algorithm is ``tree/schedule.py``).
 
-``ConfidenceSchedule(cost, min_nodes=0, stop="best")`` is what ``SpeculativeDecoder(schedule=...)`` takes: each round the decoder
-calls ``schedule.apply(tree, state, drafter)`` after graft, and verifies the returned subtree. Survival per node:
-``drafter.node_survival(tree)`` when the drafter offers it and it returns a tensor (a confidence head), else the
-tree's own path probabilities (``survival_from_scores``). Neither reads the target, so the kept set never
-depends on the target's choices and decoding stays exactly the target's law.
+``ConfidenceSchedule(cost, min_nodes=0, stop="best", survival="drafter", adapt=8)`` is what
+``SpeculativeDecoder(schedule=...)`` takes: each round the decoder calls ``schedule.apply(tree, state, drafter)``
+after graft, verifies the returned subtree, and passes the round's outcome to ``schedule.observe``. Survival per
+node: ``drafter.node_survival(tree)`` when the drafter offers it and it returns a tensor (a confidence head), else
+the tree's own path probabilities (``survival_from_scores``), rescaled by the outcomes of the call's earlier
+rounds. None of it reads this round's target choices, so decoding stays exactly the target's law.
 """
 from __future__ import annotations
 

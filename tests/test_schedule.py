@@ -1,6 +1,7 @@
-"""Confidence-scheduled verification: the scheduler (prefix-closed, best and first-drop stops, min_nodes, cost curve), the
-calibration of confidences, the decoder/harness wiring, and the exact law of decoding with a schedule (with a
-peeking schedule as the negative control the test must reject)."""
+"""Confidence-scheduled verification: the scheduler (prefix-closed, best and first-drop stops, min_nodes, cost
+curve), the calibration of confidences (offline, and online from earlier rounds), the decoder/harness wiring, and
+the exact law of decoding with a schedule (with a peeking schedule as the negative control the test must
+reject)."""
 from collections import Counter
 
 import pytest
