@@ -64,16 +64,16 @@ def warm_matrix(target, k: int = 8, rounds: int = 5):
 
 def make_schedule(scfg, curve: dict | None):
     """A preset's ``"schedule": {"cost": "curve", "min_nodes": 0, "stop": "best", "survival": "drafter",
-    "adapt": 8}`` -> ConfidenceSchedule on the run's verify-cost curve (``"cost"`` may also be a curve dict itself;
-    ``"stop"``: "best" or "first_drop"; ``"survival"``: "drafter" or "scores"; ``"adapt"``: the online
-    recalibration's prior, 0 = off)."""
+    "adapt": 8, "fit_cost": true}`` -> ConfidenceSchedule on the run's verify-cost curve (``"cost"`` may also be a
+    curve dict itself; ``"stop"``: "best" or "first_drop"; ``"survival"``: "drafter" or "scores"; ``"adapt"``:
+    the online recalibration's prior, 0 = off; ``"fit_cost"``: refit the curve to the call's rounds)."""
     from graft_block.schedule import ConfidenceSchedule
 
     scfg = {"cost": "curve", **(scfg if isinstance(scfg, dict) else {})}
-    unknown = set(scfg) - {"cost", "min_nodes", "stop", "survival", "adapt"}
+    unknown = set(scfg) - {"cost", "min_nodes", "stop", "survival", "adapt", "fit_cost"}
     if unknown:
         raise ConfigError(f"unknown schedule keys {sorted(unknown)}; a schedule takes 'cost' ('curve'), "
-                          "'min_nodes', 'stop', 'survival' and 'adapt'")
+                          "'min_nodes', 'stop', 'survival', 'adapt' and 'fit_cost'")
     cost = scfg["cost"]
     if cost == "curve":
         if not curve:
@@ -84,7 +84,8 @@ def make_schedule(scfg, curve: dict | None):
         raise ConfigError(f"schedule cost must be 'curve' (the run's verify-cost curve) or a curve dict "
                           f"{{'median_s': {{nodes: seconds}}}}, got {cost!r}")
     return ConfidenceSchedule(cost, min_nodes=scfg.get("min_nodes", 0), stop=scfg.get("stop", "best"),
-                              survival=scfg.get("survival", "drafter"), adapt=scfg.get("adapt", 8.0))
+                              survival=scfg.get("survival", "drafter"), adapt=scfg.get("adapt", 8.0),
+                              fit_cost=scfg.get("fit_cost", True))
 
 
 def make_method(name: str, spec: dict, target, budget: int | None, chimeric: bool = False,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 from graft_block.tree import Tree, TreeError
-from graft_block.tree.schedule import (conditional_survival, convex_cost_curve, cost_function, path_survival,
+from graft_block.tree.schedule import (affine_fit, conditional_survival, convex_cost_curve, cost_function, path_survival,
                                        rescaled_survival, schedule_tree, survival_from_scores)
 
 from .errors import ConfigError
@@ -34,10 +34,17 @@ class ConfidenceSchedule:
     acceptances it predicted for the nodes whose parent was accepted and how many were accepted, and scales
     each depth's conditionals by (accepted + adapt) / (predicted + adapt) from the next round on. Counts restart
     with each generate call. The cut then depends on earlier rounds' outcomes, never on this round's, which
-    keeps decoding lossless (the exact-law test runs with it)."""
+    keeps decoding lossless (the exact-law test runs with it).
+
+    ``fit_cost``: the curve is timed once, at a run's start, and the VM's speed flips within minutes (one-token
+    verify 9 or 15 ms), so by default the schedule refits it to the call's own rounds: verify seconds of each
+    round against the curve's cost at that round's size, an affine least-squares fit a + b * cost(N), anchored by
+    two pseudo-rounds on the curve itself (at 1 position and at the tree's size, weight ``COST_PRIOR`` each)."""
+
+    COST_PRIOR = 1.0
 
     def __init__(self, cost, min_nodes: int = 0, stop: str = "best", survival: str = "drafter",
-                 adapt: float = 8.0):
+                 adapt: float = 8.0, fit_cost: bool = True):
         if not isinstance(min_nodes, int) or isinstance(min_nodes, bool) or min_nodes < 0:
             raise ConfigError(f"schedule min_nodes must be an int >= 0 (non-root nodes always kept), got {min_nodes!r}")
         if stop not in ("best", "first_drop"):
@@ -48,7 +55,11 @@ class ConfidenceSchedule:
         if isinstance(adapt, bool) or not isinstance(adapt, (int, float)) or not adapt >= 0:
             raise ConfigError(f"schedule adapt must be a number >= 0 (pseudo-nodes per depth of the online "
                               f"recalibration's prior; 0 = off), got {adapt!r}")
-        self.survival_from, self.adapt = survival, float(adapt)
+        if not isinstance(fit_cost, bool):
+            raise ConfigError(f"schedule fit_cost must be true or false, got {fit_cost!r}")
+        self.survival_from, self.adapt, self.fit_cost = survival, float(adapt), fit_cost
+        self._timed: list[tuple[float, float]] = []  # (curve cost at the round's size, its verify seconds)
+        self._verify_mark = 0.0
         self._counts: dict[int, list[float]] = {}  # depth -> [predicted, accepted], this generate call
         self._pending = None  # (the verified subtree, its nodes' depths and predicted conditionals)
         try:
@@ -82,14 +93,17 @@ class ConfidenceSchedule:
         """The scheduled subtree of ``tree``. Of ``state`` only the phase timer is read (the schedule must not read
         the target's choices)."""
         survival, source = self.survival(tree, drafter)
-        if state is None or not getattr(state, "round", 0):
-            self._counts = {}  # a new generate call
+        if state is None or not getattr(state, "round", 0):  # a new generate call
+            self._counts, self._timed = {}, []
+            self._verify_mark = self._verify_total(state)
         try:
             raw = path_survival(tree, survival).tolist()
             cond = conditional_survival(tree, survival)
             if self.adapt > 0 and self._counts:
                 survival = rescaled_survival(tree, cond, self.factors())
-            out, info = schedule_tree(tree, survival, self.cost, self.min_nodes, self.overhead(state), self.stop)
+                self.stats["recalibrated_rounds"] += 1
+            out, info = schedule_tree(tree, survival, self.fitted_cost(tree.size), self.min_nodes,
+                                      self.overhead(state), self.stop)
         except TreeError as exc:
             raise ConfigError(f"confidence schedule: {exc} (a drafter's node_survival must return one probability "
                               "per node of the tree it is given)") from None
@@ -104,6 +118,24 @@ class ConfidenceSchedule:
         s["survival_source"][source] += 1
         return out
 
+    @staticmethod
+    def _verify_total(state) -> float:
+        timer = getattr(state, "timer", None)
+        return 0.0 if timer is None else timer.totals.get("verify", 0.0)
+
+    def fitted_cost(self, size: int):
+        """The cost callable for this round: the curve, or a + b * curve refitted to this call's timed rounds."""
+        if not (self.fit_cost and self._timed):
+            return self.cost
+        c1, cn = float(self.cost(1)), float(self.cost(max(size, 2)))
+        xs = [x for x, _ in self._timed] + [c1, cn]
+        ys = [y for _, y in self._timed] + [c1, cn]
+        a, b = affine_fit(xs, ys, [1.0] * len(self._timed) + [self.COST_PRIOR] * 2)
+        b = max(b, 0.0)  # noise may tilt it; a verify never gets cheaper with more positions
+        self.stats["cost_fit"] = (a, b)
+        self.stats["refit_rounds"] += 1
+        return lambda n: max(a + b * float(self.cost(n)), 1e-9)
+
     def factors(self) -> dict[int, float]:
         """Depth -> the online recalibration's factor on conditional acceptances: (accepted + adapt) /
         (predicted + adapt) over this generate call's rounds so far."""
@@ -115,6 +147,10 @@ class ConfidenceSchedule:
         accepted, and how many of them were (the decoder calls this; the outcome feeds later rounds only)."""
         if self._pending is None or self._pending[0] is not verified.tree:
             return
+        total = self._verify_total(state)
+        if self.fit_cost and state is not None and getattr(state, "timer", None) is not None:
+            self._timed.append((float(self.cost(verified.tree.size)), total - self._verify_mark))
+        self._verify_mark = total
         tree, depths, cond = self._pending
         self._pending = None
         on_path = set(verified.path.tolist())
@@ -131,6 +167,8 @@ class ConfidenceSchedule:
         s = self.stats
         r = max(s["rounds"], 1)
         return {"rounds": s["rounds"], "min_nodes": self.min_nodes, "stop": self.stop, "adapt": self.adapt,
+                "fit_cost": self.fit_cost, "last_cost_fit": s.get("cost_fit"),
+                "recalibrated_rounds": s["recalibrated_rounds"], "refit_rounds": s["refit_rounds"],
                 "mean_nodes_in": s["nodes_in"] / r, "mean_nodes_kept": s["nodes_kept"] / r,
                 "kept_share": s["nodes_kept"] / s["nodes_in"] if s["nodes_in"] else None,
                 "mean_expected_tokens": s["expected_tokens"] / r, "mean_expected_raw": s["expected_raw"] / r,
@@ -138,8 +176,9 @@ class ConfidenceSchedule:
 
     def reset_stats(self) -> None:
         self.stats = {"rounds": 0, "nodes_in": 0, "nodes_kept": 0, "expected_tokens": 0.0, "expected_raw": 0.0,
-                      "survival_source": Counter()}
+                      "recalibrated_rounds": 0, "refit_rounds": 0, "survival_source": Counter()}
 
     def describe(self) -> dict:
         return {"min_nodes": self.min_nodes, "stop": self.stop, "survival": self.survival_from, "adapt": self.adapt,
+                "fit_cost": self.fit_cost,
                 "cost": "curve" if self.curve is not None else "callable"}

@@ -246,6 +246,34 @@ def test_online_recalibration_counts_tested_nodes_and_rescales_later_rounds():
         ConfidenceSchedule(lambda m: 1.0, adapt=-1)
 
 
+def test_the_cost_curve_is_refitted_to_the_calls_verify_times():
+    from graft_block.decoder import PhaseTimer, Verified
+
+    curve = {"median_s": {"1": 0.010, "17": 0.026}}  # timed in a fast spell: 10 ms + 1 ms a position
+    sched = ConfidenceSchedule(curve)
+    timer = PhaseTimer()
+    state = type("S", (), {"round": 0, "timer": timer})()
+    slow = lambda n: 0.015 + 0.0005 * (n - 1)  # noqa: E731 - what the rounds take now
+    for r, size in enumerate([2, 9, 2, 9, 5, 9, 2, 9]):
+        state.round = r
+        tree = chain(0, list(range(1, size)))  # survival 1 everywhere: every node pays, the whole chain is kept
+        out = sched.apply(tree, state)
+        assert out.size == size
+        timer.totals["verify"] += slow(size)
+        sched.observe(Verified(out, None, None, torch.tensor([0]), 7, None), state)
+    fitted = sched.fitted_cost(9)
+    for n in (1, 5, 9, 17):  # 8 rounds against two pseudo-rounds on the curve: close to the rounds' own times
+        assert fitted(n) == pytest.approx(slow(n), rel=0.12), n
+    a, b = sched.summary()["last_cost_fit"]
+    assert 0.3 < b < 0.7 and a > 0
+    state.round = 0  # a new call starts from the curve
+    sched.apply(chain(0, [1]), state)
+    assert sched.fitted_cost(9) is sched.cost
+    assert ConfidenceSchedule(curve, fit_cost=False).fitted_cost(9) is not None
+    with pytest.raises(ConfigError, match="fit_cost must be true or false"):
+        ConfidenceSchedule(curve, fit_cost=1)
+
+
 class FullTreeDrafter(Drafter):
     """Every token at every node down to ``depth``, with random sibling log-probs (its own generator): a tree
     that never depends on the target."""
@@ -318,7 +346,7 @@ def test_schedule_keeps_the_exact_law(one_thread):
     s = sched.summary()
     assert 1.0 <= s["mean_nodes_kept"] < s["mean_nodes_in"] == 20  # trees were cut, and not to the root
     assert accepted > n // 5  # drafted nodes on the kept path were accepted
-    assert s["adapt"] > 0 and abs(s["mean_expected_tokens"] - s["mean_expected_raw"]) > 0.01  # recalibrated cuts
+    assert s["recalibrated_rounds"] > n // 4 and s["refit_rounds"] > n // 4  # online recalibration and cost refit
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
     stat, dof, p = chi_square_test(counts, exact)
     assert tv < null_tv_quantile(exact, n) and p > 1e-3, (tv, stat, dof, p)
@@ -358,7 +386,8 @@ def test_make_method_builds_the_schedule_on_the_run_curve(one_thread):
     assert m.run(ids, 4, 0.0, 0)["schedule"]["rounds"] < rec["rounds"]  # counters reset per run
     # verify cost proportional to the nodes: in the first round (no overhead measured yet) a node of survival 1
     # never raises tokens per second; once the round's own drafting/commit time counts, such nodes pay
-    flat = make_method("pld_sched", spec, target, 8, curve={"median_s": {"1": 0.01, "2": 0.02, "16": 0.16}})
+    fixed = {**spec, "schedule": {"cost": "curve", "fit_cost": False}}  # the curve as given, not refitted
+    flat = make_method("pld_sched", fixed, target, 8, curve={"median_s": {"1": 0.01, "2": 0.02, "16": 0.16}})
     s = flat.run(ids, 12, 0.0, 0)["schedule"]
     assert 0 < s["mean_nodes_kept"] <= s["mean_nodes_in"]
     tree = make_tree([3, 4, 5], [-1, 0, 1], [0.0, 0.0, 0.0])

@@ -71,6 +71,18 @@ def cost_function(cost: CostLike) -> Callable[[int], float]:
                     f"{type(cost).__name__}")
 
 
+def affine_fit(xs: list[float], ys: list[float], weights: list[float]) -> tuple[float, float]:
+    """(a, b) minimising sum w (y - a - b x)^2; b = 1 and a the weighted mean gap when the xs do not vary."""
+    sw = sum(weights)
+    mx = sum(w * x for w, x in zip(weights, xs)) / sw
+    my = sum(w * y for w, y in zip(weights, ys)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(weights, xs))
+    if sxx <= 1e-18 * max(1.0, mx * mx):
+        return my - mx, 1.0
+    b = sum(w * (x - mx) * (y - my) for w, x, y in zip(weights, xs, ys)) / sxx
+    return my - b * mx, b
+
+
 # ---- survival -----------------------------------------------------------------------------------------------
 def survival_from_scores(tree: Tree) -> torch.Tensor:
     """Fallback survival for drafters without a confidence head: exp of the cumulative path log-prob, in [0, 1]."""
