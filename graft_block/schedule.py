@@ -90,8 +90,8 @@ class ConfidenceSchedule:
         return sum(timer.totals.get(p, 0.0) for p in ("draft", "tree", "commit")) / state.round
 
     def apply(self, tree: Tree, state=None, drafter=None) -> Tree:
-        """The scheduled subtree of ``tree``. Of ``state`` only the phase timer is read (the schedule must not read
-        the target's choices)."""
+        """The scheduled subtree of ``tree``. Of ``state`` only the round counter and the phase timer are read (the
+        schedule must not read this round's target choices; earlier rounds' outcomes come through ``observe``)."""
         survival, source = self.survival(tree, drafter)
         if state is None or not getattr(state, "round", 0):  # a new generate call
             self._counts, self._timed = {}, []
