@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 from graft_block.tree import Tree, TreeError
-from graft_block.tree.schedule import (affine_fit, conditional_survival, convex_cost_curve, cost_function, path_survival,
+from graft_block.tree.schedule import (affine_fit, calibration_keys, conditional_survival, convex_cost_curve, cost_function, path_survival,
                                        rescaled_survival, schedule_tree, survival_from_scores)
 
 from .errors import ConfigError
@@ -30,9 +30,10 @@ class ConfidenceSchedule:
 
     ``adapt``: online recalibration, on by default (a prior of ``adapt`` pseudo-nodes per depth; 0 = off). Survivals
     fitted offline miss on other prompts (DSpark's head on the paper suite's turns expected 1.94 tokens a round
-    where 1.69 came). So after every round (``observe``) the schedule counts, per depth, the conditional
-    acceptances it predicted for the nodes whose parent was accepted and how many were accepted, and scales
-    each depth's conditionals by (accepted + adapt) / (predicted + adapt) from the next round on. Counts restart
+    where 1.69 came). So after every round (``observe``) the schedule counts, per depth and apart for each
+    parent's likeliest child and the others, the conditional acceptances it predicted for the nodes whose parent
+    was accepted and how many were accepted, and scales each group's conditionals by (accepted + adapt) /
+    (predicted + adapt) from the next round on. Counts restart
     with each generate call. The cut then depends on earlier rounds' outcomes, never on this round's, which
     keeps decoding lossless (the exact-law test runs with it).
 
@@ -60,8 +61,9 @@ class ConfidenceSchedule:
         self.survival_from, self.adapt, self.fit_cost = survival, float(adapt), fit_cost
         self._timed: list[tuple[float, float]] = []  # (curve cost at the round's size, its verify seconds)
         self._verify_mark = 0.0
-        self._counts: dict[int, list[float]] = {}  # depth -> [predicted, accepted], this generate call
-        self._pending = None  # (the verified subtree, its nodes' depths and predicted conditionals)
+        # (depth, top child) -> [predicted, accepted], this generate call
+        self._counts: dict[tuple[int, bool], list[float]] = {}
+        self._pending = None  # (the verified subtree, its nodes' keys and predicted conditionals)
         try:
             envelope = isinstance(cost, dict) and stop == "first_drop"
             self.cost = cost_function(convex_cost_curve(cost) if envelope else cost)
@@ -99,16 +101,16 @@ class ConfidenceSchedule:
         try:
             raw = path_survival(tree, survival).tolist()
             cond = conditional_survival(tree, survival)
+            keys = calibration_keys(tree, cond)
             if self.adapt > 0 and self._counts:
-                survival = rescaled_survival(tree, cond, self.factors())
+                survival = rescaled_survival(tree, cond, self.factors(), keys)
                 self.stats["recalibrated_rounds"] += 1
             out, info = schedule_tree(tree, survival, self.fitted_cost(tree.size), self.min_nodes,
                                       self.overhead(state), self.stop)
         except TreeError as exc:
             raise ConfigError(f"confidence schedule: {exc} (a drafter's node_survival must return one probability "
                               "per node of the tree it is given)") from None
-        depths = tree.depths.tolist()
-        self._pending = (out, [depths[i] for i in info["nodes"]], [cond[i] for i in info["nodes"]])
+        self._pending = (out, [keys[i] for i in info["nodes"]], [cond[i] for i in info["nodes"]])
         s = self.stats
         s["rounds"] += 1
         s["expected_raw"] += sum(raw[i] for i in info["nodes"])  # the root's 1 included
@@ -136,8 +138,8 @@ class ConfidenceSchedule:
         self.stats["refit_rounds"] += 1
         return lambda n: max(a + b * float(self.cost(n)), 1e-9)
 
-    def factors(self) -> dict[int, float]:
-        """Depth -> the online recalibration's factor on conditional acceptances: (accepted + adapt) /
+    def factors(self) -> dict[tuple[int, bool], float]:
+        """(depth, top child) -> the online recalibration's factor on conditional acceptances: (accepted + adapt) /
         (predicted + adapt) over this generate call's rounds so far."""
         a = self.adapt
         return {d: (acc + a) / (pred + a) for d, (pred, acc) in self._counts.items()} if a > 0 else {}
@@ -151,13 +153,13 @@ class ConfidenceSchedule:
         if self.fit_cost and state is not None and getattr(state, "timer", None) is not None:
             self._timed.append((float(self.cost(verified.tree.size)), total - self._verify_mark))
         self._verify_mark = total
-        tree, depths, cond = self._pending
+        tree, keys, cond = self._pending
         self._pending = None
         on_path = set(verified.path.tolist())
         pars = tree.parents.tolist()
         for i in range(1, len(pars)):
             if pars[i] in on_path:
-                c = self._counts.setdefault(depths[i], [0.0, 0.0])
+                c = self._counts.setdefault(keys[i], [0.0, 0.0])
                 c[0] += cond[i]
                 c[1] += float(i in on_path)
 

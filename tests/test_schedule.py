@@ -229,15 +229,18 @@ def test_online_recalibration_counts_tested_nodes_and_rescales_later_rounds():
     assert out is tree and sched.factors() == {}
     # the target took a, then not c: depth 1 tested a and b (predicted 0.9, 1 accepted), depth 2 tested c (0.5, 0)
     sched.observe(Verified(out, None, None, torch.tensor([0, 1]), 7, None))
-    assert sched._counts == {1: [pytest.approx(0.9), 1.0], 2: [pytest.approx(0.5), 0.0]}
-    assert sched.factors() == {1: pytest.approx(3 / 2.9), 2: pytest.approx(2 / 2.5)}
-    state.round = 1  # the next round of the same call reads them: a -> min(1, 0.8 * 1.034), c -> 0.5 * 0.8
+    # counted apart: a parent's likeliest child (a, c) and the others (b)
+    assert sched._counts == {(1, True): [pytest.approx(0.8), 1.0], (1, False): [pytest.approx(0.1), 0.0],
+                             (2, True): [pytest.approx(0.5), 0.0]}
+    f = sched.factors()
+    assert f == {(1, True): pytest.approx(3 / 2.8), (1, False): pytest.approx(2 / 2.1), (2, True): pytest.approx(0.8)}
+    state.round = 1  # the next round of the same call reads them: a -> min(1, 0.8 * 1.07), c -> 0.5 * 0.8
     sched.apply(tree, state)
-    assert sched.stats["expected_tokens"] - 2.3 == pytest.approx(1 + 0.8 * 3 / 2.9 + 0.1 * 3 / 2.9
-                                                                  + 0.8 * 3 / 2.9 * 0.4)
+    a = min(1.0, 0.8 * 3 / 2.8)
+    assert sched.stats["expected_tokens"] - 2.3 == pytest.approx(1 + a + 0.1 * 2 / 2.1 + a * 0.4)
     assert sched.stats["expected_raw"] == pytest.approx(2 * 2.3)
     sched.observe(Verified(make_tree([0], [-1]), None, None, torch.tensor([0]), 7, None))  # not its tree: ignored
-    assert sched._counts[1] == [pytest.approx(0.9), 1.0]
+    assert sched._counts[(1, True)] == [pytest.approx(0.8), 1.0]
     state.round = 0  # a new generate call starts from the prior again
     sched.apply(tree, state)
     assert sched._counts == {} and sched.factors() == {}

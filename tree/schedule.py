@@ -111,12 +111,24 @@ def conditional_survival(tree: Tree, survival: torch.Tensor) -> list[float]:
     return [1.0] + [s[i] / s[pars[i]] if s[pars[i]] > 0 else 0.0 for i in range(1, len(s))]
 
 
-def rescaled_survival(tree: Tree, conditional: list[float], factors: Mapping[int, float]) -> torch.Tensor:
-    """Path survival from per-node conditionals, each times its depth's factor (missing: 1) and capped at 1."""
+def calibration_keys(tree: Tree, conditional: list[float]) -> list[tuple[int, bool]]:
+    """Per node (depth, whether it is its parent's likeliest child; ties: the lower index): the groups the online
+    recalibration counts apart, since a confidence head rates a parent's top child and its siblings differently."""
     pars, depths = tree.parents.tolist(), tree.depths.tolist()
+    top: dict[int, int] = {}
+    for i in range(1, len(pars)):
+        j = top.get(pars[i])
+        if j is None or conditional[i] > conditional[j]:
+            top[pars[i]] = i
+    return [(0, True)] + [(depths[i], top[pars[i]] == i) for i in range(1, len(pars))]
+
+
+def rescaled_survival(tree: Tree, conditional: list[float], factors: Mapping, keys: list) -> torch.Tensor:
+    """Path survival from per-node conditionals, each times its key's factor (missing: 1) and capped at 1."""
+    pars = tree.parents.tolist()
     out = [1.0] * len(conditional)
     for i in range(1, len(out)):  # topological order: the parent is final before its children
-        out[i] = out[pars[i]] * min(1.0, conditional[i] * factors.get(depths[i], 1.0))
+        out[i] = out[pars[i]] * min(1.0, conditional[i] * factors.get(keys[i], 1.0))
     return torch.tensor(out, dtype=torch.float64)
 
 
