@@ -4,10 +4,11 @@ The expensive part of drafter data is the target's generations; features and sof
 with one teacher-forced forward, so only ids are kept (small enough to commit, and shared by every drafter).
 
 Layout of a dataset folder:
-- ``manifest.json``: target name and fingerprint, generator version, prompt source, the command, one entry per
-  shard (file, kind, sampling, seed, prompt-index range, sequences, response tokens, seconds, device), and
-  ``reserved``: prompt-index ranges [first, end) no shard may answer (the held-out set's prompts);
-- ``<kind>_<first>-<end>.npz`` (compressed): the answers to train-split prompt indices [first, end). ``kind`` is
+- ``manifest.json``: target name and fingerprint, generator version, prompt source and ``split`` (absent: train),
+  the command, one entry per shard (file, kind, sampling, seed, prompt-index range, sequences, response tokens,
+  seconds, device), and ``reserved``: prompt-index ranges [first, end) no shard may answer (the held-out set's
+  prompts);
+- ``<kind>_<first>-<end>.npz`` (compressed): the answers to the split's prompt indices [first, end). ``kind`` is
   ``greedy`` or e.g. ``t0.7-p0.8-k20-x4`` (4 sampled answers per prompt). Arrays: ``ids`` (uint16 when the vocab
   fits, all sequences concatenated, prompt + response), ``starts`` (offsets, one more than sequences),
   ``prompt_len``, ``prompt_index``, ``sample``.
