@@ -177,15 +177,18 @@ def schedule_summary(records: list[dict]) -> dict | None:
     if not rs:
         return None
     n = sum(r["schedule"]["rounds"] for r in rs)
-    mean = lambda key: sum(r["schedule"][key] * r["schedule"]["rounds"] for r in rs) / n  # noqa: E731
+
+    def mean(key: str, alt: str | None = None) -> float:  # alt: what records without ``key`` hold instead
+        return sum(r["schedule"].get(key, r["schedule"].get(alt)) * r["schedule"]["rounds"] for r in rs) / n
+
     sources: dict = {}
     for r in rs:
         for k, v in (r["schedule"].get("survival_source") or {}).items():
             sources[k] = sources.get(k, 0) + v
-    for r in rs:  # records from before the online recalibration: what the schedule saw was the offline figure
-        r["schedule"].setdefault("mean_expected_raw", r["schedule"]["mean_expected_tokens"])
     return {"rounds": n, "nodes_in": mean("mean_nodes_in"), "nodes_kept": mean("mean_nodes_kept"),
-            "expected_raw": mean("mean_expected_raw"), "expected_tokens": mean("mean_expected_tokens"),
+            # records from before the online recalibration: the schedule saw the offline figure
+            "expected_raw": mean("mean_expected_raw", "mean_expected_tokens"),
+            "expected_tokens": mean("mean_expected_tokens"),
             "realised_tokens": sum(r["tau"] * r["schedule"]["rounds"] for r in rs) / n,
             "survival_source": sources}
 

@@ -37,7 +37,7 @@ from .train_data import answer_batch, data_root, forward_cache, train_prompts
 
 GENERATOR_VERSION = 1
 MANIFEST = "manifest.json"
-SPLITS = ("train", "calibration")  # ShareGPT's eval slice stays the benchmark's
+ANSWER_SPLITS = ("train", "calibration")  # ShareGPT's eval slice stays the benchmark's
 
 
 def kind_name(sampling: SamplingConfig | None, samples: int) -> str:
@@ -119,7 +119,7 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
         raise ConfigError(f"samples={samples}: need samples >= 1, and samples > 1 only with temperature > 0")
     if count < 1 or chunk < 1 or first < 0:
         raise ConfigError(f"need first >= 0, count >= 1 and chunk >= 1, got {first}, {count}, {chunk}")
-    if split not in SPLITS:
+    if split not in ANSWER_SPLITS:
         raise ConfigError(f"split {split!r}: answer 'train' prompts (training data) or 'calibration' prompts "
                           "(held-out data); the 'eval' slice is the benchmark's")
     folder = Path(folder)
@@ -310,7 +310,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 on a GPU")
     ap.add_argument("--first", type=int, default=0, help="first prompt index of the split")
-    ap.add_argument("--split", default="train", choices=SPLITS,
+    ap.add_argument("--split", default="train", choices=ANSWER_SPLITS,
                     help="ShareGPT split: train (drafter data) or calibration (held-out data no drafter trains on)")
     ap.add_argument("--after", default=None, metavar="FOLDER",
                     help="start after the last shard of the same kind in this dataset (extending it elsewhere)")

@@ -12,10 +12,17 @@ from __future__ import annotations
 from collections import Counter
 
 from graft_block.tree import Tree, TreeError
-from graft_block.tree.schedule import (affine_fit, calibration_keys, conditional_survival, convex_cost_curve, cost_function, path_survival,
-                                       rescaled_survival, schedule_tree, survival_from_scores)
+from graft_block.tree.schedule import (affine_fit, calibration_keys, conditional_survival, convex_cost_curve,
+                                       cost_function, path_survival, rescaled_survival, schedule_tree,
+                                       survival_from_scores)
 
 from .errors import ConfigError
+
+
+def _add_point(sums: list[float], x: float, y: float, w: float = 1.0) -> None:
+    """Add (x, y) with weight w to the moments ``affine_fit`` reads."""
+    for i, v in enumerate((w, w * x, w * y, w * x * x, w * x * y)):
+        sums[i] += v
 
 
 class ConfidenceSchedule:
@@ -59,7 +66,8 @@ class ConfidenceSchedule:
         if not isinstance(fit_cost, bool):
             raise ConfigError(f"schedule fit_cost must be true or false, got {fit_cost!r}")
         self.survival_from, self.adapt, self.fit_cost = survival, float(adapt), fit_cost
-        self._timed: list[tuple[float, float]] = []  # (curve cost at the round's size, its verify seconds)
+        # weighted moments of (curve cost at a round's size, its verify seconds) over this call's rounds
+        self._timed = [0.0] * 5
         self._verify_mark = 0.0
         # (depth, top child) -> [predicted, accepted], this generate call
         self._counts: dict[tuple[int, bool], list[float]] = {}
@@ -96,11 +104,11 @@ class ConfidenceSchedule:
         schedule must not read this round's target choices; earlier rounds' outcomes come through ``observe``)."""
         survival, source = self.survival(tree, drafter)
         if state is None or not getattr(state, "round", 0):  # a new generate call
-            self._counts, self._timed = {}, []
+            self._counts, self._timed = {}, [0.0] * 5
             self._verify_mark = self._verify_total(state)
         try:
             raw = path_survival(tree, survival).tolist()
-            cond = conditional_survival(tree, survival)
+            cond = conditional_survival(tree, raw)
             keys = calibration_keys(tree, cond)
             if self.adapt > 0 and self._counts:
                 survival = rescaled_survival(tree, cond, self.factors(), keys)
@@ -127,12 +135,12 @@ class ConfidenceSchedule:
 
     def fitted_cost(self, size: int):
         """The cost callable for this round: the curve, or a + b * curve refitted to this call's timed rounds."""
-        if not (self.fit_cost and self._timed):
+        if not (self.fit_cost and self._timed[0]):
             return self.cost
-        c1, cn = float(self.cost(1)), float(self.cost(max(size, 2)))
-        xs = [x for x, _ in self._timed] + [c1, cn]
-        ys = [y for _, y in self._timed] + [c1, cn]
-        a, b = affine_fit(xs, ys, [1.0] * len(self._timed) + [self.COST_PRIOR] * 2)
+        sums = list(self._timed)
+        for c in (float(self.cost(1)), float(self.cost(max(size, 2)))):  # the prior: two pseudo-rounds on the curve
+            _add_point(sums, c, c, self.COST_PRIOR)
+        a, b = affine_fit(sums)
         b = max(b, 0.0)  # noise may tilt it; a verify never gets cheaper with more positions
         self.stats["cost_fit"] = (a, b)
         self.stats["refit_rounds"] += 1
@@ -151,7 +159,7 @@ class ConfidenceSchedule:
             return
         total = self._verify_total(state)
         if self.fit_cost and state is not None and getattr(state, "timer", None) is not None:
-            self._timed.append((float(self.cost(verified.tree.size)), total - self._verify_mark))
+            _add_point(self._timed, float(self.cost(verified.tree.size)), total - self._verify_mark)
         self._verify_mark = total
         tree, keys, cond = self._pending
         self._pending = None

@@ -53,6 +53,7 @@ def test_schedule_summary_weights_records_by_rounds():
                                 "mean_expected_tokens": 2.2, "mean_expected_raw": 2.4,
                                 "survival_source": {"drafter": 28, "scores": 2}})
     rows = {r["method"]: r for r in report.summarize([_rec("ar", {0: 10}), _rec("ar", {0: 10}, pid="p1"), a, b])}
+    assert "mean_expected_raw" not in a["schedule"]  # the caller's records are read, not changed
     s = rows["sched"]["schedule"]
     assert s["rounds"] == 40 and s["nodes_in"] == pytest.approx(7.0) and s["nodes_kept"] == pytest.approx(5.0)
     assert s["expected_tokens"] == pytest.approx(2.05) and s["realised_tokens"] == pytest.approx(1.85)

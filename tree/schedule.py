@@ -71,15 +71,16 @@ def cost_function(cost: CostLike) -> Callable[[int], float]:
                     f"{type(cost).__name__}")
 
 
-def affine_fit(xs: list[float], ys: list[float], weights: list[float]) -> tuple[float, float]:
-    """(a, b) minimising sum w (y - a - b x)^2; b = 1 and a the weighted mean gap when the xs do not vary."""
-    sw = sum(weights)
-    mx = sum(w * x for w, x in zip(weights, xs)) / sw
-    my = sum(w * y for w, y in zip(weights, ys)) / sw
-    sxx = sum(w * (x - mx) ** 2 for w, x in zip(weights, xs))
-    if sxx <= 1e-18 * max(1.0, mx * mx):
+def affine_fit(sums: list[float]) -> tuple[float, float]:
+    """(a, b) minimising sum w (y - a - b x)^2 from the weighted moments ``sums`` = [sum w, sum w x, sum w y,
+    sum w x^2, sum w x y] (kept as running sums, so a refit costs the same after any number of rounds); b = 1 and
+    a the weighted mean gap when the xs do not vary."""
+    sw, sx, sy, sxx, sxy = sums
+    mx, my = sx / sw, sy / sw
+    var = sxx - sw * mx * mx
+    if var <= 1e-12 * max(1.0, sxx):
         return my - mx, 1.0
-    b = sum(w * (x - mx) * (y - my) for w, x, y in zip(weights, xs, ys)) / sxx
+    b = (sxy - sw * mx * my) / var
     return my - b * mx, b
 
 
@@ -104,9 +105,10 @@ def path_survival(tree: Tree, survival: torch.Tensor) -> torch.Tensor:
     return torch.tensor(vals, dtype=torch.float64)
 
 
-def conditional_survival(tree: Tree, survival: torch.Tensor) -> list[float]:
-    """Each node's estimated P(accepted | its parent accepted): its path survival over its parent's (root 1)."""
-    s = path_survival(tree, survival).tolist()
+def conditional_survival(tree: Tree, path: list[float]) -> list[float]:
+    """Each node's estimated P(accepted | its parent accepted): its ``path`` survival (``path_survival``) over its
+    parent's (root 1)."""
+    s = path
     pars = tree.parents.tolist()
     return [1.0] + [s[i] / s[pars[i]] if s[pars[i]] > 0 else 0.0 for i in range(1, len(s))]
 
@@ -161,10 +163,10 @@ def schedule_tree(tree: Tree, survival: torch.Tensor, cost: CostLike, min_nodes:
             break  # the first drop ends the schedule: no look-ahead past it
     floor = min(min_nodes, len(order))
     k = max(range(floor, len(best)), key=lambda j: (best[j], -j)) if stop == "best" else len(best) - 1
-    keep = [0] + order[:k]
-    out = tree.subset(torch.tensor(sorted(keep), dtype=torch.long)) if k < len(order) else tree
+    keep = sorted([0] + order[:k])
+    out = tree.subset(torch.tensor(keep, dtype=torch.long)) if k < len(order) else tree
     info = {"nodes_in": tree.size - 1, "kept": k, "expected_tokens": expected[k], "objective": best[k],
-            "nodes": sorted(keep)}
+            "nodes": keep}
     return out, info
 
 
