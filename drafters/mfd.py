@@ -266,12 +266,12 @@ class MFDDrafter(D.DFlashDrafter):
         self.markov_candidates = candidates
         self.markov = str(folder)
 
-    def _markov_expander(self, hidden: torch.Tensor, temperature: float, rows: int):
+    def _markov_expander(self, hidden: torch.Tensor, temperature: float, rows: int, budget: int):
         """``expand(mode, depth, token)`` for ``conditional_mixed_ddtree``: mode m's children at ``depth`` under a
         node of ``token``, ranked among the mode's C likeliest backbone tokens there (the mass outside them stays
         in the normaliser, uncorrected). LM-head rows are computed when a depth is first reached, doubling."""
         K = hidden.shape[0]
-        k = max(self.marginal_topk, self.budget)
+        k = max(self.marginal_topk, budget)
         got: dict[str, torch.Tensor] = {}
         cache: dict = {}
 
@@ -308,10 +308,11 @@ class MFDDrafter(D.DFlashDrafter):
         return expand
 
     # ---- drafting ---------------------------------------------------------------------------------------
-    def mode_hidden(self, state, modes: int | None = None) -> torch.Tensor:
-        """One draft forward for ``modes`` modes (default ``use_modes``) -> normed block states [K, B, H]."""
+    def mode_hidden(self, state, modes: int | None = None, length: int | None = None) -> torch.Tensor:
+        """One draft forward for ``modes`` modes (default ``use_modes``) -> normed block states [K, B, H];
+        ``length``: a block B shorter than the drafter's."""
         K = self.use_modes if modes is None else modes
-        B, dev = self.block_size, self.target.device
+        B, dev = length or self.block_size, self.target.device
         ids = torch.full((B,), self.model.mask_token_id, dtype=torch.long, device=dev)
         ids[0] = state.root_token
         embeds = self.model.mode_inputs(self.target.embed(ids), K).reshape(K * B, -1)
@@ -335,15 +336,16 @@ class MFDDrafter(D.DFlashDrafter):
 
     @torch.inference_mode()
     def propose(self, state) -> Tree:
-        hidden = self.mode_hidden(state)
-        K, L = hidden.shape[0], min(self.budget, hidden.shape[1] - 1)  # no tree of this budget goes deeper than L
+        budget, length = self.round_size(state)
+        hidden = self.mode_hidden(state, length=length)
+        K, L = hidden.shape[0], min(budget, hidden.shape[1] - 1)  # no tree of this budget goes deeper than L
         if self.markov is not None:
             temp = float(state.sampling.temperature) if state.sampling is not None else 0.0
-            expand = self._markov_expander(hidden, temp, L)
+            expand = self._markov_expander(hidden, temp, L, budget)
             self.last_block_logprobs = None  # no per-mode marginals: each node has its own distribution
             with state.section("tree"):
-                return conditional_mixed_ddtree(state.root_token, expand, self.budget, L, K)
-        k = max(self.marginal_topk, self.budget)
+                return conditional_mixed_ddtree(state.root_token, expand, budget, L, K)
+        k = max(self.marginal_topk, budget)
         weights = self.last_gate.cpu() if self.score == "mixture_gated" else None
         # The LM head over the draft vocabulary is the largest product of a round, and most trees of a small budget
         # stay shallow: the rows are headed two, then doubling, at a time. A tree that does not reach the last
@@ -356,7 +358,7 @@ class MFDDrafter(D.DFlashDrafter):
             lp_parts.append(lps.view(K, rows - done, -1))
             ids, lps = torch.cat(id_parts, 1), torch.cat(lp_parts, 1)
             with state.section("tree"):
-                tree = mixed_ddtree(state.root_token, ids, lps, self.budget, self.score, weights)
+                tree = mixed_ddtree(state.root_token, ids, lps, budget, self.score, weights)
             if rows == L or int(tree.depths.max()) < rows:
                 break
             done, rows = rows, min(2 * rows, L)

@@ -50,7 +50,8 @@ class DecodeState:
     """What a drafter may read. ``tokens`` = prompt + everything committed; its last entry is the root of the next
     tree (not yet in the target KV cache). ``new_features`` are target features of the tokens that entered the KV
     cache since the last round (prefill: the whole prompt; later: root + accepted nodes), starting at position
-    ``new_features_start``."""
+    ``new_features_start``. ``draft_size``: (nodes, depth) a schedule asks the next draft for (None: the drafter's own
+    budget and block); block drafters draft no more, the others ignore it."""
 
     target: Target
     sampling: SamplingConfig
@@ -61,6 +62,7 @@ class DecodeState:
     new_features_start: int = 0
     timer: PhaseTimer | None = None
     round: int = 0
+    draft_size: tuple[int, int] | None = None
 
     @property
     def root_token(self) -> int:

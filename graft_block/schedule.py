@@ -9,7 +9,7 @@ rounds. None of it reads this round's target choices, so decoding stays exactly 
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 
 from graft_block.tree import Tree, TreeError
 from graft_block.tree.schedule import (affine_fit, calibration_keys, conditional_survival, convex_cost_curve,
@@ -47,12 +47,19 @@ class ConfidenceSchedule:
     ``fit_cost``: the curve is timed once, at a run's start, and the VM's speed flips within minutes (one-token
     verify 9 or 15 ms), so by default the schedule refits it to the call's own rounds: verify seconds of each
     round against the curve's cost at that round's size, an affine least-squares fit a + b * cost(N), anchored by
-    two pseudo-rounds on the curve itself (at 1 position and at the tree's size, weight ``COST_PRIOR`` each)."""
+    two pseudo-rounds on the curve itself (at 1 position and at the tree's size, weight ``COST_PRIOR`` each).
+
+    ``size_draft``: a block drafter's draft costs by its rows (the forward and the LM head per row) and its tree by
+    its nodes, while the cut keeps a few shallow nodes (5 of 16 on this CPU). So the schedule asks the next draft
+    for ``SIZE_MARGIN`` more nodes and levels than the most and deepest its last ``SIZE_WINDOW`` cuts kept
+    (``state.draft_size``; the drafter's budget stays the cap). A cut that keeps all it was given grows the next
+    draft. The size depends on earlier rounds' cuts only, so decoding stays lossless."""
 
     COST_PRIOR = 1.0
+    SIZE_WINDOW, SIZE_MARGIN = 16, 2
 
     def __init__(self, cost, min_nodes: int = 0, stop: str = "best", survival: str = "drafter",
-                 adapt: float = 8.0, fit_cost: bool = True):
+                 adapt: float = 8.0, fit_cost: bool = True, size_draft: bool = True):
         if not isinstance(min_nodes, int) or isinstance(min_nodes, bool) or min_nodes < 0:
             raise ConfigError(f"schedule min_nodes must be an int >= 0 (non-root nodes always kept), got {min_nodes!r}")
         if stop not in ("best", "first_drop"):
@@ -63,9 +70,12 @@ class ConfidenceSchedule:
         if isinstance(adapt, bool) or not isinstance(adapt, (int, float)) or not adapt >= 0:
             raise ConfigError(f"schedule adapt must be a number >= 0 (pseudo-nodes per depth of the online "
                               f"recalibration's prior; 0 = off), got {adapt!r}")
-        if not isinstance(fit_cost, bool):
-            raise ConfigError(f"schedule fit_cost must be true or false, got {fit_cost!r}")
+        for key, val in (("fit_cost", fit_cost), ("size_draft", size_draft)):
+            if not isinstance(val, bool):
+                raise ConfigError(f"schedule {key} must be true or false, got {val!r}")
         self.survival_from, self.adapt, self.fit_cost = survival, float(adapt), fit_cost
+        self.size_draft = size_draft
+        self._cuts: deque = deque(maxlen=self.SIZE_WINDOW)  # (nodes kept, deepest kept) of this call's last cuts
         # weighted moments of (curve cost at a round's size, its verify seconds) over this call's rounds
         self._timed = [0.0] * 5
         self._verify_mark = 0.0
@@ -106,6 +116,7 @@ class ConfidenceSchedule:
         if state is None or not getattr(state, "round", 0):  # a new generate call
             self._counts, self._timed = {}, [0.0] * 5
             self._verify_mark = self._verify_total(state)
+            self._cuts.clear()
         try:
             raw = path_survival(tree, survival).tolist()
             cond = conditional_survival(tree, raw)
@@ -119,6 +130,12 @@ class ConfidenceSchedule:
             raise ConfigError(f"confidence schedule: {exc} (a drafter's node_survival must return one probability "
                               "per node of the tree it is given)") from None
         self._pending = (out, [keys[i] for i in info["nodes"]], [cond[i] for i in info["nodes"]])
+        if self.size_draft and state is not None:
+            self._cuts.append((info["kept"], int(out.depths.max())))
+            state.draft_size = (max(n for n, _ in self._cuts) + self.SIZE_MARGIN,
+                                max(d for _, d in self._cuts) + self.SIZE_MARGIN)
+            self.stats["draft_nodes"] += state.draft_size[0]
+            self.stats["draft_depth"] += state.draft_size[1]
         s = self.stats
         s["rounds"] += 1
         s["expected_raw"] += sum(raw[i] for i in info["nodes"])  # the root's 1 included
@@ -177,7 +194,8 @@ class ConfidenceSchedule:
         s = self.stats
         r = max(s["rounds"], 1)
         return {"rounds": s["rounds"], "min_nodes": self.min_nodes, "stop": self.stop, "adapt": self.adapt,
-                "fit_cost": self.fit_cost, "last_cost_fit": s.get("cost_fit"),
+                "fit_cost": self.fit_cost, "last_cost_fit": s.get("cost_fit"), "size_draft": self.size_draft,
+                "mean_draft_size": (s["draft_nodes"] / r, s["draft_depth"] / r) if self.size_draft else None,
                 "recalibrated_rounds": s["recalibrated_rounds"], "refit_rounds": s["refit_rounds"],
                 "mean_nodes_in": s["nodes_in"] / r, "mean_nodes_kept": s["nodes_kept"] / r,
                 "kept_share": s["nodes_kept"] / s["nodes_in"] if s["nodes_in"] else None,
@@ -186,9 +204,10 @@ class ConfidenceSchedule:
 
     def reset_stats(self) -> None:
         self.stats = {"rounds": 0, "nodes_in": 0, "nodes_kept": 0, "expected_tokens": 0.0, "expected_raw": 0.0,
-                      "recalibrated_rounds": 0, "refit_rounds": 0, "survival_source": Counter()}
+                      "recalibrated_rounds": 0, "refit_rounds": 0, "draft_nodes": 0, "draft_depth": 0,
+                      "survival_source": Counter()}
 
     def describe(self) -> dict:
         return {"min_nodes": self.min_nodes, "stop": self.stop, "survival": self.survival_from, "adapt": self.adapt,
-                "fit_cost": self.fit_cost,
+                "fit_cost": self.fit_cost, "size_draft": self.size_draft,
                 "cost": "curve" if self.curve is not None else "callable"}

@@ -51,7 +51,7 @@ def test_greedy_identity_planted_drafter_accepts():
     full = PROMPT + ref
     W = target.model.get_output_embeddings().weight
 
-    def cheat(state, rows=None):  # logits = one-hot of the true continuation at rows 1..B-1
+    def cheat(state, rows=None, length=None):  # logits = one-hot of the true continuation at rows 1..B-1
         start = state.cache_len
         nxt = full[start + 1: start + d.block_size]
         nxt = nxt + [0] * (d.block_size - 1 - len(nxt))
@@ -167,10 +167,27 @@ def test_the_head_runs_only_on_the_rows_a_tree_of_the_budget_can_reach(proposal,
         lean = d.propose(st)
         assert d.last_block_logprobs[0].shape[0] == 3
         full_logits = d.block_logits
-        d.block_logits = lambda state, rows=None: full_logits(state)  # every row, as before
+        d.block_logits = lambda state, rows=None, length=None: full_logits(state)  # every row, as before
         full = d.propose(st)
     assert d.last_block_logprobs[0].shape[0] == 7
     assert torch.equal(lean.tokens, full.tokens) and torch.equal(lean.parents, full.parents)
+
+
+@pytest.mark.parametrize("proposal", ["chain", "ddtree"])
+def test_a_draft_sized_by_the_schedule_is_the_draft_of_that_budget_and_block(proposal, tiny_qwen3):
+    """``state.draft_size`` = (3 nodes, depth 2) on a budget-5 drafter with a block of 8: the block forward runs 3
+    rows, the head 2, and the tree is the one a drafter built with budget 3 and block 3 proposes."""
+    d = _drafter(tiny_qwen3, proposal=proposal, budget=5)
+    st = prefilled_state(tiny_qwen3, PROMPT, d)
+    st.draft_size = (3, 2)
+    with torch.no_grad():
+        sized = d.propose(st)
+        assert d.last_block_logprobs[0].shape[0] == 2
+        ref_d = D.DFlashDrafter(tiny_qwen3, d.model, proposal=proposal, budget=2 if proposal == "chain" else 3,
+                                block_size=3)
+        ref = ref_d.propose(prefilled_state(tiny_qwen3, PROMPT, ref_d))
+    assert torch.equal(sized.tokens, ref.tokens) and torch.equal(sized.parents, ref.parents)
+    assert int(sized.depths.max()) <= 2 and sized.size - 1 <= 3
 
 
 def test_checkpoint_round_trip(tmp_path, tiny_qwen3):

@@ -69,8 +69,8 @@ def test_planted_rows_are_accepted_in_both_alignments(one_thread):
         d._w2.zero_()
         orig = d.block_rows
 
-        def planted(state, rows=None, d=d, orig=orig):
-            ids, hidden, base = orig(state, rows)
+        def planted(state, rows=None, length=None, d=d, orig=orig):
+            ids, hidden, base = orig(state, rows, length)
             start = state.cache_len
             nxt = full[start + 1: start + 1 + base.shape[0]]
             nxt = nxt + [0] * (base.shape[0] - len(nxt))
@@ -440,6 +440,26 @@ def _law(dec, target, prompt, n, seed=123):
         counts[tuple(r.tokens)] += 1
         accepted += sum(k * c for k, c in r.stats.accept_hist.items())
     return counts, accepted
+
+
+def test_a_draft_sized_by_the_schedule_is_the_markov_tree_of_that_budget_and_block(tiny_qwen3):
+    """``state.draft_size`` = (4 nodes, depth 2) on a budget-9 DSpark tree over a block of 8: the tree (and its
+    head's survivals) is the one a drafter built with budget 4 and block 3 proposes."""
+    from graft_block.drafters.dspark.drafter import DSparkDrafter
+
+    d = _drafter(tiny_qwen3, proposal="ddtree", budget=9)
+    st = prefilled_state(tiny_qwen3, PROMPT, d)
+    st.draft_size = (4, 2)
+    with torch.no_grad():
+        sized = d.propose(st)
+        s1 = d.node_survival(sized)
+        ref_d = DSparkDrafter(tiny_qwen3, d.model, proposal="ddtree", budget=4, block_size=3)
+        ref = ref_d.propose(prefilled_state(tiny_qwen3, PROMPT, ref_d))
+    assert sized.size == 5 and int(sized.depths.max()) <= 2
+    assert torch.equal(sized.tokens, ref.tokens) and torch.equal(sized.parents, ref.parents)
+    assert (s1 is None) == (ref_d.node_survival(ref) is None)
+    if s1 is not None:
+        assert torch.allclose(s1, ref_d.node_survival(ref))
 
 
 @pytest.mark.parametrize("proposal,budget,scheduled,candidates,first", [

@@ -28,11 +28,18 @@ CostLike = Callable[[int], float] | Mapping
 def curve_cost(curve: Mapping, nodes: int) -> float:
     """Verify seconds for ``nodes`` positions from ``curve["median_s"]`` (size -> seconds): linear between measured
     sizes, the first value below the smallest size, linear extrapolation of the last segment past the largest."""
+    return _interpolate(_curve_points(curve), nodes)
+
+
+def _curve_points(curve: Mapping) -> list[tuple[int, float]]:
     table = curve.get("median_s") if isinstance(curve, Mapping) else None
     if not table:
         raise TreeError("a verify-cost curve needs a non-empty 'median_s' table {nodes: seconds} "
                         "(the harness's measure.verify_cost_curve output)")
-    pts = sorted((int(k), float(v)) for k, v in table.items())
+    return sorted((int(k), float(v)) for k, v in table.items())
+
+
+def _interpolate(pts: list[tuple[int, float]], nodes: int) -> float:
     if nodes <= pts[0][0] or len(pts) == 1:
         return pts[0][1]
     for (a, ta), (b, tb) in zip(pts, pts[1:]):
@@ -65,8 +72,8 @@ def cost_function(cost: CostLike) -> Callable[[int], float]:
     if callable(cost):
         return cost
     if isinstance(cost, Mapping):
-        curve_cost(cost, 1)  # fail now, naming the missing table, not inside a decode round
-        return lambda nodes: curve_cost(cost, nodes)
+        pts = _curve_points(cost)  # fail now, naming the missing table, not inside a decode round
+        return lambda nodes: _interpolate(pts, nodes)  # sorted once: the schedule reads it ~10 times a round
     raise TreeError(f"cost must be a callable nodes -> seconds or a curve dict with 'median_s', got "
                     f"{type(cost).__name__}")
 

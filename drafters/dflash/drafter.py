@@ -187,21 +187,35 @@ class DFlashDrafter(Drafter):
             return self.c_context.forward(block_embeds, positions, mask, start)
         return self.model(block_embeds, positions, list(zip(self.ctx_k, self.ctx_v)), mask)
 
-    def block_rows(self, state, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def round_size(self, state) -> tuple[int, int]:
+        """(nodes, block length) of this round's draft: the configured budget and block, or less where a schedule
+        sized the draft from its recent cuts (``state.draft_size`` = (nodes, depth); rows a tree cannot reach are
+        neither drafted nor headed)."""
+        budget, length = self.budget, self.block_size
+        size = getattr(state, "draft_size", None)
+        if size is not None:
+            budget = max(1, min(budget, int(size[0])))
+            length = max(2, min(length, int(size[1]) + getattr(self.model, "draft_offset", 1)))
+        return budget, length
+
+    def block_rows(self, state, rows: int | None = None,
+                   length: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One draft forward of ``[root, mask x (B-1)]`` -> (block ids [B], hidden [L, H] and logits [min(L, rows),
         V'] of the L drafting rows: from row 1 in z-lab's alignment, from row 0 in DeepSpec's). ``rows``: the LM
         head runs on the first ``rows`` only (a tree of budget b reaches depth b at most; the head over the draft
-        vocabulary is the largest product of a draft)."""
-        ids = torch.full((self.block_size,), self.model.mask_token_id, dtype=torch.long, device=self.target.device)
+        vocabulary is the largest product of a draft). ``length``: a shorter block than the drafter's (B)."""
+        ids = torch.full((length or self.block_size,), self.model.mask_token_id, dtype=torch.long,
+                         device=self.target.device)
         ids[0] = state.root_token
         hidden = self.block_hidden(state, ids)[getattr(self.model, "draft_offset", 1):]
         return ids, hidden, self.model.logits(hidden[:rows], self._lm_w, self._lm_b, restricted=True,
                                               layouts=self._lm_layouts)
 
-    def block_logits(self, state, rows: int | None = None) -> torch.Tensor:
+    def block_logits(self, state, rows: int | None = None, length: int | None = None) -> torch.Tensor:
         """Draft logits [B-1, V'] (V' = draft vocab or full) for rows 1..B-1, after ``denoise_steps`` passes;
-        ``rows``: only the first ``rows`` of them (one pass: refinement redrafts every row)."""
-        ids, _, logits = self.block_rows(state, rows if self.denoise_steps == 1 else None)
+        ``rows``: only the first ``rows`` of them (one pass: refinement redrafts every row); ``length``: the block
+        length B when shorter than the drafter's."""
+        ids, _, logits = self.block_rows(state, rows if self.denoise_steps == 1 else None, length)
         if self.denoise_steps > 1:
             logits = self._refine(state, ids, logits)
         return logits
@@ -232,17 +246,18 @@ class DFlashDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, state) -> Tree:
-        logits = self.block_logits(state, rows=self.budget)  # no chain or tree of this budget goes deeper
-        k = max(self.marginal_topk, self.budget if self.proposal == "ddtree" else 1)
+        budget, length = self.round_size(state)
+        logits = self.block_logits(state, rows=budget, length=length)  # no chain or tree of this budget goes deeper
+        k = max(self.marginal_topk, budget if self.proposal == "ddtree" else 1)
         cols, lps = topk_logprobs(logits, k)
         ids = self.model.to_vocab_ids(cols.to(self.target.device)).cpu()
         self.last_block_logprobs = (ids, lps)  # per-position marginals (top-k) for Graft-TAIL / chimeric analysis
         with state.section("tree"):
             if self.proposal == "chain":
-                n = min(self.budget, ids.shape[0])
+                n = min(budget, ids.shape[0])
                 return chain(state.root_token, ids[:n, 0], torch.cumsum(lps[:n, 0].double(), 0).float())
-            return ddtree(state.root_token, ids[:, : min(self.budget, ids.shape[1])],
-                          lps[:, : min(self.budget, ids.shape[1])], self.budget)
+            return ddtree(state.root_token, ids[:, : min(budget, ids.shape[1])], lps[:, : min(budget, ids.shape[1])],
+                          budget)
 
     def describe(self) -> dict:
         return {"type": self.type_name, "budget": self.budget, "proposal": self.proposal,

@@ -110,14 +110,14 @@ class DSparkDrafter(DFlashDrafter):
         return is_dspark_layout(config)
 
     # ---- drafting ---------------------------------------------------------------------------------------
-    def _expander(self, hidden, base, temperature: float):
+    def _expander(self, hidden, base, temperature: float, budget: int):
         """``expand(depth, prev tokens)`` for ``conditional_ddtree``, with a per-round cache by (depth, token).
         With ``markov_candidates`` C > 0 a node's children are ranked among the C likeliest backbone tokens of its
         depth: the Markov bias is computed on those C columns only (one [n, r] x [r, C] product), and the
         normaliser adds the backbone's mass outside them, uncorrected. Any tree is lossless, so the cut only
         changes which children are drafted (C = 0: the whole draft vocabulary, exact)."""
         model, dev = self.model, base.device
-        k = k_all = min(self.budget if self.proposal == "ddtree" else 1, base.shape[-1])
+        k = k_all = min(budget if self.proposal == "ddtree" else 1, base.shape[-1])
         zb = base.float() / temperature if temperature > 0 else base.float()
         C = self.markov_candidates
         restricted = self._w2 is not None and 0 < C < zb.shape[-1]
@@ -169,12 +169,13 @@ class DSparkDrafter(DFlashDrafter):
 
     @torch.inference_mode()
     def propose(self, state) -> Tree:
-        _, hidden, base = self.block_rows(state, rows=self.budget)  # no tree of this budget goes deeper
+        budget, length = self.round_size(state)
+        _, hidden, base = self.block_rows(state, rows=budget, length=length)  # no tree of this budget goes deeper
         temp = float(state.sampling.temperature) if state.sampling is not None else 0.0
-        expand = self._expander(hidden, base, temp)
-        depth = base.shape[0] if self.proposal == "ddtree" else min(self.budget, base.shape[0])
+        expand = self._expander(hidden, base, temp, budget)
+        depth = base.shape[0] if self.proposal == "ddtree" else min(budget, base.shape[0])
         with state.section("tree"):
-            tree, accept = conditional_ddtree(state.root_token, expand, self.budget, depth)
+            tree, accept = conditional_ddtree(state.root_token, expand, budget, depth)
             survival = None
             if accept is not None:  # P(node accepted) = product of its path's conditional acceptances
                 parents, survival = tree.parents.tolist(), list(accept)
