@@ -63,22 +63,25 @@ def test_greedy_identity_planted_drafter_accepts():
     assert res.stats.tau > 6.0
 
 
-def test_sampling_matches_target_distribution():
+@pytest.mark.parametrize("block_size,length", [(3, 2), ("adaptive", 3)])
+def test_sampling_matches_target_distribution(block_size, length):
     """T=1 on a 4-token vocabulary: the joint law of the first 2 new tokens under DFlash+DDTree equals the target's
     exact law (chi-square p > 1e-3, TV below the 99.9% quantile of TV under exact sampling with the same n), with
     drafted nodes accepted. Power: the same counts reject the T=0.8 law (TV 0.12 from the true one: the old fixed
-    tolerance), at a noncentrality of about 74 for n = 800 (rejected with probability > 0.999)."""
+    tolerance), at a noncentrality of about 74 for n = 800 (rejected with probability > 0.999). Again for 3 tokens
+    with adaptive rows, where the second round's block is cut by the first round's acceptance."""
     V = 4
     target = tiny_target("llama", vocab_size=V, hidden_size=32, num_layers=2)
-    d = _drafter(target, proposal="ddtree", budget=4, block_size=3, mask_token_id=V - 1, target_layer_ids=[0, 1])
+    d = _drafter(target, proposal="ddtree", budget=4, block_size=block_size, mask_token_id=V - 1,
+                 target_layer_ids=[0, 1])
     dec = SpeculativeDecoder(target, d)
     prompt = [1, 3, 2]
-    exact = exact_sequence_probs(target, prompt, 2, SamplingConfig(1.0))
+    exact = exact_sequence_probs(target, prompt, length, SamplingConfig(1.0))
     n = 800
     gen = torch.Generator().manual_seed(123)
     counts, accepted = Counter(), 0
     for _ in range(n):
-        r = dec.generate(prompt, max_new_tokens=2, temperature=1.0, generator=gen)
+        r = dec.generate(prompt, max_new_tokens=length, temperature=1.0, generator=gen)
         counts[tuple(r.tokens)] += 1
         accepted += sum(k * c for k, c in r.stats.accept_hist.items())  # drafted nodes the walk accepted
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
@@ -86,8 +89,27 @@ def test_sampling_matches_target_distribution():
     stat, dof, p = chi_square_test(counts, exact)
     assert tv < tol and p > 1e-3, (tv, tol, stat, dof, p)
     assert accepted > n // 10  # the tree path is exercised, not only the bonus token
-    cooler = exact_sequence_probs(target, prompt, 2, SamplingConfig(0.8))
+    cooler = exact_sequence_probs(target, prompt, length, SamplingConfig(0.8))
     assert chi_square_test(counts, cooler)[2] < 1e-3  # negative control: a wrong law is rejected
+
+
+def test_adaptive_rows_follow_the_deepest_recent_acceptance(tiny_qwen3):
+    """block_size "adaptive": the rows a tree of the budget reaches until a round is verified, then ROWS_MARGIN
+    levels below the deepest acceptance of the call's last ROWS_WINDOW rounds; greedy output stays the target's."""
+    d = _drafter(tiny_qwen3, proposal="ddtree", budget=5, block_size="adaptive")
+    st = prefilled_state(tiny_qwen3, PROMPT, d)
+    assert d.round_size(st) == (5, 6)  # no round yet: the anchor row + 5 drafting rows
+    d._accepted.extend([0, 1, 0])
+    assert d.round_size(st) == (5, 5)  # deepest acceptance 1 + margin 3 + the anchor row
+    d._accepted.extend([0] * d.ROWS_WINDOW)
+    assert d.round_size(st) == (5, 4)
+    st.draft_size = (2, 1)  # a schedule's smaller ask wins
+    assert d.round_size(st) == (2, 2)
+    res = SpeculativeDecoder(tiny_qwen3, d).generate(PROMPT, max_new_tokens=24)
+    assert res.tokens == _hf_greedy(tiny_qwen3, PROMPT, 24)
+    assert len(d._accepted) == min(res.stats.rounds, d.ROWS_WINDOW)  # reset at prefill, one entry a round
+    with pytest.raises(ConfigError, match="'budget' or 'adaptive'"):
+        _drafter(tiny_qwen3, proposal="ddtree", budget=5, block_size="rows")
 
 
 def test_features_are_hidden_states_id_plus_one(tiny_qwen3):

@@ -14,6 +14,7 @@ frozen like every target embedding.
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 
 import torch
 
@@ -66,10 +67,15 @@ def random_init_block(opts: dict) -> int:
 class DFlashDrafter(Drafter):
     """Config keys: ``checkpoint`` (folder in z-lab format), ``proposal`` ("chain" | "ddtree"), ``budget``
     (non-root nodes; chain: at most B-1), ``block_size`` (<= the checkpoint's; ``"budget"``: only the rows a
-    tree of that budget can reach, a cheaper draft: the quick-suite presets), ``denoise_steps`` (1 = one
+    tree of that budget can reach, a cheaper draft; ``"adaptive"``: at most those, and ``ROWS_MARGIN`` levels
+    below the deepest acceptance of the call's last ``ROWS_WINDOW`` rounds: the presets), ``denoise_steps`` (1 = one
     DFlash pass; >1 = commit-by-confidence refinement with diffusers' BlockRefinementScheduler), ``marginal_topk``
     (how many per-position candidates ``last_block_logprobs`` keeps). Random-init keys (no checkpoint, for tests):
     ``num_layers``, ``target_layer_ids``, ``mask_token_id``, ``seed``."""
+
+    # "adaptive" rows: a 16-node tree here is accepted 5 deep at most, and its rows 8-16 cost 3-7% of a round
+    # (the forward and the LM head per row) for no tau (paper suite: 1.94 at 6, 8 and 17 rows)
+    ROWS_WINDOW, ROWS_MARGIN = 16, 3
 
     def __init__(self, target, model: DFlashModel, proposal: str = "chain", budget: int | None = None,
                  block_size: int | None = None, denoise_steps: int = 1, marginal_topk: int = 8,
@@ -80,11 +86,13 @@ class DFlashDrafter(Drafter):
         self.target, self.model, self.proposal = target, model.eval(), proposal
         use_kernel(model, drafter_kernel(target))  # drafting runs the target engine's product kernel
         offset = getattr(model, "draft_offset", 1)  # the first row that drafts (DSpark's may draft from row 0)
-        if block_size == "budget":  # the rows a tree of this budget can reach; None budget: the whole block
+        self.adaptive_rows = block_size == "adaptive"
+        self._accepted: deque = deque(maxlen=self.ROWS_WINDOW)  # this call's last acceptance depths
+        if block_size in ("budget", "adaptive"):  # the rows a tree of this budget reaches; None budget: every row
             block_size = model.block_size if budget is None else \
                 min(model.block_size, max(2, check_budget(budget) + offset))
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
-            raise ConfigError(f"block_size must be an int or 'budget', got {block_size!r}")
+            raise ConfigError(f"block_size must be an int, 'budget' or 'adaptive', got {block_size!r}")
         self.block_size = model.block_size if block_size is None else block_size
         if not 2 <= self.block_size <= model.block_size:
             raise ConfigError(f"block_size {block_size} must be in 2..{model.block_size} (the trained block size)")
@@ -164,10 +172,13 @@ class DFlashDrafter(Drafter):
 
     def prefill(self, state) -> None:
         self.reset_context()
+        self._accepted.clear()
         with torch.inference_mode():
             self._extend(state.new_features, state.new_features_start)
 
     def commit(self, state, verified) -> None:
+        if self.adaptive_rows:
+            self._accepted.append(verified.accepted)
         with torch.inference_mode():
             self._extend(state.new_features, state.new_features_start)
 
@@ -190,12 +201,16 @@ class DFlashDrafter(Drafter):
     def round_size(self, state) -> tuple[int, int]:
         """(nodes, block length) of this round's draft: the configured budget and block, or less where a schedule
         sized the draft from its recent cuts (``state.draft_size`` = (nodes, depth); rows a tree cannot reach are
-        neither drafted nor headed)."""
+        neither drafted nor headed) or the rows are adaptive (block_size "adaptive"; a function of earlier rounds'
+        acceptances only, so decoding stays lossless)."""
         budget, length = self.budget, self.block_size
+        offset = getattr(self.model, "draft_offset", 1)
+        if self.adaptive_rows and self._accepted:
+            length = max(2, min(length, max(self._accepted) + self.ROWS_MARGIN + offset))
         size = getattr(state, "draft_size", None)
         if size is not None:
             budget = max(1, min(budget, int(size[0])))
-            length = max(2, min(length, int(size[1]) + getattr(self.model, "draft_offset", 1)))
+            length = max(2, min(length, int(size[1]) + offset))
         return budget, length
 
     def block_rows(self, state, rows: int | None = None,
@@ -261,7 +276,8 @@ class DFlashDrafter(Drafter):
 
     def describe(self) -> dict:
         return {"type": self.type_name, "budget": self.budget, "proposal": self.proposal,
-                "block_size": self.block_size, "denoise_steps": self.denoise_steps, "checkpoint": self.checkpoint,
+                "block_size": self.block_size, "adaptive_rows": self.adaptive_rows, "denoise_steps": self.denoise_steps,
+                "checkpoint": self.checkpoint,
                 "layers": self.model.config.num_hidden_layers, "target_layer_ids": self.model.target_layer_ids}
 
     # ---- training plug-in (graft_block.training) --------------------------------------------------------
