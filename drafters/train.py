@@ -62,6 +62,8 @@ def main(argv=None):
                          "(e.g. drafters/data/smollm2-sharegpt; graft_block.onpolicy makes and extends it)")
     ap.add_argument("--kinds", default=None,
                     help="--from-onpolicy / --online: shard kinds to use (e.g. greedy), default all")
+    ap.add_argument("--where", default=None, metavar="REGEX",
+                    help="train only on sequences whose prompt matches this regular expression (a topic slice)")
     ap.add_argument("--from-index", type=int, default=0,
                     help="--from-onpolicy: only prompts from this index on (features for newly added shards)")
     ap.add_argument("--max-len", type=int, default=384, help="--teacher-forced: tokens per conversation")
@@ -146,7 +148,7 @@ def main(argv=None):
                 time_limit_s=None if args.minutes is None else args.minutes * 60, resume=args.resume,
                 seed=args.seed, draft_vocab_size=args.draft_vocab, limit=args.limit, steps=args.steps,
                 online=args.online, kinds=args.kinds.split(",") if args.kinds else None, eval_data=args.eval_data,
-                keep_best=args.keep_best, log=lambda s: print(s, flush=True))
+                keep_best=args.keep_best, where=args.where, log=lambda s: print(s, flush=True))
     print(json.dumps(res))
 
 

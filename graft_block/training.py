@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -160,13 +161,26 @@ def without_overlap(recs: list[dict], held: list[dict]) -> list[dict]:
     return [r for r in recs if answer(r) not in seen and prompt(r) not in prompts]
 
 
+def topic_slice(recs: list[dict], target, pattern: str) -> list[dict]:
+    """The records whose prompt (``ids[:prompt_len]``, decoded) matches ``pattern`` (a regular expression, case
+    insensitive); none matching is an error, not an empty run."""
+    try:
+        rx = re.compile(pattern, re.IGNORECASE)
+    except re.error as exc:
+        raise ConfigError(f"--where {pattern!r} is not a regular expression: {exc}") from None
+    out = [r for r in recs if rx.search(target.decode(r["ids"][: int(r["prompt_len"])].tolist()))]
+    if not out:
+        raise ConfigError(f"--where {pattern!r} matches none of the {len(recs)} prompts: loosen it")
+    return out
+
+
 def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: str | Path, cfg: dict | None = None,
           init: str | None = None, epochs: float = 1.0, lr: float = 6e-4, warmup: float = 0.04, clip: float = 1.0,
           weight_decay: float = 0.0, batch_size: int = 4, holdout: int = 24, eval_every: int = 100,
           log_every: int = 10, time_limit_s: float | None = None, resume: bool = False, seed: int = 0,
           draft_vocab_size: int | None = None, limit: int | None = None, steps: int | None = None,
           online: bool = False, kinds: list[str] | None = None, eval_data: str | None = None,
-          keep_best: bool = False, log=print) -> dict:
+          keep_best: bool = False, where: str | None = None, log=print) -> dict:
     """Train ``drafter_type``'s ``training_model`` on cached (or ``online``) data; save its public checkpoint to
     ``out_dir`` and the resumable state (``state.pt``) and ``log.jsonl`` to ``run_dir``. ``steps`` (when given)
     fixes the number of optimiser steps instead of ``epochs`` (equal-step comparisons). ``online``: ``data`` names
@@ -175,6 +189,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     (a feature cache) replaces the ``holdout`` split: every run on the same data reads the same held-out
     sequences, less any that shares a prompt or an answer with a training sequence. ``keep_best``: also keep
     the weights of the best held-out tau_tf so far in ``<out_dir>-best`` (a long run that starts to overfit).
+    ``where``: a regular expression; only sequences whose decoded prompt matches it train (a topic slice: code).
     ``steps=0`` only evaluates the init (or, with ``resume``, the run's state). Returns the final eval metrics."""
     from .drafter import drafter_class
 
@@ -200,6 +215,9 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             recs += read(part.strip(), kinds)[:limit or None]
     else:
         recs, meta = load_records(data, None, limit)
+    if where is not None:
+        recs = topic_slice(recs, target, where)
+        log(f"[data] --where {where!r}: {len(recs)} sequences")
     if state is not None and state.get("records", len(recs)) != len(recs):
         raise ConfigError(f"the run in {run_dir} trained on {state['records']} sequences and the data now holds "
                           f"{len(recs)}: its held-out split would change; start a new run with --init from its "

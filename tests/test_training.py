@@ -195,6 +195,21 @@ def test_warm_start_copies_target_layers(tiny):
     assert torch.equal(model.fc.weight[:, H:], torch.eye(H)) and not model.fc.weight[:, :H].any()
 
 
+def test_a_topic_slice_keeps_the_sequences_whose_prompt_matches():
+    """--where REGEX trains on the sequences whose decoded prompt matches (case-insensitive); the answer is not
+    searched; a pattern matching nothing, or no pattern at all, is a clear error."""
+    words = ["write", "python", "code", "a", "poem", "about", "def"]
+    target = type("Words", (), {"decode": lambda self, ids: " ".join(words[i] for i in ids)})()
+    recs = [{"ids": torch.tensor(p + a), "prompt_len": len(p)}
+            for p, a in (([0, 1, 2], [3]), ([0, 3, 4], [6]), ([0, 4, 5, 1], [3]), ([6, 3], [4]))]
+    got = T.topic_slice(recs, target, r"\bPYTHON\b|\bdef\b")
+    assert [r["ids"].tolist() for r in got] == [[0, 1, 2, 3], [0, 4, 5, 1, 3], [6, 3, 4]]  # not [0, 3, 4] + def
+    with pytest.raises(ConfigError, match="matches none of the 4 prompts"):
+        T.topic_slice(recs, target, "rust")
+    with pytest.raises(ConfigError, match="not a regular expression"):
+        T.topic_slice(recs, target, "(code")
+
+
 def test_holdout_spreads_over_lengths_and_drops_copied_answers():
     """Caches come in length buckets and on-policy answers repeat (canned replies to different prompts): the
     held-out set must span the list, and no training sequence may carry a held-out answer."""
