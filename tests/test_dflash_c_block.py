@@ -109,7 +109,7 @@ def test_block_size_budget_keeps_the_rows_a_tree_can_reach(tiny_qwen3):
     assert D.DFlashDrafter(tiny_qwen3, base, proposal="ddtree", budget=3, block_size="budget").block_size == 4
     assert D.DFlashDrafter(tiny_qwen3, base, proposal="ddtree", budget=30, block_size="budget").block_size == 8
     assert D.DFlashDrafter(tiny_qwen3, base, proposal="chain", block_size="budget").block_size == 8  # no budget
-    with pytest.raises(ConfigError, match="block_size must be an int or 'budget'"):
+    with pytest.raises(ConfigError, match="block_size must be an int, 'budget' or 'adaptive'"):
         D.DFlashDrafter(tiny_qwen3, base, proposal="ddtree", budget=3, block_size="rows")
 
 
