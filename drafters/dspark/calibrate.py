@@ -84,7 +84,7 @@ def draft_nll_table(model, target, recs, candidates: int = 64, batch_size: int =
             hh, prev, j, lab, valid = (t[c: c + chunk] for t in flat)
             base = model.logits(hh, *D.lm_head(target)).float()
             cols = base.topk(min(candidates, base.shape[-1]), dim=-1).indices  # ranked by the backbone, as drafting
-            z = (base + model.markov_bias(prev, model.draft_vocab, j)).gather(-1, cols)  # draft_logits, one head
+            z = draft_logits(model, target, hh, prev, j, base=base).float().gather(-1, cols)
             hit = (model.to_vocab_ids(cols) == lab.unsqueeze(-1)) & valid.unsqueeze(-1)
             keep = hit.any(-1)
             if not bool(keep.any()):

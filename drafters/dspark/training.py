@@ -88,10 +88,10 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
 
 
 def draft_logits(model: DSparkModel, target, hidden: torch.Tensor, prev: torch.Tensor,
-                 draft_index: torch.Tensor) -> torch.Tensor:
+                 draft_index: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
     """Markov-corrected draft logits over the draft vocabulary: U(hidden) + W2 W1[prev] (teacher-forced prev;
-    ``draft_index``: each row's draft position j)."""
-    z = model.logits(hidden, *D.lm_head(target))
+    ``draft_index``: each row's draft position j; ``base``: U(hidden) when the caller already has it)."""
+    z = model.logits(hidden, *D.lm_head(target)) if base is None else base
     return z if model.markov_head is None else z + model.markov_bias(prev, model.draft_vocab, draft_index)
 
 
