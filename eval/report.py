@@ -178,16 +178,15 @@ def schedule_summary(records: list[dict]) -> dict | None:
         return None
     n = sum(r["schedule"]["rounds"] for r in rs)
 
-    def mean(key: str, alt: str | None = None) -> float:  # alt: what records without ``key`` hold instead
-        return sum(r["schedule"].get(key, r["schedule"].get(alt)) * r["schedule"]["rounds"] for r in rs) / n
+    def mean(key: str) -> float:
+        return sum(r["schedule"][key] * r["schedule"]["rounds"] for r in rs) / n
 
     sources: dict = {}
     for r in rs:
         for k, v in (r["schedule"].get("survival_source") or {}).items():
             sources[k] = sources.get(k, 0) + v
     return {"rounds": n, "nodes_in": mean("mean_nodes_in"), "nodes_kept": mean("mean_nodes_kept"),
-            # records from before the online recalibration: the schedule saw the offline figure
-            "expected_raw": mean("mean_expected_raw", "mean_expected_tokens"),
+            "expected_raw": mean("mean_expected_raw"),
             "expected_tokens": mean("mean_expected_tokens"),
             "realised_tokens": sum(r["tau"] * r["schedule"]["rounds"] for r in rs) / n,
             "survival_source": sources}

@@ -1,5 +1,7 @@
 """The suffix-decay curve (conditional acceptance per draft depth from the summed acceptance histograms) and the
 schedule summary (kept nodes, expected vs realised tokens per round)."""
+import copy
+
 import pytest
 
 from graft_block.eval import report
@@ -47,13 +49,15 @@ def test_summary_rows_carry_suffix_decay_and_the_table():
 
 def test_schedule_summary_weights_records_by_rounds():
     a, b = _rec("sched", {0: 6, 1: 4}), _rec("sched", {0: 10, 2: 20}, pid="p1")
-    a.update(tau=1.4, schedule={"rounds": 10, "mean_nodes_in": 4.0, "mean_nodes_kept": 2.0,  # an older record
-                                "mean_expected_tokens": 1.6, "survival_source": {"drafter": 10}})
+    a.update(tau=1.4, schedule={"rounds": 10, "mean_nodes_in": 4.0, "mean_nodes_kept": 2.0,
+                                "mean_expected_tokens": 1.6, "mean_expected_raw": 1.6,
+                                "survival_source": {"drafter": 10}})
+    a_schedule = copy.deepcopy(a["schedule"])
     b.update(tau=2.0, schedule={"rounds": 30, "mean_nodes_in": 8.0, "mean_nodes_kept": 6.0,
                                 "mean_expected_tokens": 2.2, "mean_expected_raw": 2.4,
                                 "survival_source": {"drafter": 28, "scores": 2}})
     rows = {r["method"]: r for r in report.summarize([_rec("ar", {0: 10}), _rec("ar", {0: 10}, pid="p1"), a, b])}
-    assert "mean_expected_raw" not in a["schedule"]  # the caller's records are read, not changed
+    assert a["schedule"] == a_schedule  # the caller's records are read, not changed
     s = rows["sched"]["schedule"]
     assert s["rounds"] == 40 and s["nodes_in"] == pytest.approx(7.0) and s["nodes_kept"] == pytest.approx(5.0)
     assert s["expected_tokens"] == pytest.approx(2.05) and s["realised_tokens"] == pytest.approx(1.85)
