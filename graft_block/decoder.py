@@ -50,8 +50,8 @@ class DecodeState:
     """What a drafter may read. ``tokens`` = prompt + everything committed; its last entry is the root of the next
     tree (not yet in the target KV cache). ``new_features`` are target features of the tokens that entered the KV
     cache since the last round (prefill: the whole prompt; later: root + accepted nodes), starting at position
-    ``new_features_start``. ``draft_size``: (nodes, depth) a schedule asks the next draft for (None: the drafter's own
-    budget and block); block drafters draft no more, the others ignore it."""
+    ``new_features_start``. ``draft_nodes``: the nodes a schedule asks the next draft for (None: the drafter's own
+    budget); block drafters draft no more, and no rows deeper than those nodes reach; the others ignore it."""
 
     target: Target
     sampling: SamplingConfig
@@ -62,7 +62,7 @@ class DecodeState:
     new_features_start: int = 0
     timer: PhaseTimer | None = None
     round: int = 0
-    draft_size: tuple[int, int] | None = None
+    draft_nodes: int | None = None
 
     @property
     def root_token(self) -> int:

@@ -50,10 +50,10 @@ class ConfidenceSchedule:
     two pseudo-rounds on the curve itself (at 1 position and at the tree's size, weight ``COST_PRIOR`` each).
 
     ``size_draft``: a block drafter's draft costs by its rows (the forward and the LM head per row) and its tree by
-    its nodes, while the cut keeps a few shallow nodes (5 of 16 on this CPU). So the schedule asks the next draft
-    for ``SIZE_MARGIN`` more nodes and levels than the most and deepest its last ``SIZE_WINDOW`` cuts kept
-    (``state.draft_size``; the drafter's budget stays the cap). A cut that keeps all it was given grows the next
-    draft. The size depends on earlier rounds' cuts only, so decoding stays lossless."""
+    its nodes, while the cut keeps a few shallow nodes (4-5 of 16 on this CPU). So the schedule asks the next draft
+    for ``SIZE_MARGIN`` more nodes than the most its last ``SIZE_WINDOW`` cuts kept (``state.draft_nodes``; the
+    drafter's budget stays the cap, and n nodes reach no deeper than n rows). A cut that keeps all it was given
+    grows the next draft. The size depends on earlier rounds' cuts only, so decoding stays lossless."""
 
     COST_PRIOR = 1.0
     SIZE_WINDOW, SIZE_MARGIN = 16, 2
@@ -75,7 +75,7 @@ class ConfidenceSchedule:
                 raise ConfigError(f"schedule {key} must be true or false, got {val!r}")
         self.survival_from, self.adapt, self.fit_cost = survival, float(adapt), fit_cost
         self.size_draft = size_draft
-        self._cuts: deque = deque(maxlen=self.SIZE_WINDOW)  # (nodes kept, deepest kept) of this call's last cuts
+        self._cuts: deque = deque(maxlen=self.SIZE_WINDOW)  # nodes kept by this call's last cuts
         # weighted moments of (curve cost at a round's size, its verify seconds) over this call's rounds
         self._timed = [0.0] * 5
         self._verify_mark = 0.0
@@ -131,11 +131,9 @@ class ConfidenceSchedule:
                               "per node of the tree it is given)") from None
         self._pending = (out, [keys[i] for i in info["nodes"]], [cond[i] for i in info["nodes"]])
         if self.size_draft and state is not None:
-            self._cuts.append((info["kept"], int(out.depths.max())))
-            state.draft_size = (max(n for n, _ in self._cuts) + self.SIZE_MARGIN,
-                                max(d for _, d in self._cuts) + self.SIZE_MARGIN)
-            self.stats["draft_nodes"] += state.draft_size[0]
-            self.stats["draft_depth"] += state.draft_size[1]
+            self._cuts.append(info["kept"])
+            state.draft_nodes = max(self._cuts) + self.SIZE_MARGIN
+            self.stats["draft_nodes"] += state.draft_nodes
         s = self.stats
         s["rounds"] += 1
         s["expected_raw"] += sum(raw[i] for i in info["nodes"])  # the root's 1 included
@@ -195,7 +193,7 @@ class ConfidenceSchedule:
         r = max(s["rounds"], 1)
         return {"rounds": s["rounds"], "min_nodes": self.min_nodes, "stop": self.stop, "adapt": self.adapt,
                 "fit_cost": self.fit_cost, "last_cost_fit": s.get("cost_fit"), "size_draft": self.size_draft,
-                "mean_draft_size": (s["draft_nodes"] / r, s["draft_depth"] / r) if self.size_draft else None,
+                "mean_draft_nodes": s["draft_nodes"] / r if self.size_draft else None,
                 "recalibrated_rounds": s["recalibrated_rounds"], "refit_rounds": s["refit_rounds"],
                 "mean_nodes_in": s["nodes_in"] / r, "mean_nodes_kept": s["nodes_kept"] / r,
                 "kept_share": s["nodes_kept"] / s["nodes_in"] if s["nodes_in"] else None,
@@ -204,7 +202,7 @@ class ConfidenceSchedule:
 
     def reset_stats(self) -> None:
         self.stats = {"rounds": 0, "nodes_in": 0, "nodes_kept": 0, "expected_tokens": 0.0, "expected_raw": 0.0,
-                      "recalibrated_rounds": 0, "refit_rounds": 0, "draft_nodes": 0, "draft_depth": 0,
+                      "recalibrated_rounds": 0, "refit_rounds": 0, "draft_nodes": 0,
                       "survival_source": Counter()}
 
     def describe(self) -> dict:

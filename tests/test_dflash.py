@@ -103,8 +103,8 @@ def test_adaptive_rows_follow_the_deepest_recent_acceptance(tiny_qwen3):
     assert d.round_size(st) == (5, 5)  # deepest acceptance 1 + margin 3 + the anchor row
     d._accepted.extend([0] * d.ROWS_WINDOW)
     assert d.round_size(st) == (5, 4)
-    st.draft_size = (2, 1)  # a schedule's smaller ask wins
-    assert d.round_size(st) == (2, 2)
+    st.draft_nodes = 2  # a schedule's smaller ask wins, and 2 nodes reach 2 rows at most
+    assert d.round_size(st) == (2, 3)
     res = SpeculativeDecoder(tiny_qwen3, d).generate(PROMPT, max_new_tokens=24)
     assert res.tokens == _hf_greedy(tiny_qwen3, PROMPT, 24)
     assert len(d._accepted) == min(res.stats.rounds, d.ROWS_WINDOW)  # reset at prefill, one entry a round
@@ -197,19 +197,19 @@ def test_the_head_runs_only_on_the_rows_a_tree_of_the_budget_can_reach(proposal,
 
 @pytest.mark.parametrize("proposal", ["chain", "ddtree"])
 def test_a_draft_sized_by_the_schedule_is_the_draft_of_that_budget_and_block(proposal, tiny_qwen3):
-    """``state.draft_size`` = (3 nodes, depth 2) on a budget-5 drafter with a block of 8: the block forward runs 3
-    rows, the head 2, and the tree is the one a drafter built with budget 3 and block 3 proposes."""
+    """``state.draft_nodes`` = 3 on a budget-5 drafter with a block of 8: the block forward runs 4 rows (the anchor
+    and the 3 a 3-node tree can reach), the head 3, and the tree is the one a drafter built with budget 3 and block
+    4 proposes."""
     d = _drafter(tiny_qwen3, proposal=proposal, budget=5)
     st = prefilled_state(tiny_qwen3, PROMPT, d)
-    st.draft_size = (3, 2)
+    st.draft_nodes = 3
     with torch.no_grad():
         sized = d.propose(st)
-        assert d.last_block_logprobs[0].shape[0] == 2
-        ref_d = D.DFlashDrafter(tiny_qwen3, d.model, proposal=proposal, budget=2 if proposal == "chain" else 3,
-                                block_size=3)
+        assert d.last_block_logprobs[0].shape[0] == 3
+        ref_d = D.DFlashDrafter(tiny_qwen3, d.model, proposal=proposal, budget=3, block_size=4)
         ref = ref_d.propose(prefilled_state(tiny_qwen3, PROMPT, ref_d))
     assert torch.equal(sized.tokens, ref.tokens) and torch.equal(sized.parents, ref.parents)
-    assert int(sized.depths.max()) <= 2 and sized.size - 1 <= 3
+    assert sized.size - 1 == 3
 
 
 def test_checkpoint_round_trip(tmp_path, tiny_qwen3):

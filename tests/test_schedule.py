@@ -250,29 +250,29 @@ def test_online_recalibration_counts_tested_nodes_and_rescales_later_rounds():
 
 
 def test_the_next_draft_is_sized_from_the_recent_cuts():
-    """The schedule asks the next draft for SIZE_MARGIN more nodes and levels than the most and deepest of its last
-    SIZE_WINDOW cuts kept; a new generate call starts unsized; size_draft=False never asks."""
+    """The schedule asks the next draft for SIZE_MARGIN more nodes than the most of its last SIZE_WINDOW cuts kept;
+    a new generate call starts unsized; size_draft=False never asks."""
     sched = ConfidenceSchedule(lambda m: 1.0)  # a flat cost keeps every node
-    state = type("S", (), {"round": 0, "draft_size": None})()
+    state = type("S", (), {"round": 0, "draft_nodes": None})()
     deep = chain(0, torch.tensor([1, 2, 3]), torch.log(torch.tensor([0.9, 0.8, 0.7])))
     short = chain(0, torch.tensor([1]), torch.log(torch.tensor([0.9])))
     sched.apply(deep, state)
-    assert state.draft_size == (5, 5)
+    assert state.draft_nodes == 5
     for r in range(1, ConfidenceSchedule.SIZE_WINDOW):
         state.round = r
         sched.apply(short, state)
-        assert state.draft_size == (5, 5)  # the deep cut is still in the window
+        assert state.draft_nodes == 5  # the 3-node cut is still in the window
     state.round += 1
     sched.apply(short, state)
-    assert state.draft_size == (3, 3)
-    assert sched.summary()["mean_draft_size"][0] == pytest.approx((5 * 16 + 3) / 17)
+    assert state.draft_nodes == 3
+    assert sched.summary()["mean_draft_nodes"] == pytest.approx((5 * 16 + 3) / 17)
     state.round = 0  # a new call: only its own cuts count
     sched.apply(short, state)
-    assert state.draft_size == (3, 3) and len(sched._cuts) == 1
+    assert state.draft_nodes == 3 and len(sched._cuts) == 1
     off = ConfidenceSchedule(lambda m: 1.0, size_draft=False)
-    state = type("S", (), {"round": 0, "draft_size": None})()
+    state = type("S", (), {"round": 0, "draft_nodes": None})()
     off.apply(deep, state)
-    assert state.draft_size is None and off.summary()["mean_draft_size"] is None
+    assert state.draft_nodes is None and off.summary()["mean_draft_nodes"] is None
     with pytest.raises(ConfigError, match="size_draft must be true or false"):
         ConfidenceSchedule(lambda m: 1.0, size_draft="yes")
 
@@ -307,7 +307,7 @@ def test_the_cost_curve_is_refitted_to_the_calls_verify_times():
 
 class FullTreeDrafter(Drafter):
     """Every token at every node down to ``depth``, with random sibling log-probs (its own generator): a tree
-    that never depends on the target. A schedule's ``state.draft_size`` keeps its first nodes (breadth first)."""
+    that never depends on the target. A schedule's ``state.draft_nodes`` keeps its first nodes (breadth first)."""
 
     def __init__(self, vocab: int, depth: int = 2, seed: int = 0, head: bool = False):
         self.vocab, self.depth, self.head = vocab, depth, head
@@ -327,7 +327,7 @@ class FullTreeDrafter(Drafter):
                     scores.append(scores[p] + logp[tok])
                     nxt.append(len(tokens) - 1)
             frontier = nxt
-        n = 1 + (state.draft_size[0] if state.draft_size is not None else self.budget)
+        n = 1 + (state.draft_nodes if state.draft_nodes is not None else self.budget)
         return make_tree(tokens[:n], parents[:n], scores[:n])
 
     def node_survival(self, tree):
@@ -377,7 +377,7 @@ def test_schedule_keeps_the_exact_law(one_thread):
     counts, accepted = _law_counts(dec, prompt, n, length, 123)
     s = sched.summary()
     assert 1.0 <= s["mean_nodes_kept"] < s["mean_nodes_in"] < 20  # trees were cut, and not to the root
-    assert s["mean_draft_size"][0] < 20  # and later drafts were sized from the cuts
+    assert s["mean_draft_nodes"] < 20  # and later drafts were sized from the cuts
     assert accepted > n // 5  # drafted nodes on the kept path were accepted
     assert s["recalibrated_rounds"] > n // 4 and s["refit_rounds"] > n // 4  # online recalibration and cost refit
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())

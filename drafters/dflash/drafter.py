@@ -85,7 +85,7 @@ class DFlashDrafter(Drafter):
         check_compatible(model, target)
         self.target, self.model, self.proposal = target, model.eval(), proposal
         use_kernel(model, drafter_kernel(target))  # drafting runs the target engine's product kernel
-        offset = getattr(model, "draft_offset", 1)  # the first row that drafts (DSpark's may draft from row 0)
+        self.offset = offset = getattr(model, "draft_offset", 1)  # the first drafting row (DSpark's may be row 0)
         self.adaptive_rows = block_size == "adaptive"
         self._accepted: deque = deque(maxlen=self.ROWS_WINDOW)  # this call's last acceptance depths
         if block_size in ("budget", "adaptive"):  # the rows a tree of this budget reaches; None budget: every row
@@ -200,18 +200,16 @@ class DFlashDrafter(Drafter):
 
     def round_size(self, state) -> tuple[int, int]:
         """(nodes, block length) of this round's draft: the configured budget and block, or less where a schedule
-        sized the draft from its recent cuts (``state.draft_size`` = (nodes, depth); rows a tree cannot reach are
-        neither drafted nor headed) or the rows are adaptive (block_size "adaptive"; a function of earlier rounds'
-        acceptances only, so decoding stays lossless)."""
+        sized the draft from its recent cuts (``state.draft_nodes``: n nodes reach no deeper than n rows, and rows a
+        tree cannot reach are neither drafted nor headed) or the rows are adaptive (block_size "adaptive"). Both are
+        functions of earlier rounds only, so decoding stays lossless."""
         budget, length = self.budget, self.block_size
-        offset = getattr(self.model, "draft_offset", 1)
+        if state.draft_nodes is not None:
+            budget = max(1, min(budget, int(state.draft_nodes)))
+            length = min(length, budget + self.offset)
         if self.adaptive_rows and self._accepted:
-            length = max(2, min(length, max(self._accepted) + self.ROWS_MARGIN + offset))
-        size = getattr(state, "draft_size", None)
-        if size is not None:
-            budget = max(1, min(budget, int(size[0])))
-            length = max(2, min(length, int(size[1]) + offset))
-        return budget, length
+            length = min(length, max(self._accepted) + self.ROWS_MARGIN + self.offset)
+        return budget, max(2, length)
 
     def block_rows(self, state, rows: int | None = None,
                    length: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -222,7 +220,7 @@ class DFlashDrafter(Drafter):
         ids = torch.full((length or self.block_size,), self.model.mask_token_id, dtype=torch.long,
                          device=self.target.device)
         ids[0] = state.root_token
-        hidden = self.block_hidden(state, ids)[getattr(self.model, "draft_offset", 1):]
+        hidden = self.block_hidden(state, ids)[self.offset:]
         return ids, hidden, self.model.logits(hidden[:rows], self._lm_w, self._lm_b, restricted=True,
                                               layouts=self._lm_layouts)
 
