@@ -118,12 +118,13 @@ class ConfidenceSchedule:
             self._verify_mark = self._verify_total(state)
             self._cuts.clear()
         try:
-            raw = path_survival(tree, survival).tolist()
-            cond = conditional_survival(tree, raw)
+            cond = conditional_survival(tree, path_survival(tree, survival).tolist())
             keys = calibration_keys(tree, cond)
+            survival = raw = rescaled_survival(tree, cond, {}, keys)  # siblings exclusive, no factors yet
             if self.adapt > 0 and self._counts:
                 survival = rescaled_survival(tree, cond, self.factors(), keys)
                 self.stats["recalibrated_rounds"] += 1
+            raw = raw.tolist()
             out, info = schedule_tree(tree, survival, self.fitted_cost(tree.size), self.min_nodes,
                                       self.overhead(state), self.stop)
         except TreeError as exc:

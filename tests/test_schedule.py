@@ -2,6 +2,7 @@
 curve), the calibration of confidences (offline, and online from earlier rounds), the decoder/harness wiring, and
 the exact law of decoding with a schedule (with a peeking schedule as the negative control the test must
 reject)."""
+import math
 from collections import Counter
 
 import pytest
@@ -13,10 +14,10 @@ from graft_block.eval.methods import make_method
 from graft_block.sampling import SamplingConfig, choose
 from graft_block.schedule import ConfidenceSchedule
 from graft_block.testing import chi_square_test, exact_sequence_probs, hf_greedy, null_tv_quantile, tiny_target
-from graft_block.tree import chain, make_tree, walk
-from graft_block.tree.schedule import (apply_temperatures, calibrate_temperatures, convex_cost_curve, curve_cost,
-                                       expected_calibration_error, survival_from_scores, path_survival,
-                                       prefix_ece, schedule_tree)
+from graft_block.tree import SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_ROOT, chain, make_tree, walk
+from graft_block.tree.schedule import (apply_temperatures, calibrate_temperatures, calibration_keys,
+                                       conditional_survival, convex_cost_curve, curve_cost, expected_calibration_error,
+                                       survival_from_scores, path_survival, prefix_ece, schedule_tree)
 
 
 def _random_tree(gen, n):
@@ -141,6 +142,31 @@ def test_score_survival_is_path_probability():
     assert float(s[3]) == 1.0  # a positive score (not a log-prob) is clamped
 
 
+def test_sibling_conditionals_never_sum_past_one():
+    """Only one child of a node can be the target's token: estimates that sum past 1 (a head rating each child
+    alone, or retrieved children beside drafted ones) are scaled down together; sums below 1 stay."""
+    tree = make_tree([0, 1, 2, 3, 4], [-1, 0, 0, 1, 1])
+    cond = conditional_survival(tree, [1.0, 0.8, 0.6, 0.4, 0.2])
+    assert cond == pytest.approx([1.0, 0.8 / 1.4, 0.6 / 1.4, 0.5, 0.25])
+    sched = ConfidenceSchedule(lambda m: 1.0, adapt=0)  # flat cost: keeps all, expected = sum of survivals
+    sched.apply(tree, None, _Head(torch.tensor([1.0, 0.8, 0.6, 0.4, 0.2])))
+    assert sched.stats["expected_tokens"] == pytest.approx(1 + 1.0 + 0.8 / 1.4 * 0.75)
+
+
+def test_a_retrieved_subtree_starts_its_own_score_sum():
+    """A graft's retrieved nodes carry their template's cumulative prior from 0, so under a draft node their
+    survival is the draft node's times exp(prior), never the prior's ratio to a draft log-prob (which read a
+    retrieved child of a weak draft node as certain); the recalibration counts them apart."""
+    # root -> draft a (0.5) -> draft b (0.25 path) -> retrieved r1 (prior -0.3) -> retrieved r2 (-0.9 cumulative)
+    tree = make_tree([0, 1, 2, 3, 4], [-1, 0, 1, 2, 3], scores=[0.0, math.log(0.5), math.log(0.25), -0.3, -0.9],
+                     sources=[SOURCE_ROOT, SOURCE_DRAFT, SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_RETRIEVED])
+    s = survival_from_scores(tree).tolist()
+    assert s == pytest.approx([1.0, 0.5, 0.25, 0.25 * math.exp(-0.3), 0.25 * math.exp(-0.9)])
+    keys = calibration_keys(tree, conditional_survival(tree, s))
+    assert [k[2] for k in keys] == [SOURCE_ROOT, SOURCE_DRAFT, SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_RETRIEVED]
+    assert keys[3] == (3, True, SOURCE_RETRIEVED)
+
+
 # ---- calibration --------------------------------------------------------------------------------------------
 def _synthetic(temps, n=20000, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -225,22 +251,24 @@ def test_online_recalibration_counts_tested_nodes_and_rescales_later_rounds():
     tree = make_tree([0, 1, 2, 3], [-1, 0, 0, 1], scores=torch.log(torch.tensor([1.0, 0.8, 0.1, 0.4])).tolist())
     sched = ConfidenceSchedule(lambda m: 1.0, adapt=2.0)  # a flat cost keeps every node
     state = type("S", (), {"round": 0})()
+    D = SOURCE_DRAFT
     out = sched.apply(tree, state)
     assert out is tree and sched.factors() == {}
     # the target took a, then not c: depth 1 tested a and b (predicted 0.9, 1 accepted), depth 2 tested c (0.5, 0)
     sched.observe(Verified(out, None, None, torch.tensor([0, 1]), 7, None))
     # counted apart: a parent's likeliest child (a, c) and the others (b)
-    assert sched._counts == {(1, True): [pytest.approx(0.8), 1.0], (1, False): [pytest.approx(0.1), 0.0],
-                             (2, True): [pytest.approx(0.5), 0.0]}
+    assert sched._counts == {(1, True, D): [pytest.approx(0.8), 1.0], (1, False, D): [pytest.approx(0.1), 0.0],
+                             (2, True, D): [pytest.approx(0.5), 0.0]}
     f = sched.factors()
-    assert f == {(1, True): pytest.approx(3 / 2.8), (1, False): pytest.approx(2 / 2.1), (2, True): pytest.approx(0.8)}
+    assert f == {(1, True, D): pytest.approx(3 / 2.8), (1, False, D): pytest.approx(2 / 2.1),
+                 (2, True, D): pytest.approx(0.8)}
     state.round = 1  # the next round of the same call reads them: a -> min(1, 0.8 * 1.07), c -> 0.5 * 0.8
     sched.apply(tree, state)
     a = min(1.0, 0.8 * 3 / 2.8)
     assert sched.stats["expected_tokens"] - 2.3 == pytest.approx(1 + a + 0.1 * 2 / 2.1 + a * 0.4)
     assert sched.stats["expected_raw"] == pytest.approx(2 * 2.3)
     sched.observe(Verified(make_tree([0], [-1]), None, None, torch.tensor([0]), 7, None))  # not its tree: ignored
-    assert sched._counts[(1, True)] == [pytest.approx(0.8), 1.0]
+    assert sched._counts[(1, True, D)] == [pytest.approx(0.8), 1.0]
     state.round = 0  # a new generate call starts from the prior again
     sched.apply(tree, state)
     assert sched._counts == {} and sched.factors() == {}
@@ -388,6 +416,36 @@ def test_schedule_keeps_the_exact_law(one_thread):
     cheat = SpeculativeDecoder(target, FullTreeDrafter(V, seed=1), schedule=PeekingSchedule(bad=last.index(max(last))))
     bad_counts, _ = _law_counts(cheat, prompt, n, length, 123)
     assert chi_square_test(bad_counts, exact)[2] < 1e-3
+
+
+def test_graft_then_schedule_keeps_the_exact_law(one_thread):
+    """The same law test with a graft before the schedule: retrieved nodes spliced on the drafted tree, then the
+    cut by survivals where the retrieved nodes' own score sums and their own recalibration counts enter. The kept
+    set still reads only the tree and earlier rounds, so the law is the target's."""
+    from graft_block.adjacency import AdjacencyMatrix
+    from graft_block.graft import Graft
+
+    V, length, n = 4, 3, 800
+    target = tiny_target("llama", vocab_size=V, hidden_size=32, num_layers=2)
+    prompt = [1, 3, 2]
+    exact = exact_sequence_probs(target, prompt, length, SamplingConfig(1.0))
+    drafter = FullTreeDrafter(V, depth=1, seed=3)
+    graft = Graft(budget=8, matrix=AdjacencyMatrix(V, 2, "int32", "cpu"), mode="fixed", fixed_draft_fraction=0.25)
+    sched = ConfidenceSchedule(lambda m: 1.0 + 0.1 * (m - 1))
+    dec = SpeculativeDecoder(target, drafter, graft=graft, schedule=sched)
+    counts, accepted = _law_counts(dec, prompt, n, length, 321)
+    assert graft.summary()["mean_retrieved_nodes"] > 0 and graft.stats["retrieved_accepted"] > 0
+    assert any(key[2] == SOURCE_RETRIEVED for key in sched._counts)  # retrieved nodes were tested and counted apart
+    assert sched.summary()["mean_nodes_kept"] < sched.summary()["mean_nodes_in"]
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
+    stat, dof, p = chi_square_test(counts, exact)
+    assert tv < null_tv_quantile(exact, n) and p > 1e-3, (tv, stat, dof, p)
+    # negative control: the same graft with a schedule that peeks at the round's draws is caught
+    last = [sum(p for k, p in exact.items() if k[-1] == tok) for tok in range(V)]
+    graft = Graft(budget=8, matrix=AdjacencyMatrix(V, 2, "int32", "cpu"), mode="fixed", fixed_draft_fraction=0.25)
+    cheat = SpeculativeDecoder(target, FullTreeDrafter(V, depth=1, seed=3), graft=graft,
+                               schedule=PeekingSchedule(bad=last.index(max(last))))
+    assert chi_square_test(_law_counts(cheat, prompt, n, length, 321)[0], exact)[2] < 1e-3
 
 
 def test_schedule_with_a_confidence_head_is_greedy_identical(one_thread):

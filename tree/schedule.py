@@ -93,8 +93,17 @@ def affine_fit(sums: list[float]) -> tuple[float, float]:
 
 # ---- survival -----------------------------------------------------------------------------------------------
 def survival_from_scores(tree: Tree) -> torch.Tensor:
-    """Fallback survival for drafters without a confidence head: exp of the cumulative path log-prob, in [0, 1]."""
-    return torch.exp(tree.scores.double()).clamp(0.0, 1.0)
+    """Fallback survival for drafters without a confidence head, in [0, 1]: the product of each node's conditional
+    exp(score - parent's score) along its path. A node whose parent has another source (a retrieved subtree on a
+    draft node) starts its own score sum, since a graft's retrieved nodes carry their template's cumulative prior
+    from 0: its conditional is exp(score), not a ratio to a parent's draft probability."""
+    sc, src, pars = tree.scores.double().tolist(), tree.sources.tolist(), tree.parents.tolist()
+    out = [1.0] * len(sc)
+    for i in range(1, len(sc)):  # topological order: the parent is final before its children
+        p = pars[i]
+        step = sc[i] - (sc[p] if src[p] == src[i] else 0.0)
+        out[i] = out[p] * min(1.0, math.exp(min(step, 0.0)))
+    return torch.tensor(out, dtype=torch.float64)
 
 
 def path_survival(tree: Tree, survival: torch.Tensor) -> torch.Tensor:
@@ -114,22 +123,29 @@ def path_survival(tree: Tree, survival: torch.Tensor) -> torch.Tensor:
 
 def conditional_survival(tree: Tree, path: list[float]) -> list[float]:
     """Each node's estimated P(accepted | its parent accepted): its ``path`` survival (``path_survival``) over its
-    parent's (root 1)."""
+    parent's (root 1), scaled down among siblings whose estimates sum past 1. Only one child of a node can be the
+    target's token, and a graft's retrieved children beside a draft's (or a confidence head rating each child
+    alone) would otherwise count the same acceptance twice."""
     s = path
     pars = tree.parents.tolist()
-    return [1.0] + [s[i] / s[pars[i]] if s[pars[i]] > 0 else 0.0 for i in range(1, len(s))]
+    cond = [1.0] + [s[i] / s[pars[i]] if s[pars[i]] > 0 else 0.0 for i in range(1, len(s))]
+    total: dict[int, float] = {}
+    for i in range(1, len(cond)):
+        total[pars[i]] = total.get(pars[i], 0.0) + cond[i]
+    return [cond[0]] + [c / max(1.0, total[pars[i]]) for i, c in enumerate(cond[1:], start=1)]
 
 
-def calibration_keys(tree: Tree, conditional: list[float]) -> list[tuple[int, bool]]:
-    """Per node (depth, whether it is its parent's likeliest child; ties: the lower index): the groups the online
-    recalibration counts apart, since a confidence head rates a parent's top child and its siblings differently."""
-    pars, depths = tree.parents.tolist(), tree.depths.tolist()
+def calibration_keys(tree: Tree, conditional: list[float]) -> list[tuple[int, bool, int]]:
+    """Per node (depth, whether it is its parent's likeliest child (ties: the lower index), its source): the groups
+    the online recalibration counts apart, since a confidence head rates a parent's top child and its siblings
+    differently, and a graft's retrieved nodes carry a template prior, not a model probability."""
+    pars, depths, src = tree.parents.tolist(), tree.depths.tolist(), tree.sources.tolist()
     top: dict[int, int] = {}
     for i in range(1, len(pars)):
         j = top.get(pars[i])
         if j is None or conditional[i] > conditional[j]:
             top[pars[i]] = i
-    return [(0, True)] + [(depths[i], top[pars[i]] == i) for i in range(1, len(pars))]
+    return [(0, True, src[0])] + [(depths[i], top[pars[i]] == i, src[i]) for i in range(1, len(pars))]
 
 
 def rescaled_survival(tree: Tree, conditional: list[float], factors: Mapping, keys: list) -> torch.Tensor:
