@@ -59,12 +59,22 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One independent draw per row of ``probs`` [n, V] (rows of a distribution, zeros allowed): the inverse CDF
+    of a uniform, in float64, with one uniform per row from ``generator`` (drawn on its device). torch's CPU
+    ``multinomial`` takes 0.7 ms a row over SmolLM2's 49k vocabulary, more than a tree's verify gains at 17
+    nodes; this takes 0.04 ms a row. A token of zero probability is never drawn: a uniform at the top edge lands
+    on the row's last token of positive probability."""
+    dev = probs.device if generator is None else generator.device
+    cdf = probs.to(dev, torch.float64).cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=dev, dtype=torch.float64) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    top = (cdf < cdf[:, -1:]).sum(-1)  # where the CDF reaches its total: an entry of positive probability
+    return torch.minimum(idx, top).to(probs.device)
+
+
 def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
     """The target's token at every row: argmax at T=0, else one independent draw per row from ``generator``."""
     if cfg.greedy:
         return greedy_tokens(logits)
-    probs = target_probs(logits, cfg)
-    if generator is not None and generator.device != probs.device:
-        # a CPU generator with a GPU target (or the reverse): draw where the generator lives, same law
-        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(target_probs(logits, cfg), generator)

@@ -6,7 +6,9 @@
 #   gen       scripts/gpu_generate.sh for GEN_MINUTES (2), merged into a copy of the committed data
 #   train     scripts/gpu_train.sh from INIT (drafters/checkpoints/dflash-smollm2) for TRAIN_MINUTES (3)
 #   pairs     the recipe pairs from INIT, PAIR_MINUTES (1.5) each: MFD K = 4 and its K = 1 control on the sampled
-#             multi-future answers, DSpark (Markov + confidence heads) and its no-head control on the greedy ones
+#             multi-future answers, DSpark (Markov + confidence heads, jointly with the backbone; the heads as the
+#             bundled dspark-smollm2's: embedding basis, draft 0 unbiased, greedy label) and its no-head control on
+#             the greedy ones
 # Everything that comes back is under $OUT: the logs and res.part.* (a tar of gen/ and train/, split to the
 # tool's 16 MiB per file). Budget as measured 2026-12-04: 20 s install, 20 s lossless, ~40 s per greedy shard of
 # 3,000 answers, 3 min training + 1 min of target loads; "pairs" (about 9 min) needs a call of its own, and the
@@ -43,7 +45,7 @@ for step in $STEPS; do case $step in
   pairs)
     MFD='"num_anchors": 16, "mode_init_scale": 0.6, "mix_loss": "wta", "ce_weight": 0.1, "l1_weight": 0.9, "soft_weight": 0.0, "gamma": 4.0, "unique_anchors": true'
     for arm in "mfd-k4|mfd|t0.7-p0.8-k20-x4|{\"num_modes\": 4, $MFD}" "mfd-k1|mfd|t0.7-p0.8-k20-x4|{\"num_modes\": 1, $MFD}" \
-               'dspark|dspark|greedy|{"num_anchors": 64, "markov_rank": 64}' \
+               'dspark|dspark|greedy|{"num_anchors": 64, "markov_rank": 64, "markov_basis": "embedding", "markov_first_draft": false, "confidence_label": "greedy"}' \
                'dspark-control|dspark|greedy|{"num_anchors": 64, "markov_rank": 0, "confidence_head": false}'; do
         IFS='|' read -r name type kinds config <<< "$arm"
         GRAFT_BLOCK_TRAIN_TYPE=$type GRAFT_BLOCK_TRAIN_KINDS=$kinds GRAFT_BLOCK_TRAIN_CONFIG=$config \

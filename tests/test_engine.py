@@ -42,6 +42,31 @@ def test_greedy_identity_other_families(arch):
     assert SpeculativeDecoder(target, None).generate(prompt, max_new_tokens=48).tokens == ref
 
 
+def test_draw_is_each_rows_law_and_never_a_zero(monkeypatch):
+    """``draw`` (the inverse CDF the decoder samples with): each row's draws follow that row's distribution
+    (chi-square against it, 40k draws per row, rows of different shapes with zeros between and at both ends),
+    a token of zero probability is never drawn, and a uniform at the CDF's very top lands on the last positive
+    entry."""
+    from graft_block.sampling import draw
+
+    rows = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0], [0.7, 0.0, 0.0, 0.0, 0.0, 0.3],
+                         [0.0, 0.0, 1e-3, 0.0, 0.999, 0.0]])
+    g = torch.Generator().manual_seed(11)
+    n = 40000
+    got = torch.stack([draw(rows, g) for _ in range(n)])  # [n, 3]
+    for r in range(3):
+        counts = Counter(got[:, r].tolist())
+        assert all(rows[r, t] > 0 for t in counts), (r, counts)  # zeros are never drawn
+        expected = {(t,): float(p) for t, p in enumerate(rows[r].tolist()) if p > 0}
+        assert chi_square_test(Counter({(t,): c for t, c in counts.items()}), expected)[2] > 1e-3, (r, counts)
+    # a wrong rule (the CDF read from the left: the token before) is rejected by the same test
+    shifted = Counter({(max(t - 1, 0),): c for t, c in Counter(got[:, 0].tolist()).items()})
+    assert chi_square_test(shifted, {(t,): float(p) for t, p in enumerate(rows[0].tolist()) if p > 0})[2] < 1e-3
+    # a uniform that rounding carried to the CDF's total (u * total == total) still lands on a positive entry
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(a[:2], dtype=torch.float64))
+    assert draw(rows, None).tolist() == [4, 5, 4]
+
+
 def test_greedy_tokens_follow_torchs_argmax_rule():
     """The greedy pick (numpy's argmax on CPU float32) is torch's: the first of tied maxima, NaN as largest, any
     shape and stride, float32 and not; a wrong rule (the last of tied maxima) would fail here."""
