@@ -67,6 +67,32 @@ def test_draw_is_each_rows_law_and_never_a_zero(monkeypatch):
     assert draw(rows, None).tolist() == [4, 5, 4]
 
 
+def test_nucleus_is_hfs_top_p_without_the_sort():
+    """``NucleusWarper`` removes the tokens HF's ``TopPLogitsWarper`` removes, on rows from peaked to flat (nuclei of
+    1 token to most of the vocabulary, so every candidate size and the whole-vocabulary fallback run, rows of one
+    batch leaving at different sizes) and after a top-k: identical masks except on rows where some token's
+    mass-at-or-below lies within float32 rounding of 1 - top_p (HF sums in float32)."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from graft_block.sampling import NucleusWarper
+
+    g = torch.Generator().manual_seed(5)
+    checked = 0
+    for scale in (0.05, 0.3, 1.0, 3.0, 8.0):
+        for top_p in (0.3, 0.8, 0.95, 0.99):
+            x = torch.randn(12, 6000, generator=g) * scale
+            x[0] = x[0] * 0.01  # near uniform: the nucleus spans most of the vocabulary
+            for z in (x, TopKLogitsWarper(50)(None, x.clone())):
+                ref = torch.isinf(TopPLogitsWarper(top_p)(None, z.clone()))
+                got = torch.isinf(NucleusWarper(top_p)(None, z.clone()))
+                p = torch.softmax(z.double(), -1).sort(-1).values.cumsum(-1)
+                clear = ((p - (1 - top_p)).abs() > 1e-6).all(-1)  # no token near the boundary
+                assert torch.equal(got[clear], ref[clear]), (scale, top_p)
+                assert bool((~got).any(-1).all())  # every row keeps a token
+                checked += int(clear.sum())
+    assert checked > 400
+
+
 def test_greedy_tokens_follow_torchs_argmax_rule():
     """The greedy pick (numpy's argmax on CPU float32) is torch's: the first of tied maxima, NaN as largest, any
     shape and stride, float32 and not; a wrong rule (the last of tied maxima) would fail here."""
