@@ -120,11 +120,12 @@ class ConfidenceSchedule:
         try:
             cond = conditional_survival(tree, path_survival(tree, survival).tolist())
             keys = calibration_keys(tree, cond)
-            survival = raw = rescaled_survival(tree, cond, {}, keys)  # siblings exclusive, no factors yet
+            offline = rescaled_survival(tree, cond, {}, keys)  # siblings made exclusive, no online factors
+            survival = offline
             if self.adapt > 0 and self._counts:
                 survival = rescaled_survival(tree, cond, self.factors(), keys)
                 self.stats["recalibrated_rounds"] += 1
-            raw = raw.tolist()
+            raw = offline.tolist()
             out, info = schedule_tree(tree, survival, self.fitted_cost(tree.size), self.min_nodes,
                                       self.overhead(state), self.stop)
         except TreeError as exc:

@@ -29,8 +29,10 @@ TRAIN_DEFAULTS = {"markov_rank": 64, "confidence_head": True, "confidence_weight
                   "markov_first_draft": True}
 MARKOV_BASES = ("table", "embedding")  # W1/W2 as free [V, r] tables (DeepSpec) or E A / E B (EmbeddingMarkovHead)
 CONFIDENCE_LABELS = ("tv", "greedy")  # 1 - TV (DeepSpec; acceptance when sampling) or argmax == target token
-RECIPE_DEFAULTS = {"ce_weight": 0.1, "l1_weight": 0.9, "soft_weight": 0.0, "gamma": 4.0, "num_anchors": 64,
+RECIPE_DEFAULTS = {"ce_weight": 0.1, "l1_weight": 0.9, "soft_weight": 0.0, "gamma": 4.0, "num_anchors": 24,
                    "unique_anchors": True}  # DeepSpec's weights over the block recipe's (dflash.training)
+# 24 anchors a sequence (DeepSpec: 512): the most held-out tau_tf per CPU-minute of 24 / 64 / 128 / 512 here
+# (docs/training.md, "Anchor count")
 
 
 def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
