@@ -47,8 +47,9 @@ class NucleusWarper:
     every token below it is <= 1 - top_p; the likeliest token always stays. HF finds that with a sort of the whole
     vocabulary, 3 ms a row over SmolLM2's 49k tokens (more than a decode step, and 17x that for a 17-node tree).
     The removed tail is the whole vocabulary but the nucleus, so each row's nucleus is found among its top m tokens,
-    m = 64, 512, 4096, then all: once the mass outside the top m is <= 1 - top_p, all of it is removed, and inside, a token's mass-at-or-below is that tail plus its suffix sum (summed in float64 here, in float32 by HF, so
-    the two can differ only for a token whose mass-at-or-below is within float32 rounding of 1 - top_p)."""
+    m = 64, 512, 4096, then all: once the mass outside the top m is <= 1 - top_p, all of it is removed, and inside,
+    a token's mass-at-or-below is that tail plus its suffix sum (summed in float64 here, in float32 by HF, so the
+    two can differ only for a token whose mass-at-or-below is within float32 rounding of 1 - top_p)."""
 
     SIZES = (64, 512, 4096)
 
@@ -98,9 +99,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One independent draw per row of ``probs`` [n, V] (rows of a distribution, zeros allowed): the inverse CDF
     of a uniform, in float64, with one uniform per row from ``generator`` (drawn on its device). torch's CPU
-    ``multinomial`` takes 0.7 ms a row over SmolLM2's 49k vocabulary, more than a tree's verify gains at 17
-    nodes; this takes 0.04 ms a row. A token of zero probability is never drawn: a uniform at the top edge lands
-    on the row's last token of positive probability."""
+    ``multinomial`` takes 0.7 ms a row over SmolLM2's 49k vocabulary (12 ms for a 17-node tree, half its verify);
+    this, 0.03-0.1 ms. A token of zero probability is never drawn: a uniform that rounding carries to the CDF's
+    total lands on the row's last token of positive probability."""
     dev = probs.device if generator is None else generator.device
     cdf = probs.to(dev, torch.float64).cumsum(-1)
     u = torch.rand(probs.shape[0], 1, generator=generator, device=dev, dtype=torch.float64) * cdf[:, -1:]
