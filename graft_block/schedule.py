@@ -37,12 +37,13 @@ class ConfidenceSchedule:
 
     ``adapt``: online recalibration, on by default (a prior of ``adapt`` pseudo-nodes per depth; 0 = off). Survivals
     fitted offline miss on other prompts (DSpark's head on the paper suite's turns expected 1.94 tokens a round
-    where 1.69 came). So after every round (``observe``) the schedule counts, per depth and apart for each
-    parent's likeliest child and the others, the conditional acceptances it predicted for the nodes whose parent
-    was accepted and how many were accepted, and scales each group's conditionals by (accepted + adapt) /
-    (predicted + adapt) from the next round on. Counts restart
-    with each generate call. The cut then depends on earlier rounds' outcomes, never on this round's, which
-    keeps decoding lossless (the exact-law test runs with it).
+    where 1.69 came). So after every round (``observe``) the schedule counts, per depth, apart for each parent's
+    likeliest child and the others and apart for drafted and retrieved nodes (a graft's), the conditional
+    acceptances it predicted for the nodes whose parent was accepted and how many were accepted, and scales each
+    group's conditionals by (accepted + adapt) / (predicted + adapt) from the next round on. Counts restart with
+    each generate call. The cut then depends on earlier rounds' outcomes, never on this round's, which keeps
+    decoding lossless (the exact-law tests run with it, one with a graft before the schedule). Siblings'
+    conditionals never sum past 1 (``tree.schedule.conditional_survival``).
 
     ``fit_cost``: the curve is timed once, at a run's start, and the VM's speed flips within minutes (one-token
     verify 9 or 15 ms), so by default the schedule refits it to the call's own rounds: verify seconds of each
