@@ -80,8 +80,8 @@ class ConfidenceSchedule:
         # weighted moments of (curve cost at a round's size, its verify seconds) over this call's rounds
         self._timed = [0.0] * 5
         self._verify_mark = 0.0
-        # (depth, top child) -> [predicted, accepted], this generate call
-        self._counts: dict[tuple[int, bool], list[float]] = {}
+        # (depth, top child, source) -> [predicted, accepted], this generate call (tree.schedule.calibration_keys)
+        self._counts: dict[tuple[int, bool, int], list[float]] = {}
         self._pending = None  # (the verified subtree, its nodes' keys and predicted conditionals)
         try:
             envelope = isinstance(cost, dict) and stop == "first_drop"
@@ -164,9 +164,9 @@ class ConfidenceSchedule:
         self.stats["refit_rounds"] += 1
         return lambda n: max(a + b * float(self.cost(n)), 1e-9)
 
-    def factors(self) -> dict[tuple[int, bool], float]:
-        """(depth, top child) -> the online recalibration's factor on conditional acceptances: (accepted + adapt) /
-        (predicted + adapt) over this generate call's rounds so far."""
+    def factors(self) -> dict[tuple[int, bool, int], float]:
+        """(depth, top child, source) -> the online recalibration's factor on conditional acceptances:
+        (accepted + adapt) / (predicted + adapt) over this generate call's rounds so far."""
         a = self.adapt
         return {d: (acc + a) / (pred + a) for d, (pred, acc) in self._counts.items()} if a > 0 else {}
 

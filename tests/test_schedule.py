@@ -14,7 +14,7 @@ from graft_block.eval.methods import make_method
 from graft_block.sampling import SamplingConfig, choose
 from graft_block.schedule import ConfidenceSchedule
 from graft_block.testing import chi_square_test, exact_sequence_probs, hf_greedy, null_tv_quantile, tiny_target
-from graft_block.tree import SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_ROOT, chain, make_tree, walk
+from graft_block.tree import SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_ROOT, chain, make_tree, merge, walk
 from graft_block.tree.schedule import (apply_temperatures, calibrate_temperatures, calibration_keys,
                                        conditional_survival, convex_cost_curve, curve_cost, expected_calibration_error,
                                        survival_from_scores, path_survival, prefix_ece, schedule_tree)
@@ -153,17 +153,20 @@ def test_sibling_conditionals_never_sum_past_one():
     assert sched.stats["expected_tokens"] == pytest.approx(1 + 1.0 + 0.8 / 1.4 * 0.75)
 
 
-def test_a_retrieved_subtree_starts_its_own_score_sum():
-    """A graft's retrieved nodes carry their template's cumulative prior from 0, so under a draft node their
-    survival is the draft node's times exp(prior), never the prior's ratio to a draft log-prob (which read a
-    retrieved child of a weak draft node as certain); the recalibration counts them apart."""
-    # root -> draft a (0.5) -> draft b (0.25 path) -> retrieved r1 (prior -0.3) -> retrieved r2 (-0.9 cumulative)
-    tree = make_tree([0, 1, 2, 3, 4], [-1, 0, 1, 2, 3], scores=[0.0, math.log(0.5), math.log(0.25), -0.3, -0.9],
-                     sources=[SOURCE_ROOT, SOURCE_DRAFT, SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_RETRIEVED])
+def test_a_retrieved_subtree_continues_its_attach_nodes_path_score():
+    """A graft's retrieved subtree (its template's prior, counted from its own root) merged under a draft node
+    continues that node's path score, so its survival is the draft node's times exp(prior), never the prior's
+    ratio to a draft log-prob (which read a retrieved child of a weak draft node as certain); the recalibration
+    counts retrieved nodes apart."""
+    # root -> draft a (0.5) -> draft b (0.25 path); retrieved r1 (prior -0.3) -> r2 (-0.9 cumulative) under b
+    draft = make_tree([0, 1, 2], [-1, 0, 1], scores=[0.0, math.log(0.5), math.log(0.25)])
+    retrieved = make_tree([2, 3, 4], [-1, 0, 1], scores=[0.0, -0.3, -0.9], sources=SOURCE_RETRIEVED)
+    tree = merge(draft, retrieved, attach=2)
+    assert tree.sources.tolist() == [SOURCE_ROOT, SOURCE_DRAFT, SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_RETRIEVED]
     s = survival_from_scores(tree).tolist()
     assert s == pytest.approx([1.0, 0.5, 0.25, 0.25 * math.exp(-0.3), 0.25 * math.exp(-0.9)])
     keys = calibration_keys(tree, conditional_survival(tree, s))
-    assert [k[2] for k in keys] == [SOURCE_ROOT, SOURCE_DRAFT, SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_RETRIEVED]
+    assert [k[2] for k in keys] == tree.sources.tolist()
     assert keys[3] == (3, True, SOURCE_RETRIEVED)
 
 
@@ -420,7 +423,7 @@ def test_schedule_keeps_the_exact_law(one_thread):
 
 def test_graft_then_schedule_keeps_the_exact_law(one_thread):
     """The same law test with a graft before the schedule: retrieved nodes spliced on the drafted tree, then the
-    cut by survivals where the retrieved nodes' own score sums and their own recalibration counts enter. The kept
+    cut by survivals where the retrieved nodes' path scores and their own recalibration counts enter. The kept
     set still reads only the tree and earlier rounds, so the law is the target's."""
     from graft_block.adjacency import AdjacencyMatrix
     from graft_block.graft import Graft

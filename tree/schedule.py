@@ -93,17 +93,9 @@ def affine_fit(sums: list[float]) -> tuple[float, float]:
 
 # ---- survival -----------------------------------------------------------------------------------------------
 def survival_from_scores(tree: Tree) -> torch.Tensor:
-    """Fallback survival for drafters without a confidence head, in [0, 1]: the product of each node's conditional
-    exp(score - parent's score) along its path. A node whose parent has another source (a retrieved subtree on a
-    draft node) starts its own score sum, since a graft's retrieved nodes carry their template's cumulative prior
-    from 0: its conditional is exp(score), not a ratio to a parent's draft probability."""
-    sc, src, pars = tree.scores.double().tolist(), tree.sources.tolist(), tree.parents.tolist()
-    out = [1.0] * len(sc)
-    for i in range(1, len(sc)):  # topological order: the parent is final before its children
-        p = pars[i]
-        step = sc[i] - (sc[p] if src[p] == src[i] else 0.0)
-        out[i] = out[p] * min(1.0, math.exp(min(step, 0.0)))
-    return torch.tensor(out, dtype=torch.float64)
+    """Fallback survival for drafters without a confidence head: exp of the cumulative path log-prob, in [0, 1]
+    (a graft's retrieved nodes continue their attach node's path score: ``tree.merge``)."""
+    return torch.exp(tree.scores.double()).clamp(0.0, 1.0)
 
 
 def path_survival(tree: Tree, survival: torch.Tensor) -> torch.Tensor:

@@ -162,7 +162,8 @@ def merge(base: Tree, extra: Tree, budget: int | None = None, attach: int = 0) -
 
     Equal tokens under one parent become one node (base's node wins, mode bits are OR-ed), so no slot holds a
     duplicate. Extra's nodes are added in their topological order until ``budget`` non-root nodes exist; a node
-    whose parent did not fit is dropped too.
+    whose parent did not fit is dropped too. Extra's scores count from its root; an added node's score continues
+    base's path score at ``attach`` (a score is always the whole path's from the root).
     """
     if attach == 0 and int(extra.tokens[0]) != int(base.tokens[0]):
         raise TreeError(f"cannot merge trees with different roots ({int(base.tokens[0])} vs {int(extra.tokens[0])})")
@@ -178,6 +179,7 @@ def merge(base: Tree, extra: Tree, budget: int | None = None, attach: int = 0) -
     ex_modes = extra.modes.tolist() if extra.modes is not None else [0] * len(ex_tok)
     mapped = [-1] * len(ex_tok)
     mapped[0] = attach
+    offset = scores[attach] - ex_sc[0]
     for i in range(1, len(ex_tok)):
         p = mapped[ex_par[i]]
         if p < 0:
@@ -191,7 +193,7 @@ def merge(base: Tree, extra: Tree, budget: int | None = None, attach: int = 0) -
             child[key] = j
             tokens.append(ex_tok[i])
             parents.append(p)
-            scores.append(ex_sc[i])
+            scores.append(ex_sc[i] + offset)
             sources.append(ex_src[i])
             modes.append(ex_modes[i])
         else:
