@@ -262,7 +262,8 @@ class MFDDrafter(D.DFlashDrafter):
         self._w2 = (w2 if dm.draft_vocab is None else w2[dm.draft_vocab.to(w2.device)]).detach().float()
         self._w1 = dm.markov_head.markov_w1.weight.detach().float()
         self._markov_first = dm.markov_first_draft
-        self._draft_temps = dm.draft_temperatures.tolist()  # the head's calibration (DSpark's calibrate.py)
+        # the head's calibration (DSpark's calibrate.py), for greedy and for sampling targets
+        self._draft_temps = (dm.ranking_temperatures(0.0).tolist(), dm.ranking_temperatures(1.0).tolist())
         self.markov_candidates = candidates
         self.markov = str(folder)
 
@@ -274,6 +275,7 @@ class MFDDrafter(D.DFlashDrafter):
         k = max(self.marginal_topk, budget)
         got: dict[str, torch.Tensor] = {}
         cache: dict = {}
+        temps = self._draft_temps[temperature > 0]
 
         def head(depth: int) -> None:
             done = 0 if not got else got["cand_z"].shape[1]
@@ -283,7 +285,7 @@ class MFDDrafter(D.DFlashDrafter):
             z = self.row_logits(hidden, done, upto).float()  # [K, upto - done, V']
             z = z / temperature if temperature > 0 else z
             if not done:  # depth 1's children when the head skips the first draft: the backbone's row, tempered
-                got["first"] = torch.log_softmax(z[:, 0] / self._draft_temps[0], -1).topk(min(k, z.shape[-1]), dim=-1)
+                got["first"] = torch.log_softmax(z[:, 0] / temps[0], -1).topk(min(k, z.shape[-1]), dim=-1)
             parts = candidate_split(z, min(self.markov_candidates, z.shape[-1]))
             for key, v in zip(("cand_z", "cand_cols", "rest"), parts):
                 got[key] = v if key not in got else torch.cat([got[key], v], 1)
@@ -298,7 +300,7 @@ class MFDDrafter(D.DFlashDrafter):
                 else:
                     cand = got["cand_cols"][:, d]  # [K, C]
                     z = candidate_logprobs(got["cand_z"][:, d], self._w2[cand] @ self._w1[token], got["rest"][:, d],
-                                           temperature, self._draft_temps[d])
+                                           temperature, temps[d])
                     vals, idx = z.topk(min(k, z.shape[-1]), dim=-1)
                     cols = cand.gather(1, idx)
                 cache[key] = (self.model.to_vocab_ids(cols).tolist(), vals.tolist())

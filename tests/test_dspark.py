@@ -379,6 +379,10 @@ def test_round_trip_keeps_alignment_calibration_and_vocab(tmp_path, one_thread):
         model.markov_head.markov_w2.weight.normal_()
     model.confidence_temperatures = torch.linspace(0.5, 2.0, 7)
     model.draft_temperatures = torch.linspace(1.0, 3.0, 7)
+    S.save_checkpoint(model, tmp_path / "none", dtype=torch.float32, extra={"type": "dspark"})
+    assert "sampled_draft_temperatures" not in json.loads((tmp_path / "none" / "config.json").read_text())[
+        "dflash_config"]  # absent = sampling trees rank by the greedy fit
+    model.sampled_draft_temperatures = torch.linspace(2.0, 4.0, 7)
     S.save_checkpoint(model, tmp_path / "ck", dtype=torch.float32, extra={"type": "dspark"})
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
     assert cfg["architectures"] == ["DSparkDraftModel"] and cfg["dflash_config"]["block_alignment"] == "zlab"
@@ -387,6 +391,8 @@ def test_round_trip_keeps_alignment_calibration_and_vocab(tmp_path, one_thread):
                              "budget": 10}, target=target)
     assert torch.allclose(b.model.confidence_temperatures, model.confidence_temperatures)
     assert torch.allclose(b.model.draft_temperatures, model.draft_temperatures)
+    assert torch.allclose(b.model.sampled_draft_temperatures, model.sampled_draft_temperatures)
+    assert Drafter.from_config(str(tmp_path / "none"), target=target).model.sampled_draft_temperatures is None
     ta, tb = a.propose(prefilled_state(target, PROMPT, a)), b.propose(prefilled_state(target, PROMPT, b))
     assert torch.equal(ta.tokens, tb.tokens) and torch.equal(ta.parents, tb.parents)
     assert set(tb.tokens[1:].tolist()) <= set(vocab.tolist())
@@ -702,6 +708,55 @@ def test_draft_temperatures_are_the_least_nll_grid_points():
     assert fit_draft_temperatures(nll, torch.tensor([100, 100, 100]), min_rows=30) == [TEMP_GRID[b] for b in best]
     assert fit_draft_temperatures(nll, torch.tensor([5, 100, 5]), min_rows=30) == [1.0, TEMP_GRID[best[1]],
                                                                                   TEMP_GRID[best[1]]]
+
+
+def test_sampling_trees_rank_by_the_sampled_fit(one_thread):
+    """A tree drafted while the target samples ranks by ``sampled_draft_temperatures``; a greedy one by
+    ``draft_temperatures``: each equals the tree of a twin whose only temperatures are those."""
+    target = tiny_target("qwen3")
+    sharp, flat = torch.full((7,), 0.5), torch.full((7,), 3.0)
+
+    def tree(draft, sampled, temperature):
+        d = _drafter(target, proposal="ddtree", budget=12)
+        d.model.draft_temperatures, d.model.sampled_draft_temperatures = draft, sampled
+        st = prefilled_state(target, PROMPT, d)
+        st.sampling = SamplingConfig(temperature=temperature)
+        return _paths(d.propose(st))
+
+    for temperature in (0.0, 1.0):
+        assert tree(sharp, None, temperature) != tree(flat, None, temperature)  # the temperatures shape the tree
+    assert tree(sharp, flat, 1.0) == tree(flat, None, 1.0)
+    assert tree(sharp, flat, 0.0) == tree(sharp, None, 0.0)
+
+
+def test_sampled_draft_temperatures_recover_a_planted_sharpening(one_thread, monkeypatch):
+    """A draft whose logits are twice the target's log-probabilities is the target's law at draft temperature 2,
+    whatever temperature the target samples at (the fit reads the draft at 1/T, as a sampling tree does)."""
+    import graft_block.drafters.dflash.training as DT
+    from graft_block.drafters.dspark.calibrate import draft_nll_table, fit_draft_temperatures
+
+    target = tiny_target("llama")
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 5, "markov_rank": 4}
+    model = S.DSparkDrafter.training_model(target, cfg, "random")
+    model.markov_head.markov_w2.weight.data.zero_()
+    b = _batch(target, model)
+    recs = [{"ids": b["ids"][i], "feats": b["feats"][i], "top_ids": b["top_ids"][i], "top_logp": b["top_logp"][i],
+             "prompt_len": 6} for i in range(3)]
+
+    def planted_rows(m, tgt, batch, blk, chunk=32):  # "hidden" = the planted logits; model.logits passes them on
+        with torch.no_grad():
+            full = torch.log_softmax(tgt.model(input_ids=batch["ids"]).logits.float(), -1).flatten(0, 1)
+        return 2.0 * full[blk["src"]]
+
+    monkeypatch.setattr(DT, "draft_rows", planted_rows)
+    monkeypatch.setattr(model, "logits", lambda h, w, b=None, **k: h)
+    V = target.vocab_size
+    for sampled in (1.0, 0.5):
+        nll, rows = draft_nll_table(model, target, recs, candidates=V, anchors=8, sampled=sampled)
+        assert rows.min() > 0
+        assert all(1.9 < t < 2.1 for t in fit_draft_temperatures(nll, rows, min_rows=1))
+    greedy, rows = draft_nll_table(model, target, recs, candidates=V, anchors=8)
+    assert all(t < 1.9 for t in fit_draft_temperatures(greedy, rows, min_rows=1))  # argmax labels: sharper
 
 
 def test_acceptance_table_counts_a_position_only_after_accepted_ones(one_thread, monkeypatch):

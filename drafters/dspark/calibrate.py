@@ -3,7 +3,11 @@
 - the draft distributions a tree ranks nodes by (``dflash_config.draft_temperatures``): per position, the
   temperature minimising the NLL of the target's token under the drafter's own candidate distribution (the top-C
   backbone tokens, Markov-corrected, their share of the mass kept). DeepSpec's L1 loss is no proper scoring rule,
-  and the corrected rows come out overconfident, which sends a best-first tree too deep.
+  and the corrected rows come out overconfident, which sends a best-first tree too deep;
+- the same against the target's *samples* (``dflash_config.sampled_draft_temperatures``, the expected NLL under
+  its softmax at ``--sampled-at``, default 1): what a tree drafted for a sampling target ranks by. A sampled
+  target leaves the argmax often, so these are flatter (a greedy fit at depth 1 sharpens, and a sampled tree
+  built on it spends its nodes too deep).
 
 Greedy, teacher-forced and without decoding: for every anchor of the held-out sequences the chain's draft j is
 accepted when the Markov-corrected argmax equals the target's token, and position j counts only when every
@@ -59,17 +63,21 @@ TEMP_GRID = tuple(round(1.05 ** i, 4) for i in range(-14, 34))  # 0.51 .. 5.25 i
 
 @torch.no_grad()
 def draft_nll_table(model, target, recs, candidates: int = 64, batch_size: int = 4, anchors: int = 64,
-                    seed: int = 0, grid=TEMP_GRID, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+                    seed: int = 0, grid=TEMP_GRID, chunk: int = 256,
+                    sampled: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed NLL [K, len(grid)], rows [K]): per draft position, the NLL of the target's token under the tempered
     candidate distribution log_softmax(z_C / T) (z = backbone logits + Markov bias, C = the backbone's top
-    ``candidates``), over the rows whose token is a candidate (the others add a constant in T)."""
+    ``candidates``), over the rows whose token is a candidate (the others add a constant in T). ``sampled`` > 0:
+    the token is the target's sample at that temperature instead of its greedy one, so each candidate is weighted
+    by the target's probability (its full softmax, one target forward per batch) and ``rows`` counts that mass;
+    z is read at 1/``sampled`` first, as a tree drafted for that target reads it."""
     from graft_block.train_data import collate
 
     model.eval()
     g = torch.Generator().manual_seed(seed)
     K = model.num_drafts
     nll = torch.zeros(K, len(grid), dtype=torch.float64)
-    rows = torch.zeros(K, dtype=torch.long)
+    rows = torch.zeros(K, dtype=torch.float64)
     for i in range(0, len(recs), batch_size):
         batch = collate(recs[i: i + batch_size], target.device)
         batch["generator"] = g
@@ -78,19 +86,28 @@ def draft_nll_table(model, target, recs, candidates: int = 64, batch_size: int =
         h = D.draft_rows(model, target, batch, blk)[ok]  # [N, L, H]
         L = h.shape[1]
         flat = [t.reshape(-1, *t.shape[2:]) for t in (h, blk["prev"][ok], blk["draft_index"][ok],
-                                                      blk["labels"][ok], blk["valid"][ok])]
+                                                      blk["labels"][ok], blk["valid"][ok], blk["src"][ok])]
         pos = torch.arange(L, device=h.device).repeat(h.shape[0])
+        full = None
+        if sampled > 0:  # the target's next-token logits at every data row (padding rows are never a label's)
+            full = target.model(input_ids=batch["ids"]).logits.flatten(0, 1)
         for c in range(0, flat[0].shape[0], chunk):
-            hh, prev, j, lab, valid = (t[c: c + chunk] for t in flat)
+            hh, prev, j, lab, valid, src = (t[c: c + chunk] for t in flat)
             base = model.logits(hh, *D.lm_head(target)).float()
             cols = base.topk(min(candidates, base.shape[-1]), dim=-1).indices  # ranked by the backbone, as drafting
             z = draft_logits(model, target, hh, prev, j, base=base).float().gather(-1, cols)
-            hit = (model.to_vocab_ids(cols) == lab.unsqueeze(-1)) & valid.unsqueeze(-1)
-            keep = hit.any(-1)
+            if sampled > 0:  # as a sampling tree reads them (dspark.drafter): the temperature fits on top of 1/T
+                z = z / sampled
+            if full is None:
+                hit = ((model.to_vocab_ids(cols) == lab.unsqueeze(-1)) & valid.unsqueeze(-1)).double()
+            else:
+                lp = torch.log_softmax(full[src].float() / sampled, -1)
+                hit = lp.gather(-1, model.to_vocab_ids(cols)).exp().double() * valid.unsqueeze(-1)
+            keep = hit.sum(-1) > 0
             if not bool(keep.any()):
                 continue
-            z, hit, p = z[keep], hit[keep].double(), pos[c: c + chunk][keep]
-            rows.index_add_(0, p.cpu(), torch.ones_like(p.cpu()))
+            z, hit, p = z[keep], hit[keep], pos[c: c + chunk][keep]
+            rows.index_add_(0, p.cpu(), hit.sum(-1).cpu())
             for gi, t in enumerate(grid):
                 ll = (torch.log_softmax(z / t, -1).double() * hit).sum(-1)
                 nll[:, gi].index_add_(0, p.cpu(), -ll.cpu())
@@ -117,7 +134,7 @@ def calibration_report(logits, accepted, valid, exists, temps) -> dict:
 
 
 def calibrate(folder: str | Path, data: str, holdout: int = 32, target=None, write: bool = True,
-              min_rows: int = 30) -> dict:
+              min_rows: int = 30, sampled_at: float = 1.0) -> dict:
     from graft_block.target import load_target
     from graft_block.train_data import load_records
     from graft_block.training import split_holdout
@@ -137,6 +154,16 @@ def calibrate(folder: str | Path, data: str, holdout: int = 32, target=None, wri
     rep = {"draft_temperatures": draft_temps, "draft_fit_rows": n.tolist(),
            "draft_nll_before": [round(float(v), 4) for v in per_row[:, TEMP_GRID.index(1.0)]],
            "draft_nll_after": [round(float(per_row[k, TEMP_GRID.index(t)]), 4) for k, t in enumerate(draft_temps)]}
+    if sampled_at > 0:
+        nll, n = draft_nll_table(model, target, fit, sampled=sampled_at)
+        sampled_temps = fit_draft_temperatures(nll, n, min_rows=min_rows)
+        test_nll, test_n = draft_nll_table(model, target, test, sampled=sampled_at)
+        per_row = test_nll / test_n.clamp(min=1e-9).unsqueeze(-1)
+        rep.update({"sampled_at": sampled_at, "sampled_draft_temperatures": sampled_temps,
+                    "sampled_nll_greedy_fit": [round(float(per_row[k, TEMP_GRID.index(t)]), 4)
+                                               for k, t in enumerate(draft_temps)],
+                    "sampled_nll_after": [round(float(per_row[k, TEMP_GRID.index(t)]), 4)
+                                          for k, t in enumerate(sampled_temps)]})
     if model.confidence_head is not None:
         tf = acceptance_table(model, target, fit)
         temps = calibrate_temperatures(tf[0], tf[1], tf[2], min_rows=min_rows).float()
@@ -148,6 +175,8 @@ def calibrate(folder: str | Path, data: str, holdout: int = 32, target=None, wri
         cfg = json.loads(path.read_text())
         dcfg = cfg.setdefault("dflash_config", {})
         dcfg["draft_temperatures"] = rep["draft_temperatures"]
+        if "sampled_draft_temperatures" in rep:
+            dcfg["sampled_draft_temperatures"] = rep["sampled_draft_temperatures"]
         if "temperatures" in rep:
             dcfg["confidence_temperatures"] = rep["temperatures"]
         path.write_text(json.dumps(cfg, indent=2) + "\n")
@@ -161,12 +190,15 @@ def main(argv=None) -> None:
     ap.add_argument("--holdout", type=int, default=32, help="held-out sequences, as in the training run")
     ap.add_argument("--min-rows", type=int, default=30,
                     help="positions reached by fewer held-out rows keep the previous position's temperature")
+    ap.add_argument("--sampled-at", type=float, default=1.0,
+                    help="also fit the draft temperatures to the target's samples at this temperature (0 = skip)")
     ap.add_argument("--dry-run", action="store_true", help="report only, leave config.json untouched")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rep = calibrate(args.folder, args.data, args.holdout, write=not args.dry_run, min_rows=args.min_rows)
+    rep = calibrate(args.folder, args.data, args.holdout, write=not args.dry_run, min_rows=args.min_rows,
+                    sampled_at=args.sampled_at)
     print(json.dumps(rep, indent=1))
 
 

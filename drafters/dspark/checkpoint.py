@@ -68,7 +68,7 @@ def dspark_options(raw: dict, where: str = "config.json") -> dict:
 def model_from_dspark_config(raw: dict, draft_vocab: torch.Tensor | None = None, where: str = "config.json"):
     # dflash's parser reads mask_token_id / target_layer_ids from dflash_config or the top level (native)
     model = model_from_config(raw, draft_vocab, cls=DSparkModel, **dspark_options(raw, where))
-    for key in ("confidence_temperatures", "draft_temperatures"):
+    for key in ("confidence_temperatures", "draft_temperatures", "sampled_draft_temperatures"):
         temps = (raw.get("dflash_config") or {}).get(key)
         if temps is None:
             continue
@@ -113,6 +113,9 @@ def dspark_config_dict(model: DSparkModel, extra: dict | None = None) -> dict:
         "markov_first_draft": model.markov_first_draft,
         "confidence_temperatures": [round(float(t), 6) for t in model.confidence_temperatures],
         "draft_temperatures": [round(float(t), 6) for t in model.draft_temperatures]})
+    if model.sampled_draft_temperatures is not None:
+        out["dflash_config"]["sampled_draft_temperatures"] = [round(float(t), 6)
+                                                              for t in model.sampled_draft_temperatures]
     out.update(extra or {})
     return out
 

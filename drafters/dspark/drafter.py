@@ -126,10 +126,11 @@ class DSparkDrafter(DFlashDrafter):
             cand_z, cand_cols, rest = candidate_split(zb, C)
             cand_w2 = self._w2[cand_cols].float()  # [D, C, r]
         plain_first = self._w2 is not None and not model.markov_first_draft  # depth 1 drafts the backbone's row
-        temps = model.draft_temperatures.tolist()  # the tree's ranking only: a row's top-k order is unchanged
+        ranking = model.ranking_temperatures(temperature)  # the tree's ranking only: a row's top-k order stays
+        temps = ranking.tolist()
         if self._w2 is None or plain_first:  # no bias: every parent of a depth has that depth's children
             rows = zb[:1] if plain_first else zb
-            t_rows = model.draft_temperatures[: rows.shape[0]].to(rows).unsqueeze(-1)
+            t_rows = ranking[: rows.shape[0]].to(rows).unsqueeze(-1)
             plain_vals, plain_cols = torch.log_softmax(rows / t_rows, -1).topk(k_all, dim=-1)
         conf_h, conf_e = model.confidence_terms(hidden) or (None, None)
         cache: dict = {}

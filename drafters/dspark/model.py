@@ -97,7 +97,8 @@ class DSparkModel(DFlashModel):
     drafts first. ``confidence_temperatures`` (per draft position, a buffer saved in the checkpoint config) hold
     the calibration of the confidence head (1 = uncalibrated); ``draft_temperatures`` (the same, ours) that of the
     draft distributions a tree ranks its nodes by: DeepSpec's L1 loss is no proper scoring rule, and its
-    Markov-corrected rows come out overconfident (``calibrate.py``)."""
+    Markov-corrected rows come out overconfident (``calibrate.py``). Those are fitted to the target's greedy tokens;
+    ``sampled_draft_temperatures`` (None = reuse them) to its samples, for trees drafted while the target samples."""
 
     def __init__(self, *args, markov_rank: int = 0, markov_head_type: str = "vanilla",
                  confidence_head: bool = False, confidence_with_markov: bool = True, alignment: str = "zlab",
@@ -127,6 +128,14 @@ class DSparkModel(DFlashModel):
                                 if confidence_head else None)
         self.register_buffer("confidence_temperatures", torch.ones(self.num_drafts), persistent=False)
         self.register_buffer("draft_temperatures", torch.ones(self.num_drafts), persistent=False)
+        self.sampled_draft_temperatures: torch.Tensor | None = None
+
+    def ranking_temperatures(self, temperature: float) -> torch.Tensor:
+        """Per draft position, the temperature a tree's ranking reads the (already 1/``temperature``-scaled) draft
+        logits at: fitted to greedy tokens at 0, to the target's samples above it when the checkpoint has those."""
+        if temperature > 0 and self.sampled_draft_temperatures is not None:
+            return self.sampled_draft_temperatures
+        return self.draft_temperatures
 
     @property
     def num_drafts(self) -> int:
