@@ -5,6 +5,7 @@
     graft-block calibrate ...   = python -m graft_block.calibrate ...
     graft-block physics ...     = python -m graft_block.eval.physics ...   (bandwidth, peak, linear layers, verify)
     graft-block export ...      = python -m graft_block.drafters.export ...   (a drafter to llama.cpp GGUF or vLLM speculators)
+    graft-block expect ...      = python -m graft_block.eval.expected_tau ...   (trees' exact expected tau, paired)
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ COMMANDS = {
     "calibrate": ("graft_block.calibrate", "calibrate Graft's pruning thresholds"),
     "physics": ("graft_block.eval.physics", "bandwidth, matrix-product peak, linear layers vs verify"),
     "export": ("graft_block.drafters.export", "export a drafter to llama.cpp (GGUF) or vLLM speculators"),
+    "expect": ("graft_block.eval.expected_tau", "trees' exact expected tau on fixed held-out contexts, paired"),
 }
 
 

@@ -10,6 +10,7 @@ from .tree import (  # noqa: F401
     ancestor_mask,
     attention_mask,
     chain,
+    expected_accept_length,
     from_paths,
     make_tree,
     merge,

@@ -1,0 +1,108 @@
+"""The exact expected accepted length of a tree (tree.expected_accept_length) and `graft-block expect`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graft_block import Drafter
+from graft_block.errors import ConfigError
+from graft_block.eval.expected_tau import build_drafter, evaluate, sample_contexts, summary_rows
+from graft_block.sampling import SamplingConfig
+from graft_block.testing import hf_greedy, prefilled_state, tiny_target
+from graft_block.tree import accept_length, expected_accept_length, from_paths, walk
+
+
+def test_expected_accept_length_is_the_mean_of_the_walk():
+    """Draw the target's choice at every node from its own law, walk, count: the mean is the formula's value
+    (within 4 standard errors of 20,000 walks); one-hot laws give the greedy walk's count exactly."""
+    g = torch.Generator().manual_seed(0)
+    tree = from_paths(0, [[1, 2, 3], [1, 4], [2, 1, 1], [3], [1, 2, 4]])
+    V = 5
+    par = tree.parents.clamp(min=0)
+    logits = torch.randn(tree.size, V, generator=g)
+    logits[par[1:], tree.tokens[1:]] += 2.5  # the tree's children are likely: deep nodes get reached
+    law = torch.softmax(logits, -1)  # row i: the law of the target's choice at node i
+    q = law[par, tree.tokens]
+    exact = expected_accept_length(tree, q)
+    n = 20000
+    choices = torch.multinomial(law, n, replacement=True, generator=g).T  # [n, nodes]
+    counts = torch.tensor([float(walk(tree, c)[0].numel() - 1) for c in choices])
+    assert abs(counts.mean() - exact) < 4 * counts.std() / n ** 0.5
+    assert exact > 1.0  # the walk goes past depth 1: paths, not only children, are tested
+    hard = law.argmax(-1)
+    assert expected_accept_length(tree, (hard[par] == tree.tokens).double()) == accept_length(tree, hard)
+    with pytest.raises(ValueError, match="one probability per node"):
+        expected_accept_length(tree, q[:-1])
+
+
+class Oracle(Drafter):
+    """The target's greedy continuation to ``depth``, with a wrong sibling beside it at every depth."""
+
+    def __init__(self, target, depth: int = 3):
+        self.target, self.depth, self.budget = target, depth, 2 * depth
+
+    def propose(self, state):
+        true = hf_greedy(self.target, state.tokens[:-1], self.depth + 1)[1:]  # [0] is the root
+        wrong = [true[:d] + [(true[d] + 1) % self.target.vocab_size] for d in range(self.depth)]
+        return from_paths(state.root_token, [true] + wrong)
+
+
+def test_expect_scores_each_tree_against_the_targets_own_continuation(one_thread):
+    """At T = 0 a context's value is how far the tree follows the target's greedy continuation (recomputed here
+    from HF greedy decoding; the oracle's is its depth); at T > 0 it is an expectation between 0 and the depth;
+    the summary pairs every method with the first."""
+    target = tiny_target("qwen3")
+    cfg = {"type": "dspark", "num_layers": 1, "target_layer_ids": [0, 2], "block_size": 6, "seed": 1,
+           "markov_rank": 4, "proposal": "ddtree", "budget": 10}
+    drafters = {"tree": Drafter.from_config(cfg, target=target), "oracle": Oracle(target)}
+    g = torch.Generator().manual_seed(3)
+    contexts = [torch.randint(3, 120, (9,), generator=g).tolist() for _ in range(3)]
+    res = evaluate(target, drafters, contexts, [SamplingConfig(), SamplingConfig(temperature=0.8)])
+    assert res["values"]["oracle"][0.0] == [3.0] * 3
+    assert all(0.0 < v < 3.0 for v in res["values"]["oracle"][0.8])
+    d = drafters["tree"]
+    for ids, value in zip(contexts, res["values"]["tree"][0.0]):
+        tree = d.propose(prefilled_state(target, ids, d))
+        cont = hf_greedy(target, ids, 12)  # cont[0] is the tree's root
+        toks, par = tree.tokens.tolist(), tree.parents.tolist()
+        depth, node = 0, 0
+        while True:
+            kids = [i for i in range(1, len(toks)) if par[i] == node and toks[i] == cont[depth + 1]]
+            if not kids:
+                break
+            node, depth = kids[0], depth + 1
+        assert value == depth
+    rows = summary_rows(res)
+    assert [(r["method"], r["temperature"]) for r in rows] == [("tree", 0.0), ("tree", 0.8), ("oracle", 0.0),
+                                                               ("oracle", 0.8)]
+    assert rows[0]["diff"] == 0.0 and rows[2]["tau"] == 4.0
+    assert rows[2]["diff"] == pytest.approx(3.0 - sum(res["values"]["tree"][0.0]) / 3)
+
+
+def test_expect_refuses_what_depends_on_earlier_rounds():
+    target = tiny_target("qwen3")
+    tree = {"drafter": {"type": "pld", "budget": "{budget}"}, "default_budget": 4}
+    with pytest.raises(ConfigError, match="has a graft.*graft-block bench"):
+        build_drafter("g", {**tree, "graft": {"mode": "prune"}}, target, None)
+    with pytest.raises(ConfigError, match="has a schedule"):
+        build_drafter("s", {**tree, "schedule": {"cost": "curve"}}, target, None)
+    with pytest.raises(ConfigError, match="drafts no tree"):
+        build_drafter("ar", {"drafter": None}, target, None)
+    assert build_drafter("p", tree, target, 3).budget == 3
+
+
+def test_contexts_are_cut_inside_distinct_answers(tmp_path):
+    from graft_block.eval.expected_tau import CALIBRATION
+    from graft_block.onpolicy import read
+
+    answers = {tuple(r["ids"].tolist()): r["prompt_len"] for r in read(CALIBRATION)}
+    ctxs = sample_contexts(CALIBRATION, 25, seed=1)
+    assert len(ctxs) == 25 and ctxs == sample_contexts(CALIBRATION, 25, seed=1)
+    owners = set()
+    for c in ctxs:
+        owner = [a for a in answers if list(a[: len(c)]) == c and answers[a] < len(c) <= len(a) - 4]
+        assert owner
+        owners.add(owner[0])
+    assert len(owners) == 25
+    with pytest.raises(ConfigError, match="no answer of"):
+        sample_contexts(CALIBRATION, 3, min_answer=10 ** 6)
