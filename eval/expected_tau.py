@@ -9,6 +9,10 @@ the walk reaches them (``tree.expected_accept_length``). Every method sees the s
 paired, with a standard error. At T = 0 a context's value is the tree's accepted length there.
 
     graft-block expect --methods dflash_ddtree,dspark_ddtree,mfd,mfd_k1_ddtree --contexts 300 --temperature 0,1
+    graft-block expect --prompts humaneval,mtbench --limit 40 --cuts 4 --temperature 1   # the benchmark's domain
+
+With ``--prompts`` the contexts come from the benchmark's own prompt sets instead: the target's greedy answer to
+each prompt's first turn (``--answer-tokens``), cut at ``--cuts`` random points.
 
 Trees come from a fresh round (a drafter's adaptive rows start full). Methods with a graft or a schedule depend on
 what earlier rounds verified, and are refused: decode them with ``graft-block bench``.
@@ -49,6 +53,28 @@ def sample_contexts(dataset: str | Path, count: int, seed: int = 0, min_answer: 
     rng = random.Random(seed)
     rng.shuffle(recs)
     return [r["ids"][: rng.randrange(r["prompt_len"] + 1, len(r["ids"]) - 4)].tolist() for r in recs[:count]]
+
+
+def answer_contexts(target, sets: list[str], limit: int, cuts: int = 4, answer_tokens: int = 96,
+                    seed: int = 0, log=None) -> list[list[int]]:
+    """Contexts in a prompt set's domain: the target's greedy answer to each prompt's first turn, cut at ``cuts``
+    distinct random points (at least one answer token before a cut, four after), prompt ids included."""
+    from graft_block import SpeculativeDecoder
+    from graft_block.eval.prompts import encode_turn, prompt_records
+
+    recs, _ = prompt_records(sets, limit, first_turn_only=True)
+    rng, dec, out = random.Random(seed), SpeculativeDecoder(target, None), []
+    t0 = time.perf_counter()
+    for rec in recs:
+        ids = encode_turn(target, [], rec["turns"][0]).tolist()
+        answer = dec.generate(ids, max_new_tokens=answer_tokens).tokens
+        points = range(1, len(answer) - 3)
+        out += [ids + answer[:c] for c in sorted(rng.sample(points, min(cuts, len(points))))]
+    if log:
+        log(f"  {len(recs)} greedy answers of up to {answer_tokens} tokens in {time.perf_counter() - t0:.0f} s")
+    if not out:
+        raise ConfigError(f"no answer of 5 tokens or more to cut contexts from (--prompts {','.join(sets)})")
+    return out
 
 
 @torch.inference_mode()
@@ -136,6 +162,11 @@ def main(argv=None) -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--budget", type=int, default=None, help="every method's budget (default: each preset's)")
     ap.add_argument("--data", default=str(CALIBRATION), help="on-policy dataset folder the contexts are cut from")
+    ap.add_argument("--prompts", default=None, help="cut the contexts from the target's greedy answers to these prompt "
+                                                    "sets instead (as bench's --prompts: humaneval, mtbench, a .jsonl)")
+    ap.add_argument("--limit", type=int, default=20, help="with --prompts: prompts per set (0 = all)")
+    ap.add_argument("--cuts", type=int, default=4, help="with --prompts: contexts cut from each answer")
+    ap.add_argument("--answer-tokens", type=int, default=96, help="with --prompts: greedy answer length")
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
@@ -156,8 +187,15 @@ def main(argv=None) -> None:
     names = [m for m in args.methods.split(",") if m]
     target = load_target(args.target)
     drafters = {n: build_drafter(n, lookup(n, extra), target, args.budget) for n in names}
-    contexts = sample_contexts(args.data, args.contexts, args.seed)
-    print(f"expected tau: {len(contexts)} contexts from {args.data}, target {args.target}, T {temps}"
+    if args.prompts:
+        contexts = answer_contexts(target, args.prompts.split(","), args.limit, args.cuts, args.answer_tokens,
+                                   args.seed, log=print)
+        random.Random(args.seed).shuffle(contexts)
+        contexts = contexts[: args.contexts]
+    else:
+        contexts = sample_contexts(args.data, args.contexts, args.seed)
+    source = f"greedy answers to {args.prompts}" if args.prompts else args.data
+    print(f"expected tau: {len(contexts)} contexts from {source}, target {args.target}, T {temps}"
           + (f", top-k {args.top_k}" if args.top_k else "") + (f", top-p {args.top_p}" if args.top_p < 1 else ""))
     res = evaluate(target, drafters, contexts, samplings, log=print)
     rows = summary_rows(res)

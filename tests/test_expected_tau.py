@@ -106,3 +106,22 @@ def test_contexts_are_cut_inside_distinct_answers(tmp_path):
     assert len(owners) == 25
     with pytest.raises(ConfigError, match="no answer of"):
         sample_contexts(CALIBRATION, 3, min_answer=10 ** 6)
+
+
+def test_answer_contexts_cut_the_targets_own_answers(tmp_path, one_thread):
+    """--prompts: each context is a prompt followed by the start of the target's greedy answer to it."""
+    import json
+
+    from graft_block.eval.expected_tau import answer_contexts
+
+    target = tiny_target("qwen3")
+    prompts = [[5, 17, 33, 2], [9, 9, 40, 71, 3]]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "turns": [p]}) + "\n" for i, p in enumerate(prompts)))
+    ctxs = answer_contexts(target, [str(path)], 0, cuts=3, answer_tokens=12, seed=2)
+    assert len(ctxs) == 6
+    for k, c in enumerate(ctxs):
+        p = prompts[k // 3]
+        answer = hf_greedy(target, p, 12)
+        assert c[: len(p)] == p and len(p) < len(c) <= len(p) + 8 and c[len(p):] == answer[: len(c) - len(p)]
+    assert len({tuple(c) for c in ctxs}) == 6  # distinct cuts
