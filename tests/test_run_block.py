@@ -1,6 +1,7 @@
 """The benchmark harness end to end: JSON + table, the lossless alarm, MT-Bench turn 2, the HF peers, sharding."""
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -131,11 +132,17 @@ def test_sharded_equals_unsharded(tiny_folder, tmp_path):
               "--max-new-tokens", "16", "--no-progress", "--no-plots", "--threads", "1"]
     env = {**os.environ, "GRAFT_BLOCK_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     script = str(ROOT / "eval" / "run_block.py")
-    subprocess.run([sys.executable, script, *common, "--out", str(tmp_path / "one")], check=True, env=env,
-                   capture_output=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                    "29533", script, *common, "--out", str(tmp_path / "two")], check=True, env=env,
-                   capture_output=True)
+
+    def run(cmd):  # a failure shows the child's own error, not only its exit status
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        assert p.returncode == 0, f"{' '.join(cmd)}\nexited {p.returncode}:\n{p.stderr[-4000:]}"
+
+    with socket.socket() as s:  # a free rendezvous port: a fixed one may still be held by an earlier run
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run([sys.executable, script, *common, "--out", str(tmp_path / "one")])
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), script,
+         *common, "--out", str(tmp_path / "two")])
     one = json.loads((tmp_path / "one" / "results.json").read_text())
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     assert two["world_size"] == 2
