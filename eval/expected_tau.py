@@ -160,7 +160,8 @@ def main(argv=None) -> None:
     ap.add_argument("--temperature", default="0", help="comma-separated target temperatures (0 = greedy)")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--budget", type=int, default=None, help="every method's budget (default: each preset's)")
+    ap.add_argument("--budget", default=None, help="every method's budget, or a comma-separated list (each method "
+                                                   "at each budget, named method@budget); default: each preset's")
     ap.add_argument("--data", default=str(CALIBRATION), help="on-policy dataset folder the contexts are cut from")
     ap.add_argument("--prompts", default=None, help="cut the contexts from the target's greedy answers to these prompt "
                                                     "sets instead (as bench's --prompts: humaneval, mtbench, a .jsonl)")
@@ -176,7 +177,11 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     if args.contexts < 1:
         raise ConfigError(f"--contexts must be >= 1, got {args.contexts}")
-    if args.budget is not None and args.budget < 1:
+    try:
+        budgets = [None] if args.budget is None else [int(b) for b in str(args.budget).split(",")]
+    except ValueError as exc:
+        raise ConfigError(f"--budget takes an int or comma-separated ints, got {args.budget!r}") from exc
+    if any(b is not None and b < 1 for b in budgets):
         raise ConfigError(f"--budget must be >= 1, got {args.budget}")
     try:
         temps = [float(t) for t in args.temperature.split(",")]
@@ -186,7 +191,8 @@ def main(argv=None) -> None:
     extra = load_method_files(args.config)
     names = [m for m in args.methods.split(",") if m]
     target = load_target(args.target)
-    drafters = {n: build_drafter(n, lookup(n, extra), target, args.budget) for n in names}
+    drafters = {n if len(budgets) == 1 else f"{n}@{b}": build_drafter(n, lookup(n, extra), target, b)
+                for b in budgets for n in names}
     if args.prompts:
         contexts = answer_contexts(target, args.prompts.split(","), args.limit, args.cuts, args.answer_tokens,
                                    args.seed, log=print)

@@ -89,6 +89,12 @@ def test_expect_refuses_what_depends_on_earlier_rounds():
     with pytest.raises(ConfigError, match="drafts no tree"):
         build_drafter("ar", {"drafter": None}, target, None)
     assert build_drafter("p", tree, target, 3).budget == 3
+    from graft_block.eval.expected_tau import main
+
+    for bad, words in ((["--budget", "0"], "must be >= 1"), (["--budget", "4,x"], "comma-separated ints"),
+                       (["--contexts", "0"], "--contexts must be"), (["--temperature", "hot"], "--temperature")):
+        with pytest.raises(ConfigError, match=words):  # before any model loads
+            main(bad)
 
 
 def test_contexts_are_cut_inside_distinct_answers(tmp_path):
