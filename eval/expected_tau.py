@@ -39,7 +39,7 @@ from graft_block.eval.methods import load_method_files, lookup  # noqa: E402
 from graft_block.onpolicy import read  # noqa: E402
 from graft_block.sampling import SamplingConfig, greedy_tokens, target_probs  # noqa: E402
 from graft_block.testing import prefilled_state  # noqa: E402
-from graft_block.tree import expected_accept_length  # noqa: E402
+from graft_block.tree import accept_at_least  # noqa: E402
 
 CALIBRATION = Path(__file__).resolve().parents[1] / "drafters" / "data" / "smollm2-sharegpt-calibration"
 
@@ -78,8 +78,9 @@ def answer_contexts(target, sets: list[str], limit: int, cuts: int = 4, answer_t
 
 
 @torch.inference_mode()
-def tree_value(target, drafter, ids: list[int], sampling: SamplingConfig) -> tuple[float, int]:
-    """(expected accepted nodes, tree size) of ``drafter``'s tree after the context ``ids``."""
+def tree_value(target, drafter, ids: list[int], sampling: SamplingConfig) -> tuple[list[float], int]:
+    """(P(>= d nodes accepted) for d = 1.. the tree's depth, tree size) of ``drafter``'s tree after the context
+    ``ids``; their sum is the expected accepted length."""
     state = prefilled_state(target, ids, drafter)
     state.sampling = sampling
     tree = drafter.propose(state)
@@ -89,7 +90,7 @@ def tree_value(target, drafter, ids: list[int], sampling: SamplingConfig) -> tup
         q = (greedy_tokens(logits.float())[parents.clamp(min=0)].cpu() == tree.tokens).double()
     else:
         q = target_probs(logits, sampling)[parents.clamp(min=0).to(logits.device), tokens].double().cpu()
-    return expected_accept_length(tree, q), tree.size
+    return accept_at_least(tree, q), tree.size
 
 
 def build_drafter(name: str, spec: dict, target, budget: int | None):
@@ -105,19 +106,27 @@ def build_drafter(name: str, spec: dict, target, budget: int | None):
 
 def evaluate(target, drafters: dict, contexts: list[list[int]], samplings: list[SamplingConfig],
              log=None) -> dict:
-    """{method: {temperature: [expected accepted nodes per context]}} plus the mean tree size per method."""
+    """{"values": {method: {temperature: [expected accepted nodes per context]}}, "at_least": {method:
+    {temperature: [mean P(>= d accepted), d = 1..]}}, "nodes": {method: mean tree size}}."""
     out = {name: {s.temperature: [] for s in samplings} for name in drafters}
+    depth = {name: {s.temperature: [] for s in samplings} for name in drafters}
     sizes = {name: [] for name in drafters}
     t0 = time.perf_counter()
     for i, ids in enumerate(contexts):
         for name, d in drafters.items():
             for s in samplings:
-                value, size = tree_value(target, d, ids, s)
-                out[name][s.temperature].append(value)
+                at_least, size = tree_value(target, d, ids, s)
+                out[name][s.temperature].append(sum(at_least))
+                sums = depth[name][s.temperature]
+                sums += [0.0] * (len(at_least) - len(sums))
+                for k, v in enumerate(at_least):
+                    sums[k] += v
                 sizes[name].append(size - 1)
         if log and (i + 1) % 50 == 0:
             log(f"  {i + 1}/{len(contexts)} contexts, {time.perf_counter() - t0:.0f} s")
-    return {"values": out, "nodes": {n: sum(v) / max(1, len(v)) for n, v in sizes.items()}}
+    n = max(1, len(contexts))
+    at_least = {m: {t: [v / n for v in sums] for t, sums in d.items()} for m, d in depth.items()}
+    return {"values": out, "at_least": at_least, "nodes": {m: sum(v) / max(1, len(v)) for m, v in sizes.items()}}
 
 
 def summary_rows(res: dict) -> list[dict]:
@@ -145,6 +154,22 @@ def format_table(rows: list[dict]) -> str:
         diff = "-" if r["method"] == base else f"{r['diff']:+.3f} +- {r['se']:.3f}"
         lines.append(f"| {r['method']} | {r['temperature']:g} | {r['nodes']:.1f} | {r['tau']:.3f} | {diff} | "
                      f"{r['contexts']} |")
+    return "\n".join(lines)
+
+
+def format_depths(res: dict, depths: int = 8) -> str:
+    """P(depth k accepted | depth k-1 accepted) under the target's law, one line per (method, temperature): the
+    exact counterpart of bench's suffix-decay table."""
+    lines = ["| method | T | " + " | ".join(str(k) for k in range(1, depths + 1)) + " |",
+             "|---|---|" + "---|" * depths]
+    for name, by_t in res["at_least"].items():
+        for temp, at_least in by_t.items():
+            cells, prev = [], 1.0
+            for k in range(depths):
+                p = at_least[k] if k < len(at_least) else 0.0
+                cells.append(f"{p / prev:.2f}" if prev > 1e-9 and k < len(at_least) else "-")
+                prev = p
+            lines.append(f"| {name} | {temp:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -206,11 +231,13 @@ def main(argv=None) -> None:
     res = evaluate(target, drafters, contexts, samplings, log=print)
     rows = summary_rows(res)
     print(format_table(rows))
+    print("\nP(depth k accepted | depth k-1 accepted), exact, mean over contexts:\n")
+    print(format_depths(res))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"rows": rows, "values": {n: {str(t): v for t, v in d.items()}
-                                                                       for n, d in res["values"].items()},
-                                              "args": vars(args)}, indent=1))
+        per_method = {key: {n: {str(t): v for t, v in d.items()} for n, d in res[key].items()}
+                      for key in ("values", "at_least")}
+        Path(args.out).write_text(json.dumps({"rows": rows, "args": vars(args), **per_method}, indent=1))
 
 
 if __name__ == "__main__":

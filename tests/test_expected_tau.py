@@ -9,7 +9,7 @@ from graft_block.errors import ConfigError
 from graft_block.eval.expected_tau import build_drafter, evaluate, sample_contexts, summary_rows
 from graft_block.sampling import SamplingConfig
 from graft_block.testing import hf_greedy, prefilled_state, tiny_target
-from graft_block.tree import accept_length, expected_accept_length, from_paths, walk
+from graft_block.tree import accept_at_least, accept_length, expected_accept_length, from_paths, walk
 
 
 def test_expected_accept_length_is_the_mean_of_the_walk():
@@ -28,6 +28,11 @@ def test_expected_accept_length_is_the_mean_of_the_walk():
     choices = torch.multinomial(law, n, replacement=True, generator=g).T  # [n, nodes]
     counts = torch.tensor([float(walk(tree, c)[0].numel() - 1) for c in choices])
     assert abs(counts.mean() - exact) < 4 * counts.std() / n ** 0.5
+    at_least = accept_at_least(tree, q)  # P(>= d accepted), d = 1..3, against the walks' own shares
+    assert len(at_least) == 3 and at_least == sorted(at_least, reverse=True)
+    for d, p in enumerate(at_least, 1):
+        share = float((counts >= d).double().mean())
+        assert abs(share - p) < 4 * (p * (1 - p) / n) ** 0.5 + 1e-9
     assert exact > 1.0  # the walk goes past depth 1: paths, not only children, are tested
     hard = law.argmax(-1)
     assert expected_accept_length(tree, (hard[par] == tree.tokens).double()) == accept_length(tree, hard)
@@ -59,6 +64,8 @@ def test_expect_scores_each_tree_against_the_targets_own_continuation(one_thread
     contexts = [torch.randint(3, 120, (9,), generator=g).tolist() for _ in range(3)]
     res = evaluate(target, drafters, contexts, [SamplingConfig(), SamplingConfig(temperature=0.8)])
     assert res["values"]["oracle"][0.0] == [3.0] * 3
+    assert res["at_least"]["oracle"][0.0] == [1.0, 1.0, 1.0]  # every context reaches depth 3
+    assert sum(res["at_least"]["tree"][0.8]) == pytest.approx(sum(res["values"]["tree"][0.8]) / 3)
     assert all(0.0 < v < 3.0 for v in res["values"]["oracle"][0.8])
     d = drafters["tree"]
     for ids, value in zip(contexts, res["values"]["tree"][0.0]):

@@ -6,6 +6,7 @@ from .tree import (  # noqa: F401
     SOURCE_ROOT,
     Tree,
     TreeError,
+    accept_at_least,
     accept_length,
     ancestor_mask,
     attention_mask,

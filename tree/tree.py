@@ -300,17 +300,25 @@ def accept_length(tree: Tree, choices) -> int:
     return int(path.numel()) - 1
 
 
-def expected_accept_length(tree: Tree, node_probs: torch.Tensor | Sequence[float]) -> float:
-    """E[nodes the walk accepts] when the target's choice at every node is random: ``node_probs[i]`` (i >= 1) is the
-    probability that the choice at node i's parent is node i's token (0/1 for a greedy target); entry 0 is unused.
-    The walk reaches a node with the product of those along its path, and accepts as many nodes as it reaches."""
+def accept_at_least(tree: Tree, node_probs: torch.Tensor | Sequence[float]) -> list[float]:
+    """P(the walk accepts >= d nodes) for d = 1 .. the tree's depth, when the target's choice at every node is
+    random: ``node_probs[i]`` (i >= 1) is the probability that the choice at node i's parent is node i's token (0/1
+    for a greedy target); entry 0 is unused. The walk reaches a node with the product of those along its path, and
+    reaches at most one node per depth, so a depth's reach probabilities add up."""
     q = torch.as_tensor(node_probs, dtype=torch.float64).reshape(-1).tolist()
     if len(q) != tree.size:
-        raise TreeError(f"expected_accept_length needs one probability per node ({tree.size}), got {len(q)}")
-    reach, pars = [1.0] * tree.size, tree.parents.tolist()
+        raise TreeError(f"the walk's law needs one probability per node ({tree.size}), got {len(q)}")
+    reach, pars, depths = [1.0] * tree.size, tree.parents.tolist(), tree.depths.tolist()
+    out = [0.0] * max(depths)
     for i in range(1, tree.size):  # topological order: a parent's reach is final
         reach[i] = reach[pars[i]] * q[i]
-    return float(sum(reach[1:]))
+        out[depths[i] - 1] += reach[i]
+    return out
+
+
+def expected_accept_length(tree: Tree, node_probs: torch.Tensor | Sequence[float]) -> float:
+    """E[nodes the walk accepts] = sum over d of P(>= d accepted) (``accept_at_least``)."""
+    return float(sum(accept_at_least(tree, node_probs)))
 
 
 def with_sources(tree: Tree, source: int) -> Tree:
