@@ -285,11 +285,14 @@ def gather_shards(records: list[dict], world: int, order: list[str]) -> list[dic
     prompt order ``order`` (prompt ids)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         dist.init_process_group("gloo")
     gathered = [None] * world
     dist.all_gather_object(gathered, records)
     dist.barrier()
+    if created:  # torn down here, not by the interpreter's exit, where gloo's threads can abort a rank (SIGABRT)
+        dist.destroy_process_group()
     merged = [r for part in gathered for r in part]
     index = {pid: i for i, pid in enumerate(order)}
     return sorted(merged, key=lambda r: (index[r["prompt_id"]], r["temperature"], r["turn"]))
