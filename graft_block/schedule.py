@@ -121,8 +121,7 @@ class ConfidenceSchedule:
         try:
             cond = conditional_survival(tree, path_survival(tree, survival).tolist())
             keys = calibration_keys(tree, cond)
-            offline = rescaled_survival(tree, cond, {}, keys)  # siblings made exclusive, no online factors
-            survival = offline
+            survival = offline = rescaled_survival(tree, cond, {}, keys)  # siblings exclusive, no online factors
             if self.adapt > 0 and self._counts:
                 survival = rescaled_survival(tree, cond, self.factors(), keys)
                 self.stats["recalibrated_rounds"] += 1

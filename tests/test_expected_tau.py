@@ -36,7 +36,7 @@ def test_expected_accept_length_is_the_mean_of_the_walk():
     assert exact > 1.0  # the walk goes past depth 1: paths, not only children, are tested
     hard = law.argmax(-1)
     assert expected_accept_length(tree, (hard[par] == tree.tokens).double()) == accept_length(tree, hard)
-    with pytest.raises(ValueError, match="one probability per node"):
+    with pytest.raises(ValueError, match="one conditional per node"):
         expected_accept_length(tree, q[:-1])
 
 

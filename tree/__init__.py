@@ -15,6 +15,7 @@ from .tree import (  # noqa: F401
     from_paths,
     make_tree,
     merge,
+    path_products,
     paths_to_leaves,
     position_ids,
     root_only,

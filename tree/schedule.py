@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from .tree import Tree, TreeError
+from .tree import Tree, TreeError, path_products
 
 CostLike = Callable[[int], float] | Mapping
 
@@ -142,11 +142,8 @@ def calibration_keys(tree: Tree, conditional: list[float]) -> list[tuple[int, bo
 
 def rescaled_survival(tree: Tree, conditional: list[float], factors: Mapping, keys: list) -> torch.Tensor:
     """Path survival from per-node conditionals, each times its key's factor (missing: 1) and capped at 1."""
-    pars = tree.parents.tolist()
-    out = [1.0] * len(conditional)
-    for i in range(1, len(out)):  # topological order: the parent is final before its children
-        out[i] = out[pars[i]] * min(1.0, conditional[i] * factors.get(keys[i], 1.0))
-    return torch.tensor(out, dtype=torch.float64)
+    scaled = [min(1.0, c * factors.get(k, 1.0)) for c, k in zip(conditional, keys)]
+    return torch.tensor(path_products(tree, scaled), dtype=torch.float64)
 
 
 # ---- the scheduler ------------------------------------------------------------------------------------------

@@ -300,18 +300,26 @@ def accept_length(tree: Tree, choices) -> int:
     return int(path.numel()) - 1
 
 
+def path_products(tree: Tree, conditional: torch.Tensor | Sequence[float]) -> list[float]:
+    """Per node, the product of ``conditional`` along its path from the root (entry 0 unused; the root's is 1): a
+    node's P(reached) from its P(reached | parent reached)."""
+    q = torch.as_tensor(conditional, dtype=torch.float64).reshape(-1).tolist()
+    if len(q) != tree.size:
+        raise TreeError(f"path products need one conditional per node ({tree.size}), got {len(q)}")
+    out, pars = [1.0] * tree.size, tree.parents.tolist()
+    for i in range(1, tree.size):  # topological order: a parent's product is final
+        out[i] = out[pars[i]] * q[i]
+    return out
+
+
 def accept_at_least(tree: Tree, node_probs: torch.Tensor | Sequence[float]) -> list[float]:
     """P(the walk accepts >= d nodes) for d = 1 .. the tree's depth, when the target's choice at every node is
     random: ``node_probs[i]`` (i >= 1) is the probability that the choice at node i's parent is node i's token (0/1
-    for a greedy target); entry 0 is unused. The walk reaches a node with the product of those along its path, and
-    reaches at most one node per depth, so a depth's reach probabilities add up."""
-    q = torch.as_tensor(node_probs, dtype=torch.float64).reshape(-1).tolist()
-    if len(q) != tree.size:
-        raise TreeError(f"the walk's law needs one probability per node ({tree.size}), got {len(q)}")
-    reach, pars, depths = [1.0] * tree.size, tree.parents.tolist(), tree.depths.tolist()
+    for a greedy target). The walk reaches a node with the product of those along its path (``path_products``) and
+    at most one node per depth, so a depth's reach probabilities add up."""
+    reach, depths = path_products(tree, node_probs), tree.depths.tolist()
     out = [0.0] * max(depths)
-    for i in range(1, tree.size):  # topological order: a parent's reach is final
-        reach[i] = reach[pars[i]] * q[i]
+    for i in range(1, tree.size):
         out[depths[i] - 1] += reach[i]
     return out
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from graft_block.drafter import register, shared_checkpoint
 from graft_block.engine import inference_linear
 from graft_block.errors import ConfigError
-from graft_block.tree import Tree
+from graft_block.tree import Tree, path_products
 from graft_block.tree.ddtree import conditional_ddtree
 
 from ..dflash.drafter import DFlashDrafter, random_init_block
@@ -179,10 +179,7 @@ class DSparkDrafter(DFlashDrafter):
             tree, accept = conditional_ddtree(state.root_token, expand, budget, depth)
             survival = None
             if accept is not None:  # P(node accepted) = product of its path's conditional acceptances
-                parents, survival = tree.parents.tolist(), list(accept)
-                for i in range(1, tree.size):  # topological order: the parent's product is final
-                    survival[i] *= survival[parents[i]]
-                survival = torch.tensor(survival, dtype=torch.float64)
+                survival = torch.tensor(path_products(tree, accept), dtype=torch.float64)
         self._last = (tree, survival)
         return tree
 
