@@ -133,6 +133,14 @@ def calibration_report(logits, accepted, valid, exists, temps) -> dict:
             "rows": int(logits.shape[0])}
 
 
+def fitted_draft_temperatures(model, target, fit, test, min_rows: int, sampled: float = 0.0):
+    """(per-position temperatures fitted on ``fit``, fit rows per position, NLL per row on ``test`` [K, grid])
+    against the target's greedy tokens (``sampled`` 0) or its samples at ``sampled``."""
+    nll, n = draft_nll_table(model, target, fit, sampled=sampled)
+    test_nll, test_n = draft_nll_table(model, target, test, sampled=sampled)
+    return fit_draft_temperatures(nll, n, min_rows=min_rows), n, test_nll / test_n.clamp(min=1e-9).unsqueeze(-1)
+
+
 def calibrate(folder: str | Path, data: str, holdout: int = 32, target=None, write: bool = True,
               min_rows: int = 30, sampled_at: float = 1.0) -> dict:
     from graft_block.target import load_target
@@ -147,23 +155,17 @@ def calibrate(folder: str | Path, data: str, holdout: int = 32, target=None, wri
     recs, _ = load_records(data, model.feature_layers)
     held, _ = split_holdout(recs, holdout)
     fit, test = held[0::2], held[1::2]
-    nll, n = draft_nll_table(model, target, fit)
-    draft_temps = fit_draft_temperatures(nll, n, min_rows=min_rows)
-    test_nll, test_n = draft_nll_table(model, target, test)
-    per_row = test_nll / test_n.clamp(min=1).unsqueeze(-1)
+    def at(per_row, temps):  # test NLL per row at each position's temperature
+        return [round(float(per_row[k, TEMP_GRID.index(t)]), 4) for k, t in enumerate(temps)]
+
+    draft_temps, n, per_row = fitted_draft_temperatures(model, target, fit, test, min_rows)
     rep = {"draft_temperatures": draft_temps, "draft_fit_rows": n.tolist(),
-           "draft_nll_before": [round(float(v), 4) for v in per_row[:, TEMP_GRID.index(1.0)]],
-           "draft_nll_after": [round(float(per_row[k, TEMP_GRID.index(t)]), 4) for k, t in enumerate(draft_temps)]}
+           "draft_nll_before": at(per_row, [1.0] * len(draft_temps)), "draft_nll_after": at(per_row, draft_temps)}
     if sampled_at > 0:
-        nll, n = draft_nll_table(model, target, fit, sampled=sampled_at)
-        sampled_temps = fit_draft_temperatures(nll, n, min_rows=min_rows)
-        test_nll, test_n = draft_nll_table(model, target, test, sampled=sampled_at)
-        per_row = test_nll / test_n.clamp(min=1e-9).unsqueeze(-1)
+        sampled_temps, _, per_row = fitted_draft_temperatures(model, target, fit, test, min_rows, sampled_at)
         rep.update({"sampled_at": sampled_at, "sampled_draft_temperatures": sampled_temps,
-                    "sampled_nll_greedy_fit": [round(float(per_row[k, TEMP_GRID.index(t)]), 4)
-                                               for k, t in enumerate(draft_temps)],
-                    "sampled_nll_after": [round(float(per_row[k, TEMP_GRID.index(t)]), 4)
-                                          for k, t in enumerate(sampled_temps)]})
+                    "sampled_nll_greedy_fit": at(per_row, draft_temps),
+                    "sampled_nll_after": at(per_row, sampled_temps)})
     if model.confidence_head is not None:
         tf = acceptance_table(model, target, fit)
         temps = calibrate_temperatures(tf[0], tf[1], tf[2], min_rows=min_rows).float()
