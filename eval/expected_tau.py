@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from graft_block import Drafter, load_target  # noqa: E402
 from graft_block.errors import ConfigError  # noqa: E402
-from graft_block.eval import presets  # noqa: E402
+from graft_block.eval import presets, report  # noqa: E402
 from graft_block.eval.methods import load_method_files, lookup  # noqa: E402
 from graft_block.onpolicy import read  # noqa: E402
 from graft_block.sampling import SamplingConfig, greedy_tokens, target_probs  # noqa: E402
@@ -157,20 +157,17 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_depths(res: dict, depths: int = 8) -> str:
-    """P(depth k accepted | depth k-1 accepted) under the target's law, one line per (method, temperature): the
-    exact counterpart of bench's suffix-decay table."""
-    lines = ["| method | T | " + " | ".join(str(k) for k in range(1, depths + 1)) + " |",
-             "|---|---|" + "---|" * depths]
+def decay_rows(res: dict) -> list[dict]:
+    """Per (method, temperature): P(depth k accepted | depth k-1 accepted) under the target's law, in the rows
+    ``report.suffix_decay_table`` prints for bench (None where depth k - 1 is reached with P < 1e-6, a ratio of
+    rounding-sized numbers)."""
+    rows = []
     for name, by_t in res["at_least"].items():
         for temp, at_least in by_t.items():
-            cells, prev = [], 1.0
-            for k in range(depths):
-                p = at_least[k] if k < len(at_least) else 0.0
-                cells.append(f"{p / prev:.2f}" if prev > 1e-9 and k < len(at_least) else "-")
-                prev = p
-            lines.append(f"| {name} | {temp:g} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            prev = [1.0] + at_least[:-1]
+            rows.append({"method": name, "temperature": temp,
+                         "suffix_decay": [a / p if p >= 1e-6 else None for a, p in zip(at_least, prev)]})
+    return rows
 
 
 def main(argv=None) -> None:
@@ -232,7 +229,7 @@ def main(argv=None) -> None:
     rows = summary_rows(res)
     print(format_table(rows))
     print("\nP(depth k accepted | depth k-1 accepted), exact, mean over contexts:\n")
-    print(format_depths(res))
+    print(report.suffix_decay_table(decay_rows(res)))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         per_method = {key: {n: {str(t): v for t, v in d.items()} for n, d in res[key].items()}

@@ -65,6 +65,12 @@ def test_expect_scores_each_tree_against_the_targets_own_continuation(one_thread
     res = evaluate(target, drafters, contexts, [SamplingConfig(), SamplingConfig(temperature=0.8)])
     assert res["values"]["oracle"][0.0] == [3.0] * 3
     assert res["at_least"]["oracle"][0.0] == [1.0, 1.0, 1.0]  # every context reaches depth 3
+    from graft_block.eval.expected_tau import decay_rows
+
+    decay = {(r["method"], r["temperature"]): r["suffix_decay"] for r in decay_rows(res)}
+    assert decay[("oracle", 0.0)] == [1.0, 1.0, 1.0]
+    at = res["at_least"]["oracle"][0.8]
+    assert decay[("oracle", 0.8)] == pytest.approx([at[0], at[1] / at[0], at[2] / at[1]])
     assert sum(res["at_least"]["tree"][0.8]) == pytest.approx(sum(res["values"]["tree"][0.8]) / 3)
     assert all(0.0 < v < 3.0 for v in res["values"]["oracle"][0.8])
     d = drafters["tree"]
