@@ -6,7 +6,7 @@ import torch
 
 from graft_block import Drafter
 from graft_block.errors import ConfigError
-from graft_block.eval.expected_tau import build_drafter, evaluate, sample_contexts, summary_rows
+from graft_block.eval.expected_tau import build_drafter, decay_rows, evaluate, sample_contexts, summary_rows
 from graft_block.sampling import SamplingConfig
 from graft_block.testing import hf_greedy, prefilled_state, tiny_target
 from graft_block.tree import accept_at_least, accept_length, expected_accept_length, from_paths, walk
@@ -65,8 +65,6 @@ def test_expect_scores_each_tree_against_the_targets_own_continuation(one_thread
     res = evaluate(target, drafters, contexts, [SamplingConfig(), SamplingConfig(temperature=0.8)])
     assert res["values"]["oracle"][0.0] == [3.0] * 3
     assert res["at_least"]["oracle"][0.0] == [1.0, 1.0, 1.0]  # every context reaches depth 3
-    from graft_block.eval.expected_tau import decay_rows
-
     decay = {(r["method"], r["temperature"]): r["suffix_decay"] for r in decay_rows(res)}
     assert decay[("oracle", 0.0)] == [1.0, 1.0, 1.0]
     at = res["at_least"]["oracle"][0.8]
