@@ -15,8 +15,10 @@ How a call maps onto our measurement:
   * timing: llama.cpp's ``decoded N tokens in S seconds``: N = every generated token, S from the first
     single-token step after the prompt batch (prompt minus its last token) to the end; N / S is the same per-step
     rate as our decode_tokens / decode_s. tau = N / target forwards, forwards = N - accepted drafts.
-  * greedy: ``--temp 0 --top-k 1``; T > 0: pure temperature (top-k 0, top-p 1, min-p 0) with probabilistic
-    drafting, llama.cpp's own RNG (seeded with the run's seed).
+  * greedy: ``--temp 0 --top-k 1``; T > 0: temperature with the run's top-k / top-p (off by default; min-p 0) and
+    the sampler chain fixed to ``top_k;temperature;top_p``, HF's order (llama.cpp's default chain applies top-p
+    before the temperature, a different law at T != 1), probabilistic drafting, llama.cpp's own RNG (seeded with
+    the run's seed).
   * numerics: ``-fa off -ctk f32 -ctv f32``, the precision our engine runs (fp32 K/V, plain attention). With
     llama.cpp's defaults (F16 K/V cache, flash attention) its one-token steps and its batched verifies round
     differently, and its speculative rows left its own greedy AR at a near tie (mtbench/82, turn 2, token 22).
@@ -145,7 +147,8 @@ def spec_args(cfg: dict, draft: str | os.PathLike | None = None, threads: int = 
 
 
 def command(binary, model, prompt_file, max_new_tokens: int, threads: int, spec: list[str], temperature: float = 0.0,
-            seed: int = 0, ctx: int = 4096, extra: list[str] | None = None) -> list[str]:
+            seed: int = 0, ctx: int = 4096, extra: list[str] | None = None, top_k: int = 0,
+            top_p: float = 1.0) -> list[str]:
     """The llama-speculative-simple call for one prompt. ``-n`` is max_new_tokens - 1: it stops after n + 1 tokens."""
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -153,7 +156,8 @@ def command(binary, model, prompt_file, max_new_tokens: int, threads: int, spec:
            "-c", str(ctx), "-t", str(threads), "-tb", str(threads), "--seed", str(seed), "--color", "off",
            "--log-colors", "off", *EXACT]
     if temperature > 0:
-        cmd += ["--temp", f"{temperature:g}", "--top-k", "0", "--top-p", "1.0", "--min-p", "0.0"]
+        cmd += ["--temp", f"{temperature:g}", "--top-k", str(int(top_k)), "--top-p", f"{float(top_p):g}",
+                "--min-p", "0.0", "--samplers", "top_k;temperature;top_p"]
         if any(s.startswith("draft-") for s in spec):
             cmd += ["--spec-draft-sampling", "probabilistic"]
     else:
@@ -261,8 +265,8 @@ def prompt_text(tokenizer, ids: list[int], adds_bos: bool = False) -> str:
 
 
 def llamacpp_runner(target, cfg: dict, threads: int | None = None, timeout: float = 3600.0):
-    """``run(ids, max_new_tokens, temperature, seed) -> record`` through llama-speculative-simple. ConfigError (the
-    method is skipped) without a build, the target GGUF, a tokenizer or the draft GGUF."""
+    """``run(ids, max_new_tokens, temperature, seed, top_k, top_p) -> record`` through llama-speculative-simple.
+    ConfigError (the method is skipped) without a build, the target GGUF, a tokenizer or the draft GGUF."""
     binary = find_binary()
     if binary is None:
         where = _build_override or os.environ.get(ENV)
@@ -283,7 +287,7 @@ def llamacpp_runner(target, cfg: dict, threads: int | None = None, timeout: floa
     spec_args(cfg, draft)  # validated now: a bad preset is a skip, not a failure mid-run
     n_draft = int(cfg.get("n_max", cfg.get("ngram_m", 16)))
 
-    def run(ids, max_new_tokens, temperature, seed):
+    def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0):
         import torch
 
         th = threads or torch.get_num_threads()
@@ -293,7 +297,7 @@ def llamacpp_runner(target, cfg: dict, threads: int | None = None, timeout: floa
             pf = Path(tmp) / "prompt.txt"
             pf.write_text(text + "\n", encoding="utf-8")  # -f drops one trailing newline: ours must survive
             cmd = command(binary, model, pf, max_new_tokens, th, spec_args(cfg, draft, th), temperature, seed,
-                          context_size(len(id_list), max_new_tokens, n_draft), cfg.get("args"))
+                          context_size(len(id_list), max_new_tokens, n_draft), cfg.get("args"), top_k, top_p)
             proc = subprocess.run(cmd, capture_output=True, timeout=timeout)
         out = proc.stdout.decode("utf-8", errors="replace")
         err = proc.stderr.decode("utf-8", errors="replace")

@@ -228,10 +228,13 @@ def auto_budget(build, curve: dict, pilot_ids, candidates=(4, 8, 16, 32), max_ne
 # ---- the interleaved loop -----------------------------------------------------------------------------------
 def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: int, temperatures, seed: int = 0,
                     progress: bool = True, shard: tuple[int, int] = (0, 1), guard: machine.LoadGuard | None = None,
-                    warmup_tokens: int = 8, time_limit: float | None = None) -> list[dict]:
+                    warmup_tokens: int = 8, time_limit: float | None = None, top_k: int = 0,
+                    top_p: float = 1.0) -> list[dict]:
     """Every method on a prompt before the next prompt (drift hits all alike), after one untimed warm-up call
     per method on a neutral prompt. One record per (prompt, temperature, turn, method); with ``guard``, each
-    record carries the load window of its call. ``time_limit`` (s) stops starting new prompts."""
+    record carries the load window of its call. ``time_limit`` (s) stops starting new prompts. ``top_k`` /
+    ``top_p`` filter the target's law at every T > 0 (records carry them)."""
+    filters = {"top_k": int(top_k), "top_p": float(top_p)}
     rank, world = shard
     mine = [p for i, p in enumerate(prompts) if i % world == rank]
     if warmup_tokens:
@@ -260,13 +263,13 @@ def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: 
                         torch.cuda.reset_peak_memory_stats()
                     if guard is not None:
                         with guard.measure() as w:
-                            r = m.run(ids, max_new_tokens, temp, seed)
+                            r = m.run(ids, max_new_tokens, temp, seed, **filters)
                         r["load"] = w.load
                     else:
-                        r = m.run(ids, max_new_tokens, temp, seed)
+                        r = m.run(ids, max_new_tokens, temp, seed, **filters)
                     r.update(prompt_id=p["id"], set=p.get("set"), category=p.get("category"), turn=t_idx,
                              method=m.name, temperature=temp, budget=m.budget, prompt_tokens=int(ids.numel()),
-                             peak_rss_mb=machine.peak_rss_mb())
+                             peak_rss_mb=machine.peak_rss_mb(), **(filters if temp > 0 else {}))
                     if target.device.type == "cuda":
                         r["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
                     if target.tokenizer is not None and not isinstance(turn, list):

@@ -1,4 +1,5 @@
-"""A preset -> a runnable method: ``Method.run(prompt_ids, max_new_tokens, temperature, seed) -> record``.
+"""A preset -> a runnable method: ``Method.run(prompt_ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0)
+-> record`` (top-k / top-p filter the target's law at T > 0, in HF's order: temperature, top-k, top-p).
 
 Every record carries ``decode_tokens`` (tokens emitted after the first forward) and ``decode_s`` (the time after
 it), the two numbers every speedup is made of (``measure.speedup``).
@@ -19,7 +20,7 @@ from .peers import hf_runner
 
 @dataclass
 class Method:
-    """A named way of decoding. ``run(prompt_ids, max_new_tokens, temperature, seed) -> dict``."""
+    """A named way of decoding. ``run(prompt_ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0) -> dict``."""
 
     name: str
     run: Callable[..., dict]
@@ -128,11 +129,12 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
     dec = SpeculativeDecoder(target, drafter, graft=graft, round_hooks=hooks, schedule=schedule)
     proxies = [h for h in hooks if hasattr(h.hook, "rows")]
 
-    def run(ids, max_new_tokens, temperature, seed):
+    def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0):
         for h in proxies:
             h.rows.clear()
         hook_s0 = sum(h.seconds for h in hooks)
-        res = dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        res = dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                           seed=seed)
         out = {"tokens": res.tokens, **res.stats.to_dict()}
         hook_s = sum(h.seconds for h in hooks) - hook_s0
         if hook_s:  # analysis hooks run inside the loop: their time is taken out of decoding, and shown

@@ -48,7 +48,7 @@ def model_folder(target) -> str | None:
 
 
 def hf_runner(target, kwargs: dict):
-    """``run(ids, max_new_tokens, temperature, seed) -> record`` for HF ``generate`` with ``kwargs``
+    """``run(ids, max_new_tokens, temperature, seed, top_k, top_p) -> record`` for HF ``generate`` with ``kwargs``
     (``{"prompt_lookup_num_tokens": 10}`` = HF prompt lookup); in a child process per call when the target
     released HF's weights and has a folder to reload them from."""
     if "prompt_lookup_num_tokens" in kwargs and target.tokenizer is None:
@@ -63,9 +63,9 @@ def _child_runner(target, folder: str, kwargs: dict):
     base = {"folder": folder, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "kwargs": kwargs}
 
-    def run(ids, max_new_tokens, temperature, seed):
+    def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0):
         req = {**base, "ids": ids.view(-1).tolist(), "max_new_tokens": max_new_tokens, "temperature": temperature,
-               "seed": seed}
+               "seed": seed, "top_k": top_k, "top_p": top_p}
         done = subprocess.run([sys.executable, "-m", "graft_block.eval.peers"], input=json.dumps(req),
                               capture_output=True, text=True)
         if done.returncode:
@@ -78,12 +78,12 @@ def _child_runner(target, folder: str, kwargs: dict):
 def _runner(target, kwargs: dict):
     sync = target.synchronize
 
-    def run(ids, max_new_tokens, temperature, seed):
+    def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0):
         inp = ids.view(1, -1).to(target.device)
         gen_kw = dict(max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(inp), **kwargs)
         if temperature > 0:
             torch.manual_seed(seed)
-            gen_kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            gen_kw.update(do_sample=True, temperature=temperature, top_k=int(top_k), top_p=float(top_p))
         else:
             gen_kw.update(do_sample=False)
         clock = FirstForwardClock(sync)
@@ -112,10 +112,11 @@ def _serve_one() -> None:
     target = load_target(req["folder"], device=req["device"], dtype=req["dtype"], engine="hf")
     run = _runner(target, req["kwargs"])
     ids = torch.tensor(req["ids"], dtype=torch.long)
-    run(ids, min(WARMUP_TOKENS, req["max_new_tokens"]), req["temperature"], req["seed"])
+    filters = {"top_k": req.get("top_k", 0), "top_p": req.get("top_p", 1.0)}
+    run(ids, min(WARMUP_TOKENS, req["max_new_tokens"]), req["temperature"], req["seed"], **filters)
     from graft_block.eval.machine import own_peak_rss_mb
 
-    rec = run(ids, req["max_new_tokens"], req["temperature"], req["seed"])
+    rec = run(ids, req["max_new_tokens"], req["temperature"], req["seed"], **filters)
     print(json.dumps({**rec, "child_peak_rss_mb": own_peak_rss_mb()}))
 
 

@@ -357,10 +357,11 @@ def verdict_table(verdicts: list[dict]) -> str:
 
 
 def header(suite: str, target_name: str, sets_line: str, first_turn_only: bool, max_new: int, temps, load: dict,
-           threads: int, device: str) -> str:
+           threads: int, device: str, top_k: int = 0, top_p: float = 1.0) -> str:
+    filters = (f", top-k {top_k}" if top_k else "") + (f", top-p {top_p:g}" if top_p < 1 else "")
     lines = [f"## graft-block bench: suite={suite} target={target_name} device={device} threads={threads}",
              f"prompts: {sets_line}; first-turn-only: {'yes' if first_turn_only else 'no'}; max_new_tokens "
-             f"{max_new}; T {','.join(f'{t:g}' for t in temps)}",
+             f"{max_new}; T {','.join(f'{t:g}' for t in temps)}{filters if any(t > 0 for t in temps) else ''}",
              "speedup vs AR = decode tokens / decode seconds over the same prompt-turns, total over total "
              "(per-prompt median [IQR] and a paired-bootstrap 90% interval beside it)"]
     banner = machine.busy_banner(load)

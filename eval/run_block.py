@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from graft_block.engine import trim_heap  # noqa: E402
 from graft_block.errors import ConfigError  # noqa: E402
+from graft_block.sampling import SamplingConfig  # noqa: E402
 from graft_block.eval import llamacpp, machine, measure, physics, presets, report  # noqa: E402
 from graft_block.eval.methods import load_method_files, lookup, make_method  # noqa: E402
 from graft_block.eval.plots import plots  # noqa: E402
@@ -77,6 +78,9 @@ def parse_args(argv=None, prog: str | None = None):
                     help=f"default: the suite's ({_suite_defaults('max_new_tokens')})")
     ap.add_argument("--temperature", default=None,
                     help=f"comma list, e.g. 0,1 (default: the suite's: {_suite_defaults('temperatures')})")
+    ap.add_argument("--top-k", type=int, default=0, help="at T > 0: sample from the target's k likeliest (0 = off)")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="at T > 0: sample from the target's nucleus of mass p, after the temperature (1 = off)")
     ap.add_argument("--budget", default=None,
                     help="int, comma list (a sweep), 'auto' (cost-aware: pilot tau and drafting cost against the "
                          "measured verify-cost curve) or 'preset' (each method's default budget, --list-methods); "
@@ -181,6 +185,11 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     prompts, set_info = prompt_records(sets, limit, args.first_turn_only)
     max_new = args.max_new_tokens or suite["max_new_tokens"]
     temps = [float(t) for t in args.temperature.split(",")] if args.temperature else suite["temperatures"]
+    try:  # a bad temperature or filter fails here, before any model loads
+        for t in temps:
+            SamplingConfig(t, args.top_k, args.top_p)
+    except ValueError as exc:
+        raise ConfigError(f"bad sampling options (--temperature / --top-k / --top-p): {exc}") from None
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -210,7 +219,8 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         for n, why in skipped.items():
             print(f"[skip] {n}: {why}", file=sys.stderr)
     records = measure.run_interleaved(target, runs, prompts, max_new, temps, args.seed, not args.no_progress,
-                                      (rank, world), guard, args.warmup_tokens, args.time_limit)
+                                      (rank, world), guard, args.warmup_tokens, args.time_limit, args.top_k,
+                                      args.top_p)
     guard.after()
     if world > 1:
         records = measure.gather_shards(records, world, [p["id"] for p in prompts])
@@ -228,7 +238,8 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     rep = {
         "suite": args.suite, "args": vars(args), "methods": {m.name: m.config for m in runs}, "skipped": skipped,
         "environment": machine.environment(), "target": str(target.name), "prompt_sets": set_info, "limit": limit,
-        "max_new_tokens": max_new, "temperatures": temps, "busy": load["busy"], "load": load,
+        "max_new_tokens": max_new, "temperatures": temps, "top_k": args.top_k, "top_p": args.top_p,
+        "busy": load["busy"], "load": load,
         "verify_cost_curve": curve, "auto_budget": auto, "wall_s": wall, "peak_rss_mb": rss,
         "child_peak_rss_mb": child_rss,
         "speedup_definition": "sum(decode_tokens)/sum(decode_s) of the method / the same for ar, same prompt-turns",
@@ -238,7 +249,8 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     print()
     print(report.header(args.suite, str(target.name), describe_sets(set_info, limit), args.first_turn_only, max_new,
                         temps, load, torch.get_num_threads(),
-                        f"{target.device} engine={measure.engine_label(target)} (AR and every method)"))
+                        f"{target.device} engine={measure.engine_label(target)} (AR and every method)",
+                        args.top_k, args.top_p))
     print()
     print(report.markdown_table(rows))
     decay = report.suffix_decay_table(rows)

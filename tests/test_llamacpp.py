@@ -78,6 +78,10 @@ def test_command_line_of_every_preset(tmp_path):
     assert _after(ng, "--spec-ngram-simple-size-n") == "3" and _after(ng, "--spec-ngram-simple-size-m") == "10"
     hot = L.command("b", "m", "p", 80, 2, ng, 1.0, 1)
     assert _after(hot, "--temp") == "1" and "--spec-draft-sampling" not in hot
+    # top-k / top-p reach llama.cpp in HF's order: its default chain runs top-p before the temperature
+    hot = L.command("b", "m", "p", 80, 2, ng, 0.6, 1, top_k=20, top_p=0.95)
+    assert (_after(hot, "--top-k"), _after(hot, "--top-p"), _after(hot, "--temp")) == ("20", "0.95", "0.6")
+    assert _after(hot, "--samplers") == "top_k;temperature;top_p"
     assert _after(L.command("b", "m", "p", 1, 2, ar), "-n") == "0"
     with pytest.raises(ConfigError):
         L.command("b", "m", "p", 0, 2, ar)

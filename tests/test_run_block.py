@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from graft_block.errors import ConfigError
 from graft_block.eval import measure, report, run_block
 from graft_block.eval.methods import Method, make_method
 from graft_block.eval.presets import PRESETS
@@ -55,6 +56,30 @@ def test_tiny_end_to_end_json_and_table(tiny_folder, tmp_path, capsys, monkeypat
     assert rep["verify_cost_curve"]["median_s"] and data["spread"]
 
 
+def test_top_k_and_top_p_reach_every_method(tiny_folder, tmp_path, capsys, monkeypatch):
+    """--top-k 1 at T = 1 is greedy decoding: every method's sampled tokens, ours and HF's, equal AR's greedy ones,
+    which a filter dropped anywhere on the way would break (the tiny random model's T = 1 law is near uniform)."""
+    folder, prompts = tiny_folder
+    out = tmp_path / "run"
+    _run(["--target", str(folder), "--methods", "ar,pld,hf", "--prompts", str(prompts), "--limit", "2",
+          "--max-new-tokens", "12", "--temperature", "0,1", "--top-k", "1", "--top-p", "0.9", "--no-progress",
+          "--no-plots", "--no-physics", "--out", str(out)], tmp_path / "cache", monkeypatch)
+    assert "T 0,1, top-k 1, top-p 0.9" in capsys.readouterr().out
+    data = json.loads((out / "results.json").read_text())
+    greedy = {r["prompt_id"]: r["tokens"] for r in data["records"] if r["method"] == "ar" and r["temperature"] == 0}
+    hot = [r for r in data["records"] if r["temperature"] == 1]
+    assert {r["method"] for r in hot} == {"ar", "pld", "hf"} and (data["top_k"], data["top_p"]) == (1, 0.9)
+    assert all(r["tokens"] == greedy[r["prompt_id"]] and (r["top_k"], r["top_p"]) == (1, 0.9) for r in hot)
+
+
+def test_bad_sampling_options_fail_before_the_model_loads(tmp_path, monkeypatch):
+    for bad, what in ((["--top-p", "0"], "top_p must be in"), (["--top-k", "-2"], "top_k must be"),
+                      (["--temperature", "0,-1"], "temperature must be")):
+        with pytest.raises(ConfigError, match=what):
+            _run(["--target", str(tmp_path / "no-such-model"), "--methods", "ar", *bad, "--out", str(tmp_path / "o")],
+                 tmp_path / "cache", monkeypatch)
+
+
 def test_hf_peer_runs_in_a_child_process_once_the_engine_released_hfs_weights(tiny_folder, tmp_path, monkeypatch):
     """The main job releases HF's weights once the engine's C layers hold their own copy; the HF peer then runs
     each call in a child process that reloads the model, stays token-identical to AR, and reports its own memory."""
@@ -79,8 +104,8 @@ def test_lossless_flag_trips_on_broken_method():
     ar = make_method("ar", PRESETS["ar"], target, None)
     good = ar.run
 
-    def broken_run(ids, n, temp, seed):
-        r = good(ids, n, temp, seed)
+    def broken_run(ids, n, temp, seed, **filters):
+        r = good(ids, n, temp, seed, **filters)
         r["tokens"] = r["tokens"][:-1] + [(r["tokens"][-1] + 1) % 128]  # one wrong token at the end
         return r
 
@@ -100,7 +125,7 @@ def test_mtbench_second_turn_uses_own_answer(smollm2):
     def fake(answer):
         ids = smollm2.tokenizer(answer, add_special_tokens=False)["input_ids"]
 
-        def run(prompt_ids, n, temp, seed):
+        def run(prompt_ids, n, temp, seed, **filters):
             seen.append((answer, smollm2.tokenizer.decode(prompt_ids.tolist())))
             return {"tokens": ids, "decode_tokens": len(ids) - 1, "decode_s": 1.0, "tau": 1.0}
 
