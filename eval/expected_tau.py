@@ -12,7 +12,8 @@ paired, with a standard error. At T = 0 a context's value is the tree's accepted
     graft-block expect --prompts humaneval,mtbench --limit 40 --cuts 4 --temperature 1   # the benchmark's domain
 
 With ``--prompts`` the contexts come from the benchmark's own prompt sets instead: the target's greedy answer to
-each prompt's first turn (``--answer-tokens``), cut at ``--cuts`` random points.
+each prompt's first turn (``--answer-tokens``), cut at ``--cuts`` random points, shuffled; with several sets a
+table per set follows the overall one.
 
 Trees come from a fresh round (a drafter's adaptive rows start full). Methods with a graft or a schedule depend on
 what earlier rounds verified, and are refused: decode them with ``graft-block bench``.
@@ -56,25 +57,28 @@ def sample_contexts(dataset: str | Path, count: int, seed: int = 0, min_answer: 
 
 
 def answer_contexts(target, sets: list[str], limit: int, cuts: int = 4, answer_tokens: int = 96,
-                    seed: int = 0, log=None) -> list[list[int]]:
+                    seed: int = 0, log=None) -> tuple[list[list[int]], list[str]]:
     """Contexts in a prompt set's domain: the target's greedy answer to each prompt's first turn, cut at ``cuts``
-    distinct random points (at least one answer token before a cut, four after), prompt ids included."""
+    distinct random points (at least one answer token before a cut, four after), prompt ids included; and each
+    context's prompt set."""
     from graft_block import SpeculativeDecoder
     from graft_block.eval.prompts import encode_turn, prompt_records
 
     recs, _ = prompt_records(sets, limit, first_turn_only=True)
-    rng, dec, out = random.Random(seed), SpeculativeDecoder(target, None), []
+    rng, dec, out, labels = random.Random(seed), SpeculativeDecoder(target, None), [], []
     t0 = time.perf_counter()
     for rec in recs:
         ids = encode_turn(target, [], rec["turns"][0]).tolist()
         answer = dec.generate(ids, max_new_tokens=answer_tokens).tokens
         points = range(1, len(answer) - 3)
-        out += [ids + answer[:c] for c in sorted(rng.sample(points, min(cuts, len(points))))]
+        cut = [ids + answer[:c] for c in sorted(rng.sample(points, min(cuts, len(points))))]
+        out += cut
+        labels += [str(rec.get("set"))] * len(cut)
     if log:
         log(f"  {len(recs)} greedy answers of up to {answer_tokens} tokens in {time.perf_counter() - t0:.0f} s")
     if not out:
         raise ConfigError(f"no answer of 5 tokens or more to cut contexts from (--prompts {','.join(sets)})")
-    return out
+    return out, labels
 
 
 @torch.inference_mode()
@@ -129,9 +133,12 @@ def evaluate(target, drafters: dict, contexts: list[list[int]], samplings: list[
     return {"values": out, "at_least": at_least, "nodes": {m: sum(v) / max(1, len(v)) for m, v in sizes.items()}}
 
 
-def summary_rows(res: dict) -> list[dict]:
-    """One row per (method, temperature): expected tau and its paired difference from the first method."""
+def summary_rows(res: dict, only: list[int] | None = None) -> list[dict]:
+    """One row per (method, temperature): expected tau and its paired difference from the first method, over the
+    contexts numbered ``only`` (all when None)."""
     vals = res["values"]
+    if only is not None:
+        vals = {m: {t: [xs[i] for i in only] for t, xs in d.items()} for m, d in vals.items()}
     names = list(vals)
     rows = []
     for name in names:
@@ -216,25 +223,34 @@ def main(argv=None) -> None:
     drafters = {n if len(budgets) == 1 else f"{n}@{b}": build_drafter(n, lookup(n, extra), target, b)
                 for b in budgets for n in names}
     if args.prompts:
-        contexts = answer_contexts(target, args.prompts.split(","), args.limit, args.cuts, args.answer_tokens,
-                                   args.seed, log=print)
-        random.Random(args.seed).shuffle(contexts)
-        contexts = contexts[: args.contexts]
+        contexts, sets = answer_contexts(target, args.prompts.split(","), args.limit, args.cuts,
+                                         args.answer_tokens, args.seed, log=print)
+        order = list(range(len(contexts)))
+        random.Random(args.seed).shuffle(order)
+        contexts, sets = [contexts[i] for i in order[: args.contexts]], [sets[i] for i in order[: args.contexts]]
     else:
         contexts = sample_contexts(args.data, args.contexts, args.seed)
+        sets = [Path(args.data).name] * len(contexts)
     source = f"greedy answers to {args.prompts}" if args.prompts else args.data
     print(f"expected tau: {len(contexts)} contexts from {source}, target {args.target}, T {temps}"
           + (f", top-k {args.top_k}" if args.top_k else "") + (f", top-p {args.top_p}" if args.top_p < 1 else ""))
     res = evaluate(target, drafters, contexts, samplings, log=print)
     rows = summary_rows(res)
     print(format_table(rows))
+    per_set = {}
+    if len(set(sets)) > 1:  # paired within each set: a drafter can win on one domain and lose on the other
+        for name in dict.fromkeys(sets):
+            per_set[name] = summary_rows(res, [i for i, s in enumerate(sets) if s == name])
+            print(f"\nprompt set {name}:\n")
+            print(format_table(per_set[name]))
     print("\nP(depth k accepted | depth k-1 accepted), exact, mean over contexts:\n")
     print(report.suffix_decay_table(decay_rows(res)))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         per_method = {key: {n: {str(t): v for t, v in d.items()} for n, d in res[key].items()}
                       for key in ("values", "at_least")}
-        Path(args.out).write_text(json.dumps({"rows": rows, "args": vars(args), **per_method}, indent=1))
+        Path(args.out).write_text(json.dumps({"rows": rows, "per_set": per_set, "sets": sets, "args": vars(args),
+                                              **per_method}, indent=1))
 
 
 if __name__ == "__main__":

@@ -88,6 +88,9 @@ def test_expect_scores_each_tree_against_the_targets_own_continuation(one_thread
                                                                ("oracle", 0.8)]
     assert rows[0]["diff"] == 0.0 and rows[2]["tau"] == 4.0
     assert rows[2]["diff"] == pytest.approx(3.0 - sum(res["values"]["tree"][0.0]) / 3)
+    one = summary_rows(res, [1])  # a prompt set's table: the same rows over its contexts only
+    assert one[0]["contexts"] == 1 and one[0]["tau"] == 1.0 + res["values"]["tree"][0.0][1]
+    assert one[2]["diff"] == pytest.approx(3.0 - res["values"]["tree"][0.0][1])
 
 
 def test_expect_refuses_what_depends_on_earlier_rounds():
@@ -135,8 +138,8 @@ def test_answer_contexts_cut_the_targets_own_answers(tmp_path, one_thread):
     prompts = [[5, 17, 33, 2], [9, 9, 40, 71, 3]]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"id": i, "turns": [p]}) + "\n" for i, p in enumerate(prompts)))
-    ctxs = answer_contexts(target, [str(path)], 0, cuts=3, answer_tokens=12, seed=2)
-    assert len(ctxs) == 6
+    ctxs, sets = answer_contexts(target, [str(path)], 0, cuts=3, answer_tokens=12, seed=2)
+    assert len(ctxs) == 6 and sets == ["p"] * 6  # the set is named by its file
     for k, c in enumerate(ctxs):
         p = prompts[k // 3]
         answer = hf_greedy(target, p, 12)
