@@ -303,7 +303,8 @@ def accept_length(tree: Tree, choices) -> int:
 def path_products(tree: Tree, conditional: torch.Tensor | Sequence[float]) -> list[float]:
     """Per node, the product of ``conditional`` along its path from the root (entry 0 unused; the root's is 1): a
     node's P(reached) from its P(reached | parent reached)."""
-    q = torch.as_tensor(conditional, dtype=torch.float64).reshape(-1).tolist()
+    # a drafter's list stays a list: this runs in every scheduled round, where a tensor round trip buys nothing
+    q = conditional.reshape(-1).tolist() if isinstance(conditional, torch.Tensor) else list(conditional)
     if len(q) != tree.size:
         raise TreeError(f"path products need one conditional per node ({tree.size}), got {len(q)}")
     out, pars = [1.0] * tree.size, tree.parents.tolist()
