@@ -73,7 +73,7 @@ def answer_contexts(target, sets: list[str], limit: int, cuts: int = 4, answer_t
         points = range(1, len(answer) - 3)
         cut = [ids + answer[:c] for c in sorted(rng.sample(points, min(cuts, len(points))))]
         out += cut
-        labels += [str(rec.get("set"))] * len(cut)
+        labels += [rec["set"]] * len(cut)
     if log:
         log(f"  {len(recs)} greedy answers of up to {answer_tokens} tokens in {time.perf_counter() - t0:.0f} s")
     if not out:
