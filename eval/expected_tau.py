@@ -40,7 +40,9 @@ from graft_block.eval.methods import load_method_files, lookup  # noqa: E402
 from graft_block.onpolicy import read  # noqa: E402
 from graft_block.sampling import SamplingConfig, greedy_tokens, target_probs  # noqa: E402
 from graft_block.testing import prefilled_state  # noqa: E402
-from graft_block.tree import accept_at_least  # noqa: E402
+from graft_block.tree import accept_at_least, path_products  # noqa: E402
+from graft_block.tree.schedule import (conditional_survival, cost_function, path_survival,  # noqa: E402
+                                       schedule_tree, survival_from_scores)
 
 CALIBRATION = Path(__file__).resolve().parents[1] / "drafters" / "data" / "smollm2-sharegpt-calibration"
 
@@ -82,9 +84,11 @@ def answer_contexts(target, sets: list[str], limit: int, cuts: int = 4, answer_t
 
 
 @torch.inference_mode()
-def tree_value(target, drafter, ids: list[int], sampling: SamplingConfig) -> tuple[list[float], int]:
-    """(P(>= d nodes accepted) for d = 1.. the tree's depth, tree size) of ``drafter``'s tree after the context
-    ``ids``; their sum is the expected accepted length."""
+def tree_value(target, drafter, ids: list[int], sampling: SamplingConfig, estimate: str = "drafter") -> dict:
+    """One round's tree after the context ``ids``, scored exactly: ``at_least`` (P(>= d nodes accepted) for d = 1..
+    the tree's depth; their sum is the expected accepted length), ``reach`` (per node, P(the walk reaches it)),
+    ``estimate`` (P(node accepted) as a schedule reads it: the drafter's ``node_survival`` where it has one and
+    ``estimate`` is "drafter", else the tree's path probabilities), ``tree``."""
     state = prefilled_state(target, ids, drafter)
     state.sampling = sampling
     tree = drafter.propose(state)
@@ -94,43 +98,111 @@ def tree_value(target, drafter, ids: list[int], sampling: SamplingConfig) -> tup
         q = (greedy_tokens(logits.float())[parents.clamp(min=0)].cpu() == tree.tokens).double()
     else:
         q = target_probs(logits, sampling)[parents.clamp(min=0).to(logits.device), tokens].double().cpu()
-    return accept_at_least(tree, q), tree.size
+    own = getattr(drafter, "node_survival", None) if estimate == "drafter" else None
+    survival = own(tree) if own is not None else None
+    return {"at_least": accept_at_least(tree, q), "reach": path_products(tree, q.tolist()), "tree": tree,
+            "estimate": survival_from_scores(tree) if survival is None else survival}
 
 
-def build_drafter(name: str, spec: dict, target, budget: int | None):
-    """The drafter of a tree-only method; ConfigError for anything whose tree depends on earlier rounds."""
+def cut_values(tree, reach: list[float], estimate, cost, overhead: float) -> dict:
+    """One context's numbers for ``headroom``: the realised tokens of every prefix of the tree's best-first order
+    (by its path probabilities; a DDTree-N is its first N nodes), and those of the cut the confidence schedule makes
+    from ``estimate`` (siblings' conditionals capped at 1 as ``ConfidenceSchedule`` does, without its online
+    recalibration), with its size. Tokens count the round's bonus token (the root's reach, 1)."""
+    order = (torch.sort(-path_survival(tree, survival_from_scores(tree))[1:], stable=True).indices + 1).tolist()
+    prefix = [1.0]
+    for i in order:
+        prefix.append(prefix[-1] + reach[i])
+    offline = path_products(tree, conditional_survival(tree, path_survival(tree, estimate).tolist()))
+    _, info = schedule_tree(tree, torch.tensor(offline, dtype=torch.float64), cost, 0, overhead)
+    return {"prefix": prefix, "cut_tokens": sum(reach[i] for i in info["nodes"]), "cut_nodes": info["kept"],
+            "estimated": sum(offline), "realised": sum(reach)}
+
+
+def headroom(values: list[dict], cost, overhead: float) -> dict:
+    """What a per-round cut could gain on a verify-cost curve, from ``cut_values`` of many contexts. A round of n
+    non-root nodes costs ``overhead + cost(1 + n)`` seconds and AR ``cost(1)`` a token; speedup = tokens per second
+    over AR's. Rows: each fixed prefix size N (a smaller DDTree), the schedule's cut, and an oracle that knows each
+    context's best prefix size (the most any cut along the tree's order can get: the ratio of sums, maximised by
+    Dinkelbach's iteration). ``estimated / realised``: the estimate's expected tokens over the realised ones, for
+    the whole tree (1 = calibrated; the schedule's cut rests on it)."""
+    def secs(n):
+        return overhead + float(cost(1 + n))
+
+    ar, n_ctx = float(cost(1)), len(values)
+    sizes = [len(v["prefix"]) - 1 for v in values]
+    fixed = {}
+    for N in range(max(sizes) + 1):
+        tok = sum(v["prefix"][min(N, s)] for v, s in zip(values, sizes))
+        fixed[N] = {"tau": tok / n_ctx, "speedup": tok * ar / sum(secs(min(N, s)) for s in sizes)}
+    best = max(fixed, key=lambda n: (fixed[n]["speedup"], -n))
+    tok, t = sum(v["cut_tokens"] for v in values), sum(secs(v["cut_nodes"]) for v in values)
+    cut = {"tau": tok / n_ctx, "nodes": sum(v["cut_nodes"] for v in values) / n_ctx, "speedup": tok * ar / t}
+    picks = [min(best, s) for s in sizes]  # Dinkelbach from the best fixed size: each step raises the rate
+    tok = sum(v["prefix"][n] for v, n in zip(values, picks))
+    rate = tok / sum(secs(n) for n in picks)
+    for _ in range(50):
+        step = [max(range(s + 1), key=lambda n: (v["prefix"][n] - rate * secs(n), -n)) for v, s in zip(values, sizes)]
+        got = sum(v["prefix"][n] for v, n in zip(values, step))
+        if got / sum(secs(n) for n in step) <= rate * (1 + 1e-12):
+            break
+        picks, tok, rate = step, got, got / sum(secs(n) for n in step)
+    oracle = {"tau": tok / n_ctx, "nodes": sum(picks) / n_ctx, "speedup": rate * ar}
+    return {"fixed": fixed, "best_fixed": best, "cut": cut, "oracle": oracle, "overhead_s": overhead,
+            "estimated_over_realised": sum(v["estimated"] for v in values) / sum(v["realised"] for v in values)}
+
+
+def build_drafter(name: str, spec: dict, target, budget: int | None, schedule_ok: bool = False):
+    """The drafter of a tree-only method; ConfigError for anything whose tree depends on earlier rounds (a schedule
+    only cuts the drafter's tree, so ``schedule_ok`` lets the headroom price its cut)."""
     spec = presets.prepare(name, dict(spec), budget)
-    if spec.get("graft") or spec.get("schedule"):
+    if spec.get("graft") or (spec.get("schedule") and not schedule_ok):
         raise ConfigError(f"method {name!r} has a {'graft' if spec.get('graft') else 'schedule'}, which depends on "
-                          "what earlier rounds verified: decode it with `graft-block bench` instead")
+                          "what earlier rounds verified: decode it with `graft-block bench` instead"
+                          + ("" if spec.get("graft") else " (or price its cut with --headroom)"))
     if not isinstance(spec.get("drafter"), dict):
         raise ConfigError(f"method {name!r} drafts no tree (AR or a peer): nothing to score here")
     return Drafter.from_config(spec["drafter"], target=target)
 
 
+def estimate_source(spec: dict) -> str:
+    """Where a method's schedule reads node survival: "drafter" (its confidence head where it has one) or "scores"
+    (path probabilities); a method without a schedule is priced as if it had the default one."""
+    return (spec.get("schedule") or {}).get("survival", "drafter")
+
+
 def evaluate(target, drafters: dict, contexts: list[list[int]], samplings: list[SamplingConfig],
-             log=None) -> dict:
+             log=None, cuts: tuple | None = None, estimates: dict | None = None) -> dict:
     """{"values": {method: {temperature: [expected accepted nodes per context]}}, "at_least": {method:
-    {temperature: [mean P(>= d accepted), d = 1..]}}, "nodes": {method: mean tree size}}."""
+    {temperature: [mean P(>= d accepted), d = 1..]}}, "nodes": {method: mean tree size}}; with ``cuts`` = (cost,
+    overhead seconds), also "headroom": {method: {temperature: ``headroom`` of its trees}}, each cut from the
+    survival source ``estimates[method]`` names ("drafter" by default: ``estimate_source``)."""
     out = {name: {s.temperature: [] for s in samplings} for name in drafters}
     depth = {name: {s.temperature: [] for s in samplings} for name in drafters}
+    kept = {name: {s.temperature: [] for s in samplings} for name in drafters}
     sizes = {name: [] for name in drafters}
     t0 = time.perf_counter()
     for i, ids in enumerate(contexts):
         for name, d in drafters.items():
             for s in samplings:
-                at_least, size = tree_value(target, d, ids, s)
+                v = tree_value(target, d, ids, s, (estimates or {}).get(name, "drafter"))
+                at_least = v["at_least"]
                 out[name][s.temperature].append(sum(at_least))
                 sums = depth[name][s.temperature]
                 sums += [0.0] * (len(at_least) - len(sums))
-                for k, v in enumerate(at_least):
-                    sums[k] += v
-                sizes[name].append(size - 1)
+                for k, a in enumerate(at_least):
+                    sums[k] += a
+                sizes[name].append(v["tree"].size - 1)
+                if cuts is not None:
+                    kept[name][s.temperature].append(cut_values(v["tree"], v["reach"], v["estimate"], *cuts))
         if log and (i + 1) % 50 == 0:
             log(f"  {i + 1}/{len(contexts)} contexts, {time.perf_counter() - t0:.0f} s")
     n = max(1, len(contexts))
     at_least = {m: {t: [v / n for v in sums] for t, sums in d.items()} for m, d in depth.items()}
-    return {"values": out, "at_least": at_least, "nodes": {m: sum(v) / max(1, len(v)) for m, v in sizes.items()}}
+    res = {"values": out, "at_least": at_least, "nodes": {m: sum(v) / max(1, len(v)) for m, v in sizes.items()}}
+    if cuts is not None:
+        res["headroom"] = {m: {t: headroom(vs, *cuts) for t, vs in d.items()} for m, d in kept.items()}
+    return res
 
 
 def summary_rows(res: dict, only: list[int] | None = None) -> list[dict]:
@@ -161,6 +233,21 @@ def format_table(rows: list[dict]) -> str:
         diff = "-" if r["method"] == base else f"{r['diff']:+.3f} +- {r['se']:.3f}"
         lines.append(f"| {r['method']} | {r['temperature']:g} | {r['nodes']:.1f} | {r['tau']:.3f} | {diff} | "
                      f"{r['contexts']} |")
+    return "\n".join(lines)
+
+
+def format_headroom(res: dict) -> str:
+    lines = ["| method | T | tree nodes | whole tree: tau / vs AR | best fixed size: N / tau / vs AR | the schedule's cut: "
+             "nodes / tau / vs AR | best size per context (oracle): nodes / tau / vs AR | estimated / realised |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, by_t in res["headroom"].items():
+        for temp, h in by_t.items():
+            whole = h["fixed"][max(h["fixed"])]
+            best, cut, orc = h["fixed"][h["best_fixed"]], h["cut"], h["oracle"]
+            lines.append(f"| {name} | {temp:g} | {res['nodes'][name]:.1f} | {whole['tau']:.3f} / {whole['speedup']:.3f} "
+                         f"| {h['best_fixed']} / {best['tau']:.3f} / {best['speedup']:.3f} | {cut['nodes']:.2f} / "
+                         f"{cut['tau']:.3f} / {cut['speedup']:.3f} | {orc['nodes']:.2f} / {orc['tau']:.3f} / "
+                         f"{orc['speedup']:.3f} | {h['estimated_over_realised']:.2f} |")
     return "\n".join(lines)
 
 
@@ -200,8 +287,15 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--headroom", action="store_true",
+                    help="also estimate, on this machine's verify-cost curve, the speedup of each fixed tree size, of "
+                         "the confidence schedule's cut and of the best size per context (an oracle)")
+    ap.add_argument("--overhead-ms", type=float, default=2.5,
+                    help="with --headroom: a round's time outside its verify (bench's draft + tree + commit)")
     ap.add_argument("--out", default=None, help="write rows and per-context values to this JSON file")
     args = ap.parse_args(argv)
+    if args.overhead_ms < 0:
+        raise ConfigError(f"--overhead-ms must be >= 0, got {args.overhead_ms}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.contexts < 1:
@@ -220,8 +314,10 @@ def main(argv=None) -> None:
     extra = load_method_files(args.config)
     names = [m for m in args.methods.split(",") if m]
     target = load_target(args.target)
-    drafters = {n if len(budgets) == 1 else f"{n}@{b}": build_drafter(n, lookup(n, extra), target, b)
+    key = {(n, b): n if len(budgets) == 1 else f"{n}@{b}" for b in budgets for n in names}
+    drafters = {key[n, b]: build_drafter(n, lookup(n, extra), target, b, schedule_ok=args.headroom)
                 for b in budgets for n in names}
+    estimates = {key[n, b]: estimate_source(lookup(n, extra)) for b in budgets for n in names}
     if args.prompts:
         contexts, sets = answer_contexts(target, args.prompts.split(","), args.limit, args.cuts,
                                          args.answer_tokens, args.seed, log=print)
@@ -234,7 +330,15 @@ def main(argv=None) -> None:
     source = f"greedy answers to {args.prompts}" if args.prompts else args.data
     print(f"expected tau: {len(contexts)} contexts from {source}, target {args.target}, T {temps}"
           + (f", top-k {args.top_k}" if args.top_k else "") + (f", top-p {args.top_p}" if args.top_p < 1 else ""))
-    res = evaluate(target, drafters, contexts, samplings, log=print)
+    cuts = None
+    if args.headroom:
+        from graft_block.eval.measure import verify_cost_curve
+
+        curve = verify_cost_curve(target)
+        cuts = (cost_function(curve), args.overhead_ms / 1e3)
+        print(f"verify-cost curve ({curve.get('source', 'measured')}): 1 / 5 / 17 positions "
+              + " / ".join(f"{1e3 * cuts[0](n):.1f}" for n in (1, 5, 17)) + " ms")
+    res = evaluate(target, drafters, contexts, samplings, log=print, cuts=cuts, estimates=estimates)
     rows = summary_rows(res)
     print(format_table(rows))
     per_set = {}
@@ -243,12 +347,18 @@ def main(argv=None) -> None:
             per_set[name] = summary_rows(res, [i for i, s in enumerate(sets) if s == name])
             print(f"\nprompt set {name}:\n")
             print(format_table(per_set[name]))
+    if cuts is not None:
+        print(f"\nPer-round cuts on this machine's verify-cost curve (a round = {args.overhead_ms:g} ms + its verify; "
+              "vs AR = estimated speedup):\n")
+        print(format_headroom(res))
     print("\nP(depth k accepted | depth k-1 accepted), exact, mean over contexts:\n")
     print(report.suffix_decay_table(decay_rows(res)))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         per_method = {key: {n: {str(t): v for t, v in d.items()} for n, d in res[key].items()}
                       for key in ("values", "at_least")}
+        if cuts is not None:
+            per_method["headroom"] = {n: {str(t): h for t, h in d.items()} for n, d in res["headroom"].items()}
         Path(args.out).write_text(json.dumps({"rows": rows, "per_set": per_set, "sets": sets, "args": vars(args),
                                               **per_method}, indent=1))
 

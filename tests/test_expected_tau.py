@@ -6,7 +6,8 @@ import torch
 
 from graft_block import Drafter
 from graft_block.errors import ConfigError
-from graft_block.eval.expected_tau import build_drafter, decay_rows, evaluate, sample_contexts, summary_rows
+from graft_block.eval.expected_tau import (build_drafter, cut_values, decay_rows, evaluate, headroom, sample_contexts,
+                                          summary_rows)
 from graft_block.sampling import SamplingConfig
 from graft_block.testing import hf_greedy, prefilled_state, tiny_target
 from graft_block.tree import accept_at_least, accept_length, expected_accept_length, from_paths, walk
@@ -98,15 +99,19 @@ def test_expect_refuses_what_depends_on_earlier_rounds():
     tree = {"drafter": {"type": "pld", "budget": "{budget}"}, "default_budget": 4}
     with pytest.raises(ConfigError, match="has a graft.*graft-block bench"):
         build_drafter("g", {**tree, "graft": {"mode": "prune"}}, target, None)
-    with pytest.raises(ConfigError, match="has a schedule"):
+    with pytest.raises(ConfigError, match="has a schedule.*--headroom"):
         build_drafter("s", {**tree, "schedule": {"cost": "curve"}}, target, None)
+    assert build_drafter("s", {**tree, "schedule": {"cost": "curve"}}, target, 3, schedule_ok=True).budget == 3
+    with pytest.raises(ConfigError, match="has a graft"):  # a graft's tree is not the drafter's: never priced
+        build_drafter("g", {**tree, "graft": {"mode": "prune"}}, target, None, schedule_ok=True)
     with pytest.raises(ConfigError, match="drafts no tree"):
         build_drafter("ar", {"drafter": None}, target, None)
     assert build_drafter("p", tree, target, 3).budget == 3
     from graft_block.eval.expected_tau import main
 
     for bad, words in ((["--budget", "0"], "must be >= 1"), (["--budget", "4,x"], "comma-separated ints"),
-                       (["--contexts", "0"], "--contexts must be"), (["--temperature", "hot"], "--temperature")):
+                       (["--contexts", "0"], "--contexts must be"), (["--temperature", "hot"], "--temperature"),
+                       (["--overhead-ms", "-1"], "--overhead-ms must be")):
         with pytest.raises(ConfigError, match=words):  # before any model loads
             main(bad)
 
@@ -145,3 +150,46 @@ def test_answer_contexts_cut_the_targets_own_answers(tmp_path, one_thread):
         answer = hf_greedy(target, p, 12)
         assert c[: len(p)] == p and len(p) < len(c) <= len(p) + 8 and c[len(p):] == answer[: len(c) - len(p)]
     assert len({tuple(c) for c in ctxs}) == 6  # distinct cuts
+
+
+def test_headroom_prices_fixed_sizes_the_schedules_cut_and_the_best_size_per_context():
+    """A chain of 4 the target accepts whole in one context and rejects at once in the other, on a linear verify
+    cost (1 + 0.1 per extra position, no overhead): a fixed size N earns (2 + N) tokens in 2 (1 + 0.1 N) seconds;
+    the best size per context (all 4, then none) earns 6 in 2.4; a schedule that knows the outcome cuts the same,
+    and one whose estimate says nothing about the context cuts both alike, no better than the best fixed size."""
+    chain = from_paths(0, [[1, 2, 3, 4]], path_scores=[[-0.1, -0.2, -0.3, -0.4]])
+
+    def cost(n):
+        return 1.0 + 0.1 * (n - 1)
+
+    accepted, rejected = [1.0] * 5, [1.0, 0.0, 0.0, 0.0, 0.0]
+    flat = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.6], dtype=torch.float64)
+    knows = headroom([cut_values(chain, r, torch.tensor(r, dtype=torch.float64), cost, 0.0)
+                      for r in (accepted, rejected)], cost, 0.0)
+    blind = headroom([cut_values(chain, r, flat, cost, 0.0) for r in (accepted, rejected)], cost, 0.0)
+    for N in range(5):
+        assert knows["fixed"][N]["tau"] == pytest.approx((2 + N) / 2)
+        assert knows["fixed"][N]["speedup"] == pytest.approx((2 + N) / (2 * cost(1 + N)))
+    assert knows["best_fixed"] == 4
+    assert knows["oracle"] == pytest.approx({"tau": 3.0, "nodes": 2.0, "speedup": 6 / 2.4})
+    assert knows["cut"] == pytest.approx(knows["oracle"])
+    assert knows["estimated_over_realised"] == pytest.approx(1.0)
+    assert blind["cut"]["speedup"] <= blind["fixed"][blind["best_fixed"]]["speedup"] + 1e-12
+    assert blind["cut"]["nodes"] in (0.0, 1.0, 2.0, 3.0, 4.0)  # the same cut in both contexts
+    assert blind["estimated_over_realised"] == pytest.approx((1 + 0.9 + 0.8 + 0.7 + 0.6) / 3.0)
+
+
+def test_expect_headroom_on_a_real_tree_agrees_with_its_expected_tau(one_thread):
+    """Through ``evaluate``: the whole tree's fixed-size row is the method's expected tau, a smaller size never
+    earns more tokens, and the oracle is at least the best fixed size."""
+    target = tiny_target("qwen3")
+    drafters = {"oracle": Oracle(target)}
+    g = torch.Generator().manual_seed(5)
+    contexts = [torch.randint(3, 120, (9,), generator=g).tolist() for _ in range(3)]
+    res = evaluate(target, drafters, contexts, [SamplingConfig(temperature=0.8)], cuts=(lambda n: 1.0 + 0.05 * n,
+                                                                                         0.1))
+    h = res["headroom"]["oracle"][0.8]
+    assert h["fixed"][max(h["fixed"])]["tau"] == pytest.approx(1 + sum(res["values"]["oracle"][0.8]) / 3)
+    taus = [h["fixed"][n]["tau"] for n in sorted(h["fixed"])]
+    assert taus == sorted(taus) and taus[0] == 1.0
+    assert h["oracle"]["speedup"] >= h["fixed"][h["best_fixed"]]["speedup"] - 1e-12
