@@ -288,6 +288,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cuts", type=int, default=4, help="with --prompts: contexts cut from each answer")
     ap.add_argument("--answer-tokens", type=int, default=96, help="with --prompts: greedy answer length")
     ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--headroom", action="store_true",
@@ -316,7 +318,7 @@ def main(argv=None) -> None:
     samplings = [SamplingConfig(temperature=t, top_k=args.top_k, top_p=args.top_p) for t in temps]
     extra = load_method_files(args.config)
     names = [m for m in args.methods.split(",") if m]
-    target = load_target(args.target)
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
     key = {(n, b): n if len(budgets) == 1 else f"{n}@{b}" for b in budgets for n in names}
     drafters = {key[n, b]: build_drafter(n, lookup(n, extra), target, b, schedule_ok=args.headroom)
                 for b in budgets for n in names}

@@ -9,6 +9,8 @@
 #             multi-future answers, DSpark (Markov + confidence heads, jointly with the backbone; the heads as the
 #             bundled dspark-smollm2's: embedding basis, draft 0 unbiased, greedy label) and its no-head control on
 #             the greedy ones
+#   headroom  `graft-block expect --headroom` on this GPU's verify curve: DFlash's DDTree and DSpark's scheduled tree at
+#             budgets 16 and 64 on 200 calibration contexts (about 1 min; docs/measuring.md)
 # Everything that comes back is under $OUT: the logs and res.part.* (a tar of gen/ and train/, split to the
 # tool's 16 MiB per file). Budget as measured 2026-12-04: 20 s install, 20 s lossless, ~40 s per greedy shard of
 # 3,000 answers, 3 min training + 1 min of target loads; "pairs" (about 9 min) needs a call of its own, and the
@@ -52,6 +54,10 @@ for step in $STEPS; do case $step in
             timeout 200 bash scripts/gpu_train.sh $W/pairs/$name "${INIT:-drafters/checkpoints/dflash-smollm2}" \
             "${PAIR_MINUTES:-1.5}" "$DATA" > $OUT/pair-$name.log 2>&1; echo "$name rc=$?"
     done ;;
+  headroom)
+    timeout 300 python3 -m graft_block.eval.expected_tau --methods dflash_ddtree,dspark_sched --budget 16,64 \
+        --contexts 200 --headroom --overhead-ms "${OVERHEAD_MS:-2.5}" --out $OUT/headroom.json > $OUT/headroom.log 2>&1
+    echo "headroom rc=$?"; grep -A7 "Per-round" $OUT/headroom.log ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac; el "$step"; done
 ( cd $W && tar -cf $W/res.tar $(ls -d gen train/ckpt train/ckpt-best train/run/log.jsonl pairs/*/ckpt \
