@@ -254,6 +254,20 @@ def format_headroom(res: dict) -> str:
     return "\n".join(lines)
 
 
+def format_sizes(res: dict) -> str:
+    """Estimated speedup over AR of each fixed size N (the first N nodes by path probability) per method: where the
+    verify curve's stairs fall against the tokens each size adds."""
+    sizes = sorted({n for by_t in res["headroom"].values() for h in by_t.values() for n in h["fixed"]})
+    # N = 0 verifies the root alone: AR's token a round, at the round's overhead
+    shown = [n for n in sizes if n in (0, 1, 2, 3, 4, 5, 6, 8, 12) or n % 16 == 0 or n == sizes[-1]]
+    lines = ["| method | T | " + " | ".join(f"N = {n}" for n in shown) + " |", "|---|---|" + "---|" * len(shown)]
+    for name, by_t in res["headroom"].items():
+        for temp, h in by_t.items():
+            cells = [f"{h['fixed'][n]['speedup']:.3f}" if n in h["fixed"] else "-" for n in shown]
+            lines.append(f"| {name} | {temp:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def decay_rows(res: dict) -> list[dict]:
     """Per (method, temperature): P(depth k accepted | depth k-1 accepted) under the target's law, in the rows
     ``report.suffix_decay_table`` prints for bench (None where depth k - 1 is reached with P < 1e-6, a ratio of
@@ -356,6 +370,8 @@ def main(argv=None) -> None:
         print(f"\nPer-round cuts on this machine's verify-cost curve (a round = {args.overhead_ms:g} ms + its verify; "
               "vs AR = estimated speedup):\n")
         print(format_headroom(res))
+        print("\nEstimated speedup over AR of a fixed size N (the first N nodes by path probability: a DDTree-N):\n")
+        print(format_sizes(res))
     print("\nP(depth k accepted | depth k-1 accepted), exact, mean over contexts:\n")
     print(report.suffix_decay_table(decay_rows(res)))
     if args.out:

@@ -6,8 +6,8 @@ import torch
 
 from graft_block import Drafter
 from graft_block.errors import ConfigError
-from graft_block.eval.expected_tau import (build_drafter, cut_values, decay_rows, evaluate, headroom, sample_contexts,
-                                          summary_rows)
+from graft_block.eval.expected_tau import (build_drafter, cut_values, decay_rows, evaluate, format_headroom,
+                                          format_sizes, headroom, sample_contexts, summary_rows)
 from graft_block.sampling import SamplingConfig
 from graft_block.testing import hf_greedy, prefilled_state, tiny_target
 from graft_block.tree import accept_at_least, accept_length, expected_accept_length, from_paths, walk
@@ -177,6 +177,10 @@ def test_headroom_prices_fixed_sizes_the_schedules_cut_and_the_best_size_per_con
     assert blind["cut"]["speedup"] <= blind["fixed"][blind["best_fixed"]]["speedup"] + 1e-12
     assert blind["cut"]["nodes"] in (0.0, 1.0, 2.0, 3.0, 4.0)  # the same cut in both contexts
     assert blind["estimated_over_realised"] == pytest.approx((1 + 0.9 + 0.8 + 0.7 + 0.6) / 3.0)
+    res = {"headroom": {"chain": {0.0: knows}}, "nodes": {"chain": 4.0}}
+    row = format_headroom(res).splitlines()[-1]
+    assert row.startswith("| chain | 0 | 4.0 | 3.000 / 2.143 | 4 / 3.000 / 2.143 | 2.00 / 3.000 / 2.500 |")
+    assert format_sizes(res).splitlines()[-1] == "| chain | 0 | 1.000 | 1.364 | 1.667 | 1.923 | 2.143 |"
 
 
 def test_expect_headroom_on_a_real_tree_agrees_with_its_expected_tau(one_thread):
