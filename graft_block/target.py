@@ -353,6 +353,22 @@ def embedded_folder(name: str) -> Path:
     return folder
 
 
+def check_device(device: str | torch.device) -> None:
+    """ConfigError, before any weight loads, for a device this torch cannot use (torch's own answer is an assertion
+    deep in the first copy)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {device!r} is not a torch device ({exc}); use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ConfigError(f"device {device!r} asked for, but {why} (torch {torch.__version__}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) "
+                              f"are visible; use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+
+
 def load_target(
     name_or_path: str = "smollm2-135m",
     device: str | torch.device = "cpu",
@@ -374,6 +390,7 @@ def load_target(
                 f"target {name_or_path!r} is neither an embedded name ({', '.join(EMBEDDED_TARGETS)}) "
                 "nor a local folder with a config.json (model hubs are not used)"
             )
+    check_device(device)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if dtype is None:

@@ -117,6 +117,19 @@ def test_missing_target_folder(tmp_path):
         load_target(str(tmp_path / "nothing"))
 
 
+def test_unusable_device_fails_before_the_weights_load(monkeypatch):
+    """A device this torch cannot use is named with the fix, not an assertion from inside the first copy."""
+    with pytest.raises(ConfigError, match="not a torch device.*use cpu"):
+        load_target("smollm2-135m", device="gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="'cuda:0' asked for.*--device cpu"):
+        load_target("smollm2-135m", device="cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="only 1 CUDA device.*cuda:0 .. cuda:0"):
+        load_target("smollm2-135m", device="cuda:3")
+
+
 def test_duplicate_registration():
     with pytest.raises(ConfigError, match="registered twice"):
         register("pld")(type("Other", (Drafter,), {}))
