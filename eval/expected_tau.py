@@ -315,6 +315,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.overhead_ms < 0:
         raise ConfigError(f"--overhead-ms must be >= 0, got {args.overhead_ms}")
+    if args.cuts < 1 or args.answer_tokens < 5:
+        raise ConfigError(f"--cuts must be >= 1 and --answer-tokens >= 5 (a cut keeps one answer token before it and "
+                          f"four after), got {args.cuts} and {args.answer_tokens}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.contexts < 1:
@@ -329,7 +332,10 @@ def main(argv=None) -> None:
         temps = [float(t) for t in args.temperature.split(",")]
     except ValueError as exc:
         raise ConfigError(f"--temperature takes comma-separated numbers, got {args.temperature!r}") from exc
-    samplings = [SamplingConfig(temperature=t, top_k=args.top_k, top_p=args.top_p) for t in temps]
+    try:  # a bad temperature or filter fails here, before any model loads
+        samplings = [SamplingConfig(temperature=t, top_k=args.top_k, top_p=args.top_p) for t in temps]
+    except ValueError as exc:
+        raise ConfigError(f"bad sampling options (--temperature / --top-k / --top-p): {exc}") from None
     extra = load_method_files(args.config)
     names = [m for m in args.methods.split(",") if m]
     target = load_target(args.target, device=args.device, dtype=args.dtype)

@@ -179,6 +179,8 @@ def load_method_files(paths: list[str]) -> dict[str, dict]:
 
     out = {}
     for p in paths:
+        if not Path(p).is_file():
+            raise ConfigError(f"method file {p} does not exist (--config takes a YAML or JSON file of methods)")
         text = Path(p).read_text()
         try:
             if str(p).endswith((".yaml", ".yml")):
@@ -192,5 +194,8 @@ def load_method_files(paths: list[str]) -> dict[str, dict]:
         for it in data if isinstance(data, list) else [data]:
             if not isinstance(it, dict) or "name" not in it:
                 raise ConfigError(f"{p}: each method needs a 'name' and a 'drafter' (and optional 'graft')")
+            if not any(k in it for k in ("drafter", "hf", "llamacpp")):
+                raise ConfigError(f"{p}: method {it['name']!r} says nothing to run: give it a 'drafter' (a drafter "
+                                  "config, or null for AR), an 'hf' or a 'llamacpp' entry")
             out[it["name"]] = {k: v for k, v in it.items() if k != "name"}
     return out

@@ -122,9 +122,12 @@ def budgets_of(text: str | None) -> list:
     if text == "auto":
         return ["auto"]
     try:
-        return [int(b) for b in text.split(",")]
+        out = [int(b) for b in text.split(",")]
     except ValueError:
         raise ConfigError(f"--budget takes an int, a comma list of ints, 'auto' or 'preset', got {text!r}") from None
+    if min(out) < 1:
+        raise ConfigError(f"--budget must be >= 1 (the nodes a tree may draft besides its root), got {text!r}")
+    return out
 
 
 def build_methods(names, extra, target, budgets, curve, prompts, chimeric):
@@ -183,6 +186,8 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     limit = suite["limit"] if args.limit is None else args.limit
     sets = args.prompts.split(",") if args.prompts else suite["prompts"]
     prompts, set_info = prompt_records(sets, limit, args.first_turn_only)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     max_new = args.max_new_tokens or suite["max_new_tokens"]
     temps = [float(t) for t in args.temperature.split(",")] if args.temperature else suite["temperatures"]
     try:  # a bad temperature or filter fails here, before any model loads

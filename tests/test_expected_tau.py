@@ -111,7 +111,8 @@ def test_expect_refuses_what_depends_on_earlier_rounds():
 
     for bad, words in ((["--budget", "0"], "must be >= 1"), (["--budget", "4,x"], "comma-separated ints"),
                        (["--contexts", "0"], "--contexts must be"), (["--temperature", "hot"], "--temperature"),
-                       (["--overhead-ms", "-1"], "--overhead-ms must be")):
+                       (["--overhead-ms", "-1"], "--overhead-ms must be"), (["--cuts", "0"], "--cuts must be"),
+                       (["--answer-tokens", "4"], "--answer-tokens >= 5"), (["--top-p", "0"], "top_p must be in")):
         with pytest.raises(ConfigError, match=words):  # before any model loads
             main(bad)
 

@@ -72,9 +72,13 @@ def test_top_k_and_top_p_reach_every_method(tiny_folder, tmp_path, capsys, monke
     assert all(r["tokens"] == greedy[r["prompt_id"]] and (r["top_k"], r["top_p"]) == (1, 0.9) for r in hot)
 
 
-def test_bad_sampling_options_fail_before_the_model_loads(tmp_path, monkeypatch):
+def test_bad_options_fail_before_the_model_loads(tmp_path, monkeypatch):
+    (tmp_path / "empty.json").write_text('[{"name": "x"}]')
     for bad, what in ((["--top-p", "0"], "top_p must be in"), (["--top-k", "-2"], "top_k must be"),
-                      (["--temperature", "0,-1"], "temperature must be")):
+                      (["--temperature", "0,-1"], "temperature must be"), (["--budget", "4,0"], "--budget must be >= 1"),
+                      (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+                      (["--config", str(tmp_path / "none.json")], "does not exist"),
+                      (["--config", str(tmp_path / "empty.json")], "'x' says nothing to run")):
         with pytest.raises(ConfigError, match=what):
             _run(["--target", str(tmp_path / "no-such-model"), "--methods", "ar", *bad, "--out", str(tmp_path / "o")],
                  tmp_path / "cache", monkeypatch)
