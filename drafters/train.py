@@ -107,6 +107,19 @@ def main(argv=None):
                     help="--data names on-policy dataset folders (comma-separated); features and soft labels come "
                          "from a target forward in every step instead of a cache (no --generate step)")
     args = ap.parse_args(argv)
+    try:  # every bad option fails here, before the target loads
+        cfg = json.loads(args.config)
+    except json.JSONDecodeError as exc:
+        ap.error(f"--config must be a JSON object of training options, e.g. '{{\"num_anchors\": 24}}' ({exc})")
+    if not isinstance(cfg, dict):
+        ap.error(f"--config must be a JSON object of training options, got {args.config!r}")
+    for flag, ok in (("--steps", args.steps is None or args.steps >= 0), ("--lr", args.lr > 0),
+                     ("--batch-size", args.batch_size >= 1), ("--epochs", args.epochs > 0),
+                     ("--warmup", 0 <= args.warmup < 1), ("--eval-every", args.eval_every >= 1),
+                     ("--minutes", args.minutes is None or args.minutes > 0), ("--threads", args.threads >= 1)):
+        if not ok:
+            ap.error(f"{flag} got {getattr(args, flag[2:].replace('-', '_'))}: steps >= 0 (0 only evaluates), "
+                     "lr, epochs and minutes > 0, batch size, eval-every and threads >= 1, warmup in [0, 1)")
 
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -142,7 +155,7 @@ def main(argv=None):
         return
     if not args.out or not args.run:
         ap.error("--out and --run are required for training")
-    res = train(args.type, target, args.data, args.out, args.run, cfg=json.loads(args.config), init=args.init,
+    res = train(args.type, target, args.data, args.out, args.run, cfg=cfg, init=args.init,
                 epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size,
                 holdout=args.holdout, eval_every=args.eval_every,
                 time_limit_s=None if args.minutes is None else args.minutes * 60, resume=args.resume,

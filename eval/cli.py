@@ -16,7 +16,7 @@ from graft_block.errors import ConfigError
 
 COMMANDS = {
     "bench": ("graft_block.eval.run_block", "benchmark methods side by side (the main job; --list-methods)"),
-    "train": ("graft_block.drafters.train", "train a drafter (dflash, eagle3, mfd) with the shared loop"),
+    "train": ("graft_block.drafters.train", "train a drafter (dflash, dspark, eagle3, mfd) with the shared loop"),
     "calibrate": ("graft_block.calibrate", "calibrate Graft's pruning thresholds"),
     "physics": ("graft_block.eval.physics", "bandwidth, matrix-product peak, linear layers vs verify"),
     "export": ("graft_block.drafters.export", "export a drafter to llama.cpp (GGUF) or vLLM speculators"),

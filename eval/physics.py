@@ -320,6 +320,8 @@ def main(argv=None, target=None) -> dict:
     """Measure and print the report; ``target``: an already loaded Target (else ``--target`` is loaded)."""
     args = parse_args(argv)
     sizes = sizes_of(args.sizes)
+    if args.reps < 1:
+        raise ConfigError(f"--reps must be >= 1 (timed reps per sweep, their median reported), got {args.reps}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if target is None:

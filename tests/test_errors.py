@@ -151,3 +151,21 @@ def test_sampling_on_gpu_style_generator_is_explicit(tiny_llama):
     assert a == b and a != c
     g = torch.Generator().manual_seed(5)
     assert len(dec.generate([1, 2], max_new_tokens=5, temperature=1.0, generator=g).tokens) == 5
+
+
+@pytest.mark.parametrize("bad, words", [(["--config", "{bad"], "--config must be a JSON object"),
+                                        (["--config", "[1]"], "--config must be a JSON object"),
+                                        (["--lr", "0"], "--lr got 0.0"), (["--steps", "-1"], "--steps got -1"),
+                                        (["--warmup", "1"], "--warmup got 1.0"),
+                                        (["--batch-size", "0"], "--batch-size got 0")])
+def test_bad_training_options_fail_before_the_target_loads(bad, words, capsys, monkeypatch):
+    from graft_block.drafters import train
+    from graft_block import target as target_module
+
+    def no_load(*a, **k):
+        raise AssertionError("the target loaded before the options were checked")
+
+    monkeypatch.setattr(target_module, "load_target", no_load)
+    with pytest.raises(SystemExit) as exc:
+        train.main([*bad, "--out", "o", "--run", "r"])
+    assert exc.value.code == 2 and words in capsys.readouterr().err

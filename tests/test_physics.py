@@ -99,6 +99,8 @@ def test_standalone_command_arguments(tmp_path, monkeypatch, capsys):
     assert "physics" in cli.COMMANDS and "physics" in cli.usage()
     assert cli.main(["physics", "--sizes", "a,b"]) == 2  # a one-line error before any model loads
     assert "--sizes takes" in capsys.readouterr().err
+    assert cli.main(["physics", "--reps", "0"]) == 2  # was a StatisticsError from an empty median
+    assert "--reps must be >= 1" in capsys.readouterr().err
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
     real, small = physics.measure_physics, {k: v for k, v in TINY.items() if k not in ("sizes", "reps")}
     monkeypatch.setattr(physics, "measure_physics", lambda t, s, **kw: real(t, s, **kw, **small))
