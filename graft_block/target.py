@@ -283,12 +283,16 @@ class Target:
     # ---- text helpers -----------------------------------------------------------------------------------
     def encode(self, prompt) -> torch.Tensor:
         """Token ids for a prompt: ids (list / tensor), a string, or chat messages (chat template applied)."""
-        if isinstance(prompt, torch.Tensor):
-            return prompt.reshape(-1).to(torch.long).cpu()
-        if isinstance(prompt, (list, tuple)) and (len(prompt) == 0 or isinstance(prompt[0], int)):
-            if len(prompt) == 0:
+        if isinstance(prompt, torch.Tensor) or (isinstance(prompt, (list, tuple))
+                                                and (len(prompt) == 0 or isinstance(prompt[0], int))):
+            ids = torch.as_tensor(prompt).reshape(-1).to(torch.long).cpu()
+            if ids.numel() == 0:
                 raise ConfigError("empty prompt: give at least one token")
-            return torch.tensor(prompt, dtype=torch.long)
+            rows = self.model.get_input_embeddings().weight.shape[0]
+            if int(ids.min()) < 0 or int(ids.max()) >= rows:
+                raise ConfigError(f"prompt token ids must lie in 0..{rows - 1} (the target's vocabulary), got "
+                                  f"{int(ids.min())}..{int(ids.max())}: were they made by another tokenizer?")
+            return ids
         is_chat = isinstance(prompt, (list, tuple)) and isinstance(prompt[0], dict)
         if not (isinstance(prompt, str) or is_chat):
             raise ConfigError(f"prompt must be token ids, a string or chat messages, got {type(prompt).__name__}")

@@ -53,7 +53,9 @@ def test_budget_below_one(budget):
 
 
 @pytest.mark.parametrize("kw,msg", [
-    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
+    ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+    ({"temperature": float("inf")}, "temperature must be a finite number >= 0"),
     ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
     ({"temperature": 1.0, "top_k": -1}, "top_k must be"),
@@ -70,6 +72,14 @@ def test_prompt_longer_than_context(tiny_llama):
         SpeculativeDecoder(tiny_llama).generate(list(range(100)) * 5, max_new_tokens=20)
     with pytest.raises(ConfigError, match="empty prompt"):
         SpeculativeDecoder(tiny_llama).generate([], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("ids", [[1, 2, 10**6], [-1, 2], torch.tensor([3, 128])])
+def test_prompt_ids_outside_the_vocabulary(tiny_llama, ids):
+    """Ids from another tokenizer are named, not an IndexError from inside the embedding (the tiny target has 128)."""
+    assert tiny_llama.model.get_input_embeddings().weight.shape[0] == 128
+    with pytest.raises(ConfigError, match=r"must lie in 0\.\.127 .*another tokenizer"):
+        SpeculativeDecoder(tiny_llama).generate(ids, max_new_tokens=2)
 
 
 class _BadRoot(Drafter):
