@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graft_block.drafter import read_weights, register, resolve_checkpoint, shared_checkpoint
+from graft_block.drafter import read_weights, register, reject_unknown_options, resolve_checkpoint, shared_checkpoint
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree
 from graft_block.tree.ddtree import topk_logprobs
@@ -202,10 +202,11 @@ class MFDDrafter(D.DFlashDrafter):
             raise ConfigError("the mfd drafter needs the target: Drafter.from_config(cfg, target=target)")
         cfg = dict(cfg)
         cfg.pop("mfd_config", None)
-        opts = {k: cfg.pop(k) for k in ("budget", "block_size", "marginal_topk", "score", "use_modes", "markov",
-                                        "markov_candidates") if k in cfg}
+        keys = ("budget", "block_size", "marginal_topk", "score", "use_modes", "markov", "markov_candidates")
+        opts = {k: cfg.pop(k) for k in keys if k in cfg}
         ckpt = cfg.pop("checkpoint", None)
         if ckpt is not None:
+            reject_unknown_options(cfg, ckpt, "mfd", (*keys, "checkpoint"))
             model, mcfg = shared_checkpoint(target, "mfd", ckpt,
                                             lambda: load_checkpoint(ckpt, device=target.device, dtype=target.dtype))
             opts.setdefault("score", mcfg.get("score", "best_mode"))

@@ -119,7 +119,7 @@ def write_delta(folder: str | Path, base: str | Path) -> dict:
     for f in folder.glob("*.safetensors"):
         f.unlink()
     save_file(kept, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((folder / "config.json").read_text())
+    cfg = read_config_json(folder)
     cfg["weights_base"] = {"checkpoint": Path(name).name, "sha256": weights_digest(src)}
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return {"kept": sorted(kept), "dropped": len(mine) - len(kept)}
@@ -171,12 +171,7 @@ def load_config(cfg: Any) -> dict:
         if not path.exists() and isinstance(cfg, str) and "/" not in cfg:
             path = bundled_checkpoint(cfg) or path
         if path.is_dir():
-            if not (path / "config.json").exists():
-                raise ConfigError(f"drafter folder {path} has no config.json")
-            try:
-                data = json.loads((path / "config.json").read_text())
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"drafter folder {path}: config.json is not valid JSON ({exc})") from exc
+            data = read_config_json(path)
             data.setdefault("checkpoint", str(path))
             return data
         if not path.exists():
@@ -216,6 +211,30 @@ def resolve_checkpoint(ckpt: str | Path, what: str = "drafter") -> Path:
             return found
     raise ConfigError(f"{what} checkpoint {str(ckpt)!r} is neither a folder with config.json nor a bundled name "
                       f"(bundled: {', '.join(bundled_checkpoints()) or 'none'})")
+
+
+def read_config_json(folder: str | Path, what: str = "drafter") -> dict:
+    """``folder``/config.json as a dict; a ConfigError naming the file when it is missing, not JSON or no object."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{what} folder {folder} has no config.json")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc}): repair it or save the checkpoint again") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def reject_unknown_options(cfg: dict, ckpt: str | Path, kind: str, options) -> None:
+    """With a checkpoint, what ``cfg`` still holds once the drafter took its options must come from the folder's own
+    config.json (``Drafter.from_config(folder)`` passes it whole); any other key is a misspelt or misplaced option."""
+    saved = read_config_json(resolve_checkpoint(ckpt, kind), kind)
+    extra = sorted(k for k in cfg if k not in saved)
+    if extra:
+        raise ConfigError(f"unknown {kind} options {extra} beside checkpoint {ckpt}: the options are "
+                          f"{', '.join(options)}")
 
 
 def bundled_checkpoint(name: str) -> Path | None:

@@ -1,4 +1,6 @@
 """Bad input gets a clear error that names the problem and the fix."""
+import json
+
 import pytest
 import torch
 
@@ -179,3 +181,31 @@ def test_bad_training_options_fail_before_the_target_loads(bad, words, capsys, m
     with pytest.raises(SystemExit) as exc:
         train.main([*bad, "--out", "o", "--run", "r"])
     assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, bundled", [("dflash", "dflash-smollm2"), ("dspark", "dspark-smollm2"),
+                                           ("eagle3", "eagle3-smollm2"), ("mfd", "mfd-smollm2")])
+def test_bundled_drafter_folders_fail_clearly(tmp_path, kind, bundled):
+    """Checked before any weight loads (the target is a stub): a config.json that is not JSON names its file, an
+    option nobody reads beside a checkpoint is named with the real options (keys of the folder's own config.json are
+    not options: from_config(folder) passes them whole), and an EAGLE-3 width the heads cannot divide is named."""
+    import shutil
+
+    from graft_block.drafter import bundled_checkpoint
+
+    src = bundled_checkpoint(bundled)
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    (broken / "config.json").write_text("{nope")
+    stub = type("Stub", (), {"device": torch.device("cpu"), "dtype": torch.float32})()
+    with pytest.raises(ConfigError, match=r"broken/config.json is not valid JSON"):
+        Drafter.from_config({"type": kind, "checkpoint": str(broken)}, target=stub)
+    if kind != "eagle3":  # eagle3 names unknown keys its own way (test_eagle3)
+        with pytest.raises(ConfigError, match=rf"unknown {kind} options \['bogus'\] .*the options are .*budget"):
+            Drafter.from_config({"type": kind, "checkpoint": bundled, "bogus": 1}, target=stub)
+    else:
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["hidden_size"] = 100
+        (broken / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ConfigError, match="hidden_size 100 is not a multiple of num_attention_heads"):
+            Drafter.from_config({"type": kind, "checkpoint": str(broken)}, target=stub)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from graft_block.drafter import read_weights, resolve_checkpoint
+from graft_block.drafter import read_config_json, read_weights, resolve_checkpoint
 from graft_block.errors import ConfigError
 
 from .model import DFlashModel, build_target_layer_ids
@@ -38,7 +38,7 @@ def is_dflash_layout(config: dict) -> bool:
 
 def read_config(folder: str | Path) -> dict:
     """config.json of a checkpoint folder or bundled name (``resolve_checkpoint``)."""
-    return json.loads((resolve_checkpoint(folder, "DFlash-family") / "config.json").read_text())
+    return read_config_json(resolve_checkpoint(folder, "DFlash-family"), "DFlash-family checkpoint")
 
 
 def rope_parameters(raw: dict) -> dict:

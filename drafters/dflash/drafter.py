@@ -18,7 +18,7 @@ from collections import deque
 
 import torch
 
-from graft_block.drafter import Drafter, check_budget, register, shared_checkpoint
+from graft_block.drafter import Drafter, check_budget, register, reject_unknown_options, shared_checkpoint
 from graft_block.engine import drafter_kernel, keep_layout
 from graft_block.errors import ConfigError
 from graft_block.skinny import SkinnyWeight, draft_half
@@ -125,6 +125,7 @@ class DFlashDrafter(Drafter):
         ckpt = cfg.pop("checkpoint", None)
         if ckpt is not None:
             # what else cfg holds is the folder's config.json (architectures, torch_dtype, ...), not drafter options
+            reject_unknown_options(cfg, ckpt, "dflash", (*keys, "checkpoint"))
             model = shared_checkpoint(target, "dflash", ckpt,
                                       lambda: load_checkpoint(ckpt, device=target.device, dtype=target.dtype))
             return cls(target, model, checkpoint=str(ckpt), **opts)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graft_block.drafter import register, shared_checkpoint
+from graft_block.drafter import register, reject_unknown_options, shared_checkpoint
 from graft_block.engine import inference_linear
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree, path_products
@@ -85,13 +85,14 @@ class DSparkDrafter(DFlashDrafter):
         if target is None:
             raise ConfigError("the dspark drafter needs the target: Drafter.from_config(cfg, target=target)")
         cfg = dict(cfg)
-        opts = {k: cfg.pop(k) for k in ("proposal", "budget", "block_size", "marginal_topk", "prefetch",
-                                        "markov_candidates") if k in cfg}
+        opts_keys = ("proposal", "budget", "block_size", "marginal_topk", "prefetch", "markov_candidates")
+        opts = {k: cfg.pop(k) for k in opts_keys if k in cfg}
         want = cfg.pop("alignment", None)
         if cfg.pop("denoise_steps", 1) != 1:
             raise ConfigError("dspark drafts in one backbone pass: denoise_steps must be 1")
         ckpt = cfg.pop("checkpoint", None)
         if ckpt is not None:
+            reject_unknown_options(cfg, ckpt, "dspark", (*opts_keys, "alignment", "checkpoint"))
             model = shared_checkpoint(target, "dspark", ckpt,
                                       lambda: load_checkpoint(ckpt, device=target.device, dtype=target.dtype))
             if want is not None and want != model.alignment:

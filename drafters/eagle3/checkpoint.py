@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from graft_block.drafter import read_weights
+from graft_block.drafter import read_config_json, read_weights
 from graft_block.errors import ConfigError
 
 from .model import Eagle3Config, Eagle3Head
@@ -80,9 +80,10 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 def load_head(folder: str | Path, target=None, device=None, dtype=None) -> Eagle3Head:
     """Load an EAGLE-3 draft checkpoint folder strictly (config.json + weights) and check it against ``target``."""
     folder = Path(folder)
-    if not (folder / "config.json").exists():
-        raise ConfigError(f"EAGLE-3 checkpoint folder {folder} has no config.json")
-    cfg = Eagle3Config.from_dict(json.loads((folder / "config.json").read_text()))
+    cfg = Eagle3Config.from_dict(read_config_json(folder, "EAGLE-3 checkpoint"))
+    if cfg.hidden_size % cfg.num_attention_heads:  # else an error from inside transformers' LlamaConfig
+        raise ConfigError(f"{folder}/config.json: hidden_size {cfg.hidden_size} is not a multiple of "
+                          f"num_attention_heads {cfg.num_attention_heads}; the config does not match these weights")
     sd = _normalise_keys(read_state_dict(folder))
     return head_from_state_dict(cfg, sd, target, device, dtype, source=str(folder))
 
