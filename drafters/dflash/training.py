@@ -212,17 +212,22 @@ def make_blocks(model: DFlashModel, batch: dict, num_anchors: int | None = None,
             "dtype": ctx.dtype}
 
 
+def vocab_columns(model: DFlashModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target token ids -> (the draft's logit columns, whether each id is in the draft vocabulary); an id outside it
+    gets a valid column that its mask zeroes."""
+    dv = model.draft_vocab
+    if dv is None:
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+    col = torch.searchsorted(dv, ids).clamp(max=dv.numel() - 1)
+    return col, dv[col] == ids
+
+
 def row_losses(model: DFlashModel, logits: torch.Tensor, lab: torch.Tensor, batch: dict, src: torch.Tensor,
                soft_w: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss for draft rows with labels ``lab`` [N]: hard CE mixed ``soft_w`` with soft CE against the
     target's top-k distribution at flat data row ``src`` [N]. Returns (loss rows, hard CE rows)."""
     logp = torch.log_softmax(logits.float(), -1)
-    dv = model.draft_vocab
-    if dv is not None:
-        col = torch.searchsorted(dv, lab).clamp(max=dv.numel() - 1)
-        in_vocab = dv[col] == lab
-    else:
-        col, in_vocab = lab, torch.ones_like(lab, dtype=torch.bool)
+    col, in_vocab = vocab_columns(model, lab)
     hard = -logp.gather(1, col.view(-1, 1)).squeeze(1) * in_vocab
     if soft_w <= 0 or "top_ids" not in batch:
         return hard, hard
@@ -238,12 +243,7 @@ def target_topk(model: DFlashModel, batch: dict, src: torch.Tensor) -> tuple[tor
     k = batch["top_ids"].shape[-1]
     tid = batch["top_ids"].reshape(-1, k)[src]
     tlp = batch["top_logp"].reshape(-1, k)[src].float()
-    dv = model.draft_vocab
-    if dv is not None:
-        tcol = torch.searchsorted(dv, tid).clamp(max=dv.numel() - 1)
-        tin = dv[tcol] == tid
-    else:
-        tcol, tin = tid, torch.ones_like(tid, dtype=torch.bool)
+    tcol, tin = vocab_columns(model, tid)
     return tcol, torch.softmax(tlp.masked_fill(~tin, float("-inf")), -1).nan_to_num(0.0)
 
 
