@@ -209,3 +209,13 @@ def test_bundled_drafter_folders_fail_clearly(tmp_path, kind, bundled):
         (broken / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ConfigError, match="hidden_size 100 is not a multiple of num_attention_heads"):
             Drafter.from_config({"type": kind, "checkpoint": str(broken)}, target=stub)
+
+
+@pytest.mark.parametrize("bad", [["--holdout", "0"], ["--holdout", "1"], ["--min-rows", "0"], ["--sampled-at", "-1"]])
+def test_dspark_calibration_options_fail_before_anything_loads(bad, capsys):
+    """--holdout 0 used to end in torch.cat's error on an empty fit half."""
+    from graft_block.drafters.dspark import calibrate
+
+    with pytest.raises(SystemExit) as exc:
+        calibrate.main(["dspark-smollm2", "--data", "nowhere", *bad])
+    assert exc.value.code == 2 and "--holdout must be >= 2" in capsys.readouterr().err

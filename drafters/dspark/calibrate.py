@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
+from graft_block.errors import ConfigError
 from graft_block.tree.schedule import (apply_temperatures, calibrate_temperatures, expected_calibration_error,
                                        prefix_ece)
 
@@ -197,6 +199,9 @@ def main(argv=None) -> None:
     ap.add_argument("--dry-run", action="store_true", help="report only, leave config.json untouched")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
+    if args.holdout < 2 or args.min_rows < 1 or args.sampled_at < 0:
+        ap.error(f"--holdout must be >= 2 (half fit, half report), --min-rows >= 1 and --sampled-at >= 0, got "
+                 f"{args.holdout}, {args.min_rows} and {args.sampled_at}")
     if args.threads:
         torch.set_num_threads(args.threads)
     rep = calibrate(args.folder, args.data, args.holdout, write=not args.dry_run, min_rows=args.min_rows,
@@ -205,4 +210,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as exc:
+        print(f"calibrate: error: {exc}", file=sys.stderr)
+        sys.exit(2)
