@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from graft_block.drafter import bundled_checkpoint, bundled_checkpoints, detect_type, read_weights
-from graft_block.errors import ConfigError
+from graft_block.errors import ConfigError, run_command
 
 from .dflash.checkpoint import model_from_config
 from .dspark.checkpoint import dspark_options, model_from_dspark_config
@@ -719,8 +719,4 @@ def main(argv=None) -> ExportResult:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(main, "python -m graft_block.drafters.export"))

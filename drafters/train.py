@@ -41,8 +41,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
+
+from graft_block.errors import run_command
 
 
 def main(argv=None):
@@ -166,4 +169,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main, "python -m graft_block.drafters.train"))

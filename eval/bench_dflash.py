@@ -20,6 +20,7 @@ if not __package__ and (Path(__file__).resolve().parents[1] / "graft_block").is_
 
 import torch  # noqa: E402
 
+from graft_block.errors import run_command  # noqa: E402
 from graft_block.eval import run_block  # noqa: E402
 from graft_block.eval.presets import SUITES  # noqa: E402
 from graft_block.eval.prompts import encode_turn, prompt_records  # noqa: E402
@@ -143,4 +144,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main, "eval/bench_dflash.py"))

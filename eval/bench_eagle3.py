@@ -17,6 +17,7 @@ from pathlib import Path
 if not __package__ and (Path(__file__).resolve().parents[1] / "graft_block").is_dir():
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # `python eval/bench_eagle3.py` in a checkout
 
+from graft_block.errors import run_command  # noqa: E402
 from graft_block.eval import run_block  # noqa: E402
 
 
@@ -73,4 +74,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main, "eval/bench_eagle3.py"))

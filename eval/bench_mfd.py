@@ -25,6 +25,7 @@ if not __package__ and (Path(__file__).resolve().parents[1] / "graft_block").is_
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # `python eval/bench_mfd.py` in a checkout
 
 from graft_block.chimeric import futures_recorder, sampled_report  # noqa: E402
+from graft_block.errors import run_command  # noqa: E402
 from graft_block.eval import run_block  # noqa: E402
 
 
@@ -100,4 +101,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main, "eval/bench_mfd.py"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from graft_block.errors import ConfigError
+from graft_block.errors import run_command
 
 COMMANDS = {
     "bench": ("graft_block.eval.run_block", "benchmark methods side by side (the main job; --list-methods)"),
@@ -45,13 +45,9 @@ def main(argv=None) -> int:
         return mod.cli(rest, prog=prog)
     saved, sys.argv[0] = sys.argv[0], prog  # argparse names the program after argv[0]
     try:
-        mod.main(rest)
-    except ConfigError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return run_command(lambda: mod.main(rest), prog)
     finally:
         sys.argv[0] = saved
-    return 0
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ if not __package__ and (Path(__file__).resolve().parents[1] / "graft_block").is_
 import torch  # noqa: E402
 
 from graft_block import Drafter, load_target  # noqa: E402
-from graft_block.errors import ConfigError  # noqa: E402
+from graft_block.errors import ConfigError, run_command  # noqa: E402
 from graft_block.eval import presets, report  # noqa: E402
 from graft_block.eval.methods import load_method_files, lookup  # noqa: E402
 from graft_block.onpolicy import read  # noqa: E402
@@ -391,4 +391,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main, "python -m graft_block.eval.expected_tau"))

@@ -25,7 +25,7 @@ import graft_block  # noqa: F401 - first: it sets the BLAS thread policy before 
 import torch
 
 from graft_block.engine import STREAM_BYTES, device_name, kernel_weight, linear, torch_threads
-from graft_block.errors import ConfigError
+from graft_block.errors import ConfigError, run_command
 from graft_block.eval import machine, measure
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -341,8 +341,4 @@ def main(argv=None, target=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as exc:
-        print(f"physics: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(main, "python -m graft_block.eval.physics"))

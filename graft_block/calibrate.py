@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -11,7 +12,7 @@ import torch
 from .adjacency import AdjacencyMatrix
 from .decoder import SpeculativeDecoder
 from .drafter import Drafter
-from .errors import ConfigError
+from .errors import ConfigError, run_command
 from .graft import Graft
 from .pruning import CHECKPOINTS, SIGNALS
 from .target import load_target
@@ -117,4 +118,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main, "python -m graft_block.calibrate"))

@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, run_command
 from .sampling import SamplingConfig
 from .train_data import answer_batch, data_root, forward_cache, train_prompts
 
@@ -375,8 +375,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as exc:
-        print(f"onpolicy: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(main, "python -m graft_block.onpolicy"))

@@ -219,3 +219,25 @@ def test_dspark_calibration_options_fail_before_anything_loads(bad, capsys):
     with pytest.raises(SystemExit) as exc:
         calibrate.main(["dspark-smollm2", "--data", "nowhere", *bad])
     assert exc.value.code == 2 and "--holdout must be >= 2" in capsys.readouterr().err
+
+
+def test_every_command_turns_bad_input_into_one_line_and_status_2(capsys):
+    """``python -m`` entry points run through run_command: a ConfigError is one line naming the program, not a
+    traceback; anything else still raises."""
+    import subprocess
+    import sys
+
+    from graft_block.errors import run_command
+
+    def bad():
+        raise ConfigError("budget must be >= 1")
+
+    assert run_command(bad, "prog") == 2 and capsys.readouterr().err == "prog: error: budget must be >= 1\n"
+    assert run_command(lambda: None, "prog") == 0
+    with pytest.raises(KeyError):
+        run_command(lambda: {}["x"], "prog")
+    out = subprocess.run([sys.executable, "-m", "graft_block.drafters.dspark.calibrate", "/nowhere", "--data", "x"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]  # after the target's loading bar
+    assert last.startswith("python -m graft_block.drafters.dspark.calibrate: error: DSpark checkpoint '/nowhere'")

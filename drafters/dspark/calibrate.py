@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from graft_block.errors import ConfigError
+from graft_block.errors import ConfigError, run_command
 from graft_block.tree.schedule import (apply_temperatures, calibrate_temperatures, expected_calibration_error,
                                        prefix_ece)
 
@@ -210,8 +210,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as exc:
-        print(f"calibrate: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(main, "python -m graft_block.drafters.dspark.calibrate"))
