@@ -123,6 +123,12 @@ def main(argv=None):
         if not ok:
             ap.error(f"{flag} got {getattr(args, flag[2:].replace('-', '_'))}: steps >= 0 (0 only evaluates), "
                      "lr, epochs and minutes > 0, batch size, eval-every and threads >= 1, warmup in [0, 1)")
+    if not args.generate:
+        if not args.out or not args.run:
+            ap.error("--out and --run are required for training")
+        from graft_block.drafter import drafter_class
+
+        drafter_class(args.type)  # an unknown type is named, with the known ones
 
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -156,8 +162,6 @@ def main(argv=None):
                       sampling=SamplingConfig(args.temperature, args.top_k, args.top_p), samples=args.samples,
                       seed=args.seed, max_shards=args.gen_shards)
         return
-    if not args.out or not args.run:
-        ap.error("--out and --run are required for training")
     res = train(args.type, target, args.data, args.out, args.run, cfg=cfg, init=args.init,
                 epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size,
                 holdout=args.holdout, eval_every=args.eval_every,

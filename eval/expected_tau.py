@@ -84,11 +84,11 @@ def answer_contexts(target, sets: list[str], limit: int, cuts: int = 4, answer_t
 
 
 @torch.inference_mode()
-def tree_value(target, drafter, ids: list[int], sampling: SamplingConfig, estimate: str = "drafter") -> dict:
+def tree_value(target, drafter, ids: list[int], sampling: SamplingConfig, survival_from: str = "drafter") -> dict:
     """One round's tree after the context ``ids``, scored exactly: ``at_least`` (P(>= d nodes accepted) for d = 1..
     the tree's depth; their sum is the expected accepted length), ``reach`` (per node, P(the walk reaches it)),
     ``estimate`` (P(node accepted) as a schedule reads it: the drafter's ``node_survival`` where it has one and
-    ``estimate`` is "drafter", else the tree's path probabilities), ``tree``."""
+    ``survival_from`` is "drafter", else the tree's path probabilities), ``tree``."""
     state = prefilled_state(target, ids, drafter)
     state.sampling = sampling
     tree = drafter.propose(state)
@@ -98,7 +98,7 @@ def tree_value(target, drafter, ids: list[int], sampling: SamplingConfig, estima
         q = (greedy_tokens(logits.float())[parents.clamp(min=0)].cpu() == tree.tokens).double()
     else:
         q = target_probs(logits, sampling)[parents.clamp(min=0).to(logits.device), tokens].double().cpu()
-    own = getattr(drafter, "node_survival", None) if estimate == "drafter" else None
+    own = getattr(drafter, "node_survival", None) if survival_from == "drafter" else None
     survival = own(tree) if own is not None else None
     return {"at_least": accept_at_least(tree, q), "reach": path_products(tree, q.tolist()), "tree": tree,
             "estimate": survival_from_scores(tree) if survival is None else survival}
@@ -107,8 +107,9 @@ def tree_value(target, drafter, ids: list[int], sampling: SamplingConfig, estima
 def cut_values(tree, reach: list[float], estimate, cost, overhead: float) -> dict:
     """One context's numbers for ``headroom``: the realised tokens of every prefix of the tree's best-first order
     (by its path probabilities; a DDTree-N is its first N nodes), and those of the cut the confidence schedule makes
-    from ``estimate`` (siblings' conditionals capped at 1 as ``ConfidenceSchedule`` does, without its online
-    recalibration), with its size. Tokens count the round's bonus token (the root's reach, 1)."""
+    from ``estimate`` (siblings' conditionals scaled to sum to 1 at most, as ``ConfidenceSchedule`` does, without its
+    online recalibration), with its size. Tokens count the round's bonus token (the root's reach, 1). At T > 0
+    ``reach`` is a probability, so "realised" means expected under the target's law."""
     order = (torch.sort(-path_survival(tree, survival_from_scores(tree))[1:], stable=True).indices + 1).tolist()
     prefix = [1.0]
     for i in order:
@@ -122,10 +123,11 @@ def cut_values(tree, reach: list[float], estimate, cost, overhead: float) -> dic
 def headroom(values: list[dict], cost, overhead: float) -> dict:
     """What a per-round cut could gain on a verify-cost curve, from ``cut_values`` of many contexts. A round of n
     non-root nodes costs ``overhead + cost(1 + n)`` seconds and AR ``cost(1)`` a token; speedup = tokens per second
-    over AR's. Rows: each fixed prefix size N (a smaller DDTree), the schedule's cut, and an oracle that knows each
-    context's best prefix size (the most any cut along the tree's order can get: the ratio of sums, maximised by
-    Dinkelbach's iteration). ``estimated / realised``: the estimate's expected tokens over the realised ones, for
-    the whole tree (1 = calibrated; the schedule's cut rests on it)."""
+    over AR's. Rows: each fixed prefix size N (about a smaller DDTree: a block drafter's rows also change with the
+    rows drafted), the schedule's cut, and an oracle that knows each context's best prefix size (the most any cut
+    along the tree's order can get: the ratio of sums, maximised by Dinkelbach's iteration; at T > 0 it knows the
+    acceptance probabilities, not the draws). ``estimated / realised``: the estimate's expected tokens over the
+    realised ones for the whole tree, the bonus token included in both (1 = calibrated)."""
     def secs(n):
         return overhead + float(cost(1 + n))
 
@@ -152,17 +154,27 @@ def headroom(values: list[dict], cost, overhead: float) -> dict:
             "estimated_over_realised": sum(v["estimated"] for v in values) / sum(v["realised"] for v in values)}
 
 
-def build_drafter(name: str, spec: dict, target, budget: int | None, schedule_ok: bool = False):
-    """The drafter of a tree-only method; ConfigError for anything whose tree depends on earlier rounds (a schedule
-    only cuts the drafter's tree, so ``schedule_ok`` lets the headroom price its cut)."""
+def tree_spec(name: str, spec: dict, budget: int | None, schedule_ok: bool = False) -> dict:
+    """A tree-only method's prepared spec; ConfigError, before any model loads, for anything whose tree depends on
+    earlier rounds (a schedule only cuts the drafter's tree, so ``schedule_ok`` lets the headroom price its cut, as
+    long as the cut is the default one that prices)."""
     spec = presets.prepare(name, dict(spec), budget)
     if spec.get("graft") or (spec.get("schedule") and not schedule_ok):
         raise ConfigError(f"method {name!r} has a {'graft' if spec.get('graft') else 'schedule'}, which depends on "
                           "what earlier rounds verified: decode it with `graft-block bench` instead"
                           + ("" if spec.get("graft") else " (or price its cut with --headroom)"))
+    sched = spec.get("schedule") or {}
+    if sched.get("min_nodes", 0) != 0 or sched.get("stop", "best") != "best":
+        raise ConfigError(f"method {name!r}: --headroom prices the schedule's default cut (min_nodes 0, stop "
+                          "'best'); decode other cuts with `graft-block bench`")
     if not isinstance(spec.get("drafter"), dict):
         raise ConfigError(f"method {name!r} drafts no tree (AR or a peer): nothing to score here")
-    return Drafter.from_config(spec["drafter"], target=target)
+    return spec
+
+
+def build_drafter(name: str, spec: dict, target, budget: int | None, schedule_ok: bool = False):
+    """The drafter of a tree-only method (``tree_spec``)."""
+    return Drafter.from_config(tree_spec(name, spec, budget, schedule_ok)["drafter"], target=target)
 
 
 def estimate_source(spec: dict) -> str:
@@ -179,7 +191,7 @@ def evaluate(target, drafters: dict, contexts: list[list[int]], samplings: list[
     survival source ``estimates[method]`` names ("drafter" by default: ``estimate_source``)."""
     out = {name: {s.temperature: [] for s in samplings} for name in drafters}
     depth = {name: {s.temperature: [] for s in samplings} for name in drafters}
-    kept = {name: {s.temperature: [] for s in samplings} for name in drafters}
+    cut_rows = {name: {s.temperature: [] for s in samplings} for name in drafters}
     sizes = {name: [] for name in drafters}
     t0 = time.perf_counter()
     for i, ids in enumerate(contexts):
@@ -194,14 +206,14 @@ def evaluate(target, drafters: dict, contexts: list[list[int]], samplings: list[
                     sums[k] += a
                 sizes[name].append(v["tree"].size - 1)
                 if cuts is not None:
-                    kept[name][s.temperature].append(cut_values(v["tree"], v["reach"], v["estimate"], *cuts))
+                    cut_rows[name][s.temperature].append(cut_values(v["tree"], v["reach"], v["estimate"], *cuts))
         if log and (i + 1) % 50 == 0:
             log(f"  {i + 1}/{len(contexts)} contexts, {time.perf_counter() - t0:.0f} s")
     n = max(1, len(contexts))
     at_least = {m: {t: [v / n for v in sums] for t, sums in d.items()} for m, d in depth.items()}
     res = {"values": out, "at_least": at_least, "nodes": {m: sum(v) / max(1, len(v)) for m, v in sizes.items()}}
     if cuts is not None:
-        res["headroom"] = {m: {t: headroom(vs, *cuts) for t, vs in d.items()} for m, d in kept.items()}
+        res["headroom"] = {m: {t: headroom(vs, *cuts) for t, vs in d.items()} for m, d in cut_rows.items()}
     return res
 
 
@@ -255,10 +267,9 @@ def format_headroom(res: dict) -> str:
 
 
 def format_sizes(res: dict) -> str:
-    """Estimated speedup over AR of each fixed size N (the first N nodes by path probability) per method: where the
-    verify curve's stairs fall against the tokens each size adds."""
+    """Estimated speedup over AR of each fixed size N (the first N nodes by path probability; 0 = the root alone) per
+    method: where the verify curve's stairs fall against the tokens each size adds."""
     sizes = sorted({n for by_t in res["headroom"].values() for h in by_t.values() for n in h["fixed"]})
-    # N = 0 verifies the root alone: AR's token a round, at the round's overhead
     shown = [n for n in sizes if n in (0, 1, 2, 3, 4, 5, 6, 8, 12) or n % 16 == 0 or n == sizes[-1]]
     lines = ["| method | T | " + " | ".join(f"N = {n}" for n in shown) + " |", "|---|---|" + "---|" * len(shown)]
     for name, by_t in res["headroom"].items():
@@ -338,11 +349,14 @@ def main(argv=None) -> None:
         raise ConfigError(f"bad sampling options (--temperature / --top-k / --top-p): {exc}") from None
     extra = load_method_files(args.config)
     names = [m for m in args.methods.split(",") if m]
+    for b in budgets:  # every method's refusal, before the model loads
+        for n in names:
+            tree_spec(n, lookup(n, extra), b, schedule_ok=args.headroom)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
-    key = {(n, b): n if len(budgets) == 1 else f"{n}@{b}" for b in budgets for n in names}
-    drafters = {key[n, b]: build_drafter(n, lookup(n, extra), target, b, schedule_ok=args.headroom)
+    label = {(n, b): n if len(budgets) == 1 else f"{n}@{b}" for b in budgets for n in names}
+    drafters = {label[n, b]: build_drafter(n, lookup(n, extra), target, b, schedule_ok=args.headroom)
                 for b in budgets for n in names}
-    estimates = {key[n, b]: estimate_source(lookup(n, extra)) for b in budgets for n in names}
+    estimates = {label[n, b]: estimate_source(lookup(n, extra)) for b in budgets for n in names}
     if args.prompts:
         contexts, sets = answer_contexts(target, args.prompts.split(","), args.limit, args.cuts,
                                          args.answer_tokens, args.seed, log=print)

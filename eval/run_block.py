@@ -34,7 +34,7 @@ import graft_block  # noqa: E402,F401 - first: it sets the BLAS thread policy be
 import torch  # noqa: E402
 
 from graft_block.engine import trim_heap  # noqa: E402
-from graft_block.errors import ConfigError  # noqa: E402
+from graft_block.errors import ConfigError, run_command  # noqa: E402
 from graft_block.sampling import SamplingConfig  # noqa: E402
 from graft_block.eval import llamacpp, machine, measure, physics, presets, report  # noqa: E402
 from graft_block.eval.methods import load_method_files, lookup, make_method  # noqa: E402
@@ -311,12 +311,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
 
 def cli(argv=None, prog: str | None = None) -> int:
     """Command-line entry: a ConfigError is a one-line message and exit status 2, not a traceback."""
-    try:
-        main(argv, prog=prog)
-    except ConfigError as exc:
-        print(f"{prog or 'run_block'}: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(lambda: main(argv, prog=prog), prog or "run_block")
 
 
 if __name__ == "__main__":

@@ -229,12 +229,13 @@ def read_config_json(folder: str | Path, what: str = "drafter") -> dict:
 
 def reject_unknown_options(cfg: dict, ckpt: str | Path, kind: str, options) -> None:
     """With a checkpoint, what ``cfg`` still holds once the drafter took its options must come from the folder's own
-    config.json (``Drafter.from_config(folder)`` passes it whole); any other key is a misspelt or misplaced option."""
+    config.json, value for value (``Drafter.from_config(folder)`` passes it whole); any other key is a misspelt or
+    misplaced option, and a different value for a saved field would be ignored."""
     saved = read_config_json(resolve_checkpoint(ckpt, kind), kind)
-    extra = sorted(k for k in cfg if k not in saved)
+    extra = sorted(k for k in cfg if k not in saved or saved[k] != cfg[k])
     if extra:
-        raise ConfigError(f"unknown {kind} options {extra} beside checkpoint {ckpt}: the options are "
-                          f"{', '.join(options)}")
+        raise ConfigError(f"{kind} options {extra} beside checkpoint {ckpt} are neither options nor its config.json's "
+                          f"values (a saved field cannot be overridden): the options are {', '.join(options)}")
 
 
 def bundled_checkpoint(name: str) -> Path | None:

@@ -385,6 +385,11 @@ def load_target(
 ) -> Target:
     """Load the embedded default (``"smollm2-135m"``) or any local HF causal-LM folder. Never touches a hub."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    check_device(device)  # before the embedded target's first conversion, which loads every weight
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ConfigError(f"dtype {dtype!r} is not a torch dtype: use float32, bfloat16 or float16")
+        dtype = getattr(torch, dtype)
     if name_or_path in EMBEDDED_TARGETS:
         folder = embedded_folder(name_or_path)
     else:
@@ -394,9 +399,6 @@ def load_target(
                 f"target {name_or_path!r} is neither an embedded name ({', '.join(EMBEDDED_TARGETS)}) "
                 "nor a local folder with a config.json (model hubs are not used)"
             )
-    check_device(device)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
     if dtype is None:
         dtype = torch.float32 if str(device).startswith("cpu") else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(

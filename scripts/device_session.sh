@@ -10,7 +10,8 @@
 #             bundled dspark-smollm2's: embedding basis, draft 0 unbiased, greedy label) and its no-head control on
 #             the greedy ones
 #   headroom  `graft-block expect --headroom` on this GPU's verify curve: DFlash's DDTree and DSpark's scheduled tree at
-#             budgets 16 and 64 on 200 calibration contexts (about 1 min; docs/measuring.md)
+#             budgets 16 and 64 on 200 calibration contexts (about 1 min; docs/measuring.md); OVERHEAD_MS: that
+#             GPU's draft + tree + commit per round from a bench run there (2.5 = the 2-core CPU's)
 # Everything that comes back is under $OUT: the logs and res.part.* (a tar of gen/ and train/, split to the
 # tool's 16 MiB per file). Budget as measured 2026-12-04: 20 s install, 20 s lossless, ~40 s per greedy shard of
 # 3,000 answers, 3 min training + 1 min of target loads; "pairs" (about 9 min) needs a call of its own, and the

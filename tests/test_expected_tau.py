@@ -102,6 +102,8 @@ def test_expect_refuses_what_depends_on_earlier_rounds():
     with pytest.raises(ConfigError, match="has a schedule.*--headroom"):
         build_drafter("s", {**tree, "schedule": {"cost": "curve"}}, target, None)
     assert build_drafter("s", {**tree, "schedule": {"cost": "curve"}}, target, 3, schedule_ok=True).budget == 3
+    with pytest.raises(ConfigError, match="prices the schedule's default cut"):
+        build_drafter("s", {**tree, "schedule": {"cost": "curve", "stop": "first_drop"}}, target, 3, schedule_ok=True)
     with pytest.raises(ConfigError, match="has a graft"):  # a graft's tree is not the drafter's: never priced
         build_drafter("g", {**tree, "graft": {"mode": "prune"}}, target, None, schedule_ok=True)
     with pytest.raises(ConfigError, match="drafts no tree"):
@@ -178,6 +180,15 @@ def test_headroom_prices_fixed_sizes_the_schedules_cut_and_the_best_size_per_con
     assert blind["cut"]["speedup"] <= blind["fixed"][blind["best_fixed"]]["speedup"] + 1e-12
     assert blind["cut"]["nodes"] in (0.0, 1.0, 2.0, 3.0, 4.0)  # the same cut in both contexts
     assert blind["estimated_over_realised"] == pytest.approx((1 + 0.9 + 0.8 + 0.7 + 0.6) / 3.0)
+    short = from_paths(0, [[1, 2]], path_scores=[[-0.1, -0.2]])  # a context whose tree is smaller: sizes cap at 2
+    mixed = headroom([cut_values(chain, accepted, flat, cost, 0.0), cut_values(short, [1.0] * 3, flat[:3], cost, 0.0)],
+                     cost, 0.0)
+    assert mixed["fixed"][4] == pytest.approx({"tau": (5 + 3) / 2, "speedup": 8 / (cost(5) + cost(3))})
+    # the cut follows its estimate's order, not the path's: node 3 (path score -0.2) is the one the target takes
+    fork = from_paths(0, [[1, 2], [3]], path_scores=[[-0.1, -0.5], [-0.2]])
+    one = headroom([cut_values(fork, [1.0, 0.0, 0.0, 1.0], torch.tensor([1.0, 0.1, 0.05, 0.9]), cost, 0.0)], cost, 0.0)
+    assert one["fixed"][1]["tau"] == 1.0 and one["cut"] == pytest.approx({"tau": 2.0, "nodes": 1.0,
+                                                                           "speedup": 2.0 / cost(2)})
     res = {"headroom": {"chain": {0.0: knows}}, "nodes": {"chain": 4.0}}
     row = format_headroom(res).splitlines()[-1]
     assert row.startswith("| chain | 0 | 4.0 | 3.000 / 2.143 | 4 / 3.000 / 2.143 | 2.00 / 3.000 / 2.500 |")
@@ -185,8 +196,8 @@ def test_headroom_prices_fixed_sizes_the_schedules_cut_and_the_best_size_per_con
 
 
 def test_expect_headroom_on_a_real_tree_agrees_with_its_expected_tau(one_thread):
-    """Through ``evaluate``: the whole tree's fixed-size row is the method's expected tau, a smaller size never
-    earns more tokens, and the oracle is at least the best fixed size."""
+    """Through ``evaluate`` at T > 0: the whole tree's fixed-size row is the method's expected tau (a smoke test of
+    the plumbing; the arithmetic is the test above)."""
     target = tiny_target("qwen3")
     drafters = {"oracle": Oracle(target)}
     g = torch.Generator().manual_seed(5)

@@ -88,8 +88,9 @@ def test_errors_name_the_problem(tmp_path, target):
 
 @pytest.mark.parametrize("bad, words", [(["--temperature", "-1"], "temperature must be"),
                                         (["--temperature", "1", "--top-p", "0"], "top_p must be"),
-                                        (["--batch", "0"], "--batch must be positive"),
-                                        (["--count", "0"], "--count must be positive"),
+                                        (["--batch", "0"], "--batch must be >= 1"),
+                                        (["--count", "0"], "--count must be >= 1"),
+                                        (["--samples", "4"], "--samples must be 1, or more with --temperature > 0"),
                                         (["--after", "nowhere"], "--after nowhere is not an on-policy dataset"),
                                         (["--merge", "nowhere"], "--merge nowhere is not an on-policy dataset"),
                                         (["--prompts", "none.npz"], "--prompts none.npz does not exist")])

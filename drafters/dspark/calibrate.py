@@ -151,10 +151,10 @@ def calibrate(folder: str | Path, data: str, holdout: int = 32, target=None, wri
 
     from .checkpoint import load_checkpoint
 
-    target = target or load_target("smollm2-135m")
-    model = load_checkpoint(folder, device=target.device, dtype=torch.float32)
+    model = load_checkpoint(folder, device="cpu" if target is None else target.device, dtype=torch.float32)
     model.train_opts = {"num_anchors": 64, "unique_anchors": True}
     recs, _ = load_records(data, model.feature_layers)
+    target = target or load_target("smollm2-135m")  # once the checkpoint and the data are found
     held, _ = split_holdout(recs, holdout)
     fit, test = held[0::2], held[1::2]
     def at(per_row, temps):  # test NLL per row at each position's temperature
@@ -199,9 +199,10 @@ def main(argv=None) -> None:
     ap.add_argument("--dry-run", action="store_true", help="report only, leave config.json untouched")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
-    if args.holdout < 2 or args.min_rows < 1 or args.sampled_at < 0:
-        ap.error(f"--holdout must be >= 2 (half fit, half report), --min-rows >= 1 and --sampled-at >= 0, got "
-                 f"{args.holdout}, {args.min_rows} and {args.sampled_at}")
+    for flag, ok, rule in (("--holdout", args.holdout >= 2, ">= 2 (half fits, half reports)"),
+                           ("--min-rows", args.min_rows >= 1, ">= 1"), ("--sampled-at", args.sampled_at >= 0, ">= 0")):
+        if not ok:
+            ap.error(f"{flag} must be {rule}, got {getattr(args, flag[2:].replace('-', '_'))}")
     if args.threads:
         torch.set_num_threads(args.threads)
     rep = calibrate(args.folder, args.data, args.holdout, write=not args.dry_run, min_rows=args.min_rows,

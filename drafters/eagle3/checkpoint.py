@@ -81,9 +81,6 @@ def load_head(folder: str | Path, target=None, device=None, dtype=None) -> Eagle
     """Load an EAGLE-3 draft checkpoint folder strictly (config.json + weights) and check it against ``target``."""
     folder = Path(folder)
     cfg = Eagle3Config.from_dict(read_config_json(folder, "EAGLE-3 checkpoint"))
-    if cfg.hidden_size % cfg.num_attention_heads:  # else an error from inside transformers' LlamaConfig
-        raise ConfigError(f"{folder}/config.json: hidden_size {cfg.hidden_size} is not a multiple of "
-                          f"num_attention_heads {cfg.num_attention_heads}; the config does not match these weights")
     sd = _normalise_keys(read_state_dict(folder))
     return head_from_state_dict(cfg, sd, target, device, dtype, source=str(folder))
 

@@ -250,7 +250,6 @@ class Eagle3Drafter(Drafter):
     def save_trained(cls, model, out_dir, cfg: dict) -> None:
         defaults = {k: cfg[k] for k in ("budget", "depth", "top_k") if k in cfg}
         if not defaults:  # continuing a checkpoint in place keeps its tree defaults
-            import json
             from pathlib import Path
 
             old = Path(out_dir) / "config.json"

@@ -51,6 +51,9 @@ class Eagle3Config:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                               f"num_key_value_heads {self.num_key_value_heads}")
+        if self.hidden_size % self.num_attention_heads:  # else transformers' LlamaConfig refuses it, deep inside
+            raise ConfigError(f"hidden_size {self.hidden_size} must be a multiple of num_attention_heads "
+                              f"{self.num_attention_heads}: this EAGLE-3 config is inconsistent")
 
     @classmethod
     def from_dict(cls, d: dict) -> "Eagle3Config":
