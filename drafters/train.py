@@ -45,7 +45,7 @@ import sys
 
 import torch
 
-from graft_block.errors import run_command
+from graft_block.errors import check_options, run_command
 
 
 def main(argv=None):
@@ -116,13 +116,12 @@ def main(argv=None):
         ap.error(f"--config must be a JSON object of training options, e.g. '{{\"num_anchors\": 24}}' ({exc})")
     if not isinstance(cfg, dict):
         ap.error(f"--config must be a JSON object of training options, got {args.config!r}")
-    for flag, ok in (("--steps", args.steps is None or args.steps >= 0), ("--lr", args.lr > 0),
-                     ("--batch-size", args.batch_size >= 1), ("--epochs", args.epochs > 0),
-                     ("--warmup", 0 <= args.warmup < 1), ("--eval-every", args.eval_every >= 1),
-                     ("--minutes", args.minutes is None or args.minutes > 0), ("--threads", args.threads >= 1)):
-        if not ok:
-            ap.error(f"{flag} got {getattr(args, flag[2:].replace('-', '_'))}: steps >= 0 (0 only evaluates), "
-                     "lr, epochs and minutes > 0, batch size, eval-every and threads >= 1, warmup in [0, 1)")
+    check_options(ap, args, (("--steps", args.steps is None or args.steps >= 0, ">= 0 (0 only evaluates)"),
+                             ("--lr", args.lr > 0, "> 0"), ("--batch-size", args.batch_size >= 1, ">= 1"),
+                             ("--epochs", args.epochs > 0, "> 0"), ("--warmup", 0 <= args.warmup < 1, "in [0, 1)"),
+                             ("--eval-every", args.eval_every >= 1, ">= 1"),
+                             ("--minutes", args.minutes is None or args.minutes > 0, "> 0"),
+                             ("--threads", args.threads >= 1, ">= 1")))
     if not args.generate:
         if not args.out or not args.run:
             ap.error("--out and --run are required for training")

@@ -15,3 +15,11 @@ def run_command(main, prog: str) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def check_options(ap, args, rules) -> None:
+    """``ap.error`` (usage and exit status 2) for the first ``(flag, ok, rule)`` whose ``ok`` is false, naming the
+    flag, its rule and the value given: commands check their numbers this way before any model loads."""
+    for flag, ok, rule in rules:
+        if not ok:
+            ap.error(f"{flag} must be {rule}, got {getattr(args, flag[2:].replace('-', '_'))}")

@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .errors import ConfigError, run_command
+from .errors import ConfigError, check_options, run_command
 from .sampling import SamplingConfig
 from .train_data import answer_batch, data_root, forward_cache, train_prompts
 
@@ -337,16 +337,14 @@ def main(argv=None):
         SamplingConfig(args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as exc:
         ap.error(f"bad sampling options (--temperature / --top-k / --top-p): {exc}")
-    for flag, ok, rule in (("--count", args.count >= 1, ">= 1"), ("--chunk", args.chunk >= 1, ">= 1"),
-                           ("--first", args.first >= 0, ">= 0"), ("--batch", args.batch >= 1, ">= 1"),
-                           ("--max-new", args.max_new >= 1, ">= 1"),
-                           ("--max-prompt-tokens", args.max_prompt_tokens >= 1, ">= 1"),
-                           ("--minutes", args.minutes is None or args.minutes > 0, "> 0"),
-                           ("--max-files", args.max_files is None or args.max_files >= 1, ">= 1"),
-                           ("--samples", args.samples == 1 or (args.samples > 1 and args.temperature > 0),
-                            "1, or more with --temperature > 0")):
-        if not ok:
-            ap.error(f"{flag} must be {rule}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    check_options(ap, args, (("--count", args.count >= 1, ">= 1"), ("--chunk", args.chunk >= 1, ">= 1"),
+                             ("--first", args.first >= 0, ">= 0"), ("--batch", args.batch >= 1, ">= 1"),
+                             ("--max-new", args.max_new >= 1, ">= 1"),
+                             ("--max-prompt-tokens", args.max_prompt_tokens >= 1, ">= 1"),
+                             ("--minutes", args.minutes is None or args.minutes > 0, "> 0"),
+                             ("--max-files", args.max_files is None or args.max_files >= 1, ">= 1"),
+                             ("--samples", args.samples == 1 or (args.samples > 1 and args.temperature > 0),
+                              "1, or more with --temperature > 0")))
     for flag, folder in (("--merge", args.merge), ("--after", args.after)):
         if folder is not None and not (Path(folder) / "manifest.json").is_file():
             ap.error(f"{flag} {folder} is not an on-policy dataset (no manifest.json)")

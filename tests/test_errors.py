@@ -176,9 +176,10 @@ def test_sampling_on_gpu_style_generator_is_explicit(tiny_llama):
 
 @pytest.mark.parametrize("bad, words", [(["--config", "{bad"], "--config must be a JSON object"),
                                         (["--config", "[1]"], "--config must be a JSON object"),
-                                        (["--lr", "0"], "--lr got 0.0"), (["--steps", "-1"], "--steps got -1"),
-                                        (["--warmup", "1"], "--warmup got 1.0"),
-                                        (["--batch-size", "0"], "--batch-size got 0"),
+                                        (["--lr", "0"], "--lr must be > 0, got 0.0"),
+                                        (["--steps", "-1"], "--steps must be >= 0 (0 only evaluates), got -1"),
+                                        (["--warmup", "1"], "--warmup must be in [0, 1), got 1.0"),
+                                        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
                                         (["--type", "nothing"], "unknown drafter type 'nothing'"),
                                         (["--out", ""], "--out and --run are required")])
 def test_bad_training_options_fail_before_the_target_loads(bad, words, capsys, monkeypatch):

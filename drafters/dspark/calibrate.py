@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from graft_block.errors import ConfigError, run_command
+from graft_block.errors import ConfigError, check_options, run_command
 from graft_block.tree.schedule import (apply_temperatures, calibrate_temperatures, expected_calibration_error,
                                        prefix_ece)
 
@@ -199,10 +199,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dry-run", action="store_true", help="report only, leave config.json untouched")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
-    for flag, ok, rule in (("--holdout", args.holdout >= 2, ">= 2 (half fits, half reports)"),
-                           ("--min-rows", args.min_rows >= 1, ">= 1"), ("--sampled-at", args.sampled_at >= 0, ">= 0")):
-        if not ok:
-            ap.error(f"{flag} must be {rule}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    check_options(ap, args, (("--holdout", args.holdout >= 2, ">= 2 (half fits, half reports)"),
+                             ("--min-rows", args.min_rows >= 1, ">= 1"), ("--sampled-at", args.sampled_at >= 0, ">= 0")))
     if args.threads:
         torch.set_num_threads(args.threads)
     rep = calibrate(args.folder, args.data, args.holdout, write=not args.dry_run, min_rows=args.min_rows,
