@@ -39,6 +39,7 @@ from graft_block.eval import presets, report  # noqa: E402
 from graft_block.eval.methods import load_method_files, lookup  # noqa: E402
 from graft_block.onpolicy import read  # noqa: E402
 from graft_block.sampling import SamplingConfig, greedy_tokens, target_probs  # noqa: E402
+from graft_block.schedule import node_survival  # noqa: E402
 from graft_block.testing import prefilled_state  # noqa: E402
 from graft_block.tree import accept_at_least, path_products  # noqa: E402
 from graft_block.tree.schedule import (conditional_survival, cost_function, path_survival,  # noqa: E402
@@ -98,10 +99,8 @@ def tree_value(target, drafter, ids: list[int], sampling: SamplingConfig, surviv
         q = (greedy_tokens(logits.float())[parents.clamp(min=0)].cpu() == tree.tokens).double()
     else:
         q = target_probs(logits, sampling)[parents.clamp(min=0).to(logits.device), tokens].double().cpu()
-    own = getattr(drafter, "node_survival", None) if survival_from == "drafter" else None
-    survival = own(tree) if own is not None else None
     return {"at_least": accept_at_least(tree, q), "reach": path_products(tree, q.tolist()), "tree": tree,
-            "estimate": survival_from_scores(tree) if survival is None else survival}
+            "estimate": node_survival(tree, drafter, survival_from)[0]}
 
 
 def cut_values(tree, reach: list[float], estimate, cost, overhead: float) -> dict:

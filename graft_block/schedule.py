@@ -25,6 +25,18 @@ def _add_point(sums: list[float], x: float, y: float, w: float = 1.0) -> None:
         sums[i] += v
 
 
+def node_survival(tree: Tree, drafter=None, source: str = "drafter"):
+    """(P(node accepted) per node, where it came from) as a schedule reads them: with ``source`` "drafter", the
+    drafter's own ``node_survival`` (a confidence head) when it has one for this tree; else the tree's path
+    probabilities."""
+    head = getattr(drafter, "node_survival", None) if source == "drafter" else None
+    if head is not None:
+        s = head(tree)
+        if s is not None:
+            return s, "drafter"
+    return survival_from_scores(tree), "scores"
+
+
 class ConfidenceSchedule:
     """Cut each round's tree to the nodes worth their verify cost (DSpark's Algorithm 1 at batch 1).
 
@@ -92,15 +104,6 @@ class ConfidenceSchedule:
         self.min_nodes, self.stop = min_nodes, stop
         self.reset_stats()
 
-    def survival(self, tree: Tree, drafter=None):
-        """(survival tensor, where it came from): the drafter's confidence head first, the tree's scores else."""
-        head = getattr(drafter, "node_survival", None) if self.survival_from == "drafter" else None
-        if head is not None:
-            s = head(tree)
-            if s is not None:
-                return s, "drafter"
-        return survival_from_scores(tree), "scores"
-
     @staticmethod
     def overhead(state) -> float:
         """Mean seconds per round outside the verify so far (drafting, tree building, commit), from the decoder's
@@ -113,7 +116,7 @@ class ConfidenceSchedule:
     def apply(self, tree: Tree, state=None, drafter=None) -> Tree:
         """The scheduled subtree of ``tree``. Of ``state`` only the round counter and the phase timer are read (the
         schedule must not read this round's target choices; earlier rounds' outcomes come through ``observe``)."""
-        survival, source = self.survival(tree, drafter)
+        survival, source = node_survival(tree, drafter, self.survival_from)
         if state is None or not getattr(state, "round", 0):  # a new generate call
             self._counts, self._timed = {}, [0.0] * 5
             self._verify_mark = self._verify_total(state)
