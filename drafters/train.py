@@ -46,6 +46,7 @@ import sys
 import torch
 
 from graft_block.errors import check_options, run_command
+from graft_block.sampling import sampling_options
 
 
 def main(argv=None):
@@ -116,6 +117,7 @@ def main(argv=None):
         ap.error(f"--config must be a JSON object of training options, e.g. '{{\"num_anchors\": 24}}' ({exc})")
     if not isinstance(cfg, dict):
         ap.error(f"--config must be a JSON object of training options, got {args.config!r}")
+    sampling_options([args.temperature], args.top_k, args.top_p)  # --generate's; refused before the target loads
     check_options(ap, args, (("--steps", args.steps is None or args.steps >= 0, ">= 0 (0 only evaluates)"),
                              ("--lr", args.lr > 0, "> 0"), ("--batch-size", args.batch_size >= 1, ">= 1"),
                              ("--epochs", args.epochs > 0, "> 0"), ("--warmup", 0 <= args.warmup < 1, "in [0, 1)"),

@@ -38,7 +38,7 @@ from graft_block.errors import ConfigError, run_command  # noqa: E402
 from graft_block.eval import presets, report  # noqa: E402
 from graft_block.eval.methods import load_method_files, lookup  # noqa: E402
 from graft_block.onpolicy import read  # noqa: E402
-from graft_block.sampling import SamplingConfig, greedy_tokens, target_probs  # noqa: E402
+from graft_block.sampling import SamplingConfig, greedy_tokens, sampling_options, target_probs  # noqa: E402
 from graft_block.schedule import node_survival  # noqa: E402
 from graft_block.testing import prefilled_state  # noqa: E402
 from graft_block.tree import accept_at_least, path_products  # noqa: E402
@@ -342,20 +342,14 @@ def main(argv=None) -> None:
         temps = [float(t) for t in args.temperature.split(",")]
     except ValueError as exc:
         raise ConfigError(f"--temperature takes comma-separated numbers, got {args.temperature!r}") from exc
-    try:  # a bad temperature or filter fails here, before any model loads
-        samplings = [SamplingConfig(temperature=t, top_k=args.top_k, top_p=args.top_p) for t in temps]
-    except ValueError as exc:
-        raise ConfigError(f"bad sampling options (--temperature / --top-k / --top-p): {exc}") from None
+    samplings = sampling_options(temps, args.top_k, args.top_p)  # a bad one fails before any model loads
     extra = load_method_files(args.config)
     names = [m for m in args.methods.split(",") if m]
-    for b in budgets:  # every method's refusal, before the model loads
-        for n in names:
-            tree_spec(n, lookup(n, extra), b, schedule_ok=args.headroom)
+    specs = {n if len(budgets) == 1 else f"{n}@{b}": tree_spec(n, lookup(n, extra), b, schedule_ok=args.headroom)
+             for b in budgets for n in names}  # every method's refusal, before the model loads
     target = load_target(args.target, device=args.device, dtype=args.dtype)
-    label = {(n, b): n if len(budgets) == 1 else f"{n}@{b}" for b in budgets for n in names}
-    drafters = {label[n, b]: build_drafter(n, lookup(n, extra), target, b, schedule_ok=args.headroom)
-                for b in budgets for n in names}
-    estimates = {label[n, b]: estimate_source(lookup(n, extra)) for b in budgets for n in names}
+    drafters = {label: Drafter.from_config(spec["drafter"], target=target) for label, spec in specs.items()}
+    estimates = {label: estimate_source(spec) for label, spec in specs.items()}
     if args.prompts:
         contexts, sets = answer_contexts(target, args.prompts.split(","), args.limit, args.cuts,
                                          args.answer_tokens, args.seed, log=print)

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from graft_block.engine import trim_heap  # noqa: E402
 from graft_block.errors import ConfigError, run_command  # noqa: E402
-from graft_block.sampling import SamplingConfig  # noqa: E402
+from graft_block.sampling import sampling_options  # noqa: E402
 from graft_block.eval import llamacpp, machine, measure, physics, presets, report  # noqa: E402
 from graft_block.eval.methods import load_method_files, lookup, make_method  # noqa: E402
 from graft_block.eval.plots import plots  # noqa: E402
@@ -190,11 +190,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     max_new = args.max_new_tokens or suite["max_new_tokens"]
     temps = [float(t) for t in args.temperature.split(",")] if args.temperature else suite["temperatures"]
-    try:  # a bad temperature or filter fails here, before any model loads
-        for t in temps:
-            SamplingConfig(t, args.top_k, args.top_p)
-    except ValueError as exc:
-        raise ConfigError(f"bad sampling options (--temperature / --top-k / --top-p): {exc}") from None
+    sampling_options(temps, args.top_k, args.top_p)  # a bad temperature or filter fails before any model loads
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.threads:
         torch.set_num_threads(args.threads)

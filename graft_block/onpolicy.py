@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, check_options, run_command
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, sampling_options
 from .train_data import answer_batch, data_root, forward_cache, train_prompts
 
 GENERATOR_VERSION = 1
@@ -333,10 +333,7 @@ def main(argv=None):
     ap.add_argument("--save-prompts", default=None, metavar="NPZ",
                     help="only write the tokenised ShareGPT train prompts to this file (for a machine without it)")
     args = ap.parse_args(argv)
-    try:  # every bad option fails here, before the target loads
-        SamplingConfig(args.temperature, top_k=args.top_k, top_p=args.top_p)
-    except ValueError as exc:
-        ap.error(f"bad sampling options (--temperature / --top-k / --top-p): {exc}")
+    sampling_options([args.temperature], args.top_k, args.top_p)  # every bad option fails before the target loads
     check_options(ap, args, (("--count", args.count >= 1, ">= 1"), ("--chunk", args.chunk >= 1, ">= 1"),
                              ("--first", args.first >= 0, ">= 0"), ("--batch", args.batch >= 1, ">= 1"),
                              ("--max-new", args.max_new >= 1, ">= 1"),

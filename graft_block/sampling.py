@@ -11,6 +11,8 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
 )
 
+from .errors import ConfigError
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -40,6 +42,15 @@ class SamplingConfig:
         if self.top_p < 1.0:
             procs.append(NucleusWarper(float(self.top_p)))
         return procs
+
+
+def sampling_options(temperatures, top_k: int = 0, top_p: float = 1.0) -> list[SamplingConfig]:
+    """One SamplingConfig per temperature from a command's flags; a bad value is a ConfigError naming those flags
+    (commands call this before any model loads)."""
+    try:
+        return [SamplingConfig(t, top_k, top_p) for t in temperatures]
+    except ValueError as exc:
+        raise ConfigError(f"bad sampling options (--temperature / --top-k / --top-p): {exc}") from None
 
 
 class NucleusWarper:

@@ -181,6 +181,7 @@ def test_sampling_on_gpu_style_generator_is_explicit(tiny_llama):
                                         (["--warmup", "1"], "--warmup must be in [0, 1), got 1.0"),
                                         (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
                                         (["--type", "nothing"], "unknown drafter type 'nothing'"),
+                                        (["--generate", "--top-p", "0"], "top_p must be in"),
                                         (["--out", ""], "--out and --run are required")])
 def test_bad_training_options_fail_before_the_target_loads(bad, words, capsys, monkeypatch):
     from graft_block.drafters import train
