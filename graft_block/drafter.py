@@ -227,12 +227,17 @@ def read_config_json(folder: str | Path, what: str = "drafter") -> dict:
     return data
 
 
+def keys_from_file(cfg: dict, saved: dict) -> set[str]:
+    """The keys of ``cfg`` that came from a checkpoint's config.json ``saved``, value for value
+    (``Drafter.from_config(folder)`` passes the file whole): the loader's, not drafter options."""
+    return {k for k, v in cfg.items() if k in saved and saved[k] == v}
+
+
 def reject_unknown_options(cfg: dict, ckpt: str | Path, kind: str, options) -> None:
     """With a checkpoint, what ``cfg`` still holds once the drafter took its options must come from the folder's own
     config.json, value for value (``Drafter.from_config(folder)`` passes it whole); any other key is a misspelt or
     misplaced option, and a different value for a saved field would be ignored."""
-    saved = read_config_json(resolve_checkpoint(ckpt, kind), kind)
-    extra = sorted(k for k in cfg if k not in saved or saved[k] != cfg[k])
+    extra = sorted(set(cfg) - keys_from_file(cfg, read_config_json(resolve_checkpoint(ckpt, kind), kind)))
     if extra:
         raise ConfigError(f"{kind} options {extra} beside checkpoint {ckpt} are neither options nor its config.json's "
                           f"values (a saved field cannot be overridden): the options are {', '.join(options)}")

@@ -11,7 +11,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from graft_block.drafter import Drafter, check_budget, read_config_json, register, resolve_checkpoint, shared_checkpoint
+from graft_block.drafter import (Drafter, check_budget, keys_from_file, read_config_json, register, resolve_checkpoint,
+                                 shared_checkpoint)
 from graft_block.engine import drafter_kernel
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree, root_only
@@ -96,8 +97,7 @@ class Eagle3Drafter(Drafter):
         ckpt = cfg.get("checkpoint")
         folder = resolve_checkpoint(ckpt, "eagle3") if ckpt is not None else None
         saved = read_config_json(folder, "eagle3") if folder is not None else {}
-        # Keys that came from the folder's own config.json belong to the loader (hub files carry many).
-        from_file = {k for k, v in cfg.items() if k in saved and saved[k] == v}
+        from_file = keys_from_file(cfg, saved)  # the loader's (hub files carry many)
         unknown = [k for k in cfg if k not in DRAFTER_KEYS and k not in MODEL_CONFIG_KEYS and k not in from_file]
         if "auto_sizes" in unknown:
             raise ConfigError(AUTO_BUDGET_REMOVED)
