@@ -49,3 +49,28 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def refusal(monkeypatch, capsys):
+    """``refusal(main, argv)``: the message a command gives for bad options, which must come before any target
+    loads: argparse's usage error (exit status 2) or a ConfigError. Accepting the options fails the test."""
+    from graft_block import target as target_module
+    from graft_block.errors import ConfigError
+
+    def no_load(*a, **k):
+        raise AssertionError("the target loaded before the options were checked")
+
+    monkeypatch.setattr(target_module, "load_target", no_load)
+
+    def run(main, argv) -> str:
+        try:
+            main(argv)
+        except SystemExit as exc:
+            assert exc.code == 2
+            return capsys.readouterr().err
+        except ConfigError as exc:
+            return str(exc)
+        raise AssertionError(f"{argv} was accepted")
+
+    return run
