@@ -246,6 +246,9 @@ class MFDDrafter(D.DFlashDrafter):
         dm = load_dspark(resolve_checkpoint(folder, "markov"), device=dev, dtype=dt)
         if dm.markov_head is None:
             raise ConfigError(f"markov: {folder} has no Markov head (markov_rank 0), so there is nothing to share")
+        if dm.markov_head_type != "vanilla":
+            raise ConfigError(f"markov: {folder} has a {dm.markov_head_type!r} Markov head, which reads DSpark's own "
+                              "hidden rows; MFD shares vanilla heads only (a bias from the previous token alone)")
         if dm.draft_offset != getattr(self.model, "draft_offset", 1):
             raise ConfigError(f"markov: {folder} drafts from block row {dm.draft_offset} ({dm.alignment!r} alignment) "
                               f"but this MFD model from row {getattr(self.model, 'draft_offset', 1)}: their rows "

@@ -228,7 +228,9 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             raise ConfigError("draft_vocab_size counts the cached soft labels: drop --draft-vocab, or build a "
                               "feature cache (--generate --from-onpolicy) to choose the draft vocabulary")
         cfg["draft_vocab"] = draft_vocab_from_data(train_recs, draft_vocab_size).tolist()
-    model = klass.training_model(target, cfg, init if state is None else None)
+    if state is not None:  # rebuild the architecture the run started from (a folder's), then load its weights
+        init = state.get("init", init)
+    model = klass.training_model(target, cfg, init)
     layers = list(getattr(model, "feature_layers", ()) or ())
     if online:
         layers = layers or list(default_feature_layers(target.num_layers))
@@ -286,7 +288,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             return
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
                     "elapsed": elapsed0 + time.time() - t0, "cfg": cfg, "tokens_seen": seen,
-                    "records": len(recs)}, state_path)
+                    "records": len(recs), "init": None if init is None else str(init)}, state_path)
         klass.save_trained(model, out_dir, cfg)
         write_learning_curve(run_dir / "log.jsonl", out_dir)
 

@@ -172,7 +172,7 @@ def test_conditional_ddtree_is_the_top_budget_prefixes_of_the_conditional_joint(
     V, L = 5, 3
     table = torch.log_softmax(torch.randn(L, V, V, generator=g) * 2, -1)  # [depth, parent token, child]
 
-    def expand(depth, prevs):
+    def expand(depth, prevs, prefix):
         lp = table[depth - 1, prevs[0]]
         vals, ids = lp.sort(descending=True)
         return [(ids.tolist(), vals.tolist(), None)]
@@ -197,25 +197,26 @@ def test_conditional_ddtree_is_the_top_budget_prefixes_of_the_conditional_joint(
     # parent-independent distributions: the same set as DDTree's best-first heap over marginals
     marg = torch.log_softmax(torch.randn(L, V, generator=g), -1)
     vals, ids = marg.sort(dim=-1, descending=True)
-    indep = conditional_ddtree(0, lambda d, p: [(ids[d - 1].tolist(), vals[d - 1].tolist(), None)], 9, L)[0]
+    indep = conditional_ddtree(0, lambda d, p, _: [(ids[d - 1].tolist(), vals[d - 1].tolist(), None)], 9, L)[0]
     assert _paths(indep) == brute_force_top_prefixes(ids, vals, 9) == _paths(ddtree(0, ids, vals, 9))
 
 
 def test_conditional_acceptance_estimates():
     """c for a parent's top child, (1 - c) q(x) / (1 - q(top)) for the others; K = 1 is the greedy chain."""
     lp = [math.log(0.5), math.log(0.3), math.log(0.2)]
-    tree, acc = conditional_ddtree(7, lambda d, p: [([10 * d + 1, 10 * d + 2, 10 * d + 3], lp, 0.8)], 3, 2)
+    tree, acc = conditional_ddtree(7, lambda d, p, _: [([10 * d + 1, 10 * d + 2, 10 * d + 3], lp, 0.8)], 3, 2)
     assert tree.tokens.tolist() == [7, 11, 12, 21]  # 0.3 beats 0.5 * 0.5
     assert acc == pytest.approx([1.0, 0.8, 0.2 * 0.3 / 0.5, 0.8])
-    chain_tree, _ = conditional_ddtree(7, lambda d, p: [([p[0] + 1], [-0.1], None)], 5, 5)
+    chain_tree, _ = conditional_ddtree(7, lambda d, p, _: [([p[0] + 1], [-0.1], None)], 5, 5)
     assert chain_tree.tokens.tolist() == [7, 8, 9, 10, 11, 12] and chain_tree.parents.tolist() == [-1, 0, 1, 2, 3, 4]
 
 
 # ---- checkpoint layouts -------------------------------------------------------------------------------------
 def _dspark_folder(path, target, layout: str, alignment=None, rank=6, conf=True, with_markov=True, prefix=False,
-                   drop=None, extra=None):
+                   drop=None, extra=None, kind="vanilla", w2_scale=0.05):
     """A DSpark checkpoint written by hand: ``native`` = DeepSpec's Qwen3DSparkModel (keys at the top level, frozen
-    embed/lm_head copies), ``export`` = DSparkDraftModel with a dflash_config. Tiny Qwen3 shapes, fp32."""
+    embed/lm_head copies), ``export`` = DSparkDraftModel with a dflash_config. Tiny Qwen3 shapes, fp32. ``kind``:
+    the Markov head's type (DeepSpec's tensor names: ``gate_proj`` for gated, ``joint_proj`` for rnn)."""
     from safetensors.torch import save_file
 
     H, V = target.hidden_size, target.vocab_size
@@ -225,7 +226,7 @@ def _dspark_folder(path, target, layout: str, alignment=None, rank=6, conf=True,
            "num_key_value_heads": kv, "head_dim": hd, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
            "max_position_embeddings": 4096, "tie_word_embeddings": False, "vocab_size": V,
            "num_target_layers": target.num_layers, "block_size": 6}
-    keys = {"mask_token_id": 120, "target_layer_ids": ids, "markov_rank": rank, "markov_head_type": "vanilla",
+    keys = {"mask_token_id": 120, "target_layer_ids": ids, "markov_rank": rank, "markov_head_type": kind,
             "enable_confidence_head": conf, "confidence_head_with_markov": with_markov}
     if alignment is not None:
         keys["block_alignment"] = alignment
@@ -249,7 +250,12 @@ def _dspark_folder(path, target, layout: str, alignment=None, rank=6, conf=True,
                   p + "mlp.down_proj.weight": w(H, inter), p + "input_layernorm.weight": 1 + w(H),
                   p + "post_attention_layernorm.weight": 1 + w(H)})
     if rank:
-        t.update({"markov_head.markov_w1.weight": w(V, rank, s=1.0), "markov_head.markov_w2.weight": w(V, rank)})
+        t.update({"markov_head.markov_w1.weight": w(V, rank, s=1.0), "markov_head.markov_w2.weight": w(V, rank, s=w2_scale)})
+        if kind == "gated":
+            t.update({"markov_head.gate_proj.weight": w(rank, H + rank, s=0.5), "markov_head.gate_proj.bias": w(rank)})
+        elif kind == "rnn":
+            t.update({"markov_head.joint_proj.weight": w(3 * rank, 2 * rank + H, s=0.5),
+                      "markov_head.joint_proj.bias": w(3 * rank, s=0.5)})
     if conf:
         t.update({"confidence_head.proj.weight": w(1, H + (rank if with_markov else 0), s=0.3),
                   "confidence_head.proj.bias": w(1)})
@@ -279,7 +285,23 @@ def _rope(x, pos, theta):
     return x * cos + torch.cat([-b, a], -1) * sin
 
 
-def _reference_block(t, target, feats, start, block_ids, offset, rank, with_markov, temps=None):
+def _markov_step(t, kind, h, prev, state):
+    """One step of DeepSpec's Markov heads from the raw tensors: (bias over the vocabulary, the new RNN state)."""
+    e = t["markov_head.markov_w1.weight"][prev]
+    if kind == "gated":
+        lat = torch.sigmoid(t["markov_head.gate_proj.weight"] @ torch.cat([h, e]) + t["markov_head.gate_proj.bias"]) * e
+    elif kind == "rnn":
+        r = e.shape[0]
+        proj = t["markov_head.joint_proj.weight"] @ torch.cat([state, e, h]) + t["markov_head.joint_proj.bias"]
+        a = torch.sigmoid(proj[:r])
+        state = a * state + (1 - a) * torch.tanh(proj[r: 2 * r])
+        lat = torch.tanh(proj[2 * r:])
+    else:
+        lat = e
+    return t["markov_head.markov_w2.weight"] @ lat, state
+
+
+def _reference_block(t, target, feats, start, block_ids, offset, rank, with_markov, temps=None, kind="vanilla"):
     """An independent DSpark forward from the raw tensors: context K/V from fc/hidden_norm, non-causal block
     attention over [context; block], Qwen3 layers, then the Markov walk and confidences. Returns (chain tokens,
     confidences)."""
@@ -309,9 +331,10 @@ def _reference_block(t, target, feats, start, block_ids, offset, rank, with_mark
             @ t[p + "mlp.down_proj.weight"].T
     h = _rms(x, t["norm.weight"])[offset:]
     U = h @ target.model.get_output_embeddings().weight.detach().T
-    prev, toks, confs = int(block_ids[0]), [], []
+    prev, toks, confs, state = int(block_ids[0]), [], [], torch.zeros(rank)
     for j in range(h.shape[0]):
-        z = U[j] + (t["markov_head.markov_w2.weight"] @ t["markov_head.markov_w1.weight"][prev] if rank else 0)
+        bias, state = _markov_step(t, kind, h[j], prev, state) if rank else (0, state)
+        z = U[j] + bias
         if "confidence_head.proj.weight" in t:
             f = torch.cat([h[j], t["markov_head.markov_w1.weight"][prev]]) if with_markov else h[j]
             logit = float(f @ t["confidence_head.proj.weight"][0] + t["confidence_head.proj.bias"][0])
@@ -368,6 +391,82 @@ def test_head_options_load(tmp_path, rank, conf, with_markov, one_thread):
                                  target=target)
     ref = hf_greedy(target, PROMPT, 20)
     assert SpeculativeDecoder(target, tree_d).generate(PROMPT, max_new_tokens=20).tokens == ref
+
+
+@pytest.mark.parametrize("kind,layout", [("gated", "native"), ("rnn", "native"), ("rnn", "export")])
+def test_gated_and_rnn_heads_load_bit_for_bit_and_match_an_independent_forward(tmp_path, kind, layout, one_thread):
+    """DeepSpec's other two Markov heads (``gate_proj``, ``joint_proj``): the chain and its confidences equal a
+    forward recomputed from the raw tensors, and decoding stays token-identical to greedy."""
+    target = tiny_target("qwen3")
+    folder, raw = _dspark_folder(tmp_path / "ds", target, layout, kind=kind, w2_scale=0.5)  # a bias that matters
+    d = Drafter.from_config(str(folder), target=target)
+    assert d.model.markov_head_type == kind
+    sd = d.model.state_dict()
+    for k, v in raw.items():
+        if k not in ("embed_tokens.weight", "lm_head.weight"):
+            assert torch.equal(sd[k], v), k
+    d.budget = d.model.num_drafts
+    st = prefilled_state(target, PROMPT, d)
+    with torch.no_grad():
+        tree = d.propose(st)
+        toks, confs = _reference_block(raw, target, st.new_features, len(PROMPT),
+                                       torch.tensor([st.root_token] + [120] * 5), 0, 6, True, kind=kind)
+        plain, _ = _reference_block(raw, target, st.new_features, len(PROMPT),
+                                    torch.tensor([st.root_token] + [120] * 5), 0, 6, True)
+    assert tree.tokens[1:].tolist() == toks != plain  # the head's type changes the chain
+    assert torch.allclose(d.node_survival(tree)[1:].float(), torch.tensor(confs).cumprod(0), atol=1e-5)
+    tree_d = Drafter.from_config({"checkpoint": str(folder), "type": "dspark", "proposal": "ddtree", "budget": 10},
+                                 target=target)
+    ref = hf_greedy(target, PROMPT, 20)
+    for drafter in (d, tree_d):
+        assert SpeculativeDecoder(target, drafter).generate(PROMPT, max_new_tokens=20).tokens == ref
+
+
+def test_rnn_tree_scores_every_node_by_its_own_path(tmp_path, one_thread):
+    """An RNN head's state carries the whole path, so two nodes with the same token at the same depth may have
+    different children: the tree must be the top-budget prefixes of the path-conditional joint, recomputed here
+    from the raw tensors by a best-first search over every child of every node."""
+    import heapq
+
+    target = tiny_target("qwen3")
+    folder, raw = _dspark_folder(tmp_path / "ds", target, "native", kind="rnn", w2_scale=0.5)
+    budget = 14
+    d = Drafter.from_config({"checkpoint": str(folder), "type": "dspark", "proposal": "ddtree", "budget": budget,
+                             "markov_candidates": 0, "marginal_topk": 128}, target=target)
+    st = prefilled_state(target, PROMPT, d)
+    with torch.no_grad():
+        tree = d.propose(st)
+        _, h, U = d.block_rows(st)
+        U = U.float()
+    # best-first over the exact joint: (neg score, path, RNN state after the path's last step)
+    heap, best = [(0.0, (), torch.zeros(6))], {}
+    while heap and len(best) < budget + 1:
+        neg, path, state = heapq.heappop(heap)
+        best[path] = -neg
+        if len(path) == U.shape[0]:
+            continue
+        prev = path[-1] if path else st.root_token
+        bias, nxt = _markov_step(raw, "rnn", h[len(path)].float(), prev, state)
+        lp = torch.log_softmax(U[len(path)] + bias, -1)
+        for tok in range(lp.shape[0]):
+            heapq.heappush(heap, (neg - float(lp[tok]), path + (tok,), nxt))
+    best.pop(())
+    assert _paths(tree) == set(best)
+    for i in range(1, tree.size):
+        p, j = [], i
+        while j > 0:
+            p, j = [int(tree.tokens[j])] + p, int(tree.parents[j])
+        assert float(tree.scores[i]) == pytest.approx(best[tuple(p)], abs=1e-4)
+
+
+def test_a_bad_markov_head_type_fails_clearly(tmp_path, one_thread):
+    target = tiny_target("qwen3")
+    folder, _ = _dspark_folder(tmp_path / "ds", target, "native", kind="lstm")
+    with pytest.raises(ConfigError, match="markov_head_type 'lstm' is not one of vanilla, gated, rnn"):
+        Drafter.from_config(str(folder), target=target)
+    d = _drafter(target, markov_head_type="rnn")
+    with pytest.raises(ConfigError, match="RNN Markov head needs whole blocks"):
+        d.model.markov_bias(torch.tensor([[3, 4, 5]]), hidden=torch.zeros(3, target.hidden_size))  # rows, not blocks
 
 
 def test_round_trip_keeps_alignment_calibration_and_vocab(tmp_path, one_thread):
@@ -497,19 +596,22 @@ def _expected_accepts(d, target, prompt, sched=None) -> tuple[float, float]:
     return m1, m2 - m1 * m1
 
 
-@pytest.mark.parametrize("proposal,budget,scheduled,candidates,first", [
-    ("chain", 2, False, 64, True), ("ddtree", 4, False, 64, True), ("ddtree", 6, True, 64, True),
-    ("ddtree", 4, False, 2, True), ("ddtree", 4, False, 64, False)])
-def test_sampling_matches_target_distribution(proposal, budget, scheduled, candidates, first, one_thread):
+@pytest.mark.parametrize("proposal,budget,scheduled,candidates,first,kind", [
+    ("chain", 2, False, 64, True, "vanilla"), ("ddtree", 4, False, 64, True, "vanilla"),
+    ("ddtree", 6, True, 64, True, "vanilla"), ("ddtree", 4, False, 2, True, "vanilla"),
+    ("ddtree", 4, False, 64, False, "vanilla"), ("ddtree", 4, False, 64, True, "gated"),
+    ("ddtree", 6, True, 64, False, "rnn")])
+def test_sampling_matches_target_distribution(proposal, budget, scheduled, candidates, first, kind, one_thread):
     """T=1 on a 4-token vocabulary: the joint law of 2 new tokens under DSpark (chain, Markov tree, the tree cut by
-    its confidence head every round, children ranked among 2 candidate tokens, and no bias on the first draft)
-    equals the target's exact law (chi-square and TV), with drafted nodes accepted; the T=0.8 law is rejected."""
+    its confidence head every round, children ranked among 2 candidate tokens, no bias on the first draft, gated
+    and RNN heads) equals the target's exact law (chi-square and TV), with drafted nodes accepted; the T=0.8 law
+    is rejected."""
     from graft_block.schedule import ConfidenceSchedule
 
     V = 4
     target = tiny_target("llama", vocab_size=V, hidden_size=32, num_layers=2)
     d = _drafter(target, proposal=proposal, budget=budget, block_size=3, mask_token_id=V - 1, target_layer_ids=[0, 1],
-                 markov_rank=4, markov_candidates=candidates, markov_first_draft=first)
+                 markov_rank=4, markov_candidates=candidates, markov_first_draft=first, markov_head_type=kind)
     prompt = [1, 3, 2]
     exact = exact_sequence_probs(target, prompt, 2, SamplingConfig(1.0))
     n = 800
@@ -602,7 +704,7 @@ def test_frozen_backbone_trains_the_heads_only_and_the_greedy_label_is_argmax_ac
     assert moved and all(k.startswith(("markov_head.", "confidence_head.")) for k in moved)
     batch["generator"] = torch.Generator().manual_seed(5)
     _, _, rows = D.recipe_loss(model, target, batch,
-                               lambda h, prev, j: S.training.draft_logits(model, target, h, prev, j))
+                               lambda h, prev, j, ok: S.training.draft_logits(model, target, h, prev, j, valid=ok))
     batch["generator"] = torch.Generator().manual_seed(5)
     blk = D.make_blocks(model, batch)
     j = torch.arange(blk["valid"].shape[-1]).expand_as(blk["valid"])[blk["valid"]]
@@ -639,6 +741,48 @@ def test_embedding_basis_trains_two_small_matrices_and_saves_the_tables_it_impli
     assert torch.allclose(loaded.markov_bias(prev, loaded.draft_vocab), want, atol=2e-3 * float(want.abs().max()))
     with pytest.raises(ConfigError, match="markov_basis"):
         S.DSparkDrafter.training_model(target, dict(cfg, markov_basis="rows"), "random")
+
+
+@pytest.mark.parametrize("kind", ["gated", "rnn"])
+def test_gated_and_rnn_heads_train_on_whole_blocks_and_save_what_they_draft(kind, one_thread, tmp_path):
+    """Heads only, embedding basis: step 0 drafts as the backbone (W2 = 0), the loss falls, the RNN's
+    teacher-forced latents equal a step-by-step unroll, and the saved tables + projection give the same bias."""
+    target = tiny_target("llama")
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 5, "num_anchors": 16,
+           "markov_rank": 4, "freeze_backbone": True, "markov_basis": "embedding", "markov_head_type": kind}
+    model = S.DSparkDrafter.training_model(target, cfg, "random")
+    head = model.markov_head
+    proj = "gate_proj" if kind == "gated" else "joint_proj"
+    assert head.kind == kind and any(n.startswith(f"markov_head.{proj}.") for n, p in model.named_parameters()
+                                     if p.requires_grad)
+    H = target.model.config.hidden_size
+    prev, hid = torch.randint(0, 128, (2, 4)), torch.randn(2, 4, H)
+    assert float(model.markov_bias(prev, None, None, hid).detach().abs().max()) == 0.0  # W2 = 0 at the start
+    batch = _batch(target, model)
+    batch["generator"] = torch.Generator().manual_seed(0)
+    first = float(S.DSparkDrafter.training_loss(model, target, batch)[0])
+    _train_steps(target, model, 12)
+    batch["generator"] = torch.Generator().manual_seed(0)
+    assert float(S.DSparkDrafter.training_loss(model, target, batch)[0]) < first
+    with torch.no_grad():
+        lat = head.block_latents(prev, hid)
+        state = None
+        for j in range(4):  # the RNN's state runs along the block; the gated head is row by row
+            step, state = head.latent(head.prev_embed(prev[:, j]), hid[:, j], state)
+            assert torch.allclose(lat[:, j], step, atol=1e-6)
+        if kind == "rnn":
+            alone = head.latent(head.prev_embed(prev[:, 2]), hid[:, 2])[0]  # row 2 without rows 0-1's state
+            assert not torch.allclose(alone, lat[:, 2], atol=1e-4)
+    S.DSparkDrafter.save_trained(model, tmp_path / "ck", cfg)
+    loaded = S.load_checkpoint(tmp_path / "ck", dtype=torch.float32)
+    assert loaded.markov_head_type == kind
+    with torch.no_grad():
+        want = model.markov_bias(prev, model.draft_vocab, None, hid)
+        got = loaded.markov_bias(prev, loaded.draft_vocab, None, hid)
+    assert torch.allclose(got, want, atol=3e-3 * float(want.abs().max()))
+    with pytest.raises(ConfigError, match="has a 'rnn' Markov head|has a 'gated' Markov head"):
+        S.DSparkDrafter.training_model(target, dict(cfg, markov_head_type="vanilla", markov_basis="table"),
+                                       str(tmp_path / "ck"))
 
 
 def test_training_follows_the_configured_alignment(one_thread, tmp_path):

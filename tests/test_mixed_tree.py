@@ -169,7 +169,7 @@ def test_conditional_mixed_with_one_mode_is_conditional_ddtree(seed):
     table = _conditional_table(1, 4, 6, 50 + seed)
     expand = _table_expand(table, 4)
     for budget in (1, 5, 12):
-        ref, _ = conditional_ddtree(0, lambda d, prevs: [(*expand(0, d, prevs[0]), None)], budget, 4)
+        ref, _ = conditional_ddtree(0, lambda d, prevs, _: [(*expand(0, d, prevs[0]), None)], budget, 4)
         got = conditional_mixed_ddtree(0, expand, budget, 4, 1)
         assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.parents, ref.parents)
 

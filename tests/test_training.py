@@ -152,6 +152,20 @@ def test_resume_continues(tiny, data, tmp_path):
         T.train("nope", tiny, str(data), tmp_path / "x", tmp_path / "y")
 
 
+def test_resume_rebuilds_a_run_started_from_a_checkpoint_folder(tiny, data, tmp_path):
+    """A run started from a folder (here 3 layers reading target layers [0, 2]; a config that names neither builds
+    another shape) resumes on the folder's shape; it used to rebuild the config's defaults and fail."""
+    base = D.new_model(tiny, 3, 4, [0, 2], 127)
+    D.save_checkpoint(base, tmp_path / "init", dtype=torch.float32)
+    kw = dict(cfg={"num_anchors": 4}, lr=1e-3, batch_size=4, holdout=4, eval_every=0, log=lambda s: None)
+    r1 = T.train("dflash", tiny, str(data), tmp_path / "ck", tmp_path / "run", epochs=1,
+                 init=str(tmp_path / "init"), **kw)
+    r2 = T.train("dflash", tiny, str(data), tmp_path / "ck", tmp_path / "run", epochs=2, resume=True, **kw)
+    assert r2["step"] == 2 * r1["step"]
+    loaded = D.load_checkpoint(tmp_path / "ck", dtype=torch.float32)
+    assert len(loaded.layers) == 3 and list(loaded.target_layer_ids) == [0, 2]
+
+
 def test_separate_held_out_cache(tiny, data, tmp_path):
     """``eval_data``: every evaluation reads that cache (not a split of the training data) less any sequence whose
     prompt a training sequence shares, ``steps=0`` only evaluates the init, and a cache without the drafter's

@@ -71,17 +71,21 @@ def conditional_ddtree(root_token: int, expand, budget: int, max_depth: int) -> 
     """Best-first tree whose children come from each node's *own* distribution (a Markov-corrected block: the
     distribution at depth d depends on the parent's token), not from one marginal per depth.
 
-    ``expand(depth, tokens)`` -> one ``(ids, logprobs, confidence)`` per parent token: the top-K children at
-    ``depth`` (1-based) sorted by log-prob, and the drafter's estimate of P(its top child is accepted) (None if it
-    has none). The first token is the one needed now; the others are that node's later siblings, passed so that
+    ``expand(depth, tokens, prefix)`` -> one ``(ids, logprobs, confidence)`` per parent token: the top-K children
+    at ``depth`` (1-based) sorted by log-prob, and the drafter's estimate of P(its top child is accepted) (None if
+    it has none). The first token is the one needed now; the others are that node's later siblings, passed so that
     the drafter can compute their children in the same product (they are the likeliest next expansions).
+    ``prefix``: the tokens' common parent's path from the root, root token included (() for the root itself), so
+    ``prefix + (token,)`` names a node: a drafter whose distributions read the whole path (DSpark's RNN head) keys
+    its state by it.
     Returns the tree (nodes in pop order, so topological) and, when confidences exist, each node's estimated
     acceptance given its parent: c for a parent's top child, (1 - c) q(x) / (1 - q(top)) for the others.
     With K = 1 children per node this is the greedy chain."""
     tokens, parents, scores, accept = [int(root_token)], [-1], [0.0], [1.0]
     if budget < 1 or max_depth < 1:
         return make_tree(tokens, parents, scores, SOURCE_DRAFT), None
-    kids = {0: expand(1, [int(root_token)])[0]}
+    kids = {0: expand(1, [int(root_token)], ())[0]}
+    paths = [(int(root_token),)]
     has_conf = kids[0][2] is not None
     heap = [(-kids[0][1][0], 0, 0, 1, 0)]  # (-score, pop-order tiebreak, parent node, depth, rank)
     seq = 1
@@ -92,6 +96,7 @@ def conditional_ddtree(root_token: int, expand, budget: int, max_depth: int) -> 
         tokens.append(int(ids[rank]))
         parents.append(parent)
         scores.append(-neg)
+        paths.append(paths[parent] + (int(ids[rank]),))
         if has_conf:
             c = float(conf)
             rest = max(1e-12, 1.0 - math.exp(lps[0]))
@@ -101,7 +106,7 @@ def conditional_ddtree(root_token: int, expand, budget: int, max_depth: int) -> 
             seq += 1
         if depth < max_depth and len(tokens) - 1 < budget:  # first child, from its own distribution (the
             # budget's last node is never expanded: its children could not join the tree)
-            kids[node] = expand(depth + 1, [int(ids[rank])] + [int(t) for t in ids[rank + 1:]])[0]
+            kids[node] = expand(depth + 1, [int(ids[rank])] + [int(t) for t in ids[rank + 1:]], paths[parent])[0]
             heapq.heappush(heap, (-(scores[node] + kids[node][1][0]), seq, node, depth + 1, 0))
             seq += 1
     return make_tree(tokens, parents, scores, SOURCE_DRAFT), (accept if has_conf else None)

@@ -335,20 +335,21 @@ def block_metrics(hit: torch.Tensor, valid: torch.Tensor, anchor_ok: torch.Tenso
 
 def recipe_loss(model, target, batch: dict, logits_fn=None) -> tuple[torch.Tensor, dict, dict]:
     """The recipe's loss (module doc) over every drafting row of the batch's blocks, with its metrics.
-    ``logits_fn(hidden, prev, draft_index)`` scores the rows (default: the model's LM head; DSpark adds its Markov
-    bias).
+    ``logits_fn(hidden, prev, draft_index, valid)`` scores the rows: it gets the blocks' grid ([b, n, L, H], [b, n,
+    L], [b, n, L]) and returns logits of the ``valid`` rows [N, V'] (default: the model's LM head; DSpark adds its
+    Markov bias).
     Returns (loss, metrics, rows) with rows = hidden, prev, accept (1 - TV), correct (argmax == label), w (row
     weights), wsum: what a drafter's extra losses (DSpark's confidence head) need."""
     opts = model.train_opts
     blk = training_blocks(model, batch)
     valid = blk["valid"]
     b, n, Lr = valid.shape
-    h = draft_rows(model, target, batch, blk, int(opts["anchor_chunk"]))[valid]
-    prev, lab = blk["prev"][valid], blk["labels"][valid]
+    grid = draft_rows(model, target, batch, blk, int(opts["anchor_chunk"]))
+    h, prev, lab = grid[valid], blk["prev"][valid], blk["labels"][valid]
     if logits_fn is None:
         logits = model.logits(h, *lm_head(target))
-    else:
-        logits = logits_fn(h, prev, blk["draft_index"][valid])
+    else:  # the blocks' grid: a head that reads earlier rows (DSpark's RNN) needs whole blocks
+        logits = logits_fn(grid, blk["prev"], blk["draft_index"], valid)
     rows = row_objective(model, logits, lab, batch, blk["src"][valid], opts)
     w = row_weights(Lr, opts["gamma"], valid.device).view(1, 1, -1).expand(b, n, -1)[valid]
     wsum = w.sum().clamp(min=1e-6)

@@ -87,8 +87,11 @@ def draft_nll_table(model, target, recs, candidates: int = 64, batch_size: int =
         ok = blk["anchor_ok"]
         h = D.draft_rows(model, target, batch, blk)[ok]  # [N, L, H]
         L = h.shape[1]
-        flat = [t.reshape(-1, *t.shape[2:]) for t in (h, blk["prev"][ok], blk["draft_index"][ok],
-                                                      blk["labels"][ok], blk["valid"][ok], blk["src"][ok])]
+        prev, j = blk["prev"][ok], blk["draft_index"][ok]
+        lat = None if model.markov_head is None else model.markov_latents(prev, h, j)  # whole blocks (an RNN)
+        flat = [t.reshape(-1, *t.shape[2:]) for t in (h, prev, j, blk["labels"][ok], blk["valid"][ok],
+                                                      blk["src"][ok])]
+        lat = None if lat is None else lat.reshape(-1, lat.shape[-1])
         pos = torch.arange(L, device=h.device).repeat(h.shape[0])
         full = None
         if sampled > 0:  # the target's next-token logits at every data row (padding rows are never a label's)
@@ -97,7 +100,8 @@ def draft_nll_table(model, target, recs, candidates: int = 64, batch_size: int =
             hh, prev, j, lab, valid, src = (t[c: c + chunk] for t in flat)
             base = model.logits(hh, *D.lm_head(target)).float()
             cols = base.topk(min(candidates, base.shape[-1]), dim=-1).indices  # ranked by the backbone, as drafting
-            z = draft_logits(model, target, hh, prev, j, base=base).float().gather(-1, cols)
+            z = draft_logits(model, target, hh, prev, j, base=base,
+                             latent=None if lat is None else lat[c: c + chunk]).float().gather(-1, cols)
             if sampled > 0:  # as a sampling tree reads them (dspark.drafter): the temperature fits on top of 1/T
                 z = z / sampled
             if full is None:

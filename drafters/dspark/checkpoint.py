@@ -132,11 +132,11 @@ def save_checkpoint(model: DSparkModel, folder: str | Path, dtype=torch.float16,
 
 def new_dspark_model(target, num_layers: int = 2, block_size: int = 16, markov_rank: int = 8,
                      confidence_head: bool = True, alignment: str = "zlab", seed: int = 0,
-                     markov_first_draft: bool = True, **kw) -> DSparkModel:
+                     markov_first_draft: bool = True, markov_head_type: str = "vanilla", **kw) -> DSparkModel:
     """A randomly initialised DSpark drafter for ``target`` (tests, or training from scratch)."""
     base = new_model(target, num_layers=num_layers, block_size=block_size, seed=seed, **kw)
     model = from_dflash(base, markov_rank=markov_rank, confidence_head=confidence_head, alignment=alignment,
-                        seed=seed, markov_first_draft=markov_first_draft)
+                        seed=seed, markov_first_draft=markov_first_draft, markov_head_type=markov_head_type)
     if model.markov_head is not None:  # a visible correction, unlike a trained start's W2 = 0
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():

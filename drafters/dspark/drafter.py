@@ -4,7 +4,8 @@ Proposals (``proposal``):
   - ``chain``: draft j = argmax of softmax(U_j + W2 W1[draft j-1]) (draft -1 = the anchor), j < budget;
   - ``ddtree``: a best-first tree (``tree.ddtree.conditional_ddtree``) where each node's children come from its
     own corrected distribution softmax(U_d + W2 W1[node token]); products for a node and its likeliest later
-    siblings run as one batch, and a (depth, parent token) pair is never computed twice in a round.
+    siblings run as one batch, and a (depth, parent token) pair is never computed twice in a round. A gated head's
+    latent also reads the depth's hidden row; an RNN head's reads a state kept per node, so its cache is by path.
 Without a Markov head both reduce to DFlash's chain and DDTree over the same rows.
 
 At T > 0 the draft scores use softmax(z / T) (the tree's order then tracks what the target will sample); the
@@ -58,7 +59,7 @@ class DSparkDrafter(DFlashDrafter):
     ``marginal_topk``, ``prefetch`` (later siblings whose children share a node's product), ``markov_candidates``
     (children ranked among the backbone's C likeliest tokens per depth, default 64; 0 = exact). Random-init keys (no
     checkpoint, for tests): ``num_layers``, ``target_layer_ids``, ``mask_token_id``, ``seed``, ``markov_rank``,
-    ``confidence_head``, ``alignment``, ``markov_first_draft``."""
+    ``markov_head_type``, ``confidence_head``, ``alignment``, ``markov_first_draft``."""
 
     def __init__(self, target, model: DSparkModel, proposal: str = "chain", budget: int | None = None,
                  block_size: int | None = None, marginal_topk: int = 8, prefetch: int = 3,
@@ -71,6 +72,8 @@ class DSparkDrafter(DFlashDrafter):
                               f"vocabulary), got {markov_candidates!r}")
         self.markov_candidates = markov_candidates
         self._w1 = self._w2 = None
+        head = model.markov_head
+        self._latent_head = head if head is not None and head.kind != "vanilla" else None  # reads hidden states
         if model.markov_head is not None:  # W1 and the draft-vocabulary rows of W2, gathered once
             w2 = model.markov_head.markov_w2.weight
             self._w2 = (w2 if model.draft_vocab is None else w2[model.draft_vocab.to(w2.device)]).detach()
@@ -100,7 +103,8 @@ class DSparkDrafter(DFlashDrafter):
                                   f"{model.alignment!r} rows: drop the option or use a matching checkpoint")
             return cls(target, model, checkpoint=str(ckpt), **opts)
         init = {k: cfg.pop(k) for k in ("num_layers", "target_layer_ids", "mask_token_id", "seed", "num_features",
-                                        "markov_rank", "confidence_head", "markov_first_draft") if k in cfg}
+                                        "markov_rank", "markov_head_type", "confidence_head", "markov_first_draft")
+                if k in cfg}
         if cfg:
             raise ConfigError(f"unknown dspark config keys {sorted(cfg)}")
         model = new_dspark_model(target, block_size=random_init_block(opts), alignment=want or "zlab", **init)
@@ -112,7 +116,8 @@ class DSparkDrafter(DFlashDrafter):
 
     # ---- drafting ---------------------------------------------------------------------------------------
     def _expander(self, hidden, base, temperature: float, budget: int):
-        """``expand(depth, prev tokens)`` for ``conditional_ddtree``, with a per-round cache by (depth, token).
+        """``expand(depth, prev tokens, prefix)`` for ``conditional_ddtree``, with a per-round cache by (depth, token),
+        or by the node's path for an RNN head, whose state (kept per node) carries the path's earlier drafts.
         With ``markov_candidates`` C > 0 a node's children are ranked among the C likeliest backbone tokens of its
         depth: the Markov bias is computed on those C columns only (one [n, r] x [r, C] product), and the
         normaliser adds the backbone's mass outside them, uncorrected. Any tree is lossless, so the cut only
@@ -135,22 +140,31 @@ class DSparkDrafter(DFlashDrafter):
             plain_vals, plain_cols = torch.log_softmax(rows / t_rows, -1).topk(k_all, dim=-1)
         conf_h, conf_e = model.confidence_terms(hidden) or (None, None)
         cache: dict = {}
+        head = self._latent_head
+        stateful = head is not None and head.stateful
+        states: dict = {}  # RNN: a node's path -> the state its children's step reads
 
-        def expand(depth: int, prevs: list[int]):
-            todo = [t for t in dict.fromkeys(prevs[: 1 + self.prefetch]) if (depth, t) not in cache]
+        def expand(depth: int, prevs: list[int], prefix: tuple = ()):
+            key = (lambda t: prefix + (t,)) if stateful else (lambda t: (depth, t))
+            todo = [t for t in dict.fromkeys(prevs[: 1 + self.prefetch]) if key(t) not in cache]
             if todo:
                 prev = torch.tensor(todo, device=dev)
-                emb = None if self._w1 is None else F.embedding(prev, self._w1)
+                emb = lat = None if self._w1 is None else F.embedding(prev, self._w1)
+                if head is not None:  # gated / RNN: the latent reads this depth's hidden row (and the path's state)
+                    parent = states[prefix].expand(len(todo), -1) if stateful and prefix else None
+                    lat, new = head.latent(emb, hidden[depth - 1], parent)
+                    if new is not None:
+                        states.update({prefix + (t,): new[i] for i, t in enumerate(todo)})
                 if self._w2 is None or (plain_first and depth == 1):
                     vals = plain_vals[depth - 1].expand(len(todo), -1)
                     cols = plain_cols[depth - 1].expand(len(todo), -1)
                 elif restricted:
                     d = depth - 1
-                    z = candidate_logprobs(cand_z[d], emb.float() @ cand_w2[d].T, rest[d], temperature, temps[d])
+                    z = candidate_logprobs(cand_z[d], lat.float() @ cand_w2[d].T, rest[d], temperature, temps[d])
                     vals, idx = z.topk(k, dim=-1)
                     cols = cand_cols[d][idx]
                 else:  # base + W2 W1[prev] over the whole draft vocabulary, summed into the product's output
-                    z = inference_linear(emb.to(self._w2.dtype), self._w2, None, model.kernel, self._w2_layouts)
+                    z = inference_linear(lat.to(self._w2.dtype), self._w2, None, model.kernel, self._w2_layouts)
                     z = z.add_(base[depth - 1]) if z.dtype == base.dtype else z + base[depth - 1]
                     z = z.float() / temperature if temperature > 0 else z.float()
                     lp = torch.log_softmax(z / temps[depth - 1], -1)
@@ -164,8 +178,8 @@ class DSparkDrafter(DFlashDrafter):
                         c = c + emb.float() @ conf_e  # a head on W1[prev] implies a Markov head: emb is set
                     conf = model.calibrated(c, depth - 1).tolist()
                 for i, t in enumerate(todo):
-                    cache[(depth, t)] = (ids[i], vals[i], None if conf is None else conf[i])
-            return [cache[(depth, prevs[0])]]
+                    cache[key(t)] = (ids[i], vals[i], None if conf is None else conf[i])
+            return [cache[key(prevs[0])]]
 
         return expand
 

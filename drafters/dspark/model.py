@@ -5,7 +5,9 @@ heads, both keyed on the token *before* each draft row:
   - Markov head (``markov_rank`` r > 0): ``z_j = U_j + W2 W1[prev_j]`` with ``W1 = Embedding(V, r)`` and
     ``W2 = Linear(r, V, bias=False)``; U_j are the backbone's logits through the target's LM head. prev_0 is the
     block's anchor (the last committed token) and prev_j the token drafted at row j-1, so drafting is a loop of
-    small products after one backbone forward.
+    small products after one backbone forward. That is the ``vanilla`` head; DeepSpec's ``gated`` and ``rnn`` heads
+    replace W1[prev_j] by a latent that also reads the row's hidden state h_j (the RNN: and a state carried along
+    the block, i.e. every earlier draft; ``MarkovLatent``).
     ``markov_first_draft: false`` (ours; DeepSpec has no such switch) leaves draft 0 unbiased: its previous token
     is the anchor, which the backbone already reads, and a bias there only blurs the backbone's best row.
   - Confidence head: ``sigmoid(proj([h_j ; W1[prev_j]]))`` (or ``proj(h_j)`` without the Markov embedding), an
@@ -18,6 +20,7 @@ Block alignment (a property of how a checkpoint was trained, never guessed at ru
 ``draft_offset`` is the first block row that drafts (1 or 0). Draft j always predicts start + j + 1.
 
 Tensor names follow DeepSpec's (``markov_head.markov_w1.weight`` [V, r], ``markov_head.markov_w2.weight`` [V, r],
+``markov_head.gate_proj`` [r, d + r] (gated), ``markov_head.joint_proj`` [3r, 2r + d] (rnn), both with biases,
 ``confidence_head.proj.weight`` [1, d (+ r)], ``.bias`` [1]), so native folders load by name.
 """
 from __future__ import annotations
@@ -31,54 +34,119 @@ from graft_block.errors import ConfigError
 from ..dflash.model import DFlashModel
 
 ALIGNMENTS = {"zlab": 1, "deepspec": 0}
-MARKOV_TYPES = ("vanilla",)
+MARKOV_TYPES = ("vanilla", "gated", "rnn")
 
 
-class MarkovHead(nn.Module):
-    """A learned low-rank bigram on top of the block logits: bias(prev) = W2 W1[prev] over the vocabulary."""
+class MarkovLatent(nn.Module):
+    """What the three Markov heads share: the bias of draft j is W2 l_j, with a rank-r latent l_j per type
+    (DeepSpec's ``markov_head_type``); e_j = W1[prev_j] and h_j the backbone's (normed) hidden state of row j:
+      - ``vanilla``: l_j = e_j (a learned low-rank bigram);
+      - ``gated``: l_j = sigmoid(G [h_j ; e_j] + g) * e_j (``gate_proj``: the row decides how much bigram it takes);
+      - ``rnn``: [a; c; o] = J [s_{j-1} ; e_j ; h_j] + b, s_j = sigmoid(a) s_{j-1} + (1 - sigmoid(a)) tanh(c),
+        l_j = tanh(o) (``joint_proj``; s_{-1} = 0): the state carries every earlier draft, not only the last.
+    Subclasses give the basis: ``prev_embed`` (W1[prev]) and ``w2`` (W2's rows)."""
 
-    def __init__(self, vocab_size: int, rank: int):
+    def _init_kind(self, kind: str, rank: int, hidden_size: int) -> None:
+        self.kind = kind
+        if kind == "gated":
+            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        elif kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+
+    @property
+    def stateful(self) -> bool:
+        """True when a draft's bias depends on its whole path (the RNN), not only on its previous token."""
+        return self.kind == "rnn"
+
+    def latent(self, emb: torch.Tensor, hidden: torch.Tensor | None = None,
+               state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step: e [..., r] (W1[prev]), h [..., H], the previous state [..., r] (RNN; None = zeros) ->
+        (l [..., r], the new state or None)."""
+        if self.kind == "vanilla":
+            return emb, None
+        if hidden is None:
+            raise ConfigError(f"a {self.kind} Markov head reads each row's hidden state: pass hidden")
+        hidden = hidden.to(emb.dtype).expand(*emb.shape[:-1], -1)
+        if self.kind == "gated":
+            return torch.sigmoid(self.gate_proj(torch.cat([hidden, emb], -1))) * emb, None
+        if state is None:
+            state = torch.zeros_like(emb)
+        gate, cand, out = self.joint_proj(torch.cat([state.to(emb.dtype), emb, hidden], -1)).chunk(3, -1)
+        gate = torch.sigmoid(gate)
+        return torch.tanh(out), gate * state + (1.0 - gate) * torch.tanh(cand)
+
+    def block_latents(self, prev: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced latents [..., L, r] of consecutive draft rows: prev [..., L] (row j's previous token),
+        hidden [..., L, H]. The RNN runs along the last axis from a zero state, so it must start at draft 0."""
+        emb = self.prev_embed(prev)
+        if not self.stateful:
+            return self.latent(emb, hidden)[0]
+        if hidden is None or prev.dim() < 1 or hidden.shape[:-1] != prev.shape:
+            raise ConfigError("an RNN Markov head needs whole blocks: prev [..., L] and hidden [..., L, H] of "
+                              "consecutive draft rows from draft 0")
+        state, out = None, []
+        for j in range(prev.shape[-1]):
+            lat, state = self.latent(emb[..., j, :], hidden[..., j, :], state)
+            out.append(lat)
+        return torch.stack(out, -2)
+
+    def bias(self, prev: torch.Tensor, vocab: torch.Tensor | None = None,
+             hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """prev [...] token ids -> logit corrections [..., V'] (V' = ``vocab`` ids when given, else all); the gated
+        and RNN heads also read ``hidden`` [..., H] (the RNN: whole blocks, ``block_latents``)."""
+        return F.linear(self.block_latents(prev, hidden), self.w2(vocab))
+
+
+class MarkovHead(MarkovLatent):
+    """DeepSpec's tables: W1 = Embedding(V, r), W2 = Linear(r, V, bias=False), plus the type's projection."""
+
+    def __init__(self, vocab_size: int, rank: int, kind: str = "vanilla", hidden_size: int = 0):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self._init_kind(kind, rank, hidden_size)
 
     def prev_embed(self, prev: torch.Tensor) -> torch.Tensor:
         return self.markov_w1(prev)
 
-    def bias(self, prev: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
-        """prev [...] token ids -> logit corrections [..., V'] (V' = ``vocab`` ids when given, else all)."""
-        w2 = self.markov_w2.weight if vocab is None else self.markov_w2.weight[vocab]
-        return F.linear(self.prev_embed(prev), w2)
+    def w2(self, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        return self.markov_w2.weight if vocab is None else self.markov_w2.weight[vocab]
 
 
-class EmbeddingMarkovHead(nn.Module):
+class EmbeddingMarkovHead(MarkovLatent):
     """A training-time Markov head in the target's embedding space: W1 = E A and W2 = E B, with E the target's
-    frozen input embedding [V, H] and A, B [H, r] the only parameters. A table W1[prev] learns only from the
-    rows whose previous token is ``prev``; here every row trains the same 2 H r numbers, so tokens seen rarely
-    borrow from their neighbours in E. It saves as the vanilla tables (``tables``), so checkpoints and drafting
-    are unchanged."""
+    frozen input embedding [V, H] and A, B [H, r] the basis's only parameters (a gated or RNN head adds its
+    projection). A table W1[prev] learns only from the rows whose previous token is ``prev``; here every row trains
+    the same 2 H r numbers, so tokens seen rarely borrow from their neighbours in E. It saves as the tables
+    (``tables``), so checkpoints and drafting are unchanged."""
 
-    def __init__(self, embed: torch.Tensor, rank: int, seed: int = 0):
+    def __init__(self, embed: torch.Tensor, rank: int, seed: int = 0, kind: str = "vanilla",
+                 hidden_size: int = 0):
         super().__init__()
         self.register_buffer("embed", embed.detach(), persistent=False)
         g = torch.Generator().manual_seed(seed)
         scale = 0.02 / float(embed.detach().float().norm(dim=-1).mean())  # W1 rows start at the table's 0.02 scale
         self.a = nn.Parameter((torch.randn(embed.shape[1], rank, generator=g) * scale).to(embed))
         self.b = nn.Parameter(torch.zeros(embed.shape[1], rank).to(embed))  # W2 = 0: step 0 drafts as the backbone
+        self._init_kind(kind, rank, hidden_size)
 
     def prev_embed(self, prev: torch.Tensor) -> torch.Tensor:
         return F.embedding(prev, self.embed) @ self.a
 
-    def bias(self, prev: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
-        e = self.embed if vocab is None else self.embed[vocab]
-        return F.linear(self.prev_embed(prev), e @ self.b)
+    def w2(self, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        return (self.embed if vocab is None else self.embed[vocab]) @ self.b
 
     def tables(self) -> MarkovHead:
-        """The vanilla head with W1 = E A and W2 = E B (what a checkpoint stores)."""
-        head = MarkovHead(self.embed.shape[0], self.a.shape[1]).to(self.a)
+        """The table head with W1 = E A and W2 = E B (what a checkpoint stores), the type's projection copied."""
+        hidden = self.gate_proj.in_features - self.a.shape[1] if self.kind == "gated" else (
+            self.joint_proj.in_features - 2 * self.a.shape[1] if self.kind == "rnn" else 0)
+        head = MarkovHead(self.embed.shape[0], self.a.shape[1], self.kind, hidden).to(self.a)
         with torch.no_grad():
             head.markov_w1.weight.copy_(self.embed @ self.a)
             head.markov_w2.weight.copy_(self.embed @ self.b)
+            for name in ("gate_proj", "joint_proj"):
+                if hasattr(self, name):
+                    getattr(head, name).load_state_dict(getattr(self, name).state_dict())
         return head
 
 
@@ -110,8 +178,8 @@ class DSparkModel(DFlashModel):
         if not isinstance(markov_rank, int) or markov_rank < 0:
             raise ConfigError(f"markov_rank must be an int >= 0 (0 = no Markov head), got {markov_rank!r}")
         if markov_rank and markov_head_type not in MARKOV_TYPES:
-            raise ConfigError(f"markov_head_type {markov_head_type!r} is not supported here (supported: "
-                              f"{', '.join(MARKOV_TYPES)}); the gated and RNN variants are not built")
+            raise ConfigError(f"markov_head_type {markov_head_type!r} is not one of {', '.join(MARKOV_TYPES)} "
+                              "(DeepSpec's three Markov heads)")
         if confidence_head and confidence_with_markov and not markov_rank:
             raise ConfigError("confidence_head_with_markov needs a Markov head (markov_rank > 0): set "
                               "confidence_head_with_markov to false or give a rank")
@@ -122,7 +190,7 @@ class DSparkModel(DFlashModel):
         # DeepSpec biases every draft; draft 0's previous token is the anchor, which the backbone already reads
         self.markov_first_draft = bool(markov_first_draft)
         V, H = self.config.vocab_size, self.config.hidden_size
-        self.markov_head = MarkovHead(V, markov_rank) if markov_rank else None
+        self.markov_head = MarkovHead(V, markov_rank, markov_head_type, H) if markov_rank else None
         self.confidence_with_markov = bool(confidence_head and confidence_with_markov)
         self.confidence_head = (ConfidenceHead(H + (markov_rank if self.confidence_with_markov else 0))
                                 if confidence_head else None)
@@ -142,19 +210,26 @@ class DSparkModel(DFlashModel):
         """Drafts one block yields: B - 1 (zlab) or B (deepspec)."""
         return self.block_size - self.draft_offset
 
-    def markov_bias(self, prev: torch.Tensor, vocab: torch.Tensor | None = None,
-                    draft_index: torch.Tensor | None = None) -> torch.Tensor | float:
-        """Logit correction for draft rows whose previous token is ``prev`` (0 without a Markov head).
-        ``draft_index`` [...]: each row's draft position j, needed when ``markov_first_draft`` is off (draft 0 then
-        gets no bias)."""
-        if self.markov_head is None:
-            return 0.0
-        bias = self.markov_head.bias(prev, vocab)
+    def markov_latents(self, prev: torch.Tensor, hidden: torch.Tensor | None = None,
+                       draft_index: torch.Tensor | None = None) -> torch.Tensor:
+        """The Markov head's rank-r latents [..., r] of draft rows whose previous tokens are ``prev`` [...] and hidden
+        states ``hidden`` [..., H] (gated and RNN heads; the RNN needs whole blocks: see ``block_latents``); the bias
+        is W2 times them. ``draft_index`` [...]: each row's draft position j, needed when ``markov_first_draft`` is
+        off (draft 0 then gets no bias)."""
+        lat = self.markov_head.block_latents(prev, hidden)
         if not self.markov_first_draft:
             if draft_index is None:
                 raise ConfigError("this model's Markov head skips the first draft: pass each row's draft_index")
-            bias = bias * (draft_index != 0).unsqueeze(-1).to(bias.dtype)
-        return bias
+            lat = lat * (draft_index != 0).unsqueeze(-1).to(lat.dtype)
+        return lat
+
+    def markov_bias(self, prev: torch.Tensor, vocab: torch.Tensor | None = None,
+                    draft_index: torch.Tensor | None = None,
+                    hidden: torch.Tensor | None = None) -> torch.Tensor | float:
+        """Logit correction [..., V'] for draft rows (``markov_latents``' arguments; 0 without a Markov head)."""
+        if self.markov_head is None:
+            return 0.0
+        return F.linear(self.markov_latents(prev, hidden, draft_index), self.markov_head.w2(vocab))
 
     def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         """hidden [..., H] of draft rows, prev [...] their previous tokens -> pre-sigmoid confidences (None when the

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from graft_block.errors import ConfigError
 
@@ -24,7 +25,7 @@ from ..dflash.checkpoint import check_compatible
 from .checkpoint import load_checkpoint
 from .model import DSparkModel, EmbeddingMarkovHead, from_dflash
 
-TRAIN_DEFAULTS = {"markov_rank": 64, "confidence_head": True, "confidence_weight": 1.0, "alignment": "zlab",
+TRAIN_DEFAULTS = {"markov_rank": 64, "markov_head_type": "vanilla", "confidence_head": True, "confidence_weight": 1.0, "alignment": "zlab",
                   "freeze_backbone": False, "confidence_label": "tv", "markov_basis": "table",
                   "markov_first_draft": True}
 MARKOV_BASES = ("table", "embedding")  # W1/W2 as free [V, r] tables (DeepSpec) or E A / E B (EmbeddingMarkovHead)
@@ -50,6 +51,9 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
     from_dspark = bool(arch) and "DFlashDraftModel" not in arch  # continue a DSpark folder, heads included
     if from_dspark:
         model = load_checkpoint(init, device=target.device, dtype=torch.float32)
+        if "markov_head_type" in cfg and cfg["markov_head_type"] != model.markov_head_type:
+            raise ConfigError(f"--init {init} has a {model.markov_head_type!r} Markov head and the config asks for "
+                              f"{cfg['markov_head_type']!r}: start from a DFlash folder for a new head type")
         if "alignment" in cfg and cfg["alignment"] != model.alignment:
             raise ConfigError(f"--init {init} drafts with {model.alignment!r} rows and the config asks for "
                               f"{cfg['alignment']!r}: a DSpark checkpoint keeps its alignment (start from a DFlash "
@@ -59,7 +63,8 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
     else:
         base = D.training_model(target, cfg, init)
         model = from_dflash(base, markov_rank=int(opts["markov_rank"]), confidence_head=bool(opts["confidence_head"]),
-                            alignment=str(opts["alignment"]), seed=int(cfg.get("seed", 0)))
+                            alignment=str(opts["alignment"]), seed=int(cfg.get("seed", 0)),
+                            markov_head_type=opts["markov_head_type"])
     if not isinstance(opts["markov_first_draft"], bool):
         raise ConfigError(f"markov_first_draft must be true or false, got {opts['markov_first_draft']!r}")
     if "markov_first_draft" in cfg or not from_dspark:  # a DSpark init keeps its own unless asked
@@ -76,7 +81,8 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
         if model.markov_head is None:
             raise ConfigError("markov_basis 'embedding' needs a Markov head: set markov_rank > 0")
         embed = target.model.get_input_embeddings().weight.detach().to(target.device, torch.float32)
-        model.markov_head = EmbeddingMarkovHead(embed, model.markov_rank, seed=int(cfg.get("seed", 0)))
+        model.markov_head = EmbeddingMarkovHead(embed, model.markov_rank, seed=int(cfg.get("seed", 0)),
+                                                kind=model.markov_head_type, hidden_size=model.config.hidden_size)
     if opts["confidence_label"] not in CONFIDENCE_LABELS:
         raise ConfigError(f"confidence_label must be one of {CONFIDENCE_LABELS} ('tv': 1 - TV to the target, the "
                           f"acceptance when sampling; 'greedy': the draft's argmax is the target's token), got "
@@ -90,18 +96,25 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
 
 
 def draft_logits(model: DSparkModel, target, hidden: torch.Tensor, prev: torch.Tensor,
-                 draft_index: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
-    """Markov-corrected draft logits over the draft vocabulary: U(hidden) + W2 W1[prev] (teacher-forced prev;
-    ``draft_index``: each row's draft position j; ``base``: U(hidden) when the caller already has it)."""
-    z = model.logits(hidden, *D.lm_head(target)) if base is None else base
-    return z if model.markov_head is None else z + model.markov_bias(prev, model.draft_vocab, draft_index)
+                 draft_index: torch.Tensor, base: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                 latent: torch.Tensor | None = None) -> torch.Tensor:
+    """Markov-corrected draft logits over the draft vocabulary: U(hidden) + W2 l (teacher-forced prev; l the head's
+    latent, ``DSparkModel.markov_latents``). hidden [..., H], prev and ``draft_index`` (each row's draft position j)
+    [...]; an RNN head needs whole blocks ([..., L, H], [..., L]). ``valid`` (a mask over prev's shape): score only
+    those rows, flattened. ``base``: U of the scored rows when the caller has it; ``latent``: likewise l."""
+    pick = (lambda t: t) if valid is None else (lambda t: t[valid])
+    z = model.logits(pick(hidden), *D.lm_head(target)) if base is None else base
+    if model.markov_head is None:
+        return z
+    lat = pick(model.markov_latents(prev, hidden, draft_index)) if latent is None else latent
+    return z + F.linear(lat.to(z.dtype), model.markov_head.w2(model.draft_vocab).to(z.dtype))
 
 
 def training_loss(model: DSparkModel, target, batch: dict):
     if "top_ids" not in batch:
         raise ConfigError("DSpark's L1 and confidence losses need the target's top-k distributions in the data "
                           "cache (top_ids / top_logp): regenerate the cache with graft_block.drafters.train --generate")
-    loss, m, rows = D.recipe_loss(model, target, batch, lambda h, prev, j: draft_logits(model, target, h, prev, j))
+    loss, m, rows = D.recipe_loss(model, target, batch, lambda h, prev, j, ok: draft_logits(model, target, h, prev, j, valid=ok))
     conf = model.confidence_logits(rows["hidden"], rows["prev"])
     if conf is not None:
         w, wsum = rows["w"], rows["wsum"]
