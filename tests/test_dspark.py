@@ -250,7 +250,8 @@ def _dspark_folder(path, target, layout: str, alignment=None, rank=6, conf=True,
                   p + "mlp.down_proj.weight": w(H, inter), p + "input_layernorm.weight": 1 + w(H),
                   p + "post_attention_layernorm.weight": 1 + w(H)})
     if rank:
-        t.update({"markov_head.markov_w1.weight": w(V, rank, s=1.0), "markov_head.markov_w2.weight": w(V, rank, s=w2_scale)})
+        t.update({"markov_head.markov_w1.weight": w(V, rank, s=1.0),
+                  "markov_head.markov_w2.weight": w(V, rank, s=w2_scale)})
         if kind == "gated":
             t.update({"markov_head.gate_proj.weight": w(rank, H + rank, s=0.5), "markov_head.gate_proj.bias": w(rank)})
         elif kind == "rnn":

@@ -25,7 +25,8 @@ from ..dflash.checkpoint import check_compatible
 from .checkpoint import load_checkpoint
 from .model import DSparkModel, EmbeddingMarkovHead, from_dflash
 
-TRAIN_DEFAULTS = {"markov_rank": 64, "markov_head_type": "vanilla", "confidence_head": True, "confidence_weight": 1.0, "alignment": "zlab",
+TRAIN_DEFAULTS = {"markov_rank": 64, "markov_head_type": "vanilla", "confidence_head": True, "confidence_weight": 1.0,
+                  "alignment": "zlab",
                   "freeze_backbone": False, "confidence_label": "tv", "markov_basis": "table",
                   "markov_first_draft": True}
 MARKOV_BASES = ("table", "embedding")  # W1/W2 as free [V, r] tables (DeepSpec) or E A / E B (EmbeddingMarkovHead)
@@ -114,7 +115,8 @@ def training_loss(model: DSparkModel, target, batch: dict):
     if "top_ids" not in batch:
         raise ConfigError("DSpark's L1 and confidence losses need the target's top-k distributions in the data "
                           "cache (top_ids / top_logp): regenerate the cache with graft_block.drafters.train --generate")
-    loss, m, rows = D.recipe_loss(model, target, batch, lambda h, prev, j, ok: draft_logits(model, target, h, prev, j, valid=ok))
+    loss, m, rows = D.recipe_loss(model, target, batch,
+                                  lambda h, prev, j, ok: draft_logits(model, target, h, prev, j, valid=ok))
     conf = model.confidence_logits(rows["hidden"], rows["prev"])
     if conf is not None:
         w, wsum = rows["w"], rows["wsum"]
