@@ -25,6 +25,7 @@ _EAGLE = {"type": "eagle3", "checkpoint": "@eagle3-smollm2", "budget": "{budget}
 # budget 4, 1.56 both at 8, MFD 1.41 vs 1.42) for a cheaper draft
 _DFLASH = {"type": "dflash", "checkpoint": "@dflash-smollm2", "block_size": "budget"}
 _DSPARK = {"type": "dspark", "checkpoint": "@dspark-smollm2", "block_size": "budget"}
+_DSPARK_RNN = {**_DSPARK, "checkpoint": "@dspark-rnn-smollm2"}  # DeepSpec's RNN head on the same backbone
 # trees draft at most 3 rows below the deepest acceptance of their last 16 rounds: at budget 16 the same tau as
 # every row (1.94 at 6, 8 and 17 rows) and 5-7% faster (MFD drafts its rows once per mode). Chains (Graft-TAIL
 # reads the whole chain) and the 64-node trees (whose depth the chimeric analysis measures) keep every row.
@@ -73,6 +74,10 @@ PRESETS: dict[str, dict] = {
     "dspark_graft": {"drafter": {**_DSPARK, **_ROWS, "proposal": "ddtree", "budget": "{budget}"},
                      "graft": {"mode": "graft"},
                      "default_budget": 16, "about": "DSpark Markov tree + Graft (prune -> retrieve -> splice)"},
+    "dspark_rnn_chain": {"drafter": {**_DSPARK_RNN, "proposal": "chain"},
+                         "about": "DSpark with DeepSpec's RNN Markov head (a state along the block), chain"},
+    "dspark_rnn_ddtree": {"drafter": {**_DSPARK_RNN, **_ROWS, "proposal": "ddtree", "budget": "{budget}"},
+                          "default_budget": 16, "about": "DSpark RNN-head tree: each node carries its path's state"},
     "dspark_ddtree64": {"drafter": {**_DSPARK, "proposal": "ddtree", "budget": 64}, "chimeric": True,
                         "about": "DSpark tree at 64 nodes, with the chimeric proxy"},
     "dflash_sched": {"drafter": {**_DFLASH, **_ROWS, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
@@ -105,7 +110,8 @@ QUICK = ["ar", "hf", "hf_pld", "pld", "recycling", "pld_matrix", "eagle3_graft",
          "dflash_graft", "mfd", "mfd_markov", "dspark_chain", "dspark_ddtree", "dspark_sched", "dspark_graft"]
 PAPER = ["ar", "pld", "eagle3", "eagle3_prune", "eagle3_fixed", "eagle3_graft", "dflash_chain", "dflash_tail",
          "dflash_ddtree", "dflash_ddtree64", "mfd", "mfd_k1_ddtree", "mfd_markov", "dspark_chain", "dspark_ddtree",
-         "dspark_sched", "dspark_ddtree64", "dflash_sched", "dflash_graft", "dspark_graft"]
+         "dspark_sched", "dspark_ddtree64", "dflash_sched", "dflash_graft", "dspark_graft", "dspark_rnn_chain",
+         "dspark_rnn_ddtree"]
 
 # Per suite: prompt sets, prompts per set (the --limit default), new tokens, temperatures, methods.
 SUITES: dict[str, dict] = {

@@ -959,23 +959,26 @@ def test_dspark_tree_composes_with_graft_losslessly(one_thread):
 
 # ---- the bundled drafter on the real target ---------------------------------------------------------------
 @pytest.mark.slow
-def test_smollm2_bundled_dspark_lossless(smollm2):
-    """dspark-smollm2 on SmolLM2: chain, Markov tree, the scheduled tree and the grafted tree (dspark_graft) equal
-    HF greedy token for token, with drafts accepted on a code prompt (one HF reference serves all four)."""
+@pytest.mark.parametrize("name,cases", [
+    ("dspark-smollm2", (("chain", 15, None), ("ddtree", 16, None), ("ddtree", 16, "curve"), ("ddtree", 16, "graft"))),
+    ("dspark-rnn-smollm2", (("chain", 15, None), ("ddtree", 16, None)))])
+def test_smollm2_bundled_dspark_lossless(smollm2, name, cases):
+    """The bundled DSpark drafters on SmolLM2: chain, Markov tree, the scheduled tree and the grafted tree
+    (dspark_graft; the RNN head: chain and tree) equal HF greedy token for token, with drafts accepted on a code
+    prompt."""
     from graft_block.adjacency import AdjacencyMatrix
     from graft_block.drafter import bundled_checkpoint
     from graft_block.graft import Graft
     from graft_block.schedule import ConfidenceSchedule
 
-    folder = bundled_checkpoint("dspark-smollm2")
+    folder = bundled_checkpoint(name)
     if folder is None:
-        pytest.skip("drafters/checkpoints/dspark-smollm2 is not present")
+        pytest.skip(f"drafters/checkpoints/{name} is not present")
     prompt = smollm2.encode([{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci "
                                                          "number."}]).tolist()
     n = 40
     ref = hf_greedy(smollm2, prompt, n)
-    for proposal, budget, sched in (("chain", 15, None), ("ddtree", 16, None), ("ddtree", 16, "curve"),
-                                    ("ddtree", 16, "graft")):
+    for proposal, budget, sched in cases:
         d = Drafter.from_config({"type": "dspark", "checkpoint": str(folder), "proposal": proposal, "budget": budget},
                                 target=smollm2)
         schedule = ConfidenceSchedule(lambda k: 0.03 + 0.002 * k) if sched == "curve" else None

@@ -47,7 +47,7 @@ class MarkovLatent(nn.Module):
     Subclasses give the basis: ``prev_embed`` (W1[prev]) and ``w2`` (W2's rows)."""
 
     def _init_kind(self, kind: str, rank: int, hidden_size: int) -> None:
-        self.kind = kind
+        self.kind, self.hidden_size = kind, hidden_size
         if kind == "gated":
             self.gate_proj = nn.Linear(hidden_size + rank, rank)
         elif kind == "rnn":
@@ -89,12 +89,6 @@ class MarkovLatent(nn.Module):
             lat, state = self.latent(emb[..., j, :], hidden[..., j, :], state)
             out.append(lat)
         return torch.stack(out, -2)
-
-    def bias(self, prev: torch.Tensor, vocab: torch.Tensor | None = None,
-             hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """prev [...] token ids -> logit corrections [..., V'] (V' = ``vocab`` ids when given, else all); the gated
-        and RNN heads also read ``hidden`` [..., H] (the RNN: whole blocks, ``block_latents``)."""
-        return F.linear(self.block_latents(prev, hidden), self.w2(vocab))
 
 
 class MarkovHead(MarkovLatent):
@@ -138,9 +132,7 @@ class EmbeddingMarkovHead(MarkovLatent):
 
     def tables(self) -> MarkovHead:
         """The table head with W1 = E A and W2 = E B (what a checkpoint stores), the type's projection copied."""
-        hidden = self.gate_proj.in_features - self.a.shape[1] if self.kind == "gated" else (
-            self.joint_proj.in_features - 2 * self.a.shape[1] if self.kind == "rnn" else 0)
-        head = MarkovHead(self.embed.shape[0], self.a.shape[1], self.kind, hidden).to(self.a)
+        head = MarkovHead(self.embed.shape[0], self.a.shape[1], self.kind, self.hidden_size).to(self.a)
         with torch.no_grad():
             head.markov_w1.weight.copy_(self.embed @ self.a)
             head.markov_w2.weight.copy_(self.embed @ self.b)

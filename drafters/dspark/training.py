@@ -26,8 +26,7 @@ from .checkpoint import load_checkpoint
 from .model import DSparkModel, EmbeddingMarkovHead, from_dflash
 
 TRAIN_DEFAULTS = {"markov_rank": 64, "markov_head_type": "vanilla", "confidence_head": True, "confidence_weight": 1.0,
-                  "alignment": "zlab",
-                  "freeze_backbone": False, "confidence_label": "tv", "markov_basis": "table",
+                  "alignment": "zlab", "freeze_backbone": False, "confidence_label": "tv", "markov_basis": "table",
                   "markov_first_draft": True}
 MARKOV_BASES = ("table", "embedding")  # W1/W2 as free [V, r] tables (DeepSpec) or E A / E B (EmbeddingMarkovHead)
 CONFIDENCE_LABELS = ("tv", "greedy")  # 1 - TV (DeepSpec; acceptance when sampling) or argmax == target token
