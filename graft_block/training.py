@@ -229,7 +229,11 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                               "feature cache (--generate --from-onpolicy) to choose the draft vocabulary")
         cfg["draft_vocab"] = draft_vocab_from_data(train_recs, draft_vocab_size).tolist()
     if state is not None:  # rebuild the architecture the run started from (a folder's), then load its weights
-        init = state.get("init", init)
+        started = state.get("init")
+        if started is not None and init is not None and Path(init).resolve() != Path(started).resolve():
+            raise ConfigError(f"--resume: the run in {run_dir} started from --init {started}, not {init}: drop --init "
+                              "or start a new run from that checkpoint")
+        init = started if started is not None else init
     model = klass.training_model(target, cfg, init)
     layers = list(getattr(model, "feature_layers", ()) or ())
     if online:
@@ -288,7 +292,8 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             return
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
                     "elapsed": elapsed0 + time.time() - t0, "cfg": cfg, "tokens_seen": seen,
-                    "records": len(recs), "init": None if init is None else str(init)}, state_path)
+                    "records": len(recs), "init": None if init is None or init in ("random", "target")
+                    else str(Path(init).resolve())}, state_path)
         klass.save_trained(model, out_dir, cfg)
         write_learning_curve(run_dir / "log.jsonl", out_dir)
 

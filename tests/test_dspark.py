@@ -401,7 +401,7 @@ def test_gated_and_rnn_heads_load_bit_for_bit_and_match_an_independent_forward(t
     target = tiny_target("qwen3")
     folder, raw = _dspark_folder(tmp_path / "ds", target, layout, kind=kind, w2_scale=0.5)  # a bias that matters
     d = Drafter.from_config(str(folder), target=target)
-    assert d.model.markov_head_type == kind
+    assert d.model.markov_head_type == kind == d.describe()["markov_head_type"]
     sd = d.model.state_dict()
     for k, v in raw.items():
         if k not in ("embed_tokens.weight", "lm_head.weight"):
@@ -467,7 +467,8 @@ def test_a_bad_markov_head_type_fails_clearly(tmp_path, one_thread):
         Drafter.from_config(str(folder), target=target)
     d = _drafter(target, markov_head_type="rnn")
     with pytest.raises(ConfigError, match="RNN Markov head needs whole blocks"):
-        d.model.markov_bias(torch.tensor([[3, 4, 5]]), hidden=torch.zeros(3, target.hidden_size))  # rows, not blocks
+        d.model.markov_bias(torch.tensor([3, 4, 5]), draft_index=torch.tensor([0, 0, 1]),
+                            hidden=torch.zeros(3, target.hidden_size))  # rows of different blocks, not one block
 
 
 def test_round_trip_keeps_alignment_calibration_and_vocab(tmp_path, one_thread):
@@ -757,8 +758,8 @@ def test_gated_and_rnn_heads_train_on_whole_blocks_and_save_what_they_draft(kind
     assert head.kind == kind and any(n.startswith(f"markov_head.{proj}.") for n, p in model.named_parameters()
                                      if p.requires_grad)
     H = target.model.config.hidden_size
-    prev, hid = torch.randint(0, 128, (2, 4)), torch.randn(2, 4, H)
-    assert float(model.markov_bias(prev, None, None, hid).detach().abs().max()) == 0.0  # W2 = 0 at the start
+    prev, hid, rows = torch.randint(0, 128, (2, 4)), torch.randn(2, 4, H), torch.arange(4).expand(2, 4)
+    assert float(model.markov_bias(prev, None, rows, hid).detach().abs().max()) == 0.0  # W2 = 0 at the start
     batch = _batch(target, model)
     batch["generator"] = torch.Generator().manual_seed(0)
     first = float(S.DSparkDrafter.training_loss(model, target, batch)[0])
@@ -778,8 +779,8 @@ def test_gated_and_rnn_heads_train_on_whole_blocks_and_save_what_they_draft(kind
     loaded = S.load_checkpoint(tmp_path / "ck", dtype=torch.float32)
     assert loaded.markov_head_type == kind
     with torch.no_grad():
-        want = model.markov_bias(prev, model.draft_vocab, None, hid)
-        got = loaded.markov_bias(prev, loaded.draft_vocab, None, hid)
+        want = model.markov_bias(prev, model.draft_vocab, rows, hid)
+        got = loaded.markov_bias(prev, loaded.draft_vocab, rows, hid)
     assert torch.allclose(got, want, atol=3e-3 * float(want.abs().max()))
     with pytest.raises(ConfigError, match="has a 'rnn' Markov head|has a 'gated' Markov head"):
         S.DSparkDrafter.training_model(target, dict(cfg, markov_head_type="vanilla", markov_basis="table"),

@@ -164,6 +164,10 @@ def test_resume_rebuilds_a_run_started_from_a_checkpoint_folder(tiny, data, tmp_
     assert r2["step"] == 2 * r1["step"]
     loaded = D.load_checkpoint(tmp_path / "ck", dtype=torch.float32)
     assert len(loaded.layers) == 3 and list(loaded.target_layer_ids) == [0, 2]
+    D.save_checkpoint(base, tmp_path / "other", dtype=torch.float32)
+    with pytest.raises(ConfigError, match="started from --init"):  # the state's folder wins; another is refused
+        T.train("dflash", tiny, str(data), tmp_path / "ck", tmp_path / "run", epochs=3, resume=True,
+                init=str(tmp_path / "other"), **kw)
 
 
 def test_separate_held_out_cache(tiny, data, tmp_path):

@@ -74,10 +74,10 @@ class DSparkDrafter(DFlashDrafter):
         self._w1 = self._w2 = None
         head = model.markov_head
         self._latent_head = head if head is not None and head.kind != "vanilla" else None  # reads hidden states
-        if model.markov_head is not None:  # W1 and the draft-vocabulary rows of W2, gathered once
-            w2 = model.markov_head.markov_w2.weight
+        if head is not None:  # W1 and the draft-vocabulary rows of W2, gathered once
+            w2 = head.markov_w2.weight
             self._w2 = (w2 if model.draft_vocab is None else w2[model.draft_vocab.to(w2.device)]).detach()
-            self._w1 = model.markov_head.markov_w1.weight.detach()
+            self._w1 = head.markov_w1.weight.detach()
         # draft-vocabulary column -> target id as a list: a tree's few ids are mapped in Python, not by an index op
         self._vocab = None if model.draft_vocab is None else model.draft_vocab.tolist()
         self._w2_layouts: dict = {}  # W2's layout for the engine's kernel (a few parent rows per product)
@@ -144,13 +144,14 @@ class DSparkDrafter(DFlashDrafter):
         stateful = head is not None and head.stateful
         states: dict = {}  # RNN: a node's path -> the state its children's step reads
 
-        def expand(depth: int, prevs: list[int], prefix: tuple = ()):
+        def expand(depth: int, prevs: list[int], prefix: tuple):
             key = (lambda t: prefix + (t,)) if stateful else (lambda t: (depth, t))
             todo = [t for t in dict.fromkeys(prevs[: 1 + self.prefetch]) if key(t) not in cache]
             if todo:
                 prev = torch.tensor(todo, device=dev)
                 emb = lat = None if self._w1 is None else F.embedding(prev, self._w1)
-                if head is not None:  # gated / RNN: the latent reads this depth's hidden row (and the path's state)
+                if head is not None and (stateful or not (plain_first and depth == 1)):  # gated / RNN: the latent
+                    # reads this depth's hidden row (and the path's state; an unbiased draft 0 still starts it)
                     parent = states[prefix].expand(len(todo), -1) if stateful and prefix else None
                     lat, new = head.latent(emb, hidden[depth - 1], parent)
                     if new is not None:
@@ -209,8 +210,8 @@ class DSparkDrafter(DFlashDrafter):
         d = super().describe()
         d.pop("denoise_steps", None)
         m = self.model
-        d.update({"markov_rank": m.markov_rank, "confidence_head": m.confidence_head is not None,
-                  "alignment": m.alignment})
+        d.update({"markov_rank": m.markov_rank, "markov_head_type": m.markov_head_type,
+                  "confidence_head": m.confidence_head is not None, "alignment": m.alignment})
         return d
 
     training_module = dspark_training

@@ -169,7 +169,7 @@ class DSparkModel(DFlashModel):
                               "row k>=1 predicts start+k; 'deepspec': row k>=0 predicts start+k+1)")
         if not isinstance(markov_rank, int) or markov_rank < 0:
             raise ConfigError(f"markov_rank must be an int >= 0 (0 = no Markov head), got {markov_rank!r}")
-        if markov_rank and markov_head_type not in MARKOV_TYPES:
+        if markov_head_type not in MARKOV_TYPES:
             raise ConfigError(f"markov_head_type {markov_head_type!r} is not one of {', '.join(MARKOV_TYPES)} "
                               "(DeepSpec's three Markov heads)")
         if confidence_head and confidence_with_markov and not markov_rank:
@@ -205,9 +205,13 @@ class DSparkModel(DFlashModel):
     def markov_latents(self, prev: torch.Tensor, hidden: torch.Tensor | None = None,
                        draft_index: torch.Tensor | None = None) -> torch.Tensor:
         """The Markov head's rank-r latents [..., r] of draft rows whose previous tokens are ``prev`` [...] and hidden
-        states ``hidden`` [..., H] (gated and RNN heads; the RNN needs whole blocks: see ``block_latents``); the bias
-        is W2 times them. ``draft_index`` [...]: each row's draft position j, needed when ``markov_first_draft`` is
-        off (draft 0 then gets no bias)."""
+        states ``hidden`` [..., H] (gated and RNN heads); the bias is W2 times them (``markov_project``).
+        ``draft_index`` [...]: each row's draft position j, needed when ``markov_first_draft`` is off (draft 0 then
+        gets no bias) and for an RNN head, whose rows must be whole blocks (j = 0..L-1 along the last axis)."""
+        if self.markov_head.stateful and (draft_index is None or prev.dim() < 1 or not torch.equal(
+                draft_index, torch.arange(prev.shape[-1], device=prev.device).expand_as(draft_index))):
+            raise ConfigError("an RNN Markov head needs whole blocks: prev [..., L], hidden [..., L, H] and "
+                              "draft_index [..., L] running 0..L-1 (consecutive draft rows from draft 0)")
         lat = self.markov_head.block_latents(prev, hidden)
         if not self.markov_first_draft:
             if draft_index is None:
@@ -215,13 +219,18 @@ class DSparkModel(DFlashModel):
             lat = lat * (draft_index != 0).unsqueeze(-1).to(lat.dtype)
         return lat
 
+    def markov_project(self, latent: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """Latents [..., r] -> logit corrections W2 l [..., V'] (V' = ``vocab`` ids when given, else all)."""
+        w2 = self.markov_head.w2(vocab)
+        return F.linear(latent.to(w2.dtype), w2)
+
     def markov_bias(self, prev: torch.Tensor, vocab: torch.Tensor | None = None,
                     draft_index: torch.Tensor | None = None,
                     hidden: torch.Tensor | None = None) -> torch.Tensor | float:
         """Logit correction [..., V'] for draft rows (``markov_latents``' arguments; 0 without a Markov head)."""
         if self.markov_head is None:
             return 0.0
-        return F.linear(self.markov_latents(prev, hidden, draft_index), self.markov_head.w2(vocab))
+        return self.markov_project(self.markov_latents(prev, hidden, draft_index), vocab)
 
     def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         """hidden [..., H] of draft rows, prev [...] their previous tokens -> pre-sigmoid confidences (None when the

@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from graft_block.errors import ConfigError
 
@@ -107,7 +106,7 @@ def draft_logits(model: DSparkModel, target, hidden: torch.Tensor, prev: torch.T
     if model.markov_head is None:
         return z
     lat = pick(model.markov_latents(prev, hidden, draft_index)) if latent is None else latent
-    return z + F.linear(lat.to(z.dtype), model.markov_head.w2(model.draft_vocab).to(z.dtype))
+    return z + model.markov_project(lat, model.draft_vocab).to(z.dtype)
 
 
 def training_loss(model: DSparkModel, target, batch: dict):
