@@ -58,20 +58,34 @@ class MarkovLatent(nn.Module):
         """True when a draft's bias depends on its whole path (the RNN), not only on its previous token."""
         return self.kind == "rnn"
 
-    def latent(self, emb: torch.Tensor, hidden: torch.Tensor | None = None,
-               state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One step: e [..., r] (W1[prev]), h [..., H], the previous state [..., r] (RNN; None = zeros) ->
-        (l [..., r], the new state or None)."""
+    def hidden_terms(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The part of the type's projection that reads only h (its h columns plus the bias) for rows [..., H]; None
+        for the vanilla head. It depends on the block row alone, so a drafter computes it once per row."""
+        if self.kind == "vanilla":
+            return None
+        lin = self.gate_proj if self.kind == "gated" else self.joint_proj
+        cols = slice(0, self.hidden_size) if self.kind == "gated" else slice(lin.in_features - self.hidden_size, None)
+        return F.linear(hidden.to(lin.weight.dtype), lin.weight[:, cols], lin.bias)
+
+    def latent(self, emb: torch.Tensor, hidden: torch.Tensor | None = None, state: torch.Tensor | None = None,
+               hidden_term: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step: e [..., r] (W1[prev]), h [..., H] (or its ``hidden_terms``), the previous state [..., r] (RNN;
+        None = zeros) -> (l [..., r], the new state or None)."""
         if self.kind == "vanilla":
             return emb, None
-        if hidden is None:
-            raise ConfigError(f"a {self.kind} Markov head reads each row's hidden state: pass hidden")
-        hidden = hidden.to(emb.dtype).expand(*emb.shape[:-1], -1)
-        if self.kind == "gated":
-            return torch.sigmoid(self.gate_proj(torch.cat([hidden, emb], -1))) * emb, None
+        if hidden_term is None:
+            if hidden is None:
+                raise ConfigError(f"a {self.kind} Markov head reads each row's hidden state: pass hidden")
+            hidden_term = self.hidden_terms(hidden)
+        hidden_term = hidden_term.to(emb.dtype)
+        r = emb.shape[-1]
+        if self.kind == "gated":  # gate_proj reads [h ; e]
+            return torch.sigmoid(F.linear(emb, self.gate_proj.weight[:, self.hidden_size:]) + hidden_term) * emb, None
         if state is None:
             state = torch.zeros_like(emb)
-        gate, cand, out = self.joint_proj(torch.cat([state.to(emb.dtype), emb, hidden], -1)).chunk(3, -1)
+        state = state.to(emb.dtype)  # joint_proj reads [s ; e ; h]
+        proj = F.linear(torch.cat([state, emb], -1), self.joint_proj.weight[:, : 2 * r]) + hidden_term
+        gate, cand, out = proj.chunk(3, -1)
         gate = torch.sigmoid(gate)
         return torch.tanh(out), gate * state + (1.0 - gate) * torch.tanh(cand)
 
@@ -84,9 +98,9 @@ class MarkovLatent(nn.Module):
         if hidden is None or prev.dim() < 1 or hidden.shape[:-1] != prev.shape:
             raise ConfigError("an RNN Markov head needs whole blocks: prev [..., L] and hidden [..., L, H] of "
                               "consecutive draft rows from draft 0")
-        state, out = None, []
+        terms, state, out = self.hidden_terms(hidden), None, []
         for j in range(prev.shape[-1]):
-            lat, state = self.latent(emb[..., j, :], hidden[..., j, :], state)
+            lat, state = self.latent(emb[..., j, :], state=state, hidden_term=terms[..., j, :])
             out.append(lat)
         return torch.stack(out, -2)
 
