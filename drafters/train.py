@@ -117,7 +117,7 @@ def main(argv=None):
         ap.error(f"--config must be a JSON object of training options, e.g. '{{\"num_anchors\": 24}}' ({exc})")
     if not isinstance(cfg, dict):
         ap.error(f"--config must be a JSON object of training options, got {args.config!r}")
-    sampling_options([args.temperature], args.top_k, args.top_p)  # --generate's; refused before the target loads
+    sampling = sampling_options([args.temperature], args.top_k, args.top_p)[0]  # --generate's, checked before loading
     check_options(ap, args, (("--steps", args.steps is None or args.steps >= 0, ">= 0 (0 only evaluates)"),
                              ("--lr", args.lr > 0, "> 0"), ("--batch-size", args.batch_size >= 1, ">= 1"),
                              ("--epochs", args.epochs > 0, "> 0"), ("--warmup", 0 <= args.warmup < 1, "in [0, 1)"),
@@ -155,12 +155,10 @@ def main(argv=None):
                             log=lambda s: print(s, flush=True))
         return
     if args.generate:
-        from graft_block.sampling import SamplingConfig
-
         generate_data(target, args.data, num_prompts=args.num_prompts, max_new=args.max_new,
                       batch_size=args.gen_batch, layers=layers, time_limit_s=gen_limit,
                       log=lambda s: print(s, flush=True),
-                      sampling=SamplingConfig(args.temperature, args.top_k, args.top_p), samples=args.samples,
+                      sampling=sampling, samples=args.samples,
                       seed=args.seed, max_shards=args.gen_shards)
         return
     res = train(args.type, target, args.data, args.out, args.run, cfg=cfg, init=args.init,

@@ -171,11 +171,6 @@ def tree_spec(name: str, spec: dict, budget: int | None, schedule_ok: bool = Fal
     return spec
 
 
-def build_drafter(name: str, spec: dict, target, budget: int | None, schedule_ok: bool = False):
-    """The drafter of a tree-only method (``tree_spec``)."""
-    return Drafter.from_config(tree_spec(name, spec, budget, schedule_ok)["drafter"], target=target)
-
-
 def estimate_source(spec: dict) -> str:
     """Where a method's schedule reads node survival: "drafter" (its confidence head where it has one) or "scores"
     (path probabilities); a method without a schedule is priced as if it had the default one."""

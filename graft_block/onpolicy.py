@@ -333,7 +333,7 @@ def main(argv=None):
     ap.add_argument("--save-prompts", default=None, metavar="NPZ",
                     help="only write the tokenised ShareGPT train prompts to this file (for a machine without it)")
     args = ap.parse_args(argv)
-    sampling_options([args.temperature], args.top_k, args.top_p)  # every bad option fails before the target loads
+    sampling = sampling_options([args.temperature], args.top_k, args.top_p)[0]  # checked before the target loads
     check_options(ap, args, (("--count", args.count >= 1, ">= 1"), ("--chunk", args.chunk >= 1, ">= 1"),
                              ("--first", args.first >= 0, ">= 0"), ("--batch", args.batch >= 1, ">= 1"),
                              ("--max-new", args.max_new >= 1, ">= 1"),
@@ -363,7 +363,7 @@ def main(argv=None):
         print(f"{save_prompts(target, args.save_prompts, args.max_prompt_tokens)} prompts -> {args.save_prompts}")
         return
     prompts = load_prompts(target, args.prompts, args.max_prompt_tokens) if args.prompts else None
-    sampling = SamplingConfig(args.temperature, top_k=args.top_k, top_p=args.top_p) if args.temperature > 0 else None
+    sampling = sampling if args.temperature > 0 else None
     command = "python -m graft_block.onpolicy " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     first = next_index(args.after, kind_name(sampling, args.samples)) if args.after else args.first
     generate(target, args.out, first, args.count, args.chunk, args.samples, sampling, args.seed, args.max_new,

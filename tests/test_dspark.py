@@ -770,10 +770,10 @@ def test_gated_and_rnn_heads_train_on_whole_blocks_and_save_what_they_draft(kind
         lat = head.block_latents(prev, hid)
         state = None
         for j in range(4):  # the RNN's state runs along the block; the gated head is row by row
-            step, state = head.latent(head.prev_embed(prev[:, j]), hid[:, j], state)
+            step, state = head.latent(head.prev_embed(prev[:, j]), head.hidden_terms(hid[:, j]), state)
             assert torch.allclose(lat[:, j], step, atol=1e-6)
         if kind == "rnn":
-            alone = head.latent(head.prev_embed(prev[:, 2]), hid[:, 2])[0]  # row 2 without rows 0-1's state
+            alone = head.latent(head.prev_embed(prev[:, 2]), head.hidden_terms(hid[:, 2]))[0]  # no rows 0-1
             assert not torch.allclose(alone, lat[:, 2], atol=1e-4)
     S.DSparkDrafter.save_trained(model, tmp_path / "ck", cfg)
     loaded = S.load_checkpoint(tmp_path / "ck", dtype=torch.float32)

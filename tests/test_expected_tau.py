@@ -6,8 +6,8 @@ import torch
 
 from graft_block import Drafter
 from graft_block.errors import ConfigError
-from graft_block.eval.expected_tau import (build_drafter, cut_values, decay_rows, evaluate, format_headroom,
-                                          format_sizes, headroom, sample_contexts, summary_rows)
+from graft_block.eval.expected_tau import (cut_values, decay_rows, evaluate, format_headroom,
+                                          format_sizes, headroom, sample_contexts, summary_rows, tree_spec)
 from graft_block.sampling import SamplingConfig
 from graft_block.testing import hf_greedy, prefilled_state, tiny_target
 from graft_block.tree import accept_at_least, accept_length, expected_accept_length, from_paths, walk
@@ -97,18 +97,22 @@ def test_expect_scores_each_tree_against_the_targets_own_continuation(one_thread
 def test_expect_refuses_what_depends_on_earlier_rounds():
     target = tiny_target("qwen3")
     tree = {"drafter": {"type": "pld", "budget": "{budget}"}, "default_budget": 4}
+
+    def drafter(name, spec, budget, schedule_ok=False):
+        return Drafter.from_config(tree_spec(name, spec, budget, schedule_ok)["drafter"], target=target)
+
     with pytest.raises(ConfigError, match="has a graft.*graft-block bench"):
-        build_drafter("g", {**tree, "graft": {"mode": "prune"}}, target, None)
+        tree_spec("g", {**tree, "graft": {"mode": "prune"}}, None)
     with pytest.raises(ConfigError, match="has a schedule.*--headroom"):
-        build_drafter("s", {**tree, "schedule": {"cost": "curve"}}, target, None)
-    assert build_drafter("s", {**tree, "schedule": {"cost": "curve"}}, target, 3, schedule_ok=True).budget == 3
+        tree_spec("s", {**tree, "schedule": {"cost": "curve"}}, None)
+    assert drafter("s", {**tree, "schedule": {"cost": "curve"}}, 3, schedule_ok=True).budget == 3
     with pytest.raises(ConfigError, match="prices the schedule's default cut"):
-        build_drafter("s", {**tree, "schedule": {"cost": "curve", "stop": "first_drop"}}, target, 3, schedule_ok=True)
+        tree_spec("s", {**tree, "schedule": {"cost": "curve", "stop": "first_drop"}}, 3, schedule_ok=True)
     with pytest.raises(ConfigError, match="has a graft"):  # a graft's tree is not the drafter's: never priced
-        build_drafter("g", {**tree, "graft": {"mode": "prune"}}, target, None, schedule_ok=True)
+        tree_spec("g", {**tree, "graft": {"mode": "prune"}}, None, schedule_ok=True)
     with pytest.raises(ConfigError, match="drafts no tree"):
-        build_drafter("ar", {"drafter": None}, target, None)
-    assert build_drafter("p", tree, target, 3).budget == 3
+        tree_spec("ar", {"drafter": None}, None)
+    assert drafter("p", tree, 3).budget == 3
     from graft_block.eval.expected_tau import main
 
     for bad, words in ((["--budget", "0"], "must be >= 1"), (["--budget", "4,x"], "comma-separated ints"),

@@ -154,7 +154,7 @@ class DSparkDrafter(DFlashDrafter):
                 if head is not None and (stateful or not (plain_first and depth == 1)):  # gated / RNN: the latent
                     # reads this depth's hidden row (and the path's state; an unbiased draft 0 still starts it)
                     parent = states[prefix].expand(len(todo), -1) if stateful and prefix else None
-                    lat, new = head.latent(emb, state=parent, hidden_term=h_terms[depth - 1])
+                    lat, new = head.latent(emb, h_terms[depth - 1], parent)
                     if new is not None:
                         states.update({prefix + (t,): new[i] for i, t in enumerate(todo)})
                 if self._w2 is None or (plain_first and depth == 1):

@@ -60,23 +60,21 @@ class MarkovLatent(nn.Module):
 
     def hidden_terms(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The part of the type's projection that reads only h (its h columns plus the bias) for rows [..., H]; None
-        for the vanilla head. It depends on the block row alone, so a drafter computes it once per row."""
+        for the vanilla head. It depends on the block row alone, so it is computed once per row."""
         if self.kind == "vanilla":
             return None
         lin = self.gate_proj if self.kind == "gated" else self.joint_proj
         cols = slice(0, self.hidden_size) if self.kind == "gated" else slice(lin.in_features - self.hidden_size, None)
         return F.linear(hidden.to(lin.weight.dtype), lin.weight[:, cols], lin.bias)
 
-    def latent(self, emb: torch.Tensor, hidden: torch.Tensor | None = None, state: torch.Tensor | None = None,
-               hidden_term: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One step: e [..., r] (W1[prev]), h [..., H] (or its ``hidden_terms``), the previous state [..., r] (RNN;
-        None = zeros) -> (l [..., r], the new state or None)."""
+    def latent(self, emb: torch.Tensor, hidden_term: torch.Tensor | None = None,
+               state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step: e [..., r] (W1[prev]), the row's ``hidden_terms`` (gated and RNN heads), the previous state
+        [..., r] (RNN; None = zeros) -> (l [..., r], the new state or None)."""
         if self.kind == "vanilla":
             return emb, None
         if hidden_term is None:
-            if hidden is None:
-                raise ConfigError(f"a {self.kind} Markov head reads each row's hidden state: pass hidden")
-            hidden_term = self.hidden_terms(hidden)
+            raise ConfigError(f"a {self.kind} Markov head reads each row's hidden state: pass its hidden_terms")
         hidden_term = hidden_term.to(emb.dtype)
         r = emb.shape[-1]
         if self.kind == "gated":  # gate_proj reads [h ; e]
@@ -94,13 +92,13 @@ class MarkovLatent(nn.Module):
         hidden [..., L, H]. The RNN runs along the last axis from a zero state, so it must start at draft 0."""
         emb = self.prev_embed(prev)
         if not self.stateful:
-            return self.latent(emb, hidden)[0]
+            return self.latent(emb, None if hidden is None else self.hidden_terms(hidden))[0]
         if hidden is None or prev.dim() < 1 or hidden.shape[:-1] != prev.shape:
             raise ConfigError("an RNN Markov head needs whole blocks: prev [..., L] and hidden [..., L, H] of "
                               "consecutive draft rows from draft 0")
         terms, state, out = self.hidden_terms(hidden), None, []
         for j in range(prev.shape[-1]):
-            lat, state = self.latent(emb[..., j, :], state=state, hidden_term=terms[..., j, :])
+            lat, state = self.latent(emb[..., j, :], terms[..., j, :], state)
             out.append(lat)
         return torch.stack(out, -2)
 
