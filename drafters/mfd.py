@@ -489,6 +489,10 @@ def training_loss(model: MFDModel, target, batch: dict):
             m["accept_best"] = float(acc.max(-1).values.mean())  # oracle over modes
             m["tau_tf"] = 1.0 + m["accept_len"]
             wins = block_nll[live].argmin(-1)
+            if K > 1:  # can the gate, which sees only the modes' own block states, pick the block's best mode?
+                pick = log_pi[live].argmax(-1)
+                m["gate_acc"] = float((pick == wins).float().mean())
+                m["accept_gated"] = float(acc.gather(-1, pick.unsqueeze(-1)).mean())
             for j in range(K):
                 m[f"win{j}"] = float((wins == j).float().mean())
             ent = -(resp[live] * post[live]).sum(-1).mean()

@@ -316,6 +316,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         write({"step": 0, "minutes": elapsed0 / 60, "tokens_seen": seen, "eval": ev})
         log("[eval] step 0: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
         save_if_best(ev)
+    evaluated_at = -1
     t0 = time.time()
     model.train()
     ema: dict[str, float] = {}
@@ -357,6 +358,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                     f" ({rows / max(1e-6, time.time() - t0):.0f} rows/s)")
             if has_eval and eval_every and step % eval_every == 0:
                 ev = evaluate(klass, model, target, eval_recs)
+                evaluated_at = step
                 write({"step": step, "minutes": minutes, "tokens_seen": seen, "eval": ev})
                 log(f"[eval] step {step}: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
                 save()
@@ -367,7 +369,10 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                 break
         else:
             epoch += 1
-    ev = evaluate(klass, model, target, eval_recs) if has_eval else {}
+    if has_eval and evaluated_at != step:  # the loop's last eval already scored these exact weights
+        ev = evaluate(klass, model, target, eval_recs)
+    elif not has_eval:
+        ev = {}
     minutes = (elapsed0 + time.time() - t0) / 60
     write({"step": step, "minutes": minutes, "tokens_seen": seen, "eval": ev, "final": True})
     if ev:

@@ -284,6 +284,11 @@ def test_training_loss_k4_metrics_and_gradients(tiny_qwen3, mix_loss):
     # the mixture loss is never above the mean mode's loss... and the best mode's block NLL is a lower bound
     assert 0 <= m["resp_entropy"] <= torch.log(torch.tensor(4.0)).item() + 1e-5
     assert m["resp_entropy"] - 1e-5 <= m["usage_entropy"] <= torch.log(torch.tensor(4.0)).item() + 1e-5  # concave
+    assert 0.0 <= m["gate_acc"] <= 1.0 and m["accept_gated"] <= m["accept_best"] + 1e-6
+    with torch.no_grad():  # a flat gate picks mode 0 everywhere: its accuracy is mode 0's win rate, its accept mode 0's
+        model.mode_gate.weight.zero_()
+    _, m = M.training_loss(model, tiny_qwen3, {**batch, "generator": torch.Generator().manual_seed(1)})
+    assert m["gate_acc"] == pytest.approx(m["win0"]) and m["accept_gated"] == pytest.approx(m["accept_len"])
 
 
 def test_k1_control_keeps_mode_vector_frozen_at_zero(tiny_qwen3):

@@ -99,6 +99,25 @@ def test_block_mask_semantics():
     assert m[5, 11:].all() and not m[5, 8:11].any()
 
 
+def test_final_eval_reuses_the_loops_last_eval(tiny, data, tmp_path, monkeypatch):
+    """A run whose last step falls on an eval step scores those weights once (an eval costs minutes on the real
+    held-out set), and its final record carries that eval; a run that stops between evals still gets a final one."""
+    calls = []
+    real = T.evaluate
+    monkeypatch.setattr(T, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "num_anchors": 4, "mask_token_id": 127, "block_size": 6}
+    for steps, want in ((4, 3), (5, 4)):  # eval at 0, 2, 4 (+ a final one at 5)
+        calls.clear()
+        run = tmp_path / f"run{steps}"
+        T.train("dflash", tiny, str(data), tmp_path / f"ck{steps}", run, cfg=cfg, init="random", steps=steps,
+                lr=1e-3, batch_size=4, holdout=6, eval_every=2, log=lambda s: None, seed=0)
+        log = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+        evals = [r for r in log if "eval" in r]
+        assert len(calls) == want and evals[-1]["final"] and evals[-1]["step"] == steps
+        if steps == 4:
+            assert evals[-1]["eval"] == evals[-2]["eval"] and evals[-2]["step"] == 4
+
+
 def test_training_lowers_loss_and_round_trips(tiny, data, tmp_path):
     cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "num_anchors": 8, "mask_token_id": 127, "block_size": 6}
     T.train("dflash", tiny, str(data), tmp_path / "ck", tmp_path / "run", cfg=cfg, init="random",
