@@ -7,8 +7,8 @@
 #   train     scripts/gpu_train.sh from INIT (drafters/checkpoints/dflash-smollm2) for TRAIN_MINUTES (3)
 #   pairs     the recipe pairs from INIT, PAIR_MINUTES (1.5) each: MFD K = 4 and its K = 1 control on the sampled
 #             multi-future answers, DSpark (Markov + confidence heads, jointly with the backbone; the heads as the
-#             bundled dspark-smollm2's: embedding basis, draft 0 unbiased, greedy label) and its no-head control on
-#             the greedy ones
+#             bundled dspark-rnn-smollm2's: DeepSpec's RNN head, the best tree head on CPU, embedding basis, draft 0
+#             unbiased, greedy label) and its no-head control on the greedy ones
 #   headroom  `graft-block expect --headroom` on this GPU's verify curve: DFlash's DDTree and DSpark's scheduled tree at
 #             budgets 16 and 64 on 200 calibration contexts (about 1 min; docs/measuring.md); OVERHEAD_MS: that
 #             GPU's draft + tree + commit per round from a bench run there (2.5 = the 2-core CPU's)
@@ -48,7 +48,7 @@ for step in $STEPS; do case $step in
   pairs)
     MFD='"num_anchors": 16, "mode_init_scale": 0.6, "mix_loss": "wta", "ce_weight": 0.1, "l1_weight": 0.9, "soft_weight": 0.0, "gamma": 4.0, "unique_anchors": true'
     for arm in "mfd-k4|mfd|t0.7-p0.8-k20-x4|{\"num_modes\": 4, $MFD}" "mfd-k1|mfd|t0.7-p0.8-k20-x4|{\"num_modes\": 1, $MFD}" \
-               'dspark|dspark|greedy|{"num_anchors": 64, "markov_rank": 64, "markov_basis": "embedding", "markov_first_draft": false, "confidence_label": "greedy"}' \
+               'dspark|dspark|greedy|{"num_anchors": 64, "markov_rank": 64, "markov_head_type": "rnn", "markov_basis": "embedding", "markov_first_draft": false, "confidence_label": "greedy"}' \
                'dspark-control|dspark|greedy|{"num_anchors": 64, "markov_rank": 0, "confidence_head": false}'; do
         IFS='|' read -r name type kinds config <<< "$arm"
         GRAFT_BLOCK_TRAIN_TYPE=$type GRAFT_BLOCK_TRAIN_KINDS=$kinds GRAFT_BLOCK_TRAIN_CONFIG=$config \
