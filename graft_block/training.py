@@ -369,10 +369,10 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                 break
         else:
             epoch += 1
-    if has_eval and evaluated_at != step:  # the loop's last eval already scored these exact weights
-        ev = evaluate(klass, model, target, eval_recs)
-    elif not has_eval:
+    if not has_eval:
         ev = {}
+    elif evaluated_at != step:  # else the loop's last eval already scored these exact weights
+        ev = evaluate(klass, model, target, eval_recs)
     minutes = (elapsed0 + time.time() - t0) / 60
     write({"step": step, "minutes": minutes, "tokens_seen": seen, "eval": ev, "final": True})
     if ev:

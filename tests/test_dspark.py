@@ -30,6 +30,11 @@ def _drafter(target, **kw):
     return Drafter.from_config(cfg, target=target)
 
 
+def _bias(model, prev, vocab=None, draft_index=None, hidden=None):
+    """The Markov head's logit correction W2 l for draft rows, as drafting and training compose it."""
+    return model.markov_project(model.markov_latents(prev, hidden, draft_index), vocab)
+
+
 def _paths(tree):
     """Every root->node token path of a tree (root excluded), as a set."""
     toks, par = tree.tokens.tolist(), tree.parents.tolist()
@@ -467,8 +472,8 @@ def test_a_bad_markov_head_type_fails_clearly(tmp_path, one_thread):
         Drafter.from_config(str(folder), target=target)
     d = _drafter(target, markov_head_type="rnn")
     with pytest.raises(ConfigError, match="RNN Markov head needs whole blocks"):
-        d.model.markov_bias(torch.tensor([3, 4, 5]), draft_index=torch.tensor([0, 0, 1]),
-                            hidden=torch.zeros(3, target.hidden_size))  # rows of different blocks, not one block
+        _bias(d.model, torch.tensor([3, 4, 5]), draft_index=torch.tensor([0, 0, 1]),
+              hidden=torch.zeros(3, target.hidden_size))  # rows of different blocks, not one block
 
 
 def test_round_trip_keeps_alignment_calibration_and_vocab(tmp_path, one_thread):
@@ -739,8 +744,8 @@ def test_embedding_basis_trains_two_small_matrices_and_saves_the_tables_it_impli
     w1 = loaded.markov_head.markov_w1.weight
     assert torch.allclose(w1, (E @ model.markov_head.a).half().float(), atol=1e-6)
     prev = torch.tensor([3, 7, 7, 50])
-    want = model.markov_bias(prev, model.draft_vocab)
-    assert torch.allclose(loaded.markov_bias(prev, loaded.draft_vocab), want, atol=2e-3 * float(want.abs().max()))
+    want = _bias(model, prev, model.draft_vocab)
+    assert torch.allclose(_bias(loaded, prev, loaded.draft_vocab), want, atol=2e-3 * float(want.abs().max()))
     with pytest.raises(ConfigError, match="markov_basis"):
         S.DSparkDrafter.training_model(target, dict(cfg, markov_basis="rows"), "random")
 
@@ -759,7 +764,7 @@ def test_gated_and_rnn_heads_train_on_whole_blocks_and_save_what_they_draft(kind
                                      if p.requires_grad)
     H = target.model.config.hidden_size
     prev, hid, rows = torch.randint(0, 128, (2, 4)), torch.randn(2, 4, H), torch.arange(4).expand(2, 4)
-    assert float(model.markov_bias(prev, None, rows, hid).detach().abs().max()) == 0.0  # W2 = 0 at the start
+    assert float(_bias(model, prev, None, rows, hid).detach().abs().max()) == 0.0  # W2 = 0 at the start
     batch = _batch(target, model)
     batch["generator"] = torch.Generator().manual_seed(0)
     first = float(S.DSparkDrafter.training_loss(model, target, batch)[0])
@@ -779,8 +784,8 @@ def test_gated_and_rnn_heads_train_on_whole_blocks_and_save_what_they_draft(kind
     loaded = S.load_checkpoint(tmp_path / "ck", dtype=torch.float32)
     assert loaded.markov_head_type == kind
     with torch.no_grad():
-        want = model.markov_bias(prev, model.draft_vocab, rows, hid)
-        got = loaded.markov_bias(prev, loaded.draft_vocab, rows, hid)
+        want = _bias(model, prev, model.draft_vocab, rows, hid)
+        got = _bias(loaded, prev, loaded.draft_vocab, rows, hid)
     assert torch.allclose(got, want, atol=3e-3 * float(want.abs().max()))
     with pytest.raises(ConfigError, match="has a 'rnn' Markov head|has a 'gated' Markov head"):
         S.DSparkDrafter.training_model(target, dict(cfg, markov_head_type="vanilla", markov_basis="table"),

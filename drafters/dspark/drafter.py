@@ -146,8 +146,8 @@ class DSparkDrafter(DFlashDrafter):
         states: dict = {}  # RNN: a node's path -> the state its children's step reads
 
         def expand(depth: int, prevs: list[int], prefix: tuple):
-            key = (lambda t: prefix + (t,)) if stateful else (lambda t: (depth, t))
-            todo = [t for t in dict.fromkeys(prevs[: 1 + self.prefetch]) if key(t) not in cache]
+            scope = prefix if stateful else depth  # a child's distribution reads its path, or only its depth
+            todo = [t for t in dict.fromkeys(prevs[: 1 + self.prefetch]) if (scope, t) not in cache]
             if todo:
                 prev = torch.tensor(todo, device=dev)
                 emb = lat = None if self._w1 is None else F.embedding(prev, self._w1)
@@ -180,8 +180,8 @@ class DSparkDrafter(DFlashDrafter):
                         c = c + emb.float() @ conf_e  # a head on W1[prev] implies a Markov head: emb is set
                     conf = model.calibrated(c, depth - 1).tolist()
                 for i, t in enumerate(todo):
-                    cache[key(t)] = (ids[i], vals[i], None if conf is None else conf[i])
-            return [cache[key(prevs[0])]]
+                    cache[(scope, t)] = (ids[i], vals[i], None if conf is None else conf[i])
+            return [cache[(scope, prevs[0])]]
 
         return expand
 

@@ -236,14 +236,6 @@ class DSparkModel(DFlashModel):
         w2 = self.markov_head.w2(vocab)
         return F.linear(latent.to(w2.dtype), w2)
 
-    def markov_bias(self, prev: torch.Tensor, vocab: torch.Tensor | None = None,
-                    draft_index: torch.Tensor | None = None,
-                    hidden: torch.Tensor | None = None) -> torch.Tensor | float:
-        """Logit correction [..., V'] for draft rows (``markov_latents``' arguments; 0 without a Markov head)."""
-        if self.markov_head is None:
-            return 0.0
-        return self.markov_project(self.markov_latents(prev, hidden, draft_index), vocab)
-
     def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         """hidden [..., H] of draft rows, prev [...] their previous tokens -> pre-sigmoid confidences (None when the
         head is off). Uncalibrated: ``calibrated`` applies the per-position temperatures."""
