@@ -17,6 +17,7 @@ import time
 import torch
 
 import graft_block
+from graft_block import skinny
 from graft_block.engine import device_name
 from graft_block.tree.schedule import curve_cost
 
@@ -89,8 +90,8 @@ def cost_key(target, sizes, context: int, reps: int) -> dict:
     cls = type(target)
     engine = "".join(inspect.getsource(getattr(cls, f)) for f in ("prefill", "verify", "compact"))
     lean = getattr(target, "lean", None)
-    if lean is not None:  # the lean forward's own code changes the curve too
-        engine += inspect.getsource(inspect.getmodule(type(lean)))
+    if lean is not None:  # the lean forward's own code changes the curve too, and so does the C kernel's
+        engine += inspect.getsource(inspect.getmodule(type(lean))) + skinny.SOURCE
     return {"target": str(target.name), "target_class": f"{cls.__module__}.{cls.__qualname__}",
             "attn": getattr(target.config, "_attn_implementation", None), "dtype": str(target.dtype),
             "device": str(target.device),

@@ -87,12 +87,16 @@ void pack(const float *W, float *P, long out, long in, int threads) {
 /* Y[g, o0 + j] = sum_k X[g, k] W[o0 + j, k] for g < G, j < BO: one accumulator per output, k in order, so a
    row's value does not depend on G (or on how many rows the product has) */
 static inline __attribute__((always_inline)) void tile(const void *P, const float *X, float *Y, long in, long out,
-                                                        long o0, const int G, const int half) {
+                                                        long o0, const int G, const int half, const char *pf) {
     vec a[GMAX][NV];
     _Pragma("GCC unroll 8") for (int g = 0; g < G; g++)
         _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] = (vec){0};
     for (long k = 0; k < in; k++) {
         vec w[NV];
+        if (pf) {  /* the next block's weights of this input, into L2 (BO floats: two lines; halves: one) */
+            __builtin_prefetch(pf + k * BO * (half ? 2 : 4), 0, 2);
+            if (!half) __builtin_prefetch(pf + k * BO * 4 + 64, 0, 2);
+        }
         _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
             w[v] = half ? LDH((const unsigned short *)P + k * BO + v * VW) : LD((const float *)P + k * BO + v * VW);
         _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
@@ -111,16 +115,19 @@ static inline __attribute__((always_inline)) void tile(const void *P, const floa
     }
 }
 
-#define TILE(g) case g: tile(pb, x, y, in, out, b * BO, g, half); break;
+#define TILE(g) case g: tile(pb, x, y, in, out, b * BO, g, half, r ? 0 : pn); break;
 
 /* Y [n, out] = X [n, in] W^T from the packed P (float32, or half when `half`); threads split the output blocks,
-   each reads its block once per GMAX input rows (from cache after the first) */
+   each reads its block once per GMAX input rows (from cache after the first). The first rows' tile prefetches the
+   next block, so memory streams it during this block's arithmetic instead of after it (Xeon, 2 cores, all of
+   SmolLM2's products: 22.4 -> 21.3 ms at 1 row, 36.8 -> 26.7 at 8, 47.0 -> 38.9 at 17, the same bits) */
 static inline __attribute__((always_inline)) void product(const void *P, const float *X, float *Y, long out,
                                                            long in, long n, int threads, const int half) {
     long nb = (out + BO - 1) / BO;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < nb; b++) {
         const char *pb = (const char *)P + b * in * BO * (half ? 2 : 4);
+        const char *pn = b + 1 < nb ? pb + in * BO * (half ? 2 : 4) : 0;
         for (long r = 0; r < n; r += GMAX) {
             const float *x = X + r * in;
             float *y = Y + r * out;
@@ -141,12 +148,17 @@ static inline __attribute__((always_inline)) void product(const void *P, const f
 /* Y[g, o0 + j] for g < G, j < BO from P packed [in / 2][BO][2] (each output's two weights of one input pair side
    by side) and X [G][in / 2] bfloat16 input pairs: one float32 accumulator per output, pairs in order */
 static inline __attribute__((always_inline)) void tile_bf16(const unsigned short *P, const unsigned int *X, float *Y,
-                                                             long in2, long out, long o0, const int G) {
+                                                             long in2, long out, long o0, const int G,
+                                                             const char *pf) {
     __m512 a[GMAX][NV];
     _Pragma("GCC unroll 8") for (int g = 0; g < G; g++)
         _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] = _mm512_setzero_ps();
     for (long k = 0; k < in2; k++) {
         __m512bh w[NV];
+        if (pf) {  /* as tile(): the next block's pair of this input (BO x 2 halves: two lines) into L2 */
+            __builtin_prefetch(pf + k * BO * 4, 0, 2);
+            __builtin_prefetch(pf + k * BO * 4 + 64, 0, 2);
+        }
         _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
             w[v] = (__m512bh)_mm512_loadu_si512((const void *)(P + (k * BO + v * VW) * 2));
         _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
@@ -162,7 +174,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const unsigned short
     }
 }
 
-#define TILE_BF16(g) case g: tile_bf16(pb, x, y, in2, out, b * BO, g); break;
+#define TILE_BF16(g) case g: tile_bf16(pb, x, y, in2, out, b * BO, g, r ? 0 : pn); break;
 
 /* round to nearest even, as the vector conversion does */
 static inline unsigned short bf16_bits(float f) {
@@ -188,6 +200,7 @@ static void product_bf16(const unsigned short *P, const float *X, float *Y, long
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < nb; b++) {
         const unsigned short *pb = P + b * in2 * BO * 2;
+        const char *pn = b + 1 < nb ? (const char *)(pb + in2 * BO * 2) : 0;
         for (long r = 0; r < n; r += GMAX) {
             const unsigned int *x = Xb + r * in2;
             float *y = Y + r * out;

@@ -198,6 +198,11 @@ def test_cost_cache_key_holds_what_changes_the_curve(tmp_path, monkeypatch):
     key = measure.cost_key(t, (1, 2), 32, 2)
     assert {"target", "dtype", "device", "threads", "torch", "context", "sizes", "engine", "attn"} <= set(key)
     assert measure.cost_key(t, (1, 2), 64, 2) != key and measure.cost_key(t, (1, 4), 32, 2) != key
+    if getattr(t, "lean", None) is not None:  # the C kernel's source is part of the engine's code
+        monkeypatch.setattr(measure.skinny, "SOURCE", measure.skinny.SOURCE + "/* changed */")
+        assert measure.cost_key(t, (1, 2), 32, 2)["engine"] != key["engine"]
+        monkeypatch.undo()
+        monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(machine, "judge", lambda w, e=0.0: {**w, "busy": False, "reasons": []})  # a quiet machine
     first = measure.verify_cost_curve(t, sizes=(1, 2), context=32, reps=2)
     again = measure.verify_cost_curve(t, sizes=(1, 2), context=32, reps=2)
