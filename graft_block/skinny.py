@@ -518,7 +518,9 @@ def variant() -> str:
     return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "generic"
 
 
-def _build(kind: str) -> ctypes.CDLL:
+def _build(kind: str, source: str = SOURCE) -> ctypes.CDLL:
+    """The library of ``source`` (this module's kernel, or another version of it: ``eval/bench_skinny.py``) for
+    the tile ``kind``, compiled once per source, compiler, flags and CPU into the user cache."""
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
@@ -526,13 +528,13 @@ def _build(kind: str) -> ctypes.CDLL:
     vw, nv, rows, extra = VARIANTS[kind]
     flags = ["-O3", "-march=native", *extra, f"-DVW={vw}", f"-DNV={nv}", f"-DGMAX={rows}", "-fopenmp", "-shared",
              "-fPIC"]
-    key = hashlib.sha1(repr((SOURCE, version, flags, _cpu_flags())).encode()).hexdigest()[:16]
+    key = hashlib.sha1(repr((source, version, flags, _cpu_flags())).encode()).hexdigest()[:16]
     path = graft_block.cache_root() / "skinny" / f"skinny-{kind}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         src = path.with_suffix(f".{os.getpid()}.c")
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        src.write_text(SOURCE)
+        src.write_text(source)
         done = subprocess.run([cc, *flags, str(src), "-o", str(tmp)], capture_output=True, text=True)
         src.unlink()
         if done.returncode:

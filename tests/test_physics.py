@@ -136,3 +136,25 @@ def test_run_block_prints_physics_and_reuses_its_verify_curve(tmp_path, monkeypa
     data = json.loads((tmp_path / "run" / "results.json").read_text())
     assert data["physics"]["engine"] == "lean-mkl-float32" == rep["verify_cost_curve"]["key"]["engine_path"]
     assert [r["n"] for r in data["physics"]["rows"]] == [1, 2, 4, 8, 16, 32, 64]
+
+
+# ---- the kernel A/B (eval/bench_skinny.py) ------------------------------------------------------------------
+def test_kernel_ab_reports_times_and_catches_a_kernel_that_moves_bits(tmp_path, monkeypatch):
+    from graft_block import skinny
+    from graft_block.eval import bench_skinny
+
+    if not skinny.available():
+        pytest.skip(f"the C kernel does not run here: {skinny.why_not()}")
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path))
+    shapes, rows = [(40, 32), (70, 48)], [1, 3, 9]
+    same = bench_skinny.ab({"ref": skinny.SOURCE, "copy": skinny.SOURCE + "\n/* a comment */\n"}, shapes, rows, 1)
+    assert [r["rows"] for r in same] == rows and all(r["same_bits"] for r in same)
+    assert all(t > 0 for r in same for t in r["ms"].values())
+    # one multiply-add reordered: the same law, other bits, and the A/B must say so
+    product = "a[g][v] += w[v] * x;"
+    assert product in skinny.SOURCE
+    moved = skinny.SOURCE.replace(product, "a[g][v] = w[v] * x + a[g][v] * 1.0000001f;")
+    assert not any(r["same_bits"] for r in bench_skinny.ab({"ref": skinny.SOURCE, "moved": moved}, shapes, rows, 1))
+    assert "| 9 |" in bench_skinny.format_rows("fp32", same)
+    with pytest.raises(ConfigError, match="--against"):
+        bench_skinny.source_at("no-such-revision")
