@@ -280,11 +280,14 @@ class LeanForward:
             return
         new_cap = min(max(256, 1 << (total - 1).bit_length()), max(total, self.max_positions))
         shape = (len(self.layers), self.kv_heads, new_cap, self.head_dim)
-        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.fused is not None:  # the C layers keep the keys transposed, [head_dim][rows] per kv head
-            k = torch.zeros(skinny.key_cache_shape(*shape[:2], self.head_dim, new_cap), dtype=self.dtype)
-        else:
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # the cache outlives the call that grows it: a normal tensor takes in-place writes in and outside
+        # inference mode, one made under torch.inference_mode only inside it
+        with torch.inference_mode(False):
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.fused is not None:  # the C layers keep the keys transposed, [head_dim][rows] per kv head
+                k = torch.zeros(skinny.key_cache_shape(*shape[:2], self.head_dim, new_cap), dtype=self.dtype)
+            else:
+                k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.k is not None and self.len:
             self._keys(k)[:, :, : self.len] = self._keys(self.k)[:, :, : self.len]
             v[:, :, : self.len] = self.v[:, :, : self.len]

@@ -599,3 +599,26 @@ def test_layer_cache_refuses_to_keep_rows_it_never_held():
         cache.reserve(10, 5)
     cache.reserve(10, 0)
     assert cache.v.shape[2] >= 10 and cache.rows(3)[0].shape == (1, 2, 3, 16)
+
+
+@pytest.mark.parametrize("gemm", ["mkl", "skinny"])
+def test_a_cache_grown_under_inference_mode_takes_writes_outside_it(gemm):
+    """`graft-block expect` scores trees under torch.inference_mode and its caller decodes after it: the engine's
+    KV cache must stay writable in both modes, whichever grew it first (seen on a Xeon, where the tiny target's
+    measured kernel choice took the torch layers: "Inplace update to inference tensor outside InferenceMode")."""
+    from graft_block import Drafter, skinny
+    from graft_block.testing import prefilled_state
+
+    if not ON_CPU:
+        pytest.skip("a CPU kernel choice")
+    if gemm == "skinny" and not skinny.available():
+        pytest.skip(f"the skinny kernel does not build here: {skinny.why_not()}")
+    t = tiny_target("llama", engine="lean", gemm=gemm)
+    d = Drafter.from_config({"type": "dflash", "num_layers": 1, "target_layer_ids": [0, 2], "block_size": 4,
+                             "seed": 1, "proposal": "ddtree", "budget": 4}, target=t)
+    ids = list(range(3, 12))
+    with torch.inference_mode():
+        first = d.propose(prefilled_state(t, ids, d))
+    again = d.propose(prefilled_state(t, ids, d))  # outside: writes into the caches grown above
+    assert torch.equal(first.tokens, again.tokens)
+    assert SpeculativeDecoder(t, d).generate(ids, max_new_tokens=6).tokens == hf_greedy(t, ids, 6)
