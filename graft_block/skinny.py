@@ -124,7 +124,7 @@ static inline __attribute__((always_inline)) void tile(const void *P, const floa
 /* Y [n, out] = X [n, in] W^T from the packed P (float32, or half when `half`); threads split the output blocks,
    each reads its block once per GMAX input rows (from cache after the first). Each row group's tile prefetches an
    equal share of the next block, so memory streams it during this block's arithmetic instead of after it (Xeon,
-   2 cores, all of SmolLM2's products: 0.73-0.76x the time at 4-9 rows, 0.73-0.78x at 16-17, the same bits) */
+   2 cores, all of SmolLM2's products: 0.69-0.76x the time at 4-17 rows, 0.96x at 1 row, the same bits) */
 static inline __attribute__((always_inline)) void product(const void *P, const float *X, float *Y, long out,
                                                            long in, long n, int threads, const int half) {
     long nb = (out + BO - 1) / BO;
