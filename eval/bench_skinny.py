@@ -54,7 +54,7 @@ def ab(sources: dict[str, str], shapes: list[tuple[int, int]], rows: list[int], 
     if reps < 1 or not rows or min(rows) < 1:
         raise ConfigError(f"--reps must be >= 1 and --rows positive ints, got {reps} and {rows}")
     try:
-        libs = {name: skinny._build(skinny.variant(), src) for name, src in sources.items()}
+        libs = {name: skinny.build_library(skinny.variant(), src) for name, src in sources.items()}
     except AttributeError as exc:  # ctypes: a symbol the current code binds is missing from the old library
         raise ConfigError(f"a kernel version lacks a function this code calls ({exc}): pick a later revision") \
             from exc

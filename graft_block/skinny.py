@@ -518,7 +518,7 @@ def variant() -> str:
     return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "generic"
 
 
-def _build(kind: str, source: str = SOURCE) -> ctypes.CDLL:
+def build_library(kind: str, source: str = SOURCE) -> ctypes.CDLL:
     """The library of ``source`` (this module's kernel, or another version of it: ``eval/bench_skinny.py``) for
     the tile ``kind``, compiled once per source, compiler, flags and CPU into the user cache."""
     cc = os.environ.get("CC") or "cc"
@@ -575,7 +575,7 @@ def available() -> bool:
         else:
             try:
                 _variant = variant()
-                _lib = _build(_variant)
+                _lib = build_library(_variant)
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 _why_not = str(e)
     return _lib is not None
