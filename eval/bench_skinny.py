@@ -60,7 +60,7 @@ def ab(sources: dict[str, str], shapes: list[tuple[int, int]], rows: list[int], 
             from exc
     gen = torch.Generator().manual_seed(seed)
     weights = [skinny.SkinnyWeight(torch.randn(o, i, generator=gen) * 0.02, half=half) for o, i in shapes]
-    prec = skinny.PRECISION[weights[0].packed.dtype]
+    prec = weights[0].prec
     threads = torch.get_num_threads()
     out = []
     for n in rows:

@@ -33,6 +33,7 @@ if not __package__ and (Path(__file__).resolve().parents[1] / "graft_block").is_
 import graft_block  # noqa: E402,F401 - first: it sets the BLAS thread policy before numpy loads
 import torch  # noqa: E402
 
+from graft_block import skinny  # noqa: E402
 from graft_block.engine import trim_heap  # noqa: E402
 from graft_block.errors import ConfigError, run_command  # noqa: E402
 from graft_block.sampling import sampling_options  # noqa: E402
@@ -100,6 +101,10 @@ def parse_args(argv=None, prog: str | None = None):
                          + ", ".join(presets.LLAMACPP) + ") to the suite's methods, and a 'vs llama.cpp' column; "
                          "$GRAFT_BLOCK_LLAMACPP locates the build too, for --methods naming them; without a build "
                          "they are skipped with a note")
+    ap.add_argument("--exact-quant", action="store_true",
+                    help="stream float32 weights that are exactly quantised values (a GGUF target's: SmolLM2's "
+                         "Q4_1 layers, Q8_0 head) in that form: the same bits, a sixth of the bytes, a verify-cost "
+                         "curve of the compute-bound regime (GRAFT_BLOCK_EXACT_QUANT=1; docs/engine.md)")
     ap.add_argument("--no-physics", action="store_true",
                     help="skip the physics report after the table (bandwidth, matrix-product peak, linear layers)")
     return ap.parse_args(argv)
@@ -165,9 +170,17 @@ def run_arms(table: dict, defaults: list[str], rest: list[str]) -> tuple[dict, o
     opts = parse_args(run_args)
     if opts.list_methods:
         return main(run_args, methods=table), None
+    exact_quant_env(opts)
     target = load_target(opts.target, device=opts.device, dtype=opts.dtype, engine=opts.engine, compile=opts.compile,
                          release_hf=True)
     return main(run_args, methods=table, target=target), target
+
+
+def exact_quant_env(args) -> None:
+    """--exact-quant as the engine reads it (an environment switch, as GRAFT_BLOCK_GEMM: the kernel choice and the
+    verify-cost cache key on it, and the HF peers' child processes see it)."""
+    if args.exact_quant:
+        os.environ[skinny.QUANT_ENV] = "1"
 
 
 def main(argv=None, methods: dict | None = None, target=None, prog: str | None = None) -> dict:
@@ -210,6 +223,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
 
         # HF's weights leave memory once the engine's C layers hold their copy; the HF peers reload them in a
         # child process (eval/peers.py)
+        exact_quant_env(args)
         target = load_target(args.target, device=args.device, dtype=args.dtype, engine=args.engine,
                              compile=args.compile, release_hf=True)
     curve = measure.verify_cost_curve(target, fresh=not args.cached_cost)

@@ -340,6 +340,13 @@ class LeanForward:
             return self._forward(ids, pos, mask, features, last_only, n, start, causal, rows, kernel)
 
     @property
+    def exact_quant(self) -> list[str]:
+        """The quantised forms the skinny packs stream float32 weights in, bit for bit (``skinny.exact_quant``):
+        e.g. ["q4_1", "q8_0"] for a GGUF target's layers and head; [] when every weight streams as stored."""
+        kinds = {p.prec for layer in (self.skinny or []) for p in layer.values()}
+        return [name for code, name in ((skinny.Q4, "q4_1"), (skinny.Q8, "q8_0")) if code in kinds]
+
+    @property
     def kernel_label(self) -> str:
         """The products as run: ``onednn``, or ``onednn+skinny@17rows`` / ``onednn+mkl@1row`` when forwards of up
         to that many rows use another kernel."""
@@ -755,6 +762,7 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, i
     key = {"cpu": device_name("cpu"), "torch": torch.__version__, "numpy": np.__version__,
            "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights],
            "kernels": list(GEMMS) + list(SMALL), "skinny": skinny.available() and skinny.SOURCE,
+           "exact_quant": skinny.available() and skinny.quant_exact_enabled(),
            "rows": list(GEMM_ROWS),
            "openblas_spins": spins, "small_kernel": "same pool", "c_layers": lean.c_layers_possible,
            "c_layers_credit": C_LAYERS_CREDIT}

@@ -42,6 +42,7 @@ SOURCE = r"""
    (-D): a tile keeps NV * GMAX accumulators and NV weight vectors in registers (AVX-512 has 32, AVX2 16); a tile
    that does not fit spills and runs 4-20x slower */
 typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int ivec __attribute__((vector_size(VW * 4), aligned(4)));
 #define LD(p) (*(const vec *)(p))
 #define BO (NV * VW)  /* outputs per packed block */
 /* Weights stored in half precision (a drafter checkpoint's fp16 values, exact) are packed as such and widened on
@@ -225,8 +226,119 @@ static void product_bf16(const unsigned short *P, const float *X, float *Y, long
 }
 #endif
 
-/* the one dispatch on the weights' precision (0 float32, 1 float16, 2 bfloat16; inlined copies of the product) */
+/* A weight whose every run of QB inputs is exactly d * q + m (a GGUF target's Q4_1 layers and Q8_0 embedding,
+   de-quantised to float32 on load) is packed as such: per block and run, d [BO] and m [BO] in float16, then q, 4
+   bits (two inputs a byte, the even one low) or 8 (signed, m absent): 5 or 8.5 bits a weight where float32 takes
+   32. The tile widens them in registers to the same float32 values (d * q is exact, so d * q + m rounds once, as
+   the de-quantiser's did) and sums them as tile() does: the float32 products, bit for bit, from a sixth of the
+   bytes */
+#if HALF && (VW == 16 || VW == 8)
+#define QUANT 1
+#if VW == 16
+#define LDU8(p) ((ivec)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define LDS8(p) ((ivec)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#else
+#define LDU8(p) ((ivec)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define LDS8(p) ((ivec)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#endif
+#define QB 32                          /* inputs per scale */
+#define RUN_Q4 (BO * (4 + QB / 2))     /* bytes per run of QB inputs of one block */
+#define RUN_Q8 (BO * (2 + QB))
+
+static inline __attribute__((always_inline)) void tile_q(const unsigned char *P, const float *X, float *Y, long in,
+                                                          long out, long o0, const int G, const int q4,
+                                                          const char *pf, const long pbytes) {
+    vec a[GMAX][NV];
+    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] = (vec){0};
+    const long run = q4 ? RUN_Q4 : RUN_Q8;
+    for (long j = 0; j < in / QB; j++) {
+        const unsigned char *pj = P + j * run;
+        if (pf)  /* this row group's share of the next block, spread over its runs (as tile()) */
+            for (long c = 0; c < pbytes; c += 64) __builtin_prefetch(pf + j * pbytes + c, 0, 2);
+        vec d[NV], m[NV];
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+            d[v] = LDH((const unsigned short *)pj + v * VW);
+            m[v] = q4 ? LDH((const unsigned short *)pj + BO + v * VW) : (vec){0};
+        }
+        const float *xj = X + j * QB;
+        if (q4) {
+            const unsigned char *qj = pj + 4 * BO;
+            for (int t = 0; t < QB / 2; t++) {
+                ivec r[NV];
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) r[v] = LDU8(qj + t * BO + v * VW);
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+                    vec w[NV];
+                    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
+                        w[v] = d[v] * __builtin_convertvector((r[v] >> (4 * h)) & 15, vec) + m[v];
+                    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
+                        float x = xj[g * in + 2 * t + h];
+                        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] += w[v] * x;
+                    }
+                }
+            }
+        } else {
+            const unsigned char *qj = pj + 2 * BO;
+            for (int t = 0; t < QB; t++) {
+                vec w[NV];
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
+                    w[v] = d[v] * __builtin_convertvector(LDS8(qj + t * BO + v * VW), vec);
+                _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
+                    float x = xj[g * in + t];
+                    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] += w[v] * x;
+                }
+            }
+        }
+    }
+    long m = out - o0 < BO ? out - o0 : BO;
+    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
+        float *y = Y + g * out + o0;
+        if (m == BO) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) *(vec *)(y + v * VW) = a[g][v];
+            continue;
+        }
+        for (long j = 0; j < m; j++) y[j] = a[g][j / VW][j % VW];
+    }
+}
+
+#define TILE_Q(g) case g: tile_q(pb, x, y, in, out, b * BO, g, q4, pf, pbytes); break;
+
+/* Y [n, out] = X [n, in] W^T from a quantised pack (in a multiple of QB), blocks split and prefetched as product() */
+static inline __attribute__((always_inline)) void product_q(const unsigned char *P, const float *X, float *Y,
+                                                             long out, long in, long n, int threads, const int q4) {
+    const long nb = (out + BO - 1) / BO, runs = in / QB, bytes = runs * (q4 ? RUN_Q4 : RUN_Q8);
+    const long ng = (n + GMAX - 1) / GMAX, pbytes = (bytes / (ng * runs) + 63) / 64 * 64;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < nb; b++) {
+        const unsigned char *pb = P + b * bytes;
+        const char *pn = b + 1 < nb ? (const char *)(pb + bytes) : 0;
+        for (long r = 0; r < n; r += GMAX) {
+            const char *pf = pn ? pn + (r / GMAX) * runs * pbytes : 0;
+            const float *x = X + r * in;
+            float *y = Y + r * out;
+            switch (n - r < GMAX ? n - r : GMAX) {
+                TILE_Q(1) TILE_Q(2) TILE_Q(3) TILE_Q(4)
+#if GMAX > 4
+                TILE_Q(5) TILE_Q(6)
+#endif
+#if GMAX > 6
+                TILE_Q(7) TILE_Q(8)
+#endif
+            }
+        }
+    }
+}
+#else
+#define QUANT 0
+#endif
+
+/* the one dispatch on the weights' precision (0 float32, 1 float16, 2 bfloat16, 3 4-bit d * q + m, 4 8-bit d * q;
+   inlined copies of the product) */
 static void any_product(const void *P, int prec, const float *X, float *Y, long out, long in, long n, int th) {
+#if QUANT
+    if (prec == 3) { product_q((const unsigned char *)P, X, Y, out, in, n, th, 1); return; }
+    if (prec == 4) { product_q((const unsigned char *)P, X, Y, out, in, n, th, 0); return; }
+#endif
 #if BF16
     if (prec == 2) { product_bf16((const unsigned short *)P, X, Y, out, in, n, th); return; }
 #endif
@@ -241,6 +353,7 @@ void skinny_linear(const void *P, int prec, const float *X, float *Y, long out, 
 int block_outputs(void) { return BO; }
 int half_weights(void) { return HALF; }
 int bf16_weights(void) { return BF16; }
+int quant_weights(void) { return QUANT; }
 
 /* ---- the decoder layers around the products (a Llama-family layer, pre-norm, SwiGLU) ---------------------------
    One call runs every layer of a forward of n rows, so a decode step costs its products and a few hundred
@@ -249,7 +362,6 @@ int bf16_weights(void) { return BF16; }
    bits for the same prefix (attention sums over the visible keys in cache order; a hidden key is skipped). */
 #include <math.h>
 #include <string.h>
-typedef int ivec __attribute__((vector_size(VW * 4), aligned(4)));
 #define HDMAX 256  /* the largest head size this code takes (the caller checks) */
 
 typedef struct {  /* one layer's weights: packed products and vectors; a NULL bias or norm is absent */
@@ -265,7 +377,7 @@ typedef struct {  /* one layer's weights: packed products and vectors; a NULL bi
     const float *hn;     /* EAGLE-3's layer when set: the attention reads [ln1(e) ; hn(x)] (2 x hidden wide), e the
                             token embeddings passed beside x; with norm_residual the residual is hn(x) */
     long norm_residual;
-    long prec;  /* bits 2i, 2i+1: product i's (qkv, o, gu, d) packing, 0 float32, 1 float16, 2 bfloat16 */
+    long prec;  /* bits 4i..4i+3: product i's (qkv, o, gu, d) packing, any_product's codes */
 } layer_t;
 
 typedef struct {
@@ -422,7 +534,7 @@ void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long
         } else {
             for (long r = 0; r < n; r++) rms_norm(x + r * H, w->ln1, h + r * H, H, D->eps);
         }
-        any_product(w->qkv, (w->prec >> 0) & 3, h, qkv, QKV, w->hn ? 2 * H : H, n, D->threads);
+        any_product(w->qkv, (w->prec >> 0) & 15, h, qkv, QKV, w->hn ? 2 * H : H, n, D->threads);
         add_bias(qkv, w->qkv_b, n, QKV);
         for (long r = 0; r < n; r++) {
             float *row = qkv + r * QKV;
@@ -444,11 +556,11 @@ void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long
                    mask ? mask + r * L : 0, L, mask ? L : start + r + 1, D->kstride, D->scaling, hd, group,
                    sc + omp_get_thread_num() * group * Lp, att + r * A + g * group * hd);
         }
-        any_product(w->o, (w->prec >> 2) & 3, att, h, H, A, n, D->threads);
+        any_product(w->o, (w->prec >> 4) & 15, att, h, H, A, n, D->threads);
         add_bias(h, w->o_b, n, H);
         for (long i = 0; i < n * H; i++) x[i] += h[i];
         for (long r = 0; r < n; r++) rms_norm(x + r * H, w->ln2, h + r * H, H, D->eps);
-        any_product(w->gu, (w->prec >> 4) & 3, h, gu, 2 * I, H, n, D->threads);
+        any_product(w->gu, (w->prec >> 8) & 15, h, gu, 2 * I, H, n, D->threads);
         add_bias(gu, w->gu_b, n, 2 * I);
         for (long r = 0; r < n; r++) {
             const float *g = gu + r * 2 * I, *u = g + I;
@@ -457,7 +569,7 @@ void lean_layers(const layer_t *layers, long nl, const dims_t *D, float *x, long
             for (; c + VW <= I; c += VW) *(vec *)(a + c) = LD(g + c) / (1.0f + vexp(-LD(g + c))) * LD(u + c);
             for (; c < I; c++) a[c] = g[c] / (1.0f + expf(-g[c])) * u[c];
         }
-        any_product(w->d, (w->prec >> 6) & 3, act, h, H, I, n, D->threads);
+        any_product(w->d, (w->prec >> 12) & 15, act, h, H, I, n, D->threads);
         add_bias(h, w->d_b, n, H);
         for (long i = 0; i < n * H; i++) x[i] += h[i];
         if (feats && feats[li]) memcpy(feats[li], x, n * H * sizeof(float));
@@ -551,6 +663,8 @@ def build_library(kind: str, source: str = SOURCE) -> ctypes.CDLL:
         [ctypes.c_int]
     lib.pack.restype = lib.skinny_linear.restype = None
     lib.block_outputs.restype = lib.half_weights.restype = lib.bf16_weights.restype = ctypes.c_int
+    if hasattr(lib, "quant_weights"):  # absent from kernel versions before it (eval/bench_skinny.py builds them)
+        lib.quant_weights.restype = ctypes.c_int
     lib.lean_scratch.argtypes = [ctypes.POINTER(_Dims), ctypes.c_long, ctypes.c_long]
     lib.lean_scratch.restype = ctypes.c_long
     lib.lean_layers.argtypes = [ctypes.POINTER(_Layer), ctypes.c_long, ctypes.POINTER(_Dims), ctypes.c_void_p,
@@ -618,8 +732,10 @@ class SkinnyWeight:
     the same products bit for bit. ``half``: None = whenever exact; False = float32; "round": float16 always,
     rounded (a drafter's own copy of rows whose products need not be exact); "bf16": bfloat16 pairs
     [ceil(out / B)][in / 2][B][2], the inputs rounded to bfloat16 too (AVX512-BF16 only, ``in`` even; elsewhere
-    as "round")."""
-    __slots__ = ("packed", "out", "n_in")
+    as "round"). With ``GRAFT_BLOCK_EXACT_QUANT=1``, None also packs a weight that is exactly 4-bit d * q + m or
+    8-bit d * q per 32 inputs (``exact_quant``: a GGUF target's) in that form, uint8: the same products again.
+    ``prec``: the packing's code for the C products (0-2 float32 / float16 / bfloat16, ``Q4``, ``Q8``)."""
+    __slots__ = ("packed", "out", "n_in", "prec")
 
     def __init__(self, w: torch.Tensor, half: bool | str | None = None):
         if not available():
@@ -635,14 +751,20 @@ class SkinnyWeight:
         if half == "bf16" and _lib.bf16_weights() and self.n_in % 2 == 0:
             padded = torch.zeros(nb * block, self.n_in, dtype=torch.bfloat16)
             padded[: self.out] = w  # rounded to nearest even on the copy
-            self.packed = padded.view(nb, block, self.n_in // 2, 2).transpose(1, 2).contiguous().view(-1)
+            self.packed, self.prec = padded.view(nb, block, self.n_in // 2, 2).transpose(1, 2).contiguous().view(-1), 2
             return
+        if half is None and quant_exact_enabled():
+            found = exact_quant(w)
+            if found is not None:
+                self.packed, self.prec = _pack_quant(*found, block), Q4 if found[2] is not None else Q8
+                return
         if half is not False and _lib.half_weights() and (half in ("round", "bf16")
                                                           or bool((w.half().float() == w).all())):
             padded = torch.zeros(nb * block, self.n_in, dtype=torch.float16)
             padded[: self.out] = w  # rounded to float16 on the copy: no float32 transpose of the whole weight
-            self.packed = padded.view(nb, block, self.n_in).transpose(1, 2).contiguous().view(-1)
+            self.packed, self.prec = padded.view(nb, block, self.n_in).transpose(1, 2).contiguous().view(-1), 1
             return
+        self.prec = 0
         self.packed = torch.empty(nb * block * self.n_in)
         _lib.pack(w.data_ptr(), self.packed.data_ptr(), self.out, self.n_in, torch.get_num_threads())
 
@@ -653,6 +775,8 @@ class SkinnyWeight:
         ids = ids.to(torch.long).cpu()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out):
             raise ValueError(f"row ids must lie in 0..{self.out - 1}")
+        if self.prec in (Q4, Q8):
+            return _quant_rows(self.packed, self.prec, self.n_in, ids, block)
         if self.packed.dtype == torch.bfloat16:
             pairs = self.packed.view(-1, self.n_in // 2, block, 2)[ids // block, :, ids % block]
             return pairs.reshape(-1, self.n_in).float()
@@ -660,24 +784,132 @@ class SkinnyWeight:
 
 
 PRECISION = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C code's codes for a pack's dtype
+Q4, Q8 = 3, 4  # and for the quantised packs: 4-bit d * q + m, 8-bit d * q, per run of QB inputs
+QB = 32
+QUANT_ENV = "GRAFT_BLOCK_EXACT_QUANT"
 
 
-def _product(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [n, in] (contiguous) times the packed weight -> [n, out_features]."""
+def quant_exact_enabled() -> bool:
+    """Whether float32 weights that are exactly quantised values pack as such: with ``GRAFT_BLOCK_EXACT_QUANT=1``
+    (``graft-block bench --exact-quant``), read at each packing. Off by default: it changes which regime a CPU
+    target runs in, not its numbers (docs/engine.md, "Weights streamed in the form they are exact in")."""
+    return os.environ.get(QUANT_ENV, "0") == "1" and available() and bool(_lib.quant_weights())
+
+
+def _fp16_steps(x: torch.Tensor, step: int) -> torch.Tensor:
+    """x (float16 values) moved ``step`` float16 ulps, as float32."""
+    return (x.view(torch.int16) + step).view(torch.float16).float() if step else x.float()
+
+
+def exact_quant(w: torch.Tensor, chunk: int = 4096):
+    """(d, q, m) with ``w`` [out, in] == d * q + m bit for bit in float32, per run of QB inputs: d and m float16
+    values [out, in / QB], q [out, in] in 0..15 (GGUF's Q4_1) or, with m None, d * q with q in -127..127 (Q8_0);
+    None when ``w`` is neither (in not a multiple of QB, or one value off). Found from the float32 values alone: m
+    is the run's least value (q = 0), d the float16 next to (max - m) / 15 (or max |w| / 127) that rebuilds every
+    value of the run."""
+    out, n_in = w.shape
+    if n_in % QB or not out:
+        return None
+    for q4 in (True, False):
+        if _exact_runs(w[:64], q4) is None:  # a cheap refusal for the float32 weights most are
+            continue
+        parts = [_exact_runs(w[r:r + chunk], q4) for r in range(0, out, chunk)]
+        if any(p is None for p in parts):
+            return None
+        d, q, m = (torch.cat([p[i] for p in parts]) if parts[0][i] is not None else None for i in range(3))
+        return d, q, m
+    return None
+
+
+def _exact_runs(w: torch.Tensor, q4: bool):
+    v = w.reshape(w.shape[0], -1, QB)
+    if q4:
+        lo = v.amin(-1, keepdim=True)
+        m16 = lo.half()
+        if not bool((m16.float() == lo).all()):
+            return None
+        d16, top, base = ((v.amax(-1, keepdim=True) - lo) / 15).half(), 15, lo
+    else:
+        m16, base = None, 0.0
+        d16, top = (v.abs().amax(-1, keepdim=True) / 127).half(), 127
+    bits = v.view(torch.int32)
+    ok = torch.zeros(v.shape[:2] + (1,), dtype=torch.bool)
+    d_best, q_best = torch.zeros(v.shape[:2] + (1,)), torch.zeros_like(v)
+    for step in (0, 1, -1, 2, -2):  # the float16 rounding of d may sit an ulp or two off the ratio
+        d = _fp16_steps(d16, step)
+        q = torch.where(d > 0, (v - base) / torch.where(d > 0, d, 1.0), 0.0).round().clamp(0 if q4 else -top, top)
+        q += 0.0  # an integer has no -0: a -0.0 weight (d * -0.0) is not one the pack can hold
+        rebuilt = d * q + base if q4 else d * q  # Q8 adds nothing: d * -q for d = 0 is -0.0, as in the C code
+        good = (rebuilt.view(torch.int32) == bits).all(-1, keepdim=True) & ~ok & (d >= 0)
+        d_best, q_best, ok = torch.where(good, d, d_best), torch.where(good, q, q_best), ok | good
+        if bool(ok.all()):
+            return (d_best.squeeze(-1).half(), q_best.to(torch.int8).view(w.shape),
+                    None if m16 is None else m16.squeeze(-1))
+    return None
+
+
+def _pack_quant(d: torch.Tensor, q: torch.Tensor, m: torch.Tensor | None, block: int) -> torch.Tensor:
+    """The C code's quantised pack (uint8): per block of ``block`` outputs and run of QB inputs, d [block] float16,
+    m [block] float16 (Q4), then q: for Q4 [QB / 2][block] bytes, inputs 2t (low nibble) and 2t + 1 (high); for
+    Q8 [QB][block] int8."""
+    out, n_in = q.shape
+    nb, runs = -(-out // block), n_in // QB
+
+    def per_block(t: torch.Tensor, width: int) -> torch.Tensor:  # [out, runs * width] -> [nb, runs, width, block]
+        padded = torch.zeros((nb * block, runs * width), dtype=t.dtype)
+        padded[:out] = t.reshape(out, runs * width)
+        return padded.view(nb, block, runs, width).permute(0, 2, 3, 1)
+
+    parts = [per_block(d, 1).contiguous().view(torch.uint8)]  # [nb, runs, 1, 2 * block]
+    if m is not None:
+        parts.append(per_block(m, 1).contiguous().view(torch.uint8))
+        nib = q.view(torch.uint8).view(out, runs, QB // 2, 2)
+        parts.append(per_block(nib[..., 0] | (nib[..., 1] << 4), QB // 2).contiguous().view(nb, runs, 1, -1))
+    else:
+        parts.append(per_block(q.view(torch.uint8), QB).contiguous().view(nb, runs, 1, -1))
+    return torch.cat(parts, -1).view(-1)
+
+
+def _quant_rows(packed: torch.Tensor, prec: int, n_in: int, ids: torch.Tensor, block: int) -> torch.Tensor:
+    """Rows ``ids`` of a quantised pack as float32 [n, in]: d * q + m, the values it was packed from."""
+    runs = n_in // QB
+    run = block * (4 + QB // 2) if prec == Q4 else block * (2 + QB)
+    p = packed.view(-1, runs, run)[ids // block]  # [n, runs, run bytes]
+    lane = (ids % block).view(-1, 1, 1)
+
+    def column(lo: int, width: int) -> torch.Tensor:  # bytes lo.. as [n, runs, width, block] -> the rows' lanes
+        t = p[..., lo: lo + width * block].reshape(len(ids), runs, width, block)
+        return t.gather(3, lane.unsqueeze(-1).expand(-1, runs, width, 1)).squeeze(-1)
+
+    def scale(lo: int) -> torch.Tensor:  # the float16 [block] at byte lo -> the rows' lanes [n, runs, 1]
+        return p[..., lo: lo + 2 * block].contiguous().view(torch.float16).gather(2, lane.expand(-1, runs, 1)).float()
+
+    d = scale(0)
+    if prec == Q4:
+        m = scale(2 * block)
+        nib = column(4 * block, QB // 2)
+        q = torch.stack((nib & 15, nib >> 4), -1).reshape(len(ids), runs, QB).float()
+        return (d * q + m).reshape(len(ids), n_in)
+    q = column(2 * block, QB).view(torch.int8).float()
+    return (d * q).reshape(len(ids), n_in)
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, out_features: int, prec: int) -> torch.Tensor:
+    """x [n, in] (contiguous) times the packed weight (its packing ``prec``) -> [n, out_features]."""
     y = torch.empty(x.shape[0], out_features)
-    _lib.skinny_linear(packed.data_ptr(), PRECISION[packed.dtype], x.data_ptr(), y.data_ptr(), out_features,
-                       x.shape[1], x.shape[0], torch.get_num_threads())
+    _lib.skinny_linear(packed.data_ptr(), prec, x.data_ptr(), y.data_ptr(), out_features, x.shape[1], x.shape[0],
+                       torch.get_num_threads())
     return y
 
 
 @torch.library.custom_op("graft_block::skinny_linear", mutates_args=())
-def _linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def _linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: int, prec: int) -> torch.Tensor:
     """The product as an op torch.compile can place in a graph (it fuses the small ops around it)."""
-    return _product(x, packed, out_features)
+    return _product(x, packed, out_features, prec)
 
 
 @_linear_op.register_fake
-def _(x, packed, out_features):
+def _(x, packed, out_features, prec):
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -688,7 +920,7 @@ def linear(x: torch.Tensor, w: SkinnyWeight, bias: torch.Tensor | None = None) -
                          f"{x.device}")
     lead = x.shape[:-1]
     x = x.reshape(-1, w.n_in).contiguous()
-    y = (_linear_op if torch.compiler.is_compiling() else _product)(x, w.packed, w.out)  # eager: no op dispatch
+    y = (_linear_op if torch.compiler.is_compiling() else _product)(x, w.packed, w.out, w.prec)  # eager: no dispatch
     if bias is not None:
         y.add_(bias)
     return y.view(*lead, w.out)
@@ -701,10 +933,10 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: Skinn
     if x.dim() != 2 or x.shape[1] != w.n_in or x.dtype != torch.float32 or norm_weight.dtype != torch.float32:
         raise ValueError(f"norm_linear takes float32 rows of {w.n_in}; got x {tuple(x.shape)} {x.dtype}")
     if w.n_in % VARIANTS[_variant][0]:
-        return _product(torch.rms_norm(x, (w.n_in,), norm_weight, eps).contiguous(), w.packed, w.out)
+        return _product(torch.rms_norm(x, (w.n_in,), norm_weight, eps).contiguous(), w.packed, w.out, w.prec)
     x, norm_weight = x.contiguous(), norm_weight.contiguous()
     t, y = torch.empty(n, w.n_in), torch.empty(n, w.out)
-    _lib.skinny_norm_linear(w.packed.data_ptr(), PRECISION[w.packed.dtype], x.data_ptr(), norm_weight.data_ptr(), eps,
+    _lib.skinny_norm_linear(w.packed.data_ptr(), w.prec, x.data_ptr(), norm_weight.data_ptr(), eps,
                             t.data_ptr(), y.data_ptr(), w.out, w.n_in, n, torch.get_num_threads())
     return y
 
@@ -770,13 +1002,13 @@ class DecoderLayers:
             if t is None:
                 return None
             t = t.packed if isinstance(t, SkinnyWeight) else t.detach().contiguous()
-            if t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or t.device.type != "cpu":
+            if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.uint8) or t.device.type != "cpu":
                 raise ValueError(f"the C decoder layers take float32 CPU tensors; got {t.dtype} on {t.device}")
             self._keep.append(t)
             return t.data_ptr()
 
-        def prec(w):  # each product's packing, two bits apiece: 0 float32, 1 float16, 2 bfloat16
-            return sum(PRECISION[w[k].packed.dtype] << 2 * i for i, k in enumerate(("qkv", "o", "gu", "d")))
+        def prec(w):  # each product's packing (``SkinnyWeight.prec``), four bits apiece
+            return sum(w[k].prec << 4 * i for i, k in enumerate(("qkv", "o", "gu", "d")))
 
         self.layers = (_Layer * len(layers))(*[_Layer(**{k: ptr(w.get(k)) for k in _Layer.POINTERS},
                                                       norm_residual=int(bool(w.get("norm_residual"))),

@@ -88,11 +88,13 @@ class Target:
     @property
     def engine_label(self) -> str:
         """The path that computes the forward, e.g. ``lean-openblas-float32`` (lean forward, OpenBLAS products),
-        ``lean-bfloat16`` (torch's own GEMM) or ``hf-sdpa-float32`` (keys cached costs)."""
+        ``lean-bfloat16`` (torch's own GEMM), ``lean-skinny-float32+exact-q4_1/q8_0`` (float32 weights streamed in
+        the quantised form they are exact in) or ``hf-sdpa-float32`` (keys cached costs)."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.lean is not None:
             gemm = "" if self.lean.gemm == "torch" else f"{self.lean.kernel_label}-"
-            return f"lean-{gemm}{dtype}" + ("+compile" if self.compiled else "")
+            quant = "+exact-" + "/".join(self.lean.exact_quant) if self.lean.exact_quant else ""
+            return f"lean-{gemm}{dtype}" + quant + ("+compile" if self.compiled else "")
         return f"hf-{getattr(self.config, '_attn_implementation', None) or 'default'}-{dtype}"
 
     # ---- properties -------------------------------------------------------------------------------------

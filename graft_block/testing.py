@@ -122,3 +122,22 @@ def null_tv_quantile(exact: dict, n: int, q: float = 0.999, draws: int = 2000) -
     counts = torch.zeros(draws, p.numel(), dtype=torch.float64)
     counts.scatter_add_(1, idx.view(draws, n), torch.ones(draws, n, dtype=torch.float64))
     return float((0.5 * (counts / n - p).abs().sum(-1)).quantile(q))
+
+
+def gguf_quantised(w: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """``w`` [out, in] (in a multiple of 32) quantised and de-quantised as GGUF's reference quantiser does, back in
+    float32: ``bits`` 4 = Q4_1 (per run of 32 inputs, fp16 d = (max - min) / 15 and m = min, q in 0..15), 8 = Q8_0
+    (fp16 d = max |w| / 127, q in -127..127). The weights a GGUF target's layers hold once converted to float32."""
+    v = w.detach().float().reshape(w.shape[0], -1, 32)
+    if bits == 4:
+        lo, hi = v.amin(-1, keepdim=True), v.amax(-1, keepdim=True)
+        d = (hi - lo) / 15
+        q = ((v - lo) * torch.where(d > 0, 1 / d, 0.0) + 0.5).floor().clamp(max=15)
+        out = d.half().float() * q + lo.half().float()
+    elif bits == 8:
+        d = v.abs().amax(-1, keepdim=True) / 127
+        q = (v * torch.where(d > 0, 1 / d, 0.0)).round() + 0.0  # an int8: no -0
+        out = d.half().float() * q
+    else:
+        raise ValueError(f"bits must be 4 (Q4_1) or 8 (Q8_0), got {bits}")
+    return out.reshape(w.shape)

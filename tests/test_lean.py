@@ -483,7 +483,8 @@ def test_skinny_without_a_compiler_is_left_out_and_says_why(monkeypatch, tmp_pat
 def test_every_skinny_tile_computes_the_same_bits(tmp_path):
     """The AVX2 tile (built with AVX-512 off, so an AVX-512 machine runs it too) and this CPU's own tile give
     bit-identical products at 1-20 rows: each output is one accumulator over the inputs in order, whatever the
-    vector width or rows per tile, so a machine's choice of tile never changes a decode."""
+    vector width or rows per tile, so a machine's choice of tile never changes a decode. The AVX2 build's
+    quantised tile (a Q4_1 weight) gives this CPU's float32 products too."""
     import subprocess
     import sys
 
@@ -493,19 +494,25 @@ def test_every_skinny_tile_computes_the_same_bits(tmp_path):
         pytest.skip(f"the skinny kernel does not build here: {skinny.why_not()}")
     if "avx2" not in skinny._cpu_flags().split():
         pytest.skip("no AVX2 on this CPU")
+    from graft_block.testing import gguf_quantised
+
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(100, 77, generator=g), torch.randn(20, 77, generator=g)
-    torch.save({"w": w, "x": x}, tmp_path / "in.pt")
+    wq, xq = gguf_quantised(torch.randn(100, 96, generator=g)), torch.randn(20, 96, generator=g)  # a Q4_1 weight
+    torch.save({"w": w, "x": x, "wq": wq, "xq": xq}, tmp_path / "in.pt")
     script = ("import torch, sys; from graft_block import skinny; d = torch.load(sys.argv[1]); "
               "assert skinny.label().startswith('avx2'), skinny.label(); p = skinny.SkinnyWeight(d['w']); "
-              "torch.save([skinny.linear(d['x'][:n], p) for n in (1, 6, 7, 20)], sys.argv[2])")
-    env = {**os.environ, "GRAFT_BLOCK_SKINNY": "avx2", "OMP_NUM_THREADS": "1"}
+              "q = skinny.SkinnyWeight(d['wq']); assert q.prec == skinny.Q4, q.prec; "
+              "torch.save([skinny.linear(d['x'][:n], p) for n in (1, 6, 7, 20)] + "
+              "[skinny.linear(d['xq'][:n], q) for n in (1, 6, 7, 20)], sys.argv[2])")
+    env = {**os.environ, "GRAFT_BLOCK_SKINNY": "avx2", "OMP_NUM_THREADS": "1", skinny.QUANT_ENV: "1"}
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
                    check=True)
     theirs = torch.load(tmp_path / "out.pt")
-    pw = skinny.SkinnyWeight(w)
-    for n, y in zip((1, 6, 7, 20), theirs):
+    pw, pq = skinny.SkinnyWeight(w), skinny.SkinnyWeight(wq, half=False)  # float32 here: the quantised tile's bits
+    for n, y, yq in zip((1, 6, 7, 20), theirs[:4], theirs[4:]):
         assert torch.equal(y, skinny.linear(x[:n], pw)), (n, skinny.label())
+        assert torch.equal(yq, skinny.linear(xq[:n], pq)), (n, skinny.label())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -563,6 +570,67 @@ def test_c_decoder_layers_on_float16_exact_weights_stream_half_the_bytes_and_kee
     for target in (half, full):
         target.prefill(prompt)
     assert torch.equal(half.verify(tree)[0], full.verify(tree)[0])
+
+
+def test_exactly_quantised_weights_pack_in_their_quantised_form_and_keep_the_bits(monkeypatch):
+    """With GRAFT_BLOCK_EXACT_QUANT=1 a float32 weight whose every run of 32 inputs is exactly GGUF's Q4_1 (or Q8_0)
+    de-quantised packs as 4-bit (8-bit) values with float16 scales, and its products equal the float32 pack's bit
+    for bit at every row count; rows come back exactly. A weight one ulp off, an input width off the runs, or the
+    switch off (the default) keeps the float32 pack."""
+    from graft_block import skinny
+    from graft_block.testing import gguf_quantised
+
+    if not (ON_CPU and skinny.available() and skinny._lib.quant_weights()):
+        pytest.skip("no skinny kernel with quantised loads here")
+    g = torch.Generator().manual_seed(5)
+    w4 = gguf_quantised(torch.randn(1000, 576, generator=g), 4)
+    w4[7, 32:64] = w4[7, 40]  # a run of one value: d = 0
+    monkeypatch.delenv(skinny.QUANT_ENV, raising=False)
+    assert skinny.SkinnyWeight(w4).prec == 0  # off by default
+    monkeypatch.setenv(skinny.QUANT_ENV, "1")
+    for w, prec, bytes_per_weight in ((w4, skinny.Q4, 0.625), (gguf_quantised(torch.randn(64, 1536, generator=g),
+                                                                              8), skinny.Q8, 1.0625)):
+        q, full = skinny.SkinnyWeight(w), skinny.SkinnyWeight(w, half=False)
+        assert q.prec == prec and full.prec == 0
+        assert q.packed.numel() <= bytes_per_weight * w.numel() * 1.1 < full.packed.numel() * 4
+        x = torch.randn(20, w.shape[1], generator=g)
+        for n in (1, 2, 7, 8, 9, 16, 20):
+            assert torch.equal(skinny.linear(x[:n], q).view(torch.int32), skinny.linear(x[:n], full).view(torch.int32))
+        ids = torch.tensor([w.shape[0] - 1, 0, 7, w.shape[0] // 2])
+        assert torch.equal(q.rows(ids).view(torch.int32), w[ids].view(torch.int32))
+    off = w4.clone()
+    off[3, 5] = torch.nextafter(off[3, 5], torch.tensor(1.0))
+    assert skinny.SkinnyWeight(off).prec == 0
+    assert skinny.SkinnyWeight(gguf_quantised(torch.randn(8, 64, generator=g))[:, :48].contiguous()).prec != skinny.Q4
+    assert skinny.exact_quant(torch.randn(64, 64, generator=g)) is None
+
+
+def test_c_decoder_layers_on_gguf_quantised_weights_keep_the_bits(monkeypatch):
+    """A target holding a GGUF model's de-quantised weights (Q4_1 layers, a Q8_0 head) streams them in that form
+    under GRAFT_BLOCK_EXACT_QUANT=1, says so in its engine label, and every logit of a tree verify equals the
+    float32 packs' bit for bit (so every method stays token-identical to AR in either form)."""
+    from graft_block import skinny
+    from graft_block.testing import gguf_quantised
+
+    if not (ON_CPU and skinny.available() and skinny._lib.quant_weights()):
+        pytest.skip("no skinny kernel with quantised loads here")
+    t = tiny_target("llama", engine="hf", hidden_size=64)
+    with torch.no_grad():
+        for name, p in t.model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.copy_(gguf_quantised(p, 8 if "lm_head" in name else 4))
+    monkeypatch.setenv(skinny.QUANT_ENV, "1")
+    quant = Target(t.model, None, engine="lean", gemm="skinny")
+    assert quant.lean.exact_quant == ["q4_1", "q8_0"] and quant.engine_label.endswith("+exact-q4_1/q8_0")
+    assert quant.lean.fused is not None
+    monkeypatch.setenv(skinny.QUANT_ENV, "0")
+    full = Target(t.model, None, engine="lean", gemm="skinny")
+    assert full.lean.exact_quant == [] and all(p[k].prec == 0 for p in full.lean.skinny for k in p)
+    prompt = torch.tensor([5, 9, 2, 7, 11, 3])
+    tree = from_paths(4, [[17], [40, 41, 42], [40, 6]])
+    for target in (quant, full):
+        target.prefill(prompt)
+    assert torch.equal(quant.verify(tree)[0], full.verify(tree)[0])
 
 
 def test_hf_weights_the_c_layers_do_not_read_are_released_and_read_back_unchanged(tmp_path):
