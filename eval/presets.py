@@ -95,6 +95,11 @@ PRESETS: dict[str, dict] = {
     # not in the --llamacpp set (its expected difference would print a peer note every run): --methods names it
     "llamacpp_defaults": {"llamacpp": {"spec": "none", "args": ["-fa", "auto", "-ctk", "f16", "-ctv", "f16"]},
                           "about": "llama.cpp greedy AR at its default K/V precision and attention (speed only)"},
+    # llama.cpp on the embedded target's own GGUF (SmolLM2's Q4_1 layers and Q8_0 head, the wheel's file): its
+    # quantised dot products (activations rounded to 8 bits) are another function than the float32 model, so its
+    # tokens are not the reference either; the peer of `--exact-quant`, which streams the same bytes exactly
+    "llamacpp_q4": {"llamacpp": {"spec": "none", "model": "@embedded"},
+                    "about": "llama.cpp greedy AR on the target's quantised GGUF (speed only; other arithmetic)"},
     "llamacpp_ngram": {"llamacpp": {"spec": "ngram-simple", "ngram_n": 3, "ngram_m": 10},
                        "about": "llama.cpp ngram-simple prompt lookup (3-gram key, up to 10 drafted), a peer"},
     "llamacpp_dflash": {"llamacpp": {"spec": "draft-dflash", "draft": "dflash-smollm2", "n_max": 7},

