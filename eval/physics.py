@@ -118,6 +118,16 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 3,
     return 2 * n**3 / best / 1e9
 
 
+def streamed_bytes(lean, weights) -> int | None:
+    """The bytes a forward streams through the lean engine's skinny packs (the exact quantised ones included, and
+    the biases): None when the engine keeps none (the products read ``weights`` as stored)."""
+    packs = getattr(lean, "skinny", None)
+    if not packs:
+        return None
+    return sum(p.packed.numel() * p.packed.element_size() for layer in packs for p in layer.values()) + \
+        sum(b.numel() * b.element_size() for _, b in weights if b is not None)
+
+
 def linear_sweep(weights, sizes, device: torch.device, dtype: torch.dtype, reps: int = 3,
                  kernel: str = "torch", kernel_small: str | None = None, small_rows: int = 0) -> dict[int, float]:
     """Median seconds of an [n, in] input through every weight, per row count n, with the lean forward's own
@@ -188,7 +198,8 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
         load = {**load, "busy": True, "reasons": load["reasons"] + [f"verify curve: {r}" for r in why]}
     nbytes = sum(w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
                  for w, b in weights)
-    mem_floor = nbytes / (bw * 1e9)
+    streamed = streamed_bytes(lean, weights) or nbytes  # what a forward reads: the engine's packs where it has them
+    mem_floor = streamed / (bw * 1e9)
     verify = {int(k): v for k, v in curve["median_s"].items()}
     base = eager["b_s"] if eager else {}
     rows = []
@@ -215,7 +226,9 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
             "skinny_tile": _skinny_tile(lean),
             "gemm_times": getattr(lean, "gemm_times", None), "bandwidth_gbs": bw, "copy_mb": copy_mb, "peak_gflops": peak,
             "peak_n": peak_n, "linear": {"count": len(weights), "params": sum(w.numel() for w, _ in weights),
-                                         "bytes": nbytes, "mem_floor_ms": 1e3 * mem_floor},
+                                         "bytes": nbytes, "streamed_bytes": streamed,
+                                         "packing": getattr(lean, "exact_quant", None) or None,
+                                         "mem_floor_ms": 1e3 * mem_floor},
             "rows": rows, "non_gemm_share": non_gemm, "eager_non_gemm_share": eager_non_gemm,
             "eager_engine": measure.engine_label(hf) if eager else None, "verify_source": curve.get("source", "given"),
             "verify_context": curve.get("key", {}).get("context", context), "busy": load["busy"], "load": load,
@@ -250,8 +263,10 @@ def format_report(p: dict) -> str:
         f"- memory copy bandwidth: {p['bandwidth_gbs']:.1f} GB/s (read+write, a {p['copy_mb']} MB copy, median)",
         f"- matrix-product peak: {p['peak_gflops']:.1f} GFLOP/s ({p['peak_n']}x{p['peak_n']} {p['dtype']} "
         "product, median)",
-        f"- linear layers: {lin['count']} weights, {lin['params'] / 1e6:.1f}M parameters, {lin['bytes'] / 1e6:.0f} MB;"
-        f" memory-bound floor {_ms(lin['mem_floor_ms'])} ms per forward (bytes / bandwidth)",
+        f"- linear layers: {lin['count']} weights, {lin['params'] / 1e6:.1f}M parameters, {lin['bytes'] / 1e6:.0f} MB"
+        + (f", streamed as {'/'.join(lin['packing'])} packs: {lin['streamed_bytes'] / 1e6:.0f} MB"
+           if lin.get("packing") else "")
+        + f"; memory-bound floor {_ms(lin['mem_floor_ms'])} ms per forward (bytes streamed / bandwidth)",
     ]
     if p.get("gemm_times"):  # the engine's measured kernel choice: which product wins at which row count
         t = p["gemm_times"]
