@@ -2,6 +2,7 @@
 
     python eval/bench_skinny.py                          # the working tree's kernel against HEAD's
     python eval/bench_skinny.py --against a1e1b05~2 --rows 1,4,8,16,17 --bf16
+    python eval/bench_skinny.py --exact-quant             # float32 packs against exact Q4_1 / Q8_0 ones
 
 Both versions are built for this CPU's tile, loaded side by side and called alternately on the same packed
 weights (random, of the embedded target's shapes: 30 layers' q/k/v, o, gate/up and down products and the LM head),
@@ -13,6 +14,7 @@ the CPU has AVX512-BF16. Run it alone: the figures are timings.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -49,10 +51,7 @@ def ab(sources: dict[str, str], shapes: list[tuple[int, int]], rows: list[int], 
     """Per row count: {"rows", "ms": {name: median ms over every product of ``shapes``}, "same_bits"} for each
     kernel source in ``sources`` (the first is the reference), the builds alternated ``reps`` times after one
     untimed round."""
-    if not skinny.available():
-        raise ConfigError(f"the C kernel does not run here: {skinny.why_not()}")
-    if reps < 1 or not rows or min(rows) < 1:
-        raise ConfigError(f"--reps must be >= 1 and --rows positive ints, got {reps} and {rows}")
+    _check(reps, rows)
     try:
         libs = {name: skinny.build_library(skinny.variant(), src) for name, src in sources.items()}
     except AttributeError as exc:  # ctypes: a symbol the current code binds is missing from the old library
@@ -60,18 +59,54 @@ def ab(sources: dict[str, str], shapes: list[tuple[int, int]], rows: list[int], 
             from exc
     gen = torch.Generator().manual_seed(seed)
     weights = [skinny.SkinnyWeight(torch.randn(o, i, generator=gen) * 0.02, half=half) for o, i in shapes]
-    prec = weights[0].prec
+    return _alternate({name: (lib, weights) for name, lib in libs.items()}, shapes, rows, reps, gen)
+
+
+def ab_packing(shapes: list[tuple[int, int]], rows: list[int], reps: int = 12, seed: int = 0) -> list[dict]:
+    """As ``ab``, for this kernel's two packings of the same float32 weights: float32, and the exact quantised
+    packs (``GRAFT_BLOCK_EXACT_QUANT``) of weights de-quantised as GGUF does (Q4_1 layers, a Q8_0 last product:
+    SmolLM2's LM head)."""
+    from graft_block.testing import gguf_quantised
+
+    _check(reps, rows)
+    if not skinny._lib.quant_weights():
+        raise ConfigError(f"this build ({skinny.label()}) has no quantised loads (AVX-512 or AVX2 with F16C)")
+    gen = torch.Generator().manual_seed(seed)
+    ws = [gguf_quantised(torch.randn(o, i, generator=gen) * 0.02, 8 if k == len(shapes) - 1 else 4)
+          for k, (o, i) in enumerate(shapes)]
+    before = os.environ.get(skinny.QUANT_ENV)
+    os.environ[skinny.QUANT_ENV] = "1"
+    try:
+        exact = [skinny.SkinnyWeight(w) for w in ws]
+    finally:
+        os.environ.pop(skinny.QUANT_ENV) if before is None else os.environ.__setitem__(skinny.QUANT_ENV, before)
+    if any(w.prec not in (skinny.Q4, skinny.Q8) for w in exact):
+        raise RuntimeError("a GGUF-quantised weight did not pack as such: exact_quant no longer finds it")
+    full = [skinny.SkinnyWeight(w, half=False) for w in ws]
+    return _alternate({"float32": (skinny._lib, full), "exact q4_1/q8_0": (skinny._lib, exact)}, shapes, rows, reps,
+                      gen)
+
+
+def _check(reps: int, rows: list[int]) -> None:
+    if not skinny.available():
+        raise ConfigError(f"the C kernel does not run here: {skinny.why_not()}")
+    if reps < 1 or not rows or min(rows) < 1:
+        raise ConfigError(f"--reps must be >= 1 and --rows positive ints, got {reps} and {rows}")
+
+
+def _alternate(arms: dict, shapes: list[tuple[int, int]], rows: list[int], reps: int, gen) -> list[dict]:
+    """Times each arm (a library and its packs of ``shapes``) on the same inputs, alternately."""
     threads = torch.get_num_threads()
     out = []
     for n in rows:
         xs = [torch.randn(n, i, generator=gen) for _, i in shapes]
-        ys = {name: [torch.empty(n, o) for o, _ in shapes] for name in libs}
-        times: dict[str, list[float]] = {name: [] for name in libs}
+        ys = {name: [torch.empty(n, o) for o, _ in shapes] for name in arms}
+        times: dict[str, list[float]] = {name: [] for name in arms}
         for rep in range(reps + 1):
-            for name, lib in libs.items():
+            for name, (lib, weights) in arms.items():
                 t0 = time.perf_counter()
                 for x, w, y in zip(xs, weights, ys[name]):
-                    lib.skinny_linear(w.packed.data_ptr(), prec, x.data_ptr(), y.data_ptr(), w.out, w.n_in, n,
+                    lib.skinny_linear(w.packed.data_ptr(), w.prec, x.data_ptr(), y.data_ptr(), w.out, w.n_in, n,
                                       threads)
                 if rep:
                     times[name].append(time.perf_counter() - t0)
@@ -101,6 +136,9 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=30, help="decoder layers' products (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--bf16", action="store_true", help="also a drafter's products in bfloat16")
+    ap.add_argument("--exact-quant", action="store_true",
+                    help="instead: this kernel's float32 packs against its exact Q4_1 / Q8_0 packs of the same "
+                         "GGUF-quantised weights (--against is not read)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     try:
@@ -110,8 +148,11 @@ def main(argv=None) -> None:
     if args.layers < 1:
         raise ConfigError(f"--layers must be >= 1, got {args.layers}")
     torch.set_num_threads(args.threads)
-    sources = {args.against: source_at(args.against), "working tree": skinny.SOURCE}
     print(f"skinny {skinny.label()}, {args.threads} threads, {args.reps} alternations, medians")
+    if args.exact_quant:
+        print(format_rows("packing", ab_packing(LAYER * args.layers + [(49152, 576)], rows, args.reps)))
+        return
+    sources = {args.against: source_at(args.against), "working tree": skinny.SOURCE}
     print(format_rows("fp32 target", ab(sources, LAYER * args.layers + [(49152, 576)], rows, args.reps)))
     if args.bf16:
         if not skinny.draft_half():
