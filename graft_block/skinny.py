@@ -73,6 +73,11 @@ typedef int ivec __attribute__((vector_size(VW * 4), aligned(4)));
 #else
 #define BF16 0
 #endif
+#if BF16 && defined(__AMX_BF16__) && defined(__AMX_TILE__) && !defined(NO_AMX)
+#define AMX 1
+#else
+#define AMX 0
+#endif
 
 /* P = W [out, in] packed as [ceil(out / BO)][in][BO], outputs past `out` zero */
 void pack(const float *W, float *P, long out, long in, int threads) {
@@ -190,11 +195,67 @@ static inline unsigned short bf16_bits(float f) {
     return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+#if AMX
+/* Where the CPU has AMX (and the OS grants its tile state, asked once), every bfloat16 product runs on the tile
+   unit: C [16 rows][16 outputs] += A [16 rows][16 input pairs] . B [16 input pairs][16 outputs], B read straight
+   from the pack ([in / 2][BO][2] is the unit's pair layout, 128 bytes a pair row). Rows are padded to 16 with
+   zeros; each output is one tile sum whatever the rows beside it, so a row's value does not depend on n */
+#include <sys/syscall.h>
+#include <unistd.h>
+typedef struct { unsigned char palette, start; unsigned char res[14]; unsigned short colsb[16];
+                 unsigned char rows[16]; } __attribute__((packed)) tilecfg_t;
+static int amx_state = 0;  /* 0 not asked, 1 granted, -1 refused */
+static int amx_ok(void) {
+    if (!amx_state) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) ? -1 : 1;
+    return amx_state > 0;
+}
+
+static void product_amx(const unsigned short *P, const unsigned int *Xb, float *Y, long out, long in2, long n,
+                        long npad, int threads) {
+    const long nb = (out + BO - 1) / BO;
+    #pragma omp parallel num_threads(threads)
+    {
+        tilecfg_t cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 5; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }  /* C0, C1, A, B0, B1 */
+        _tile_loadconfig(&cfg);
+        float t16[16][32];
+        #pragma omp for schedule(static)
+        for (long b = 0; b < nb; b++) {
+            const unsigned short *pb = P + b * in2 * BO * 2;
+            for (long r = 0; r < npad; r += 16) {
+                _tile_zero(0);
+                _tile_zero(1);
+                for (long k = 0; k < in2; k += 16) {
+                    _tile_loadd(2, Xb + r * in2 + k, in2 * 4);
+                    _tile_loadd(3, pb + k * BO * 2, BO * 4);
+                    _tile_loadd(4, pb + k * BO * 2 + 32, BO * 4);
+                    _tile_dpbf16ps(0, 2, 3);
+                    _tile_dpbf16ps(1, 2, 4);
+                }
+                _tile_stored(0, &t16[0][0], 128);
+                _tile_stored(1, &t16[0][16], 128);
+                long m = out - b * BO < BO ? out - b * BO : BO;
+                for (long g = r; g < n && g < r + 16; g++) memcpy(Y + g * out + b * BO, t16[g - r], m * sizeof(float));
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
+
 /* Y [n, out] = X [n, in] W^T from the bfloat16 pack (in even): each row's inputs rounded to bfloat16 on their own,
    so a row's value does not depend on n either */
 static void product_bf16(const unsigned short *P, const float *X, float *Y, long out, long in, long n, int threads) {
     long in2 = in / 2, nb = (out + BO - 1) / BO;
-    unsigned int *Xb = malloc((size_t)(n * in2 > 0 ? n * in2 : 1) * sizeof(unsigned int));
+#if AMX
+    const int tiles = BO == 32 && in2 % 16 == 0 && amx_ok();
+#else
+    const int tiles = 0;
+#endif
+    const long npad = tiles ? (n + 15) / 16 * 16 : n;  /* the tile's rows: zeros past n */
+    unsigned int *Xb = calloc((size_t)(npad * in2 > 0 ? npad * in2 : 1), sizeof(unsigned int));
     unsigned short *xs = (unsigned short *)Xb;
     for (long r = 0; r < n; r++) {
         const float *xr = X + r * in;
@@ -204,6 +265,13 @@ static void product_bf16(const unsigned short *P, const float *X, float *Y, long
                                 (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + i + 16), _mm512_loadu_ps(xr + i)));
         for (; i < in; i++) xs[r * in + i] = bf16_bits(xr[i]);
     }
+#if AMX
+    if (tiles) {
+        product_amx(P, Xb, Y, out, in2, n, npad, threads);
+        free(Xb);
+        return;
+    }
+#endif
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < nb; b++) {
         const unsigned short *pb = P + b * in2 * BO * 2;
@@ -354,6 +422,13 @@ int block_outputs(void) { return BO; }
 int half_weights(void) { return HALF; }
 int bf16_weights(void) { return BF16; }
 int quant_weights(void) { return QUANT; }
+int amx_tiles(void) {
+#if AMX
+    return amx_ok();
+#else
+    return 0;
+#endif
+}
 
 /* ---- the decoder layers around the products (a Llama-family layer, pre-norm, SwiGLU) ---------------------------
    One call runs every layer of a forward of n rows, so a decode step costs its products and a few hundred
@@ -630,6 +705,9 @@ def variant() -> str:
     return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "generic"
 
 
+AMX_ENV = "GRAFT_BLOCK_AMX"  # "0": bfloat16 products without the AMX tiles, where the CPU has them (to measure)
+
+
 def build_library(kind: str, source: str = SOURCE) -> ctypes.CDLL:
     """The library of ``source`` (this module's kernel, or another version of it: ``eval/bench_skinny.py``) for
     the tile ``kind``, compiled once per source, compiler, flags and CPU into the user cache."""
@@ -639,7 +717,7 @@ def build_library(kind: str, source: str = SOURCE) -> ctypes.CDLL:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     vw, nv, rows, extra = VARIANTS[kind]
     flags = ["-O3", "-march=native", *extra, f"-DVW={vw}", f"-DNV={nv}", f"-DGMAX={rows}", "-fopenmp", "-shared",
-             "-fPIC"]
+             "-fPIC"] + (["-DNO_AMX"] if os.environ.get(AMX_ENV) == "0" else [])
     key = hashlib.sha1(repr((source, version, flags, _cpu_flags())).encode()).hexdigest()[:16]
     path = graft_block.cache_root() / "skinny" / f"skinny-{kind}-{key}.so"
     if not path.exists():
@@ -663,8 +741,9 @@ def build_library(kind: str, source: str = SOURCE) -> ctypes.CDLL:
         [ctypes.c_int]
     lib.pack.restype = lib.skinny_linear.restype = None
     lib.block_outputs.restype = lib.half_weights.restype = lib.bf16_weights.restype = ctypes.c_int
-    if hasattr(lib, "quant_weights"):  # absent from kernel versions before it (eval/bench_skinny.py builds them)
-        lib.quant_weights.restype = ctypes.c_int
+    for name in ("quant_weights", "amx_tiles"):  # absent from older kernel versions (eval/bench_skinny.py builds them)
+        if hasattr(lib, name):
+            getattr(lib, name).restype = ctypes.c_int
     lib.lean_scratch.argtypes = [ctypes.POINTER(_Dims), ctypes.c_long, ctypes.c_long]
     lib.lean_scratch.restype = ctypes.c_long
     lib.lean_layers.argtypes = [ctypes.POINTER(_Layer), ctypes.c_long, ctypes.POINTER(_Dims), ctypes.c_void_p,
@@ -700,7 +779,8 @@ def label() -> str | None:
     if not available():
         return None
     vw, nv, rows, _ = VARIANTS[_variant]
-    return f"{_variant} ({nv} x {vw}-float vectors, {rows}-row tiles)"
+    amx = ", bfloat16 on AMX tiles" if _lib.bf16_weights() and _lib.amx_tiles() else ""
+    return f"{_variant} ({nv} x {vw}-float vectors, {rows}-row tiles{amx})"
 
 
 def why_not() -> str | None:

@@ -429,7 +429,7 @@ def test_bf16_drafter_products(monkeypatch):
     if not ON_CPU or not skinny.available() or not skinny._lib.bf16_weights():
         pytest.skip("bfloat16 products need the skinny kernel on an AVX512-BF16 CPU")
     g = torch.Generator().manual_seed(1)
-    for out, n_in in [(1, 2), (37, 34), (130, 578), (1000, 1536)]:
+    for out, n_in in [(1, 2), (37, 34), (130, 578), (130, 576), (1000, 1536)]:  # 576, 1536: AMX tiles if there
         w = torch.randn(out, n_in, generator=g)
         pw = skinny.SkinnyWeight(w, half="bf16")
         assert pw.packed.dtype == torch.bfloat16
@@ -440,7 +440,7 @@ def test_bf16_drafter_products(monkeypatch):
         err = (y.double() - xb @ wb.T).abs().max()
         assert err <= bound
         assert (y - x @ w.T).abs().max() > 10 * err  # the inputs really are rounded: not the float32 product
-        for n in (1, 3, 8, 9, 17):
+        for n in (1, 3, 8, 9, 16, 17):
             assert torch.equal(skinny.linear(x[:n], pw), y[:n])
         ids = torch.tensor([out - 1, 0, out // 2])
         assert torch.equal(pw.rows(ids), w[ids].bfloat16().float())
