@@ -17,6 +17,10 @@ OpenBLAS 4.9 / 18.2 / 18.1); built the same way on an AVX-512 EPYC it ran 8.7 / 
 2.1 / 5.4 / 7.5 there (OpenBLAS 2.5 / 8.1 / 10.3). ``GRAFT_BLOCK_SKINNY=avx2`` builds the AVX2 tile on any x86 CPU
 with AVX2, to measure it; ``GRAFT_BLOCK_SKINNY=custom`` with ``GRAFT_BLOCK_SKINNY_SHAPE=VW,NV,ROWS`` another tile.
 
+Beside float32, a pack may hold float16 (a weight whose values all are float16, exact), bfloat16 (a drafter's
+products, rounded; on AMX tiles where the CPU has them) or, with ``GRAFT_BLOCK_EXACT_QUANT=1``, the 4- or 8-bit
+values with float16 scales that a GGUF target's float32 weights exactly are (the float32 products, bit for bit).
+
 It is C compiled on first use with the system compiler (``$CC``, else ``cc``) for this CPU (``-march=native``)
 into the user cache dir, and called through ctypes on the tensors' memory. Its OpenMP threads are torch's own:
 the library links ``libgomp.so.1``, which torch has already loaded, so no second pool spins beside torch's (the
