@@ -94,6 +94,29 @@ void pack(const float *W, float *P, long out, long in, int threads) {
         }
 }
 
+/* a[g] += w * x[g * in] for the G rows of a tile: one input's multiply-adds, every accumulator its own chain */
+static inline __attribute__((always_inline)) void madd_rows(vec a[GMAX][NV], const vec *w, const float *x, long in,
+                                                             const int G) {
+    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
+        float xg = x[g * in];
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] += w[v] * xg;
+    }
+}
+
+/* the G rows' accumulators into Y [., out] at outputs o0.., the last block's outputs past `out` dropped */
+static inline __attribute__((always_inline)) void store_rows(vec a[GMAX][NV], float *Y, long out, long o0,
+                                                              const int G) {
+    long m = out - o0 < BO ? out - o0 : BO;
+    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
+        float *y = Y + g * out + o0;
+        if (m == BO) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) *(vec *)(y + v * VW) = a[g][v];
+            continue;
+        }
+        for (long j = 0; j < m; j++) y[j] = a[g][j / VW][j % VW];
+    }
+}
+
 /* Y[g, o0 + j] = sum_k X[g, k] W[o0 + j, k] for g < G, j < BO: one accumulator per output, k in order, so a
    row's value does not depend on G (or on how many rows the product has) */
 static inline __attribute__((always_inline)) void tile(const void *P, const float *X, float *Y, long in, long out,
@@ -113,20 +136,9 @@ static inline __attribute__((always_inline)) void tile(const void *P, const floa
         }
         _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
             w[v] = half ? LDH((const unsigned short *)P + k * BO + v * VW) : LD((const float *)P + k * BO + v * VW);
-        _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
-            float x = X[g * in + k];
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] += w[v] * x;
-        }
+        madd_rows(a, w, X + k, in, G);
     }
-    long m = out - o0 < BO ? out - o0 : BO;
-    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
-        float *y = Y + g * out + o0;
-        if (m == BO) {
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) *(vec *)(y + v * VW) = a[g][v];
-            continue;
-        }
-        for (long j = 0; j < m; j++) y[j] = a[g][j / VW][j % VW];
-    }
+    store_rows(a, Y, out, o0, G);
 }
 
 #define TILE(g) case g: tile(pb, x, y, in, out, b * BO, g, half, pf, ng); break;
@@ -343,10 +355,7 @@ static inline __attribute__((always_inline)) void tile_q(const unsigned char *P,
                     vec w[NV];
                     _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
                         w[v] = d[v] * __builtin_convertvector((r[v] >> (4 * h)) & 15, vec) + m[v];
-                    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
-                        float x = xj[g * in + 2 * t + h];
-                        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] += w[v] * x;
-                    }
+                    madd_rows(a, w, xj + 2 * t + h, in, G);
                 }
             }
         } else {
@@ -355,22 +364,11 @@ static inline __attribute__((always_inline)) void tile_q(const unsigned char *P,
                 vec w[NV];
                 _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
                     w[v] = d[v] * __builtin_convertvector(LDS8(qj + t * BO + v * VW), vec);
-                _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
-                    float x = xj[g * in + t];
-                    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) a[g][v] += w[v] * x;
-                }
+                madd_rows(a, w, xj + t, in, G);
             }
         }
     }
-    long m = out - o0 < BO ? out - o0 : BO;
-    _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
-        float *y = Y + g * out + o0;
-        if (m == BO) {
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) *(vec *)(y + v * VW) = a[g][v];
-            continue;
-        }
-        for (long j = 0; j < m; j++) y[j] = a[g][j / VW][j % VW];
-    }
+    store_rows(a, Y, out, o0, G);
 }
 
 #define TILE_Q(g) case g: tile_q(pb, x, y, in, out, b * BO, g, q4, pf, pbytes); break;
