@@ -141,6 +141,15 @@ static inline __attribute__((always_inline)) void tile(const void *P, const floa
     store_rows(a, Y, out, o0, G);
 }
 
+/* one case per tile height up to GMAX: T(g) calls the tile for g rows, a constant, so each case is its own code */
+#if GMAX > 6
+#define ROW_CASES(T) T(1) T(2) T(3) T(4) T(5) T(6) T(7) T(8)
+#elif GMAX > 4
+#define ROW_CASES(T) T(1) T(2) T(3) T(4) T(5) T(6)
+#else
+#define ROW_CASES(T) T(1) T(2) T(3) T(4)
+#endif
+
 #define TILE(g) case g: tile(pb, x, y, in, out, b * BO, g, half, pf, ng); break;
 
 /* Y [n, out] = X [n, in] W^T from the packed P (float32, or half when `half`); threads split the output blocks,
@@ -159,15 +168,7 @@ static inline __attribute__((always_inline)) void product(const void *P, const f
             const char *pf = pn ? pn + (r / GMAX) * share * BO * (half ? 2 : 4) : 0;
             const float *x = X + r * in;
             float *y = Y + r * out;
-            switch (n - r < GMAX ? n - r : GMAX) {
-                TILE(1) TILE(2) TILE(3) TILE(4)
-#if GMAX > 4
-                TILE(5) TILE(6)
-#endif
-#if GMAX > 6
-                TILE(7) TILE(8)
-#endif
-            }
+            switch (n - r < GMAX ? n - r : GMAX) { ROW_CASES(TILE) }
         }
     }
 }
@@ -295,15 +296,7 @@ static void product_bf16(const unsigned short *P, const float *X, float *Y, long
         for (long r = 0; r < n; r += GMAX) {
             const unsigned int *x = Xb + r * in2;
             float *y = Y + r * out;
-            switch (n - r < GMAX ? n - r : GMAX) {
-                TILE_BF16(1) TILE_BF16(2) TILE_BF16(3) TILE_BF16(4)
-#if GMAX > 4
-                TILE_BF16(5) TILE_BF16(6)
-#endif
-#if GMAX > 6
-                TILE_BF16(7) TILE_BF16(8)
-#endif
-            }
+            switch (n - r < GMAX ? n - r : GMAX) { ROW_CASES(TILE_BF16) }
         }
     }
     free(Xb);
@@ -386,15 +379,7 @@ static inline __attribute__((always_inline)) void product_q(const unsigned char 
             const char *pf = pn ? pn + (r / GMAX) * runs * pbytes : 0;
             const float *x = X + r * in;
             float *y = Y + r * out;
-            switch (n - r < GMAX ? n - r : GMAX) {
-                TILE_Q(1) TILE_Q(2) TILE_Q(3) TILE_Q(4)
-#if GMAX > 4
-                TILE_Q(5) TILE_Q(6)
-#endif
-#if GMAX > 6
-                TILE_Q(7) TILE_Q(8)
-#endif
-            }
+            switch (n - r < GMAX ? n - r : GMAX) { ROW_CASES(TILE_Q) }
         }
     }
 }
