@@ -152,9 +152,9 @@ def test_kernel_ab_reports_times_and_catches_a_kernel_that_moves_bits(tmp_path, 
     assert [r["rows"] for r in same] == rows and all(r["same_bits"] for r in same)
     assert all(t > 0 for r in same for t in r["ms"].values())
     # one multiply-add reordered: the same law, other bits, and the A/B must say so
-    product = "a[g][v] += w[v] * x;"
+    product = "a[g][v] += w[v] * xg;"
     assert product in skinny.SOURCE
-    moved = skinny.SOURCE.replace(product, "a[g][v] = w[v] * x + a[g][v] * 1.0000001f;")
+    moved = skinny.SOURCE.replace(product, "a[g][v] = w[v] * xg + a[g][v] * 1.0000001f;")
     assert not any(r["same_bits"] for r in bench_skinny.ab({"ref": skinny.SOURCE, "moved": moved}, shapes, rows, 1))
     assert "| 9 |" in bench_skinny.format_rows("fp32", same)
     with pytest.raises(ConfigError, match="--against"):
