@@ -801,7 +801,7 @@ class SkinnyWeight:
     [ceil(out / B)][in / 2][B][2], the inputs rounded to bfloat16 too (AVX512-BF16 only, ``in`` even; elsewhere
     as "round"). With ``GRAFT_BLOCK_EXACT_QUANT=1``, None also packs a weight that is exactly 4-bit d * q + m or
     8-bit d * q per 32 inputs (``exact_quant``: a GGUF target's) in that form, uint8: the same products again.
-    ``prec``: the packing's code for the C products (0-2 float32 / float16 / bfloat16, ``Q4``, ``Q8``)."""
+    ``prec``: the packing's code for the C products (``F32``, ``F16``, ``BF16``, ``Q4``, ``Q8``)."""
     __slots__ = ("packed", "out", "n_in", "prec")
 
     def __init__(self, w: torch.Tensor, half: bool | str | None = None):
@@ -818,7 +818,8 @@ class SkinnyWeight:
         if half == "bf16" and _lib.bf16_weights() and self.n_in % 2 == 0:
             padded = torch.zeros(nb * block, self.n_in, dtype=torch.bfloat16)
             padded[: self.out] = w  # rounded to nearest even on the copy
-            self.packed, self.prec = padded.view(nb, block, self.n_in // 2, 2).transpose(1, 2).contiguous().view(-1), 2
+            self.packed = padded.view(nb, block, self.n_in // 2, 2).transpose(1, 2).contiguous().view(-1)
+            self.prec = BF16
             return
         if half is None and quant_exact_enabled():
             found = exact_quant(w)
@@ -829,9 +830,9 @@ class SkinnyWeight:
                                                           or bool((w.half().float() == w).all())):
             padded = torch.zeros(nb * block, self.n_in, dtype=torch.float16)
             padded[: self.out] = w  # rounded to float16 on the copy: no float32 transpose of the whole weight
-            self.packed, self.prec = padded.view(nb, block, self.n_in).transpose(1, 2).contiguous().view(-1), 1
+            self.packed, self.prec = padded.view(nb, block, self.n_in).transpose(1, 2).contiguous().view(-1), F16
             return
-        self.prec = 0
+        self.prec = F32
         self.packed = torch.empty(nb * block * self.n_in)
         _lib.pack(w.data_ptr(), self.packed.data_ptr(), self.out, self.n_in, torch.get_num_threads())
 
@@ -850,8 +851,9 @@ class SkinnyWeight:
         return self.packed.view(-1, self.n_in, block)[ids // block, :, ids % block].float()
 
 
-PRECISION = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C code's codes for a pack's dtype
-Q4, Q8 = 3, 4  # and for the quantised packs: 4-bit d * q + m, 8-bit d * q, per run of QB inputs
+# the C code's codes for a pack (any_product): float32, float16, bfloat16, and the quantised packs, 4-bit d * q + m
+# and 8-bit d * q per run of QB inputs
+F32, F16, BF16, Q4, Q8 = 0, 1, 2, 3, 4
 QB = 32
 QUANT_ENV = "GRAFT_BLOCK_EXACT_QUANT"
 

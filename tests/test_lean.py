@@ -586,12 +586,12 @@ def test_exactly_quantised_weights_pack_in_their_quantised_form_and_keep_the_bit
     w4 = gguf_quantised(torch.randn(1000, 576, generator=g), 4)
     w4[7, 32:64] = w4[7, 40]  # a run of one value: d = 0
     monkeypatch.delenv(skinny.QUANT_ENV, raising=False)
-    assert skinny.SkinnyWeight(w4).prec == 0  # off by default
+    assert skinny.SkinnyWeight(w4).prec == skinny.F32  # off by default
     monkeypatch.setenv(skinny.QUANT_ENV, "1")
     for w, prec, bytes_per_weight in ((w4, skinny.Q4, 0.625), (gguf_quantised(torch.randn(64, 1536, generator=g),
                                                                               8), skinny.Q8, 1.0625)):
         q, full = skinny.SkinnyWeight(w), skinny.SkinnyWeight(w, half=False)
-        assert q.prec == prec and full.prec == 0
+        assert q.prec == prec and full.prec == skinny.F32
         assert q.packed.numel() <= bytes_per_weight * w.numel() * 1.1 < full.packed.numel() * 4
         x = torch.randn(20, w.shape[1], generator=g)
         for n in (1, 2, 7, 8, 9, 16, 20):
@@ -600,7 +600,7 @@ def test_exactly_quantised_weights_pack_in_their_quantised_form_and_keep_the_bit
         assert torch.equal(q.rows(ids).view(torch.int32), w[ids].view(torch.int32))
     off = w4.clone()
     off[3, 5] = torch.nextafter(off[3, 5], torch.tensor(1.0))
-    assert skinny.SkinnyWeight(off).prec == 0
+    assert skinny.SkinnyWeight(off).prec == skinny.F32
     assert skinny.SkinnyWeight(gguf_quantised(torch.randn(8, 64, generator=g))[:, :48].contiguous()).prec != skinny.Q4
     assert skinny.exact_quant(torch.randn(64, 64, generator=g)) is None
 
@@ -625,7 +625,7 @@ def test_c_decoder_layers_on_gguf_quantised_weights_keep_the_bits(monkeypatch):
     assert quant.lean.fused is not None
     monkeypatch.setenv(skinny.QUANT_ENV, "0")
     full = Target(t.model, None, engine="lean", gemm="skinny")
-    assert full.lean.exact_quant == [] and all(p[k].prec == 0 for p in full.lean.skinny for k in p)
+    assert full.lean.exact_quant == [] and all(p[k].prec == skinny.F32 for p in full.lean.skinny for k in p)
     prompt = torch.tensor([5, 9, 2, 7, 11, 3])
     tree = from_paths(4, [[17], [40, 41, 42], [40, 6]])
     for target in (quant, full):
