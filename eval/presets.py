@@ -98,8 +98,9 @@ PRESETS: dict[str, dict] = {
     # llama.cpp on the embedded target's own GGUF (SmolLM2's Q4_1 layers and Q8_0 head, the wheel's file): its
     # quantised dot products (activations rounded to 8 bits) are another function than the float32 model, so its
     # tokens are not the reference either; the peer of `--exact-quant`, which streams the same bytes exactly. One
-    # row per call (-ub 1): only decode steps are timed, and on the AMX Xeon ggml's batched Q4_1 kernels (built with
-    # GGML_NATIVE) died on an invalid opcode while its one-row kernels ran
+    # row per call (-ub 1): only decode steps are timed, and on the AMX Xeon ggml's batched kernels on repacked Q4_1
+    # weights (built with GGML_NATIVE) died on an invalid opcode while its one-row kernels ran (--repack 0 runs
+    # batches, but decodes 2.3x slower)
     "llamacpp_q4": {"llamacpp": {"spec": "none", "model": "embedded", "args": ["-ub", "1"]},
                     "about": "llama.cpp greedy AR on the target's quantised GGUF (speed only; other arithmetic)"},
     "llamacpp_ngram": {"llamacpp": {"spec": "ngram-simple", "ngram_n": 3, "ngram_m": 10},
