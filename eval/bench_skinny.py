@@ -14,7 +14,6 @@ the CPU has AVX512-BF16. Run it alone: the figures are timings.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -74,12 +73,7 @@ def ab_packing(shapes: list[tuple[int, int]], rows: list[int], reps: int = 12, s
     gen = torch.Generator().manual_seed(seed)
     ws = [gguf_quantised(torch.randn(o, i, generator=gen) * 0.02, 8 if k == len(shapes) - 1 else 4)
           for k, (o, i) in enumerate(shapes)]
-    before = os.environ.get(skinny.QUANT_ENV)
-    os.environ[skinny.QUANT_ENV] = "1"
-    try:
-        exact = [skinny.SkinnyWeight(w) for w in ws]
-    finally:
-        os.environ.pop(skinny.QUANT_ENV) if before is None else os.environ.__setitem__(skinny.QUANT_ENV, before)
+    exact = [skinny.SkinnyWeight(w, quant=True) for w in ws]
     if any(w.prec not in (skinny.Q4, skinny.Q8) for w in exact):
         raise RuntimeError("a GGUF-quantised weight did not pack as such: exact_quant no longer finds it")
     full = [skinny.SkinnyWeight(w, half=False) for w in ws]

@@ -762,7 +762,7 @@ def choose_gemm(lean: "LeanForward") -> tuple[str, tuple[int, ...], dict, str, i
     key = {"cpu": device_name("cpu"), "torch": torch.__version__, "numpy": np.__version__,
            "threads": torch.get_num_threads(), "shapes": [list(w.shape) for w in weights],
            "kernels": list(GEMMS) + list(SMALL), "skinny": skinny.available() and skinny.SOURCE,
-           "exact_quant": skinny.available() and skinny.quant_exact_enabled(),
+           "exact_quant": skinny.quant_exact_enabled(),
            "rows": list(GEMM_ROWS),
            "openblas_spins": spins, "small_kernel": "same pool", "c_layers": lean.c_layers_possible,
            "c_layers_credit": C_LAYERS_CREDIT}

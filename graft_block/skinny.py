@@ -272,7 +272,8 @@ static void product_bf16(const unsigned short *P, const float *X, float *Y, long
     const int tiles = 0;
 #endif
     const long npad = tiles ? (n + 15) / 16 * 16 : n;  /* the tile's rows: zeros past n */
-    unsigned int *Xb = calloc((size_t)(npad * in2 > 0 ? npad * in2 : 1), sizeof(unsigned int));
+    unsigned int *Xb = malloc((size_t)(npad * in2 > 0 ? npad * in2 : 1) * sizeof(unsigned int));
+    memset(Xb + n * in2, 0, (size_t)((npad - n) * in2) * sizeof(unsigned int));
     unsigned short *xs = (unsigned short *)Xb;
     for (long r = 0; r < n; r++) {
         const float *xr = X + r * in;
@@ -799,12 +800,13 @@ class SkinnyWeight:
     the same products bit for bit. ``half``: None = whenever exact; False = float32; "round": float16 always,
     rounded (a drafter's own copy of rows whose products need not be exact); "bf16": bfloat16 pairs
     [ceil(out / B)][in / 2][B][2], the inputs rounded to bfloat16 too (AVX512-BF16 only, ``in`` even; elsewhere
-    as "round"). With ``GRAFT_BLOCK_EXACT_QUANT=1``, None also packs a weight that is exactly 4-bit d * q + m or
-    8-bit d * q per 32 inputs (``exact_quant``: a GGUF target's) in that form, uint8: the same products again.
+    as "round"). With ``quant`` (default: ``GRAFT_BLOCK_EXACT_QUANT=1``), None also packs a weight that is exactly
+    4-bit d * q + m or 8-bit d * q per 32 inputs (``exact_quant``: a GGUF target's) in that form, uint8: the same
+    products again.
     ``prec``: the packing's code for the C products (``F32``, ``F16``, ``BF16``, ``Q4``, ``Q8``)."""
     __slots__ = ("packed", "out", "n_in", "prec")
 
-    def __init__(self, w: torch.Tensor, half: bool | str | None = None):
+    def __init__(self, w: torch.Tensor, half: bool | str | None = None, quant: bool | None = None):
         if not available():
             raise RuntimeError(f"the skinny kernel is unavailable here: {_why_not}")
         w = w.detach()
@@ -821,7 +823,7 @@ class SkinnyWeight:
             self.packed = padded.view(nb, block, self.n_in // 2, 2).transpose(1, 2).contiguous().view(-1)
             self.prec = BF16
             return
-        if half is None and quant_exact_enabled():
+        if half is None and (quant_exact_enabled() if quant is None else quant and _lib.quant_weights()):
             found = exact_quant(w)
             if found is not None:
                 self.packed, self.prec = _pack_quant(*found, block), Q4 if found[2] is not None else Q8
@@ -845,7 +847,7 @@ class SkinnyWeight:
             raise ValueError(f"row ids must lie in 0..{self.out - 1}")
         if self.prec in (Q4, Q8):
             return _quant_rows(self.packed, self.prec, self.n_in, ids, block)
-        if self.packed.dtype == torch.bfloat16:
+        if self.prec == BF16:
             pairs = self.packed.view(-1, self.n_in // 2, block, 2)[ids // block, :, ids % block]
             return pairs.reshape(-1, self.n_in).float()
         return self.packed.view(-1, self.n_in, block)[ids // block, :, ids % block].float()
@@ -885,8 +887,7 @@ def exact_quant(w: torch.Tensor, chunk: int = 4096):
         parts = [_exact_runs(w[r:r + chunk], q4) for r in range(0, out, chunk)]
         if any(p is None for p in parts):
             return None
-        d, q, m = (torch.cat([p[i] for p in parts]) if parts[0][i] is not None else None for i in range(3))
-        return d, q, m
+        return tuple(None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(3))
     return None
 
 
