@@ -141,3 +141,12 @@ def gguf_quantised(w: torch.Tensor, bits: int = 4) -> torch.Tensor:
     else:
         raise ValueError(f"bits must be 4 (Q4_1) or 8 (Q8_0), got {bits}")
     return out.reshape(w.shape)
+
+
+def gguf_like(model) -> None:
+    """Round ``model``'s weight matrices in place as a GGUF target's (SmolLM2's file) come: Q4_1 layers, a Q8_0 LM
+    head, the embedding as it is (``gguf_quantised``)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.copy_(gguf_quantised(p, 8 if "lm_head" in name else 4))

@@ -610,15 +610,12 @@ def test_c_decoder_layers_on_gguf_quantised_weights_keep_the_bits(monkeypatch):
     under GRAFT_BLOCK_EXACT_QUANT=1, says so in its engine label, and every logit of a tree verify equals the
     float32 packs' bit for bit (so every method stays token-identical to AR in either form)."""
     from graft_block import skinny
-    from graft_block.testing import gguf_quantised
+    from graft_block.testing import gguf_like
 
     if not (ON_CPU and skinny.available() and skinny._lib.quant_weights()):
         pytest.skip("no skinny kernel with quantised loads here")
     t = tiny_target("llama", engine="hf", hidden_size=64)
-    with torch.no_grad():
-        for name, p in t.model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.copy_(gguf_quantised(p, 8 if "lm_head" in name else 4))
+    gguf_like(t.model)
     monkeypatch.setenv(skinny.QUANT_ENV, "1")
     quant = Target(t.model, None, engine="lean", gemm="skinny")
     assert quant.lean.exact_quant == ["q4_1", "q8_0"] and quant.engine_label.endswith("+exact-q4_1/q8_0")

@@ -170,19 +170,14 @@ def test_the_floor_counts_the_bytes_the_engine_streams(phys, monkeypatch):
     """The memory-bound floor divides the bytes a forward reads: the engine's skinny packs, so a target whose
     float32 weights stream as exact Q4_1 / Q8_0 packs (GRAFT_BLOCK_EXACT_QUANT=1) gets a floor ~6x lower, and the
     report names the packing; without packs it is the weights as stored."""
-    import torch
-
     from graft_block import skinny
     from graft_block.target import Target
-    from graft_block.testing import gguf_quantised
+    from graft_block.testing import gguf_like
 
     if not (skinny.available() and skinny._lib.quant_weights()):
         pytest.skip("no skinny kernel with quantised loads here")
     t = tiny_target("llama", engine="hf")
-    with torch.no_grad():
-        for name, p in t.model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.copy_(gguf_quantised(p, 8 if "lm_head" in name else 4))
+    gguf_like(t.model)
     weights = physics.linear_weights(t.model)
     stored = sum(w.numel() * 4 for w, _ in weights)
     assert physics.streamed_bytes(None, weights) is None
