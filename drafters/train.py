@@ -110,6 +110,9 @@ def main(argv=None):
     ap.add_argument("--online", action="store_true",
                     help="--data names on-policy dataset folders (comma-separated); features and soft labels come "
                          "from a target forward in every step instead of a cache (no --generate step)")
+    ap.add_argument("--autocast", default=None, choices=("bfloat16", "float16"),
+                    help="run each step's forwards under torch.autocast in this dtype (float32 weights and "
+                         "optimiser); on a CPU with AMX, bfloat16 trains several times faster (docs/training.md)")
     args = ap.parse_args(argv)
     try:  # every bad option fails here, before the target loads
         cfg = json.loads(args.config)
@@ -124,6 +127,9 @@ def main(argv=None):
                              ("--eval-every", args.eval_every >= 1, ">= 1"),
                              ("--minutes", args.minutes is None or args.minutes > 0, "> 0"),
                              ("--threads", args.threads >= 1, ">= 1")))
+    if args.generate and args.autocast and not args.from_onpolicy:
+        ap.error("--autocast with --generate applies to --from-onpolicy caches only (generation stays in the "
+                 "target's dtype)")
     if not args.generate:
         if not args.out or not args.run:
             ap.error("--out and --run are required for training")
@@ -145,7 +151,7 @@ def main(argv=None):
 
         training_cache(target, args.from_onpolicy, args.data, args.kinds.split(",") if args.kinds else None,
                        batch_size=args.gen_batch, layers=layers, time_limit_s=gen_limit,
-                       log=lambda s: print(s, flush=True), from_index=args.from_index)
+                       log=lambda s: print(s, flush=True), from_index=args.from_index, autocast=args.autocast)
         return
     if args.generate and args.teacher_forced:
         from graft_block.train_data import teacher_forced_data
@@ -167,7 +173,7 @@ def main(argv=None):
                 time_limit_s=None if args.minutes is None else args.minutes * 60, resume=args.resume,
                 seed=args.seed, draft_vocab_size=args.draft_vocab, limit=args.limit, steps=args.steps,
                 online=args.online, kinds=args.kinds.split(",") if args.kinds else None, eval_data=args.eval_data,
-                keep_best=args.keep_best, where=args.where, log=lambda s: print(s, flush=True))
+                keep_best=args.keep_best, where=args.where, autocast=args.autocast, log=lambda s: print(s, flush=True))
     print(json.dumps(res))
 
 

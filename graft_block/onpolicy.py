@@ -287,7 +287,8 @@ def check_target(target, dataset: str | Path) -> None:
 
 def training_cache(target, dataset: str | Path, name: str, kinds: list[str] | None = None, batch_size: int = 8,
                   layers: Sequence[int] | None = None, topk: int = 8, time_limit_s: float | None = None,
-                  log=print, folder: str | Path | None = None, from_index: int = 0) -> Path:
+                  log=print, folder: str | Path | None = None, from_index: int = 0,
+                  autocast: str | None = None) -> Path:
     """Training cache from a committed on-policy dataset (``graft_block.onpolicy``: the target's own answers as
     ids): one teacher-forced forward recomputes the features and top-k soft labels; ``prompt_len`` is the real
     one (loss on the answer only). Same file format as ``generate_data``; resumable. ``from_index``: only prompts
@@ -299,7 +300,7 @@ def training_cache(target, dataset: str | Path, name: str, kinds: list[str] | No
     source = f"on-policy dataset {Path(dataset).name} ({', '.join(kinds) if kinds else 'all kinds'}" + \
         (f", prompts {from_index}+" if from_index else "") + "), teacher-forced"
     return forward_cache(target, seqs, Path(folder) if folder is not None else data_root() / name, source,
-                         batch_size, layers, topk, time_limit_s, log)
+                         batch_size, layers, topk, time_limit_s, log, autocast=autocast)
 
 
 def main(argv=None):

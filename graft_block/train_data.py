@@ -32,7 +32,7 @@ import json
 import os
 import random
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Sequence
 
@@ -349,21 +349,41 @@ def teacher_forced_data(target, name: str, num_convs: int = 3000, max_len: int =
                          batch_size, layers, topk, time_limit_s, log, labels=True, extra_meta={"max_len": max_len})
 
 
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast_context(device, name: str | None):
+    """A factory of ``torch.autocast`` contexts for ``name`` (None: a no-op), checked before any step runs."""
+    if name is None:
+        return nullcontext
+    if name not in AUTOCAST_DTYPES:
+        raise ConfigError(f"autocast {name!r}: use one of {', '.join(AUTOCAST_DTYPES)} (or leave it out for the "
+                          "target's own dtype)")
+    device_type = torch.device(device).type
+    return lambda: torch.autocast(device_type, dtype=AUTOCAST_DTYPES[name])
+
+
 def forward_cache(target, seqs: list[tuple[list[int], int]], out: Path, source: str, batch_size: int = 8,
                   layers: Sequence[int] | None = None, topk: int = 8, time_limit_s: float | None = None, log=print,
-                  labels: bool = False, extra_meta: dict | None = None) -> Path:
+                  labels: bool = False, extra_meta: dict | None = None, autocast: str | None = None) -> Path:
     """Teacher-forced records of (ids, prompt_len) sequences with hooked features and top-k soft labels, in
-    shards of ``batch_size`` (similar lengths, shuffled order: a time-limited run covers short and long)."""
+    shards of ``batch_size`` (similar lengths, shuffled order: a time-limited run covers short and long).
+    ``autocast``: the forwards run under ``torch.autocast`` in that dtype (``autocast_context``); the cache's
+    meta records it, and extending a cache needs the same setting."""
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "meta.json"
     layers = list(layers or default_feature_layers(target.num_layers))
     meta = {"feature_layers": list(layers), "topk": topk, "target": target.name, "hidden_size": target.hidden_size,
-            "source": source, "shards": [], **(extra_meta or {})}
+            "source": source, "shards": [], **(extra_meta or {}), **({"autocast": autocast} if autocast else {})}
+    amp = autocast_context(target.device, autocast)
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
         if meta["feature_layers"] != list(layers) or meta["topk"] != topk or meta["source"] != source:
             raise ConfigError(f"{out} holds other data ({meta['source']}, layers {meta['feature_layers']}); use "
                               "another name")
+        if meta.get("autocast") != autocast:
+            raise ConfigError(f"{out} was built with autocast {meta.get('autocast')}, this run asks for {autocast}: "
+                              "extend it with the same --autocast, or use another name")
     seqs = sorted(seqs, key=lambda s: len(s[0]))
     batches = [seqs[i: i + batch_size] for i in range(0, len(seqs), batch_size)]
     order = list(range(len(batches)))
@@ -372,7 +392,8 @@ def forward_cache(target, seqs: list[tuple[list[int], int]], out: Path, source: 
     for bi in _pending_batches(order, meta, time_limit_s, log):
         t1 = time.time()
         batch = batches[bi]
-        recs = teacher_forced_records(target, batch, layers, topk, labels)
+        with amp():
+            recs = teacher_forced_records(target, batch, layers, topk, labels)
         fname = f"shard_{bi:04d}.pt"
         torch.save(recs, out / fname)
         ntok = sum(len(s) for s, _ in batch)
@@ -383,6 +404,20 @@ def forward_cache(target, seqs: list[tuple[list[int], int]], out: Path, source: 
         log(f"forward shard {bi}: {len(batch)} seqs, {ntok} tok in {time.time() - t1:.1f}s, total "
             f"{sum(s['tokens'] for s in meta['shards'])} tok, {time.time() - t0:.0f}s")
     return out
+
+
+def top_logprobs(logits: torch.Tensor, k: int, rows: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., V] logits -> (top-k log-probs, ids) [..., k], in float32 without a full log-softmax copy, ``rows`` rows
+    at a time: a chunk's float32 copy stays in cache for its top-k and logsumexp (1.6-1.8x on [1000, 49152])."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    vals, ids = [], []
+    for i in range(0, flat.shape[0], rows):
+        chunk = flat[i: i + rows].float()
+        v, j = chunk.topk(k, -1)
+        vals.append(v - torch.logsumexp(chunk, -1, keepdim=True))
+        ids.append(j)
+    shape = (*logits.shape[:-1], -1)
+    return torch.cat(vals).view(shape), torch.cat(ids).view(shape)
 
 
 @torch.inference_mode()
@@ -400,9 +435,7 @@ def teacher_forced_records(target, seqs: list[tuple[list[int], int]], layers: Se
     with hooked_features(target.model, layers) as captured:
         logits = target.model(input_ids=ids.to(target.device), attention_mask=att.to(target.device)).logits
     feats = torch.cat([captured[j] for j in range(len(layers))], -1).half().cpu()
-    logits = logits.float()
-    tv, ti = logits.topk(topk, -1)
-    tv = tv - torch.logsumexp(logits, -1, keepdim=True)  # top-k log-probs without a full log-softmax copy
+    tv, ti = top_logprobs(logits, topk)
     del logits
     recs = []
     for r, (s, plen) in enumerate(seqs):

@@ -23,7 +23,7 @@ import torch
 
 from .errors import ConfigError
 from .target import default_feature_layers
-from .train_data import collate, draft_vocab_from_data, load_records, teacher_forced_records
+from .train_data import autocast_context, collate, draft_vocab_from_data, load_records, teacher_forced_records
 
 
 @runtime_checkable
@@ -180,7 +180,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
           log_every: int = 10, time_limit_s: float | None = None, resume: bool = False, seed: int = 0,
           draft_vocab_size: int | None = None, limit: int | None = None, steps: int | None = None,
           online: bool = False, kinds: list[str] | None = None, eval_data: str | None = None,
-          keep_best: bool = False, where: str | None = None, log=print) -> dict:
+          keep_best: bool = False, where: str | None = None, autocast: str | None = None, log=print) -> dict:
     """Train ``drafter_type``'s ``training_model`` on cached (or ``online``) data; save its public checkpoint to
     ``out_dir`` and the resumable state (``state.pt``) and ``log.jsonl`` to ``run_dir``. ``steps`` (when given)
     fixes the number of optimiser steps instead of ``epochs`` (equal-step comparisons). ``online``: ``data`` names
@@ -190,6 +190,10 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     sequences, less any that shares a prompt or an answer with a training sequence. ``keep_best``: also keep
     the weights of the best held-out tau_tf so far in ``<out_dir>-best`` (a long run that starts to overfit).
     ``where``: a regular expression; only sequences whose decoded prompt matches it train (a topic slice: code).
+    ``autocast`` ("bfloat16" or "float16"): each step's forwards (the online target's and the drafter's) run under
+    ``torch.autocast`` on the target's device, weights and optimiser state staying float32; held-out evaluation
+    stays in the target's dtype, so its figures compare with float32 runs. On a CPU with AMX a bfloat16 product
+    is ~10x a float32 one (docs/training.md).
     ``steps=0`` only evaluates the init (or, with ``resume``, the run's state). Returns the final eval metrics."""
     from .drafter import drafter_class
 
@@ -198,6 +202,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         missing = [h for h in ("training_model", "training_loss", "save_trained") if not hasattr(klass, h)]
         raise ConfigError(f"drafter {drafter_type!r} does not implement {', '.join(missing)}; it cannot be trained here")
     rank, world = _dist()
+    amp = autocast_context(target.device, autocast)
     cfg = dict(cfg or {})
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -330,12 +335,14 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             if step >= total:
                 break
             batch_recs = [train_recs[i] for i in bi]
-            batch = collate(featurize(batch_recs) if online else batch_recs, target.device)
+            with amp():
+                batch = collate(featurize(batch_recs) if online else batch_recs, target.device)
             seen += sum(len(train_recs[i]["ids"]) for i in bi) * world
             cur_lr = lr_at(step, total, lr, warmup)
             for gr in opt.param_groups:
                 gr["lr"] = cur_lr
-            loss, m = klass.training_loss(model, target, batch)
+            with amp():
+                loss, m = klass.training_loss(model, target, batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if world > 1:

@@ -1,5 +1,6 @@
 """The on-policy dataset: ids-only shards that are deterministic by prompt index, resumable and appendable, and
 whose greedy answers are the target's own; the committed SmolLM2 data passes the same check."""
+import functools
 import json
 from pathlib import Path
 
@@ -269,3 +270,69 @@ def test_online_training_recomputes_the_cache_features(tmp_path, target, monkeyp
     with pytest.raises(ConfigError, match="held-out split"):
         T.train("dflash", target, str(tmp_path / "ds"), tmp_path / "ck", tmp_path / "run", cfg=cfg, steps=40,
                 batch_size=4, holdout=3, resume=True, online=True, log=lambda *_: None)
+
+
+def test_autocast_runs_each_steps_forwards_in_bfloat16_and_evaluates_in_float32(tmp_path, target, monkeypatch):
+    """``train(autocast="bfloat16")``: the online target forward and the drafter's loss run under bf16 autocast,
+    held-out evaluation does not (its figures compare with float32 runs), the weights stay float32, and it learns
+    as the float32 run does."""
+    from graft_block import train_data as TD
+    from graft_block import training as T
+
+    OP.generate(target, tmp_path / "ds", 0, 12, chunk=6, max_new=16, prompts=prompts(), log=lambda *_: None)
+    seen = {"feat": [], "loss": [], "eval": []}
+    real_tf, real_eval = T.teacher_forced_records, T.evaluate
+    monkeypatch.setattr(T, "teacher_forced_records", lambda *a, **k: (
+        seen["feat"].append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")), real_tf(*a, **k))[1])
+    monkeypatch.setattr(T, "evaluate", lambda *a, **k: (seen["eval"].append(torch.is_autocast_enabled("cpu")),
+                                                        real_eval(*a, **k))[1])
+    from graft_block.drafter import drafter_class
+
+    klass = drafter_class("dflash")
+    real_loss = klass.training_loss
+    monkeypatch.setattr(klass, "training_loss", lambda model, tgt, batch: (
+        seen["loss"].append((torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
+                             {p.dtype for p in model.parameters()})), real_loss(model, tgt, batch))[1])
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "num_anchors": 8, "mask_token_id": 95, "block_size": 4}
+    res = T.train("dflash", target, str(tmp_path / "ds"), tmp_path / "ck", tmp_path / "run", cfg=cfg,
+                  init="random", steps=30, lr=3e-3, batch_size=4, holdout=3, eval_every=0, online=True,
+                  autocast="bfloat16", log=lambda *_: None)
+    n_eval_feats = 1  # the held-out split's features: computed once, before the loop, in float32
+    assert seen["feat"][:n_eval_feats] == [False] and set(seen["feat"][n_eval_feats:]) == {torch.bfloat16}
+    steps = [d for d, dts in seen["loss"] if dts == {torch.float32}]  # the evaluations score through it too
+    assert len(steps) == len(seen["loss"]) and steps.count(torch.bfloat16) == 30
+    assert steps.count(False) == len(seen["eval"]) == 2 and not any(seen["eval"])  # step 0 and the final one
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert res["step"] == 30 and log[-1]["eval"]["loss"] < log[0]["eval"]["loss"] - 0.3, (log[0], log[-1])
+    with pytest.raises(ConfigError, match="autocast 'int8': use one of bfloat16, float16"):
+        T.train("dflash", target, str(tmp_path / "ds"), tmp_path / "ck2", tmp_path / "run2", cfg=cfg,
+                init="random", steps=1, holdout=3, online=True, autocast="int8", log=lambda *_: None)
+
+
+def test_a_cache_built_under_autocast_says_so_and_is_extended_only_the_same_way(tmp_path, target):
+    """``training_cache(autocast="bfloat16")``: features and soft labels near the float32 cache's, the meta records
+    the setting, and extending that cache in float32 (or a float32 cache under autocast) is refused."""
+    from graft_block import train_data as TD
+
+    OP.generate(target, tmp_path / "ds", 0, 12, chunk=6, max_new=16, prompts=prompts(), log=lambda *_: None)
+    build = functools.partial(OP.training_cache, target, tmp_path / "ds", "x", batch_size=4, layers=[1, 3],
+                              log=lambda *_: None)
+    ref = build(folder=tmp_path / "f32")
+    half = build(folder=tmp_path / "bf16", autocast="bfloat16")
+    with pytest.raises(ConfigError, match="built with autocast bfloat16, this run asks for None"):
+        build(folder=tmp_path / "bf16")
+    with pytest.raises(ConfigError, match="built with autocast None, this run asks for bfloat16"):
+        build(folder=tmp_path / "f32", autocast="bfloat16")
+    build(folder=tmp_path / "bf16", autocast="bfloat16")  # the same setting resumes (nothing left to do)
+    assert json.loads((half / "meta.json").read_text())["autocast"] == "bfloat16"
+    f32 = {tuple(r["ids"].tolist()): r for r in TD.load_records(ref)[0]}
+    recs = TD.load_records(half)[0]
+    assert len(recs) == len(f32)
+    same_top = []
+    for r in recs:
+        q = f32[tuple(r["ids"].tolist())]
+        assert not torch.equal(r["feats"], q["feats"])  # computed in bfloat16, not a copy of the float32 run
+        a, b = r["feats"].float(), q["feats"].float()
+        assert (a - b).norm() < 0.05 * b.norm(), float((a - b).norm() / b.norm())  # bfloat16's rounding, no more
+        same_top.append(r["top_ids"][:, 0] == q["top_ids"][:, 0])
+    assert torch.cat(same_top).float().mean() > 0.85  # a random tiny target has near-ties; SmolLM2 few
