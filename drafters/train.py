@@ -110,9 +110,9 @@ def main(argv=None):
     ap.add_argument("--online", action="store_true",
                     help="--data names on-policy dataset folders (comma-separated); features and soft labels come "
                          "from a target forward in every step instead of a cache (no --generate step)")
-    ap.add_argument("--autocast", default=None, choices=("bfloat16", "float16"),
+    ap.add_argument("--autocast", default=None, choices=("bfloat16",),
                     help="run each step's forwards under torch.autocast in this dtype (float32 weights and "
-                         "optimiser); on a CPU with AMX, bfloat16 trains several times faster (docs/training.md)")
+                         "optimiser); on a CPU with AMX, bfloat16 steps ran 1.4-1.8x faster (docs/training.md)")
     args = ap.parse_args(argv)
     try:  # every bad option fails here, before the target loads
         cfg = json.loads(args.config)

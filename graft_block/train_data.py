@@ -32,6 +32,7 @@ import json
 import os
 import random
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Sequence
@@ -349,17 +350,35 @@ def teacher_forced_data(target, name: str, num_convs: int = 3000, max_len: int =
                          batch_size, layers, topk, time_limit_s, log, labels=True, extra_meta={"max_len": max_len})
 
 
-AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# bfloat16 only: float16 would need a gradient scaler against underflow, which the loop does not run
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16}
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags (None where /proc/cpuinfo has none to read)."""
+    from .skinny import _cpu_flags
+
+    try:
+        line = _cpu_flags()
+    except OSError:
+        return None
+    return set(line.split(":", 1)[1].split()) if ":" in line else None
 
 
 def autocast_context(device, name: str | None):
-    """A factory of ``torch.autocast`` contexts for ``name`` (None: a no-op), checked before any step runs."""
+    """A factory of ``torch.autocast`` contexts for ``name`` (None: a no-op), checked before any step runs. On a
+    CPU without AMX tiles it warns: there torch's bfloat16 products were slower than float32 (1.4x with
+    AVX512-BF16, 11x on AVX2; docs/training.md)."""
     if name is None:
         return nullcontext
     if name not in AUTOCAST_DTYPES:
         raise ConfigError(f"autocast {name!r}: use one of {', '.join(AUTOCAST_DTYPES)} (or leave it out for the "
                           "target's own dtype)")
     device_type = torch.device(device).type
+    flags = cpu_flags() if device_type == "cpu" else None
+    if flags is not None and "amx_bf16" not in flags:
+        warnings.warn("autocast bfloat16 on a CPU without AMX tiles (no amx_bf16 flag): torch's bfloat16 products "
+                      "run slower than float32 here; leave --autocast out", stacklevel=2)
     return lambda: torch.autocast(device_type, dtype=AUTOCAST_DTYPES[name])
 
 

@@ -190,7 +190,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     sequences, less any that shares a prompt or an answer with a training sequence. ``keep_best``: also keep
     the weights of the best held-out tau_tf so far in ``<out_dir>-best`` (a long run that starts to overfit).
     ``where``: a regular expression; only sequences whose decoded prompt matches it train (a topic slice: code).
-    ``autocast`` ("bfloat16" or "float16"): each step's forwards (the online target's and the drafter's) run under
+    ``autocast`` ("bfloat16"): each step's forwards (the online target's and the drafter's) run under
     ``torch.autocast`` on the target's device, weights and optimiser state staying float32; held-out evaluation
     stays in the target's dtype, so its figures compare with float32 runs. On a CPU with AMX a bfloat16 product
     is ~10x a float32 one (docs/training.md).

@@ -304,9 +304,9 @@ def test_autocast_runs_each_steps_forwards_in_bfloat16_and_evaluates_in_float32(
     assert steps.count(False) == len(seen["eval"]) == 2 and not any(seen["eval"])  # step 0 and the final one
     log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert res["step"] == 30 and log[-1]["eval"]["loss"] < log[0]["eval"]["loss"] - 0.3, (log[0], log[-1])
-    with pytest.raises(ConfigError, match="autocast 'int8': use one of bfloat16, float16"):
+    with pytest.raises(ConfigError, match="autocast 'float16': use one of bfloat16"):
         T.train("dflash", target, str(tmp_path / "ds"), tmp_path / "ck2", tmp_path / "run2", cfg=cfg,
-                init="random", steps=1, holdout=3, online=True, autocast="int8", log=lambda *_: None)
+                init="random", steps=1, holdout=3, online=True, autocast="float16", log=lambda *_: None)
 
 
 def test_a_cache_built_under_autocast_says_so_and_is_extended_only_the_same_way(tmp_path, target):
@@ -336,3 +336,20 @@ def test_a_cache_built_under_autocast_says_so_and_is_extended_only_the_same_way(
         assert (a - b).norm() < 0.05 * b.norm(), float((a - b).norm() / b.norm())  # bfloat16's rounding, no more
         same_top.append(r["top_ids"][:, 0] == q["top_ids"][:, 0])
     assert torch.cat(same_top).float().mean() > 0.85  # a random tiny target has near-ties; SmolLM2 few
+
+
+def test_autocast_warns_on_a_cpu_without_amx(monkeypatch):
+    """Without AMX tiles torch's bfloat16 products are slower than float32: asking for autocast there warns."""
+    from graft_block import train_data as TD
+
+    monkeypatch.setattr(TD, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    with pytest.warns(UserWarning, match="without AMX tiles"):
+        TD.autocast_context("cpu", "bfloat16")
+    monkeypatch.setattr(TD, "cpu_flags", lambda: {"avx512f", "amx_bf16", "amx_tile"})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with TD.autocast_context("cpu", "bfloat16")():
+            assert torch.is_autocast_enabled("cpu")
+        TD.autocast_context("cpu", None)
