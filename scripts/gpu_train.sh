@@ -9,7 +9,9 @@
 #   bash scripts/gpu_train.sh OUT_DIR INIT [MINUTES=4] [DATA=drafters/data/smollm2-sharegpt]
 #
 # GRAFT_BLOCK_TRAIN_BATCH / _STEPS / _LR / _EVAL_EVERY override 32 / 1600 / 3e-4 / 200 (the schedule's length is
-# STEPS; MINUTES only stops early). GRAFT_BLOCK_DEVICE=cpu with small sizes is the smoke run
+# STEPS; MINUTES only stops early). On CUDA each step's forwards run under bfloat16 autocast (the target's weights
+# stay fp32; GRAFT_BLOCK_TRAIN_AUTOCAST= turns it off); a run that fails before its first checkpoint under autocast
+# reruns once without it, so an untried autocast path cannot cost a lease its training. GRAFT_BLOCK_DEVICE=cpu with small sizes is the smoke run
 # (tests/test_gpu_check.py). Through the device tool: see scripts/gpu_generate.sh for what must travel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,10 +27,19 @@ mkdir -p "$OUT"
 # the held-out features: one teacher-forced forward over the answers to the reserved (held-out) prompts
 "$PY" -m graft_block.drafters.train --device "$DEVICE" --dtype float32 --generate --from-onpolicy "$HELDOUT" \
     --kinds greedy --data heldout-greedy
+AUTOCAST=${GRAFT_BLOCK_TRAIN_AUTOCAST-$([ "$DEVICE" = cuda ] && echo bfloat16 || true)}
+train() {
 "$PY" -m graft_block.drafters.train --device "$DEVICE" --dtype float32 --type "${GRAFT_BLOCK_TRAIN_TYPE:-dflash}" \
     --online --data "$DATA" --kinds "${GRAFT_BLOCK_TRAIN_KINDS:-greedy}" --eval-data heldout-greedy --init "$INIT" \
     --config "$CONFIG" \
     --steps "${GRAFT_BLOCK_TRAIN_STEPS:-1600}" --warmup 0.03 --lr "${GRAFT_BLOCK_TRAIN_LR:-3e-4}" \
     --batch-size "${GRAFT_BLOCK_TRAIN_BATCH:-32}" --eval-every "${GRAFT_BLOCK_TRAIN_EVAL_EVERY:-200}" \
-    --minutes "$MINUTES" --seed "${GRAFT_BLOCK_TRAIN_SEED:-5}" --keep-best --out "$OUT/ckpt" --run "$OUT/run"
+    --minutes "$MINUTES" --seed "${GRAFT_BLOCK_TRAIN_SEED:-5}" --keep-best --out "$OUT/ckpt" --run "$OUT/run" "$@"
+}
+if ! train ${AUTOCAST:+--autocast "$AUTOCAST"}; then
+    [ -n "$AUTOCAST" ] && [ ! -e "$OUT/run/state.pt" ] || exit 1
+    echo "gpu_train.sh: training under autocast $AUTOCAST failed before its first checkpoint; rerunning without" >&2
+    rm -rf "$OUT/run" "$OUT/ckpt" "$OUT/ckpt-best"
+    train
+fi
 ls -la "$OUT/ckpt"

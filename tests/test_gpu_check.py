@@ -48,7 +48,8 @@ def test_gpu_train_needs_an_out_dir_and_an_init(tmp_path):
 def test_gpu_train_script_runs_on_cpu(tmp_path):
     """scripts/gpu_train.sh shrunk to 2 steps on the CPU, evaluated on 4 of the held-out answers: it builds their
     features, continues the bundled DFlash and keeps the best held-out weights beside the last (what a GPU call
-    returns)."""
+    returns). An autocast the trainer refuses (float16) fails before the first checkpoint, so the script reruns
+    without it, as it would on a GPU where bfloat16 autocast broke."""
     import json
 
     import numpy as np
@@ -65,11 +66,12 @@ def test_gpu_train_script_runs_on_cpu(tmp_path):
     (small / OP.MANIFEST).write_text(json.dumps({**man, "shards": [{**entry, "sequences": len(recs)}]}))
     env = {**os.environ, "PYTHON": sys.executable, "GRAFT_BLOCK_DEVICE": "cpu", "GRAFT_BLOCK_DATA": str(tmp_path / "d"),
            "GRAFT_BLOCK_HELDOUT": str(small), "GRAFT_BLOCK_TRAIN_STEPS": "2", "GRAFT_BLOCK_TRAIN_BATCH": "2",
-           "GRAFT_BLOCK_TRAIN_EVAL_EVERY": "1"}
+           "GRAFT_BLOCK_TRAIN_EVAL_EVERY": "1", "GRAFT_BLOCK_TRAIN_AUTOCAST": "float16"}
     init = SCRIPT.parents[1] / "drafters" / "checkpoints" / "dflash-smollm2"
     res = subprocess.run(["bash", str(SCRIPT.with_name("gpu_train.sh")), str(tmp_path / "out"), str(init), "2"],
                          env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "invalid choice: 'float16'" in res.stderr and "rerunning without" in res.stderr
     assert (tmp_path / "out" / "ckpt" / "model.safetensors").exists()
     best = json.loads((tmp_path / "out" / "ckpt-best" / "best_step.json").read_text())
     assert best["step"] in (0, 1, 2) and best["rows"] > 50  # the 4 held-out answers were evaluated
