@@ -17,8 +17,8 @@ bundled drafters trained on the committed greedy answers, so compare them on dra
 (prompts none of them saw; its README has the two commands). --steps 0 only evaluates --init.
 
 DFlash, DSpark and MFD share one block recipe; its keys go in --config: num_anchors, unique_anchors, anchor_chunk,
-eval_anchors, gamma, ce_weight, soft_weight, l1_weight (defaults and measurements: docs/training.md, "The block
-recipe").
+eval_anchors, gamma, ce_weight, soft_weight, l1_weight, fill_rate (defaults and measurements: docs/training.md, "The
+block recipe").
 
 DSpark from the DFlash backbone (DeepSpec's loss, 64 anchors per sequence drawn without replacement; see
 drafters/checkpoints/dspark-smollm2/TRAINING.md), then its confidence calibration:

@@ -619,3 +619,32 @@ def test_delta_folder_loads_its_frozen_base_and_refuses_a_changed_one(tmp_path):
     save_file({**base, "a": base["a"] * 2}, str(tmp_path / "base" / "model.safetensors"))
     with pytest.raises(ConfigError, match="changed since"):
         read_weights(tmp_path / "heads")
+
+
+def test_fill_rate_gives_some_rows_their_true_tokens_and_takes_them_out_of_the_loss():
+    """Refinement training (``fill_rate``): a filled row's block input is its label and it is no longer a loss row;
+    the other rows stay masked; held-out evaluation (eval mode) fills nothing; a rate outside [0, 1] is refused."""
+    from graft_block.drafters.dflash import training as DT
+
+    torch.manual_seed(0)
+    target = tiny_target("llama", vocab_size=64, num_layers=4)
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "num_anchors": 6, "mask_token_id": 63, "block_size": 6,
+           "fill_rate": 1.0}
+    model = DT.training_model(target, cfg, "random")
+    ids = torch.randint(0, 60, (2, 40))
+    batch = {"ids": ids, "lengths": torch.tensor([40, 40]), "prompt_len": torch.tensor([4, 4]),
+             "feats": torch.randn(2, 40, 2 * target.hidden_size), "generator": torch.Generator().manual_seed(1)}
+    model.train()
+    blk = DT.make_blocks(model, batch)
+    rows = blk["blk_ids"][:, :, 1:]
+    in_seq = blk["anchor_ok"].unsqueeze(-1) & (blk["anchors"].unsqueeze(-1) + torch.arange(1, 6) < 40)
+    filled = (rows != 63) & in_seq
+    assert filled.any() and (~filled & in_seq).any()  # U(0, 1) shares: some rows filled, some not
+    assert torch.equal(rows[filled], blk["labels"][filled])  # filled with the true token
+    assert not (blk["valid"] & filled).any() and torch.equal(blk["valid"], in_seq & ~filled)
+    model.eval()
+    plain = DT.make_blocks(model, batch)
+    assert bool((plain["blk_ids"][:, :, 1:] == 63).all())
+    for bad in (1.5, -0.1, "half"):
+        with pytest.raises(ConfigError, match="fill_rate must be a number in"):
+            DT.training_model(target, {**cfg, "fill_rate": bad}, "random")

@@ -33,9 +33,13 @@ TRAIN_DEFAULTS = {"num_layers": 3, "block_size": 16, "target_layer_ids": None, "
                   # gamma 2, not the DFlash paper's 7: the first rows decide acceptance, and weighting them more won
                   # held-out and decoded tau (docs/training.md#the-first-row-is-dflashs-weak-spot-row-weights);
                   # None = the paper's value for the block size
-                  "gamma": 2.0, "ce_weight": 1.0, "soft_weight": 0.5, "l1_weight": 0.0}
+                  "gamma": 2.0, "ce_weight": 1.0, "soft_weight": 0.5, "l1_weight": 0.0,
+                  # refinement training: each training block fills a share U(0, fill_rate) of its mask rows with
+                  # the true tokens (no loss on them), so a multi-step draft (denoise_steps > 1) has seen rows
+                  # filled in; 0 = DFlash's one-step recipe
+                  "fill_rate": 0.0}
 RECIPE_KEYS = ("num_anchors", "unique_anchors", "anchor_chunk", "eval_anchors", "gamma", "ce_weight", "soft_weight",
-               "l1_weight")
+               "l1_weight", "fill_rate")
 
 
 @torch.no_grad()
@@ -124,6 +128,10 @@ def block_loss_opts(cfg: dict, block_size: int, defaults: dict | None = None) ->
     for k in ("ce_weight", "soft_weight", "l1_weight"):
         if not isinstance(opts[k], (int, float)) or opts[k] < 0:
             raise ConfigError(f"{k} must be a number >= 0, got {opts[k]!r}")
+    fill = opts["fill_rate"]
+    if not isinstance(fill, (int, float)) or isinstance(fill, bool) or not 0 <= fill <= 1:
+        raise ConfigError(f"fill_rate must be a number in [0, 1] (the largest share of a block's rows filled with "
+                          f"their true tokens), got {fill!r}")
     if opts["ce_weight"] == 0 and opts["l1_weight"] == 0:
         raise ConfigError("ce_weight and l1_weight are both 0: the block loss would be zero (set one of them > 0)")
     gamma = opts["gamma"]
@@ -207,6 +215,15 @@ def make_blocks(model: DFlashModel, batch: dict, num_anchors: int | None = None,
     ctx = model.fuse(batch["feats"])
     ctx_kv = model.context_kv(ctx, torch.arange(L, device=dev).expand(b, L))
     draft_index = torch.arange(labels.shape[-1], device=dev).expand_as(labels)  # draft j of each label row
+    fill = float(model.train_opts.get("fill_rate", 0.0)) if model.training else 0.0
+    if fill > 0:
+        if off != 1:
+            raise ConfigError("fill_rate trains z-lab's alignment (draft j at block position j + 1); this model "
+                              "drafts from the anchor's row (DeepSpec's): set fill_rate 0")
+        share = torch.rand((b, n, 1), generator=batch.get("generator")) * fill  # drawn on the CPU, as the anchors
+        filled = (torch.rand(tuple(valid.shape), generator=batch.get("generator")) < share).to(dev) & valid
+        blk_ids[:, :, 1:][filled] = labels[filled]  # a filled row is given, not drafted: no loss on it
+        valid = valid & ~filled
     return {"anchors": anchors, "anchor_ok": ok, "seq_ok": ok.any(1), "pos": pos, "blk_ids": blk_ids,
             "valid": valid, "labels": labels, "src": src, "prev": prev, "draft_index": draft_index, "ctx_kv": ctx_kv,
             "dtype": ctx.dtype}
