@@ -11,8 +11,9 @@
 # GRAFT_BLOCK_TRAIN_BATCH / _STEPS / _LR / _EVAL_EVERY override 32 / 1600 / 3e-4 / 200 (the schedule's length is
 # STEPS; MINUTES only stops early). On CUDA each step's forwards run under bfloat16 autocast (the target's weights
 # stay fp32; GRAFT_BLOCK_TRAIN_AUTOCAST= turns it off); a run that fails before its first checkpoint under autocast
-# reruns once without it, so an untried autocast path cannot cost a lease its training. GRAFT_BLOCK_DEVICE=cpu with small sizes is the smoke run
-# (tests/test_gpu_check.py). Through the device tool: see scripts/gpu_generate.sh for what must travel.
+# reruns once without it, so an untried autocast path cannot cost a lease its training. GRAFT_BLOCK_DEVICE=cpu
+# with small sizes is the smoke run (tests/test_gpu_check.py). Through the device tool: see scripts/gpu_generate.sh
+# for what must travel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_train.sh OUT_DIR INIT [MINUTES] [DATA]}

@@ -36,7 +36,8 @@ TRAIN_DEFAULTS = {"num_layers": 3, "block_size": 16, "target_layer_ids": None, "
                   "gamma": 2.0, "ce_weight": 1.0, "soft_weight": 0.5, "l1_weight": 0.0,
                   # refinement training: each training block fills a share U(0, fill_rate) of its mask rows with
                   # the true tokens (no loss on them), so a multi-step draft (denoise_steps > 1) has seen rows
-                  # filled in; 0 = DFlash's one-step recipe
+                  # filled in (the training batch's tau_tf then counts a filled row as a miss; held-out evaluation
+                  # fills none); 0 = DFlash's one-step recipe
                   "fill_rate": 0.0}
 RECIPE_KEYS = ("num_anchors", "unique_anchors", "anchor_chunk", "eval_anchors", "gamma", "ce_weight", "soft_weight",
                "l1_weight", "fill_rate")
