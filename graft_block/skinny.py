@@ -682,6 +682,11 @@ def _cpu_flags() -> str:
         return next((line for line in fh if line.startswith(("flags", "Features"))), "")
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo's flags line, as a set)."""
+    return set(_cpu_flags().split(":", 1)[-1].split())
+
+
 def variant() -> str:
     """The tile shape this CPU gets: ``avx512``, ``avx2`` or ``generic`` (``GRAFT_BLOCK_SKINNY`` overrides)."""
     chosen = os.environ.get("GRAFT_BLOCK_SKINNY")
@@ -689,7 +694,7 @@ def variant() -> str:
         if chosen not in VARIANTS:
             raise RuntimeError(f"GRAFT_BLOCK_SKINNY={chosen!r}: not one of {', '.join(VARIANTS)}")
         return chosen
-    flags = set(_cpu_flags().split())
+    flags = cpu_flags()
     return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "generic"
 
 

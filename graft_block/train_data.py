@@ -355,14 +355,13 @@ AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16}
 
 
 def cpu_flags() -> set[str] | None:
-    """The CPU's feature flags (None where /proc/cpuinfo has none to read)."""
-    from .skinny import _cpu_flags
+    """The CPU's feature flags (``skinny.cpu_flags``), or None where there is no /proc/cpuinfo to read."""
+    from .skinny import cpu_flags as flags
 
     try:
-        line = _cpu_flags()
+        return flags() or None
     except OSError:
         return None
-    return set(line.split(":", 1)[1].split()) if ":" in line else None
 
 
 def autocast_context(device, name: str | None):

@@ -276,23 +276,23 @@ def test_autocast_runs_each_steps_forwards_in_bfloat16_and_evaluates_in_float32(
     """``train(autocast="bfloat16")``: the online target forward and the drafter's loss run under bf16 autocast,
     held-out evaluation does not (its figures compare with float32 runs), the weights stay float32, and it learns
     as the float32 run does."""
-    from graft_block import train_data as TD
     from graft_block import training as T
+    from graft_block.drafter import drafter_class
 
     OP.generate(target, tmp_path / "ds", 0, 12, chunk=6, max_new=16, prompts=prompts(), log=lambda *_: None)
     seen = {"feat": [], "loss": [], "eval": []}
-    real_tf, real_eval = T.teacher_forced_records, T.evaluate
-    monkeypatch.setattr(T, "teacher_forced_records", lambda *a, **k: (
-        seen["feat"].append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")), real_tf(*a, **k))[1])
-    monkeypatch.setattr(T, "evaluate", lambda *a, **k: (seen["eval"].append(torch.is_autocast_enabled("cpu")),
-                                                        real_eval(*a, **k))[1])
-    from graft_block.drafter import drafter_class
 
-    klass = drafter_class("dflash")
-    real_loss = klass.training_loss
-    monkeypatch.setattr(klass, "training_loss", lambda model, tgt, batch: (
-        seen["loss"].append((torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
-                             {p.dtype for p in model.parameters()})), real_loss(model, tgt, batch))[1])
+    def autocast_now():
+        return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")
+
+    def spy(owner, name, note):  # record the autocast state at every call, then call through
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, **k: (note(*a), real(*a, **k))[1])
+
+    spy(T, "teacher_forced_records", lambda *a: seen["feat"].append(autocast_now()))
+    spy(T, "evaluate", lambda *a: seen["eval"].append(torch.is_autocast_enabled("cpu")))
+    spy(drafter_class("dflash"), "training_loss",
+        lambda model, *a: seen["loss"].append((autocast_now(), {p.dtype for p in model.parameters()})))
     cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "num_anchors": 8, "mask_token_id": 95, "block_size": 4}
     res = T.train("dflash", target, str(tmp_path / "ds"), tmp_path / "ck", tmp_path / "run", cfg=cfg,
                   init="random", steps=30, lr=3e-3, batch_size=4, holdout=3, eval_every=0, online=True,
