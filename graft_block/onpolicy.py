@@ -149,8 +149,10 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
         "source": source or f"ShareGPT {split} split (graft_block.data.sharegpt('{split}')), first turn, chat "
                             "template; prompt_index = position in that split", "split": split, "commands": [],
         "shards": []}
-    if source and manifest["source"] != source:
-        raise ConfigError(f"{folder} answers {manifest['source']!r}, not {source!r}: use another folder")
+    if (source or "").startswith("prompt file") != manifest["source"].startswith("prompt file") or (
+            source and manifest["source"] != source):  # a folder answers one prompt source, never a mix
+        raise ConfigError(f"{folder} answers {manifest['source']!r}, not {source or 'ShareGPT'!r}: use another "
+                          "folder")
     if manifest.get("split", "train") != split:
         raise ConfigError(f"{folder} answers ShareGPT {manifest.get('split', 'train')!r} prompts, not {split!r}: "
                           "use another folder")
