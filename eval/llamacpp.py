@@ -105,6 +105,22 @@ def embedded_model(name: str) -> Path:
     return embedded_gguf(name)
 
 
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The files a checkpoint's weights come from: its safetensors and config.json, and for a delta folder
+    (``weights_base``) its base's too, so that a re-pinned or retrained backbone makes its GGUF stale."""
+    import json
+
+    from graft_block.drafter import delta_base_folder
+
+    files = [*folder.glob("*.safetensors"), *folder.glob("config.json")]
+    cfg = folder / "config.json"
+    ref = json.loads(cfg.read_text()).get("weights_base") if cfg.is_file() else None
+    if ref:
+        base = delta_base_folder(folder, ref["checkpoint"])
+        files += [*base.glob("*.safetensors"), *base.glob("config.json")]
+    return files
+
+
 def draft_gguf(name: str, target: str = "smollm2-135m") -> Path:
     """The GGUF of the bundled drafter ``name`` for llama.cpp: ``<cache>/llamacpp/<name>.gguf``, exported there on
     demand (and again when the checkpoint is newer) through ``graft_block.drafters.export.export_llamacpp`` (= ``graft-block
@@ -115,7 +131,7 @@ def draft_gguf(name: str, target: str = "smollm2-135m") -> Path:
     out = gguf_dir() / f"{name}.gguf"
     folder = bundled_checkpoint(name)
     if out.is_file() and (folder is None or all(out.stat().st_mtime >= f.stat().st_mtime
-                                                for f in folder.glob("*.safetensors"))):
+                                                for f in checkpoint_files(folder))):
         return out
     if folder is None:
         raise ConfigError(f"bundled drafter {name!r} is not installed")

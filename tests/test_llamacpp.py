@@ -284,3 +284,18 @@ def test_vs_llamacpp_column_and_engine_losslessness():
     plain = report.markdown_table(report.summarize([r for r in recs if r["method"] in ("ar", "pld")]))
     assert "vs llama.cpp" not in plain and plain.splitlines()[1] == "|" + "---|" * 16
 
+
+
+def test_a_delta_drafters_gguf_goes_stale_with_its_base(tmp_path):
+    """A DSpark or MFD folder ships only its heads on a pinned backbone: re-pinning it (config.json) or changing
+    the backbone must make its cached GGUF stale, not only its own safetensors."""
+    base, delta = tmp_path / "backbone", tmp_path / "heads"
+    for d in (base, delta):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"w")
+    (base / "config.json").write_text("{}")
+    (delta / "config.json").write_text(json.dumps({"weights_base": {"checkpoint": "backbone", "sha256": "x"}}))
+    files = {p.relative_to(tmp_path).as_posix() for p in L.checkpoint_files(delta)}
+    assert files == {"heads/model.safetensors", "heads/config.json", "backbone/model.safetensors",
+                     "backbone/config.json"}
+    assert {p.name for p in L.checkpoint_files(base)} == {"model.safetensors", "config.json"}
