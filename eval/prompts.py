@@ -9,72 +9,15 @@ ids for tokenizer-less targets. JSONL lines take, in this order:
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from graft_block.data import read_jsonl
 from graft_block.errors import ConfigError
 
 BUILTIN = ("humaneval", "mtbench", "sharegpt")
 LIMIT_HELP = "a number of prompts per set, 0 = all"
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Every record of a JSONL prompt file, checked line by line (errors name the file, the line and the fix)."""
-    path = Path(path)
-    out, seen = [], {}
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise ConfigError(f"cannot read prompt file {path}: {exc}") from exc
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object") from exc
-        if not isinstance(rec, dict):
-            raise ConfigError(f"{where}: expected a JSON object per line, got {type(rec).__name__}")
-        turns = _turns(rec, where)
-        qid = rec.get("question_id", rec.get("id", lineno))
-        if not isinstance(qid, (str, int)) or isinstance(qid, bool):
-            raise ConfigError(f"{where}: question_id/id must be a string or an integer, got {qid!r}")
-        qid = str(qid)
-        if qid in seen:
-            raise ConfigError(f"{where}: id {qid!r} repeats line {seen[qid]}; ids must be unique within a file "
-                              "(records are paired with AR by id)")
-        seen[qid] = lineno
-        cat = rec.get("category")
-        if cat is not None and not isinstance(cat, str):
-            raise ConfigError(f"{where}: category must be a string, got {cat!r}")
-        out.append({"id": f"{path.stem}/{qid}", "category": cat, "turns": turns})
-    if not out:
-        raise ConfigError(f"prompt file {path} holds no records (one JSON object per line)")
-    return out
-
-
-def _turns(rec: dict, where: str) -> list:
-    if "turns" in rec:
-        turns = rec["turns"]
-        if not isinstance(turns, list) or not turns:
-            raise ConfigError(f"{where}: 'turns' must be a non-empty list of user turns, got {turns!r:.60}")
-        return [_turn(t, where, f"turns[{i}]") for i, t in enumerate(turns)]
-    for key in ("prompt", "text"):
-        if key in rec:
-            return [_turn(rec[key], where, key)]
-    raise ConfigError(f"{where}: no prompt: give 'turns' (a list of user turns), 'prompt' or 'text' "
-                      f"(found keys: {', '.join(rec) or 'none'})")
-
-
-def _turn(t, where: str, what: str):
-    if isinstance(t, str) and t.strip():
-        return t
-    if isinstance(t, list) and t and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in t):
-        return t  # token ids, for tokenizer-less targets
-    raise ConfigError(f"{where}: {what} must be non-empty text (or a list of token ids), got {t!r:.60}")
 
 
 def load_set(name: str) -> tuple[str, list[dict]]:

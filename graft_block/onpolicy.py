@@ -106,8 +106,8 @@ def load_prompts(target, path: str | Path, max_prompt_tokens: int) -> list[tuple
 
 def file_prompts(target, path: str | Path, max_prompt_tokens: int) -> list[tuple[int, list[int]]]:
     """(line index, chat-template ids) of each record's first turn in a JSONL prompt file (the benchmark's format,
-    ``graft_block.eval.prompts``), those that fit ``max_prompt_tokens`` kept."""
-    from .eval.prompts import read_jsonl
+    ``graft_block.data.read_jsonl``), those that fit ``max_prompt_tokens`` kept."""
+    from .data import read_jsonl
 
     out = []
     for i, rec in enumerate(read_jsonl(path)):
