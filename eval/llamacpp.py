@@ -108,17 +108,10 @@ def embedded_model(name: str) -> Path:
 def checkpoint_files(folder: Path) -> list[Path]:
     """The files a checkpoint's weights come from: its safetensors and config.json, and for a delta folder
     (``weights_base``) its base's too, so that a re-pinned or retrained backbone makes its GGUF stale."""
-    import json
+    from graft_block.drafter import base_folder
 
-    from graft_block.drafter import delta_base_folder
-
-    files = [*folder.glob("*.safetensors"), *folder.glob("config.json")]
-    cfg = folder / "config.json"
-    ref = json.loads(cfg.read_text()).get("weights_base") if cfg.is_file() else None
-    if ref:
-        base = delta_base_folder(folder, ref["checkpoint"])
-        files += [*base.glob("*.safetensors"), *base.glob("config.json")]
-    return files
+    base = base_folder(folder)
+    return [f for d in (folder, base) if d is not None for f in (*d.glob("*.safetensors"), *d.glob("config.json"))]
 
 
 def draft_gguf(name: str, target: str = "smollm2-135m") -> Path:

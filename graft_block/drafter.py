@@ -86,16 +86,22 @@ def delta_base_folder(folder: Path, name: str, what: str = "checkpoint") -> Path
     return sibling if (sibling / "config.json").exists() else resolve_checkpoint(name, what)
 
 
+def base_folder(folder: Path, what: str = "checkpoint") -> Path | None:
+    """The backbone folder a delta folder's config.json names in ``weights_base``; None for a whole folder."""
+    path = folder / "config.json"
+    ref = json.loads(path.read_text()).get("weights_base") if path.exists() else None
+    return delta_base_folder(folder, ref["checkpoint"], what) if ref else None
+
+
 def base_weights(folder: Path, what: str = "checkpoint") -> dict:
     """The tensors a delta folder does not repeat: its config.json's ``weights_base`` {"checkpoint": a sibling
     folder or bundled name, "sha256": ``weights_digest`` of it} names the frozen backbone its heads were trained
     on (a DSpark or MFD folder then ships only what training changed). {} for a whole folder; a base whose weights
     changed since is refused, never silently mixed."""
-    path = folder / "config.json"
-    ref = json.loads(path.read_text()).get("weights_base") if path.exists() else None
-    if not ref:
+    base = base_folder(folder, what)
+    if base is None:
         return {}
-    base = delta_base_folder(folder, ref["checkpoint"], what)
+    ref = json.loads((folder / "config.json").read_text())["weights_base"]
     digest = weights_digest(base)
     if digest != ref["sha256"]:
         raise ConfigError(f"{what} {folder} holds only what was trained on top of {ref['checkpoint']} ({base}), and "

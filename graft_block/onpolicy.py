@@ -33,7 +33,7 @@ import torch
 
 from .errors import ConfigError, check_options, run_command
 from .sampling import SamplingConfig, sampling_options
-from .train_data import answer_batch, data_root, forward_cache, train_prompts
+from .train_data import answer_batch, data_root, first_turn_ids, forward_cache, train_prompts
 
 GENERATOR_VERSION = 1
 MANIFEST = "manifest.json"
@@ -105,17 +105,11 @@ def load_prompts(target, path: str | Path, max_prompt_tokens: int) -> list[tuple
 
 
 def file_prompts(target, path: str | Path, max_prompt_tokens: int) -> list[tuple[int, list[int]]]:
-    """(line index, chat-template ids) of each record's first turn in a JSONL prompt file (the benchmark's format,
-    ``graft_block.data.read_jsonl``), those that fit ``max_prompt_tokens`` kept."""
+    """(record position, ids) of each first turn of a JSONL prompt file (``graft_block.data.read_jsonl``), those
+    that fit ``max_prompt_tokens`` kept."""
     from .data import read_jsonl
 
-    out = []
-    for i, rec in enumerate(read_jsonl(path)):
-        turn = rec["turns"][0]
-        ids = turn if isinstance(turn, list) else target.encode([{"role": "user", "content": turn}]).tolist()
-        if len(ids) <= max_prompt_tokens:
-            out.append((i, ids))
-    return out
+    return first_turn_ids(target, read_jsonl(path), max_prompt_tokens)
 
 
 def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk: int = 64, samples: int = 1,
@@ -143,19 +137,17 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
     kind = kind_name(sampling, samples)
     fp = fingerprint(target)
     manifest_path = folder / MANIFEST
+    source = source or (f"ShareGPT {split} split (graft_block.data.sharegpt('{split}')), first turn, chat template; "
+                        "prompt_index = position in that split")
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {
         "target": str(target.name), "target_fingerprint": fp, "vocab_size": target.vocab_size,
         "generator_version": GENERATOR_VERSION, "max_prompt_tokens": max_prompt_tokens, "max_new": max_new,
-        "source": source or f"ShareGPT {split} split (graft_block.data.sharegpt('{split}')), first turn, chat "
-                            "template; prompt_index = position in that split", "split": split, "commands": [],
-        "shards": []}
-    if (source or "").startswith("prompt file") != manifest["source"].startswith("prompt file") or (
-            source and manifest["source"] != source):  # a folder answers one prompt source, never a mix
-        raise ConfigError(f"{folder} answers {manifest['source']!r}, not {source or 'ShareGPT'!r}: use another "
-                          "folder")
+        "source": source, "split": split, "commands": [], "shards": []}
     if manifest.get("split", "train") != split:
         raise ConfigError(f"{folder} answers ShareGPT {manifest.get('split', 'train')!r} prompts, not {split!r}: "
                           "use another folder")
+    if manifest["source"] != source:  # a folder answers one prompt source, never a mix
+        raise ConfigError(f"{folder} answers {manifest['source']!r}, not {source!r}: use another folder")
     manifest["reserved"] = [list(r) for r in sorted({tuple(r) for r in [*manifest.get("reserved", []), *reserve]})]
     if manifest["target_fingerprint"] != fp:
         raise ConfigError(f"{folder} holds answers of another target ({manifest['target']}, fingerprint "

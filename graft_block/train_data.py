@@ -58,9 +58,16 @@ def train_prompts(target, max_prompt_tokens: int, limit: int | None = None,
     position in the split, so it never shifts."""
     from .data import sharegpt
 
+    return first_turn_ids(target, sharegpt(split, limit=limit), max_prompt_tokens)
+
+
+def first_turn_ids(target, records, max_prompt_tokens: int) -> list[tuple[int, list[int]]]:
+    """(position, ids) of each prompt record's first turn (text through the chat template, or token ids as given),
+    those that fit ``max_prompt_tokens`` kept."""
     out = []
-    for i, rec in enumerate(sharegpt(split, limit=limit)):
-        ids = target.encode([{"role": "user", "content": rec["turns"][0]}]).tolist()
+    for i, rec in enumerate(records):
+        turn = rec["turns"][0]
+        ids = list(turn) if isinstance(turn, list) else target.encode([{"role": "user", "content": turn}]).tolist()
         if len(ids) <= max_prompt_tokens:
             out.append((i, ids))
     return out
