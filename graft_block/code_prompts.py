@@ -32,7 +32,7 @@ INSTRUCTION = "Write a solution to the following problem and make sure that it p
 def problem(source: str, node: ast.FunctionDef) -> str | None:
     """HumanEval's shape for one function: its ``def`` line(s) and its docstring, indented as written; None when
     the docstring or the signature is not usable (too short or too long)."""
-    doc = ast.get_docstring(node, clean=False)  # not None: the body's first statement is that string
+    doc = ast.get_docstring(node, clean=False)  # raw, so it matches the source lines cut below
     if not doc or not 40 <= len(doc.strip()) <= 800:
         return None
     first = node.body[0]
@@ -86,8 +86,11 @@ def main(argv=None):
     if args.limit < 0:
         ap.error(f"--limit must be >= 0 (0 = all), got {args.limit}")
     roots = args.root or [sysconfig.get_paths()["stdlib"]]
-    seen: set[str] = set()  # an id once (the first root's): the benchmark's reader refuses repeated ids
-    probs = [p for r in roots for p in problems_under(r) if not (p["id"] in seen or seen.add(p["id"]))]
+    by_id: dict[str, dict] = {}  # an id once (the first root's): the benchmark's reader refuses repeated ids
+    for r in roots:
+        for p in problems_under(r):
+            by_id.setdefault(p["id"], p)
+    probs = list(by_id.values())
     random.Random(args.seed).shuffle(probs)
     probs = probs[:args.limit] if args.limit else probs
     if not probs:

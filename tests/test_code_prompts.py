@@ -3,7 +3,7 @@ import pytest
 
 from graft_block import code_prompts as CP
 from graft_block.errors import ConfigError
-from graft_block.eval.prompts import read_jsonl
+from graft_block.data import read_jsonl
 
 GOOD = '''import functools
 
