@@ -131,6 +131,33 @@ def write_delta(folder: str | Path, base: str | Path) -> dict:
     return {"kept": sorted(kept), "dropped": len(mine) - len(kept)}
 
 
+def repin_delta(folder: str | Path) -> str:
+    """Pin delta folder ``folder`` to its base's current weights (after the backbone was retrained), keeping its own
+    tensors unchanged. Only heads trained on a frozen backbone may move: a delta that holds any tensor the base
+    also has (a fine-tuned backbone part) is refused, since re-pinning would splice it into another backbone.
+    Returns the new sha256. Re-measure the heads on the new backbone: a re-pin asserts nothing about their quality."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    src = base_folder(folder)
+    if src is None:
+        raise ConfigError(f"{folder} is a whole checkpoint (no weights_base in its config.json): nothing to re-pin")
+    ours = set()
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            ours.update(h.keys())
+    shared = sorted(ours & set(read_weights(src)))
+    if shared:
+        raise ConfigError(f"{folder} holds {len(shared)} tensor(s) its base {src} also has ({', '.join(shared[:3])}"
+                          f"{', ...' if len(shared) > 3 else ''}): they were trained with the old backbone, so "
+                          "re-pinning would mix two backbones; retrain the heads on the new base instead")
+    digest = weights_digest(src)
+    cfg = read_config_json(folder)
+    cfg["weights_base"] = {**cfg["weights_base"], "sha256": digest}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return digest
+
+
 _CHECKPOINT_ROOTS: list[Path] = []
 ENTRY_POINT_GROUP = "graft_block.drafters"
 

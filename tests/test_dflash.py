@@ -621,6 +621,35 @@ def test_delta_folder_loads_its_frozen_base_and_refuses_a_changed_one(tmp_path):
         read_weights(tmp_path / "heads")
 
 
+def test_repin_delta_moves_heads_onto_a_retrained_base_and_refuses_to_mix_backbones(tmp_path):
+    """repin_delta pins a heads-only delta to its base's new weights (then it loads: the new base under the same
+    heads); a delta that also holds a base tensor is refused, and so is a whole folder."""
+    from safetensors.torch import save_file
+
+    from graft_block.drafter import read_weights, repin_delta, weights_digest, write_delta
+
+    g = torch.Generator().manual_seed(1)
+    base = {"a": torch.randn(4, 3, generator=g), "b": torch.randn(5, generator=g)}
+    for name, tensors in (("base", base), ("heads", {**base, "c": torch.ones(2)}),
+                          ("tuned", {**base, "b": base["b"] * 3, "c": torch.ones(2)})):
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+        (tmp_path / name / "config.json").write_text(json.dumps({"name": name}))
+    write_delta(tmp_path / "heads", "base")
+    write_delta(tmp_path / "tuned", "base")
+    new_base = {"a": base["a"] + 1, "b": base["b"]}
+    save_file(new_base, str(tmp_path / "base" / "model.safetensors"))
+    with pytest.raises(ConfigError, match="changed since"):
+        read_weights(tmp_path / "heads")
+    assert repin_delta(tmp_path / "heads") == weights_digest(tmp_path / "base")
+    got = read_weights(tmp_path / "heads")
+    assert torch.equal(got["a"], new_base["a"]) and torch.equal(got["c"], torch.ones(2))
+    with pytest.raises(ConfigError, match=r"holds 1 tensor\(s\) its base .* also has \(b\)"):
+        repin_delta(tmp_path / "tuned")
+    with pytest.raises(ConfigError, match="whole checkpoint"):
+        repin_delta(tmp_path / "base")
+
+
 def test_fill_rate_gives_some_rows_their_true_tokens_and_takes_them_out_of_the_loss():
     """Refinement training (``fill_rate``): a filled row's block input is its label and it is no longer a loss row;
     the other rows stay masked; held-out evaluation (eval mode) fills nothing; a rate outside [0, 1] is refused."""
