@@ -15,11 +15,10 @@ With ``--prompts`` the contexts come from the benchmark's own prompt sets instea
 each prompt's first turn (``--answer-tokens``), cut at ``--cuts`` random points, shuffled; with several sets a
 table per set follows the overall one.
 
-A cut weighs every position alike, while decoding starts a round only where the last one stopped, so it crosses
-an easy stretch in a few long rounds: gains in deep rows read larger here than decoded (2026-12-06: DSpark's heads
-+0.17 here, +0.08 decoded on the same 40 answers). Trees come from a fresh round (a drafter's adaptive rows start
-full). Methods with a graft or a schedule depend on
-what earlier rounds verified, and are refused: decode them with ``graft-block bench``.
+A cut weighs every position alike, while decoding starts a round only where the last one stopped and crosses an
+easy stretch in a few long rounds: gains in deep rows read larger here than decoded (docs/measuring.md). Trees come
+from a fresh round (a drafter's adaptive rows start full). Methods with a graft or a schedule depend on what
+earlier rounds verified, and are refused: decode them with ``graft-block bench``.
 """
 from __future__ import annotations
 

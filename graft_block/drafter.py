@@ -125,10 +125,18 @@ def write_delta(folder: str | Path, base: str | Path) -> dict:
     for f in folder.glob("*.safetensors"):
         f.unlink()
     save_file(kept, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    cfg = read_config_json(folder)
-    cfg["weights_base"] = {"checkpoint": Path(name).name, "sha256": weights_digest(src)}
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    pin_base(folder, Path(name).name, src)
     return {"kept": sorted(kept), "dropped": len(mine) - len(kept)}
+
+
+def pin_base(folder: Path, name: str, src: Path) -> str:
+    """Write ``weights_base`` = {"checkpoint": ``name``, "sha256": the digest of ``src``} into ``folder``'s
+    config.json; returns the digest."""
+    digest = weights_digest(src)
+    cfg = read_config_json(folder)
+    cfg["weights_base"] = {"checkpoint": name, "sha256": digest}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return digest
 
 
 def repin_delta(folder: str | Path) -> str:
@@ -151,11 +159,7 @@ def repin_delta(folder: str | Path) -> str:
         raise ConfigError(f"{folder} holds {len(shared)} tensor(s) its base {src} also has ({', '.join(shared[:3])}"
                           f"{', ...' if len(shared) > 3 else ''}): they were trained with the old backbone, so "
                           "re-pinning would mix two backbones; retrain the heads on the new base instead")
-    digest = weights_digest(src)
-    cfg = read_config_json(folder)
-    cfg["weights_base"] = {**cfg["weights_base"], "sha256": digest}
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return digest
+    return pin_base(folder, read_config_json(folder)["weights_base"]["checkpoint"], src)
 
 
 _CHECKPOINT_ROOTS: list[Path] = []
