@@ -70,6 +70,21 @@ def read_weights(folder: str | Path, what: str = "checkpoint") -> dict:
     return tensors
 
 
+def own_tensor_names(folder: Path, what: str = "checkpoint") -> set[str]:
+    """The tensor names a folder's own ``*.safetensors`` files hold (a delta's base not included), read from the
+    headers only; a file that is not valid safetensors raises ConfigError naming it, as ``read_weights`` does."""
+    from safetensors import SafetensorError, safe_open
+
+    names: set[str] = set()
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as h:
+                names.update(h.keys())
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{what} file {f} is corrupt or truncated ({e}); re-download or re-save it") from e
+    return names
+
+
 def weights_digest(folder: str | Path) -> str:
     """sha256 over a folder's ``*.safetensors`` files, in name order (what a delta folder pins its base by)."""
     import hashlib
@@ -144,17 +159,11 @@ def repin_delta(folder: str | Path) -> str:
     tensors unchanged. Only heads trained on a frozen backbone may move: a delta that holds any tensor the base
     also has (a fine-tuned backbone part) is refused, since re-pinning would splice it into another backbone.
     Returns the new sha256. Re-measure the heads on the new backbone: a re-pin asserts nothing about their quality."""
-    from safetensors import safe_open
-
     folder = Path(folder)
     src = base_folder(folder)
     if src is None:
         raise ConfigError(f"{folder} is a whole checkpoint (no weights_base in its config.json): nothing to re-pin")
-    ours = set()
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            ours.update(h.keys())
-    shared = sorted(ours & set(read_weights(src)))
+    shared = sorted(own_tensor_names(folder) & set(read_weights(src)))
     if shared:
         raise ConfigError(f"{folder} holds {len(shared)} tensor(s) its base {src} also has ({', '.join(shared[:3])}"
                           f"{', ...' if len(shared) > 3 else ''}): they were trained with the old backbone, so "

@@ -648,6 +648,9 @@ def test_repin_delta_moves_heads_onto_a_retrained_base_and_refuses_to_mix_backbo
         repin_delta(tmp_path / "tuned")
     with pytest.raises(ConfigError, match="whole checkpoint"):
         repin_delta(tmp_path / "base")
+    (tmp_path / "heads" / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ConfigError, match="corrupt or truncated"):
+        repin_delta(tmp_path / "heads")
 
 
 def test_fill_rate_gives_some_rows_their_true_tokens_and_takes_them_out_of_the_loss():
