@@ -141,7 +141,7 @@ def load_checkpoint(folder, device=None, dtype=None) -> tuple[MFDModel, dict]:
     mcfg = dict(raw.get("mfd_config") or {})
     tensors = read_weights(folder, "MFD checkpoint")
     if "mode_embed" not in tensors:
-        if raw.get("type") == "mfd":
+        if raw.get("type") == "mfd" or "mfd_config" in raw:
             raise ConfigError(f"MFD checkpoint {folder} has no 'mode_embed' tensor: re-save it with drafters.mfd")
         base = D.load_checkpoint(folder, device=device, dtype=dtype)
         return MFDModel.from_dflash(base, num_modes=1), {"num_modes": 1, "score": "best_mode", "mode_rows": "all"}
@@ -262,6 +262,13 @@ class MFDDrafter(D.DFlashDrafter):
                 raise ConfigError(f"markov: {folder}'s backbone differs from this MFD checkpoint's at {name!r}; a "
                                   "Markov head corrects the logits of the backbone it was trained on: train one on "
                                   "this backbone (graft-block train --type dspark --init <this MFD's base>)")
+        # draft_vocab is a non-persistent buffer, so the state-dict comparison above never saw it
+        a, b = dm.draft_vocab, self.model.draft_vocab
+        if (a is None) != (b is None) or (a is not None and not torch.equal(a.cpu(), b.cpu())):
+            theirs, ours = ("the full vocabulary" if v is None else f"{v.numel()} ids" for v in (a, b))
+            raise ConfigError(f"markov: draft vocabularies differ ({folder}: {theirs}, this MFD model: {ours}); "
+                              "the Markov head's W2 rows are indexed by its own draft vocabulary: use a DSpark "
+                              "checkpoint trained with this MFD's draft vocabulary")
         w2 = dm.markov_head.markov_w2.weight
         self._w2 = (w2 if dm.draft_vocab is None else w2[dm.draft_vocab.to(w2.device)]).detach().float()
         self._w1 = dm.markov_head.markov_w1.weight.detach().float()

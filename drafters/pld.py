@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from graft_block.drafter import Drafter, check_budget, register
+from graft_block.errors import ConfigError
 from graft_block.tree import Tree, chain, root_only
 
 
@@ -30,8 +31,10 @@ class PromptLookupDrafter(Drafter):
 
     def __init__(self, budget: int = 10, max_ngram: int = 3, min_ngram: int = 1):
         self.budget = check_budget(budget)
-        if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= max_ngram):
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and not isinstance(max_ngram, bool)
+                and not isinstance(min_ngram, bool) and 1 <= min_ngram <= max_ngram):
+            raise ConfigError(f"pld needs ints 1 <= min_ngram <= max_ngram (n-gram lengths to look up), got "
+                              f"min_ngram={min_ngram!r}, max_ngram={max_ngram!r}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, state) -> Tree:

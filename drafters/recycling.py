@@ -16,7 +16,7 @@ import torch
 from graft_block.adjacency import AdjacencyMatrix
 from graft_block.drafter import Drafter, check_budget, register
 from graft_block.errors import ConfigError
-from graft_block.tree import SOURCE_RETRIEVED, Tree, chain, merge
+from graft_block.tree import SOURCE_RETRIEVED, Tree, TreeError, chain, merge
 from graft_block.kernels import expand as expand_template
 from graft_block.tree.templates import TR80_TEMPLATE, asymmetric_template, compile_template, extend_template
 
@@ -28,18 +28,24 @@ def build_template(template, budget: int, depth: int, width: int, fill: bool):
     list of rank paths; with ``fill``, spare asymmetric paths follow so de-duplicated slots are refilled."""
     if template is None:
         template = "tr80" if budget == 80 else "asymmetric"
-    if template == "tr80":
-        base = TR80_TEMPLATE
-    elif template == "asymmetric":
-        base = asymmetric_template(budget, depth, width)
-    elif isinstance(template, (list, tuple)):
-        base = [list(p) for p in template]
-    else:
+    for name, v in (("depth", depth), ("width", width)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"template {name} must be an int >= 1, got {v!r}")
+    if template not in ("tr80", "asymmetric") and not isinstance(template, (list, tuple)):
         raise ConfigError(f"template must be 'tr80', 'asymmetric' or a list of rank paths, got {template!r}")
-    if fill:
-        capacity = sum(width ** d for d in range(1, depth + 1))
-        base = extend_template(base, min(capacity, budget + budget // 2 + 8), depth, width)
-    return compile_template(base)
+    try:  # a template the tree code refuses is a config mistake: name it at construction, not in round 1
+        if template == "tr80":
+            base = TR80_TEMPLATE
+        elif template == "asymmetric":
+            base = asymmetric_template(budget, depth, width)
+        else:
+            base = [list(p) for p in template]
+        if fill:
+            capacity = sum(width ** d for d in range(1, depth + 1))
+            base = extend_template(base, min(capacity, budget + budget // 2 + 8), depth, width)
+        return compile_template(base)
+    except (TreeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"recycling template (budget={budget}, depth={depth}, width={width}): {exc}") from None
 
 
 @register("recycling")
@@ -54,7 +60,7 @@ class RecyclingDrafter(Drafter):
         self.warmup_rounds, self.warmup_tokens = warmup_rounds, int(warmup_tokens)
         self.warmup_prompts = warmup_prompts
         self.template_name = template if isinstance(template, str) or template is None else "custom"
-        self.template = build_template(template, self.budget, int(depth), int(width), bool(fill))
+        self.template = build_template(template, self.budget, depth, width, bool(fill))
         if isinstance(matrix, (str, Path)):
             matrix = AdjacencyMatrix.load(matrix)
         if matrix is not None and not isinstance(matrix, AdjacencyMatrix):
@@ -70,8 +76,8 @@ class RecyclingDrafter(Drafter):
         """Create the matrix on the target's device (once) and warm it up if it has never been written."""
         if self.matrix is None:
             self.matrix = AdjacencyMatrix(target.vocab_size, self.k, self.dtype, target.device)
-        elif self.matrix.vocab_size < target.vocab_size:
-            raise ConfigError(f"adjacency matrix vocab {self.matrix.vocab_size} < target vocab {target.vocab_size}")
+        else:
+            self.matrix.check_target(target)
         if self.warmup_rounds and self.matrix.updates == 0:
             self.matrix.warmup(target, self.warmup_prompts, rounds=self.warmup_rounds, new_tokens=self.warmup_tokens)
         return self.matrix

@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from graft_block import cache_root
-from graft_block.errors import ConfigError
+from graft_block.errors import ConfigError, MethodUnavailable
 
 ENV = "GRAFT_BLOCK_LLAMACPP"
 BINARY = "llama-speculative-simple"
@@ -100,8 +100,8 @@ def embedded_model(name: str) -> Path:
     from graft_block.target import EMBEDDED_TARGETS, embedded_gguf
 
     if name not in EMBEDDED_TARGETS:
-        raise ConfigError(f"model 'embedded' names an embedded target's own GGUF; {name!r} is not one "
-                          f"({', '.join(EMBEDDED_TARGETS)})")
+        raise MethodUnavailable(f"model 'embedded' names an embedded target's own GGUF; {name!r} is not one "
+                                f"({', '.join(EMBEDDED_TARGETS)})")
     return embedded_gguf(name)
 
 
@@ -117,7 +117,7 @@ def checkpoint_files(folder: Path) -> list[Path]:
 def draft_gguf(name: str, target: str = "smollm2-135m") -> Path:
     """The GGUF of the bundled drafter ``name`` for llama.cpp: ``<cache>/llamacpp/<name>.gguf``, exported there on
     demand (and again when the checkpoint is newer) through ``graft_block.drafters.export.export_llamacpp`` (= ``graft-block
-    export --to llama.cpp``), the tokenizer copied from the target's GGUF. ConfigError (the method is skipped)
+    export --to llama.cpp``), the tokenizer copied from the target's GGUF. MethodUnavailable (a skip)
     when there is none and it cannot be made."""
     from graft_block.drafter import bundled_checkpoint
 
@@ -127,7 +127,7 @@ def draft_gguf(name: str, target: str = "smollm2-135m") -> Path:
                                                 for f in checkpoint_files(folder))):
         return out
     if folder is None:
-        raise ConfigError(f"bundled drafter {name!r} is not installed")
+        raise MethodUnavailable(f"bundled drafter {name!r} is not installed")
     from graft_block.drafters.export import export_llamacpp
 
     tok = target_gguf(target)
@@ -135,9 +135,9 @@ def draft_gguf(name: str, target: str = "smollm2-135m") -> Path:
     try:
         made = Path(export_llamacpp(name, out, tokenizer_gguf=str(tok) if tok.is_file() else None))
     except Exception as exc:  # noqa: BLE001 - any export failure skips the method, with its reason
-        raise ConfigError(f"exporting {name} to a llama.cpp GGUF failed: {type(exc).__name__}: {exc}") from exc
+        raise MethodUnavailable(f"exporting {name} to a llama.cpp GGUF failed: {type(exc).__name__}: {exc}") from exc
     if not made.is_file():
-        raise ConfigError(f"graft_block.drafters.export did not write {made}")
+        raise MethodUnavailable(f"graft_block.drafters.export did not write {made}")
     return made
 
 
@@ -285,18 +285,21 @@ def prompt_text(tokenizer, ids: list[int], adds_bos: bool = False) -> str:
 
 def llamacpp_runner(target, cfg: dict, threads: int | None = None, timeout: float = 3600.0):
     """``run(ids, max_new_tokens, temperature, seed, top_k, top_p) -> record`` through llama-speculative-simple.
-    ConfigError (the method is skipped) without a build, the target GGUF, a tokenizer or the draft GGUF."""
+    MethodUnavailable (the method is skipped) without a build, the target GGUF, a tokenizer or the bundled draft
+    GGUF; ConfigError for a bad preset or a GGUF path given that does not exist."""
     binary = find_binary()
     if binary is None:
         where = _build_override or os.environ.get(ENV)
-        raise ConfigError(f"no llama.cpp build ({BUILD_HINT})" if not where else
-                          f"no {BINARY} under {where}, {where}/bin or {where}/build/bin ({BUILD_HINT})")
+        raise MethodUnavailable(f"no llama.cpp build ({BUILD_HINT})" if not where else
+                                f"no {BINARY} under {where}, {where}/bin or {where}/build/bin ({BUILD_HINT})")
     if target.tokenizer is None:
-        raise ConfigError("the llama.cpp peer needs a tokenizer-backed target (prompts travel as text)")
+        raise MethodUnavailable("the llama.cpp peer needs a tokenizer-backed target (prompts travel as text)")
     model = embedded_model(str(target.name)) if cfg.get("model") == "embedded" else \
         Path(cfg["model"]).expanduser() if cfg.get("model") else target_gguf(str(target.name))
     if not model.is_file():
-        raise ConfigError(f"no target GGUF at {model} (scripts/build_llamacpp.sh converts it)")
+        # the default path not converted yet is a skip; a path the preset names that does not exist is its error
+        raise (ConfigError if cfg.get("model") and cfg["model"] != "embedded" else MethodUnavailable)(
+            f"no target GGUF at {model} (scripts/build_llamacpp.sh converts it)")
     draft = None
     if str(cfg.get("spec", "none")).startswith("draft-"):
         draft = Path(cfg["draft_gguf"]).expanduser() if cfg.get("draft_gguf") else \
@@ -304,7 +307,7 @@ def llamacpp_runner(target, cfg: dict, threads: int | None = None, timeout: floa
         if not draft.is_file():
             raise ConfigError(f"no draft GGUF at {draft}")
     adds_bos = _gguf_adds_bos(model)
-    spec_args(cfg, draft)  # validated now: a bad preset is a skip, not a failure mid-run
+    spec_args(cfg, draft)  # validated now: a bad preset stops the bench before it runs, not mid-run
     n_draft = int(cfg.get("n_max", cfg.get("ngram_m", 16)))
 
     def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0):

@@ -19,6 +19,7 @@ import torch
 import graft_block
 from graft_block import skinny
 from graft_block.engine import device_name
+from graft_block.errors import ConfigError
 from graft_block.tree.schedule import curve_cost
 
 from . import machine
@@ -227,14 +228,28 @@ def auto_budget(build, curve: dict, pilot_ids, candidates=(4, 8, 16, 32), max_ne
 
 
 # ---- the interleaved loop -----------------------------------------------------------------------------------
+def check_context(target, max_new_tokens: int) -> None:
+    """ConfigError, before anything runs, when no prompt fits beside ``max_new_tokens`` in the target's context."""
+    ctx = getattr(target, "max_positions", None)
+    if ctx is not None and max_new_tokens >= ctx:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the target's context "
+                          f"window of {ctx} tokens: lower --max-new-tokens below {ctx}")
+
+
 def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: int, temperatures, seed: int = 0,
                     progress: bool = True, shard: tuple[int, int] = (0, 1), guard: machine.LoadGuard | None = None,
                     warmup_tokens: int = 8, time_limit: float | None = None, top_k: int = 0,
-                    top_p: float = 1.0) -> list[dict]:
+                    top_p: float = 1.0, too_long: list | None = None) -> list[dict]:
     """Every method on a prompt before the next prompt (drift hits all alike), after one untimed warm-up call
     per method on a neutral prompt. One record per (prompt, temperature, turn, method); with ``guard``, each
     record carries the load window of its call. ``time_limit`` (s) stops starting new prompts. ``top_k`` /
-    ``top_p`` filter the target's law at every T > 0 (records carry them)."""
+    ``top_p`` filter the target's law at every T > 0 (records carry them). A turn whose prompt and answer would
+    not fit the target's context (later turns grow with each method's own answers) is left out for that method,
+    with a note, and so are its later turns: no record, an entry in ``too_long`` (when given) instead."""
+    check_context(target, max_new_tokens)
+    if warmup_tokens < 0:
+        raise ConfigError(f"warmup_tokens must be >= 0 (0 = no warm-up), got {warmup_tokens}")
+    ctx = getattr(target, "max_positions", None)
     filters = {"top_k": int(top_k), "top_p": float(top_p)}
     rank, world = shard
     mine = [p for i, p in enumerate(prompts) if i % world == rank]
@@ -256,10 +271,21 @@ def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: 
             break
         for temp in temperatures:
             histories = {m.name: [] for m in methods}
+            cut: dict[str, str] = {}  # method -> why its turns of this prompt stopped
             for t_idx, turn in enumerate(p["turns"]):
                 for m in methods:
                     hist = histories[m.name]
-                    ids = encode_turn(target, hist, turn)
+                    ids = None if m.name in cut else encode_turn(target, hist, turn)
+                    if ids is not None and ctx is not None and ids.numel() + max_new_tokens > ctx:
+                        cut[m.name] = (f"prompt {ids.numel()} + max_new_tokens {max_new_tokens} tokens exceed the "
+                                       f"target's context window of {ctx}")
+                        print(f"[too long] {m.name} on {p['id']} turn {t_idx} (T {temp}): {cut[m.name]}; skipped "
+                              "with its later turns (lower --max-new-tokens, or --first-turn-only)", file=sys.stderr)
+                    if ids is None or m.name in cut:
+                        if too_long is not None:
+                            too_long.append({"prompt_id": p["id"], "turn": t_idx, "method": m.name,
+                                             "temperature": temp, "reason": cut[m.name]})
+                        continue
                     if target.device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats()
                     if guard is not None:
@@ -284,20 +310,22 @@ def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: 
     return records
 
 
-def gather_shards(records: list[dict], world: int, order: list[str]) -> list[dict]:
+def gather_shards(records: list[dict], world: int, order: list[str], extra: list | None = None) -> list[dict]:
     """Merge per-rank records on every rank (gloo all-gather of JSON; works on CPU under torchrun), back in the
-    prompt order ``order`` (prompt ids)."""
+    prompt order ``order`` (prompt ids). ``extra`` (a per-rank list, e.g. the turns left out) is merged in place."""
     import torch.distributed as dist
 
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo")
     gathered = [None] * world
-    dist.all_gather_object(gathered, records)
+    dist.all_gather_object(gathered, (records, extra))
     dist.barrier()
     if created:  # torn down here, not by the interpreter's exit, where gloo's threads can abort a rank (SIGABRT)
         dist.destroy_process_group()
-    merged = [r for part in gathered for r in part]
+    merged = [r for part, _ in gathered for r in part]
+    if extra is not None:
+        extra[:] = [e for _, part in gathered for e in part]
     index = {pid: i for i, pid in enumerate(order)}
     return sorted(merged, key=lambda r: (index[r["prompt_id"]], r["temperature"], r["turn"]))
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from graft_block.errors import ConfigError
+from graft_block.errors import MethodUnavailable
 
 WARMUP_TOKENS = 8  # the child's untimed call on the same prompt (the parent's warm-up call is another process)
 
@@ -52,7 +52,7 @@ def hf_runner(target, kwargs: dict):
     (``{"prompt_lookup_num_tokens": 10}`` = HF prompt lookup); in a child process per call when the target
     released HF's weights and has a folder to reload them from."""
     if "prompt_lookup_num_tokens" in kwargs and target.tokenizer is None:
-        raise ConfigError("HF prompt lookup needs a tokenizer-backed target")
+        raise MethodUnavailable("HF prompt lookup needs a tokenizer-backed target")
     folder = model_folder(target)
     if folder is not None and getattr(getattr(target, "lean", None), "released", 0):
         return _child_runner(target, folder, kwargs)

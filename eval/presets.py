@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 
-from graft_block.errors import ConfigError
+from graft_block.errors import ConfigError, MethodUnavailable
 
 _EAGLE = {"type": "eagle3", "checkpoint": "@eagle3-smollm2", "budget": "{budget}"}
 # block drafters draft only the block rows a tree of the run's budget can reach ("budget"; the whole block for
@@ -193,7 +193,7 @@ def bundled_refs(obj) -> list[str]:
 
 
 def resolve_bundled(obj, name: str):
-    """Replace "@short-name" checkpoint references with the bundled folder; ConfigError (skip) when missing."""
+    """Replace "@short-name" checkpoint references with the bundled folder; MethodUnavailable (skip) when missing."""
     from graft_block.drafter import bundled_checkpoint
 
     if isinstance(obj, dict):
@@ -203,7 +203,7 @@ def resolve_bundled(obj, name: str):
     if isinstance(obj, str) and obj.startswith("@"):
         folder = bundled_checkpoint(obj[1:])
         if folder is None:
-            raise ConfigError(f"method {name!r} needs the bundled drafter {obj[1:]!r}, which is not installed")
+            raise MethodUnavailable(f"method {name!r} needs the bundled drafter {obj[1:]!r}, which is not installed")
         return str(folder)
     return obj
 

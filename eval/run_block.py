@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from graft_block import skinny  # noqa: E402
 from graft_block.engine import trim_heap  # noqa: E402
-from graft_block.errors import ConfigError, run_command  # noqa: E402
+from graft_block.errors import ConfigError, MethodUnavailable, run_command  # noqa: E402
 from graft_block.sampling import sampling_options  # noqa: E402
 from graft_block.eval import llamacpp, machine, measure, physics, presets, report  # noqa: E402
 from graft_block.eval.methods import load_method_files, lookup, make_method  # noqa: E402
@@ -121,6 +121,16 @@ def method_names(args, suite: dict, extra: dict) -> list[str]:
     return ["ar"] + [n for n in names if n != "ar"]
 
 
+def check_target(target, max_new: int, prompts: list[dict]) -> None:
+    """What the loaded target must allow for this run, checked before the verify-cost curve and the methods: room
+    for a prompt beside --max-new-tokens, and a tokenizer for text prompts (with the reason it has none)."""
+    measure.check_context(target, max_new)
+    if target.tokenizer is None and any(isinstance(t, str) for p in prompts for t in p["turns"]):
+        why = getattr(target, "tokenizer_error", None) or "this target has no tokenizer"
+        raise ConfigError(f"the prompts are text but {why}: fix the target's tokenizer, or give prompts as "
+                          "token-id lists ('turns': [[ids]])")
+
+
 def budgets_of(text: str | None) -> list:
     if text is None or text == "preset":
         return [None]
@@ -135,7 +145,35 @@ def budgets_of(text: str | None) -> list:
     return out
 
 
-def build_methods(names, extra, target, budgets, curve, prompts, chimeric):
+def check_flags(args) -> None:
+    """ConfigError naming the flag, before any model loads, for a number no run can use (they would fail minutes
+    in, or with another flag's name)."""
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.warmup_tokens < 0:
+        raise ConfigError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {args.warmup_tokens}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1 (leave it out for torch's choice), got {args.threads}")
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise ConfigError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
+    temperatures(args.temperature)
+
+
+def temperatures(text: str | None) -> list[float] | None:
+    """--temperature's comma list as floats (None: the suite's)."""
+    if not text:
+        return None
+    try:
+        return [float(t) for t in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--temperature takes a number or a comma list of numbers (e.g. 0,1), got {text!r}") from None
+
+
+def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named=None):
+    """The runnable methods. A method that cannot run here (MethodUnavailable) is skipped with its reason; so is any
+    method the suite added by default (a SmolLM2 drafter beside another ``--target``). Any other ConfigError of a
+    method the user named (``named``: --methods, --config; None = all) stops the run naming it (a typo in its config,
+    a checkpoint for another target)."""
     methods, skipped, auto = [], {}, {}
     def release():
         # a drafter reads rows of HF's embedding and LM head while it is built: release those pages again after
@@ -156,6 +194,9 @@ def build_methods(names, extra, target, budgets, curve, prompts, chimeric):
                 m.name = name if (b is None or len(budgets) == 1) else f"{name}@{b}"
                 methods.append(m)
             except ConfigError as exc:
+                if not (isinstance(exc, MethodUnavailable) or (named is not None and name not in named)):
+                    raise ConfigError(f"method {name!r} cannot be built: {exc} (fix its config, or leave it out of "
+                                      "--methods)") from exc
                 skipped[name] = str(exc)
             release()
     return methods, skipped, auto
@@ -170,6 +211,7 @@ def run_arms(table: dict, defaults: list[str], rest: list[str]) -> tuple[dict, o
     opts = parse_args(run_args)
     if opts.list_methods:
         return main(run_args, methods=table), None
+    check_flags(opts)  # before the target loads here too
     exact_quant_env(opts)
     target = load_target(opts.target, device=opts.device, dtype=opts.dtype, engine=opts.engine, compile=opts.compile,
                          release_hf=True)
@@ -192,6 +234,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         rows = presets.method_rows(extra)
         print(presets.format_methods(rows))
         return {"methods": rows}
+    check_flags(args)
     suite = presets.SUITES[args.suite]
     llamacpp.set_build(args.llamacpp)
     names = method_names(args, suite, extra)
@@ -199,13 +242,11 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     limit = suite["limit"] if args.limit is None else args.limit
     sets = args.prompts.split(",") if args.prompts else suite["prompts"]
     prompts, set_info = prompt_records(sets, limit, args.first_turn_only)
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     max_new = args.max_new_tokens or suite["max_new_tokens"]
-    temps = [float(t) for t in args.temperature.split(",")] if args.temperature else suite["temperatures"]
+    temps = temperatures(args.temperature) or suite["temperatures"]
     sampling_options(temps, args.top_k, args.top_p)  # a bad temperature or filter fails before any model loads
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     for s in set_info:
         if rank == 0 and s["used"] < s["of"] and args.limit is None:
@@ -226,19 +267,22 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         exact_quant_env(args)
         target = load_target(args.target, device=args.device, dtype=args.dtype, engine=args.engine,
                              compile=args.compile, release_hf=True)
+    check_target(target, max_new, prompts)  # before minutes of cost curve and method building
     curve = measure.verify_cost_curve(target, fresh=not args.cached_cost)
     target.share_drafter_checkpoints = True  # methods only read their drafters' weights: one copy per checkpoint
-    runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric)
+    named = set(args.methods.split(",")) if args.methods else set(extra)  # what the user asked for by name
+    runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric, named)
+    too_long: list[dict] = []  # turns that outgrew the target's context, per method (run_interleaved's notes)
     trim_heap()
     if rank == 0:
         for n, why in skipped.items():
             print(f"[skip] {n}: {why}", file=sys.stderr)
     records = measure.run_interleaved(target, runs, prompts, max_new, temps, args.seed, not args.no_progress,
                                       (rank, world), guard, args.warmup_tokens, args.time_limit, args.top_k,
-                                      args.top_p)
+                                      args.top_p, too_long=too_long)
     guard.after()
     if world > 1:
-        records = measure.gather_shards(records, world, [p["id"] for p in prompts])
+        records = measure.gather_shards(records, world, [p["id"] for p in prompts], extra=too_long)
         if rank != 0:
             return {}
     measure.pair_with(records)
@@ -252,6 +296,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     wall = time.time() - t_start
     rep = {
         "suite": args.suite, "args": vars(args), "methods": {m.name: m.config for m in runs}, "skipped": skipped,
+        "skipped_turns": too_long,
         "environment": machine.environment(), "target": str(target.name), "prompt_sets": set_info, "limit": limit,
         "max_new_tokens": max_new, "temperatures": temps, "top_k": args.top_k, "top_p": args.top_p,
         "busy": load["busy"], "load": load,
@@ -298,6 +343,9 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     if args.suite == "paper":
         rep["paper_verdicts"] = report.paper_verdicts(rows)
         print("\n" + report.verdict_table(rep["paper_verdicts"]))
+    if too_long:
+        print(f"\n[too long] {len(too_long)} method-turns did not fit the target's context and were left out "
+              "(results.json: skipped_turns)", file=sys.stderr)
     alarm, note = report.lossless_alarm(rows)
     if alarm:
         print("\n" + alarm, file=sys.stderr)

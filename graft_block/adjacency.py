@@ -46,6 +46,15 @@ class AdjacencyMatrix:
         """[m] token ids -> [m, k] ranked successors (long, -1 = unknown)."""
         return self.table[tokens.to(self.device, torch.long)].to(torch.long)
 
+    def check_target(self, target) -> None:
+        """A ConfigError unless this matrix has one row per id of ``target``'s vocabulary: a smaller one cannot hold
+        a row for every token, a larger one (another tokenizer) retrieves ids past the target's embedding table."""
+        V = getattr(target, "vocab_size", None)
+        if V is not None and self.vocab_size != int(V):
+            raise ConfigError(f"adjacency matrix has vocab_size {self.vocab_size} but the target's vocabulary has {V} "
+                              "ids: it was built for another target or tokenizer; build (or warm up) a new matrix "
+                              "with AdjacencyMatrix(target.vocab_size, ...)")
+
     def __repr__(self) -> str:
         return (f"AdjacencyMatrix(vocab={self.vocab_size}, k={self.k}, dtype={self.table.dtype}, "
                 f"device={self.device}, filled={self.filled_rows}, {self.nbytes} bytes)")
@@ -91,8 +100,7 @@ class AdjacencyMatrix:
             raise ConfigError(f"warm-up rounds must be an int >= 0, got {rounds!r}")
         if rounds == 0:
             return 0
-        if target.vocab_size > self.vocab_size:
-            raise ConfigError(f"target vocab {target.vocab_size} > adjacency vocab {self.vocab_size}: rebuild the matrix")
+        self.check_target(target)
         if prompts is None:
             if target.tokenizer is None:
                 raise ConfigError("matrix warm-up on ShareGPT text needs a target with a tokenizer: pass token-id "
@@ -131,16 +139,30 @@ class AdjacencyMatrix:
 
     @classmethod
     def load(cls, path: str | Path, device="cpu") -> "AdjacencyMatrix":
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt") as fh:
-            table = fh.get_tensor("table")
-            meta = fh.metadata() or {}
+        if not Path(path).is_file():
+            raise ConfigError(f"adjacency matrix file {path} is missing (or not a file): pass the path "
+                              "AdjacencyMatrix.save wrote, or leave it out to build a new matrix")
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                if "table" not in fh.keys():
+                    raise ConfigError(f"adjacency matrix file {path} has no 'table' tensor (tensors: "
+                                      f"{sorted(fh.keys())[:8]}): it is not a saved AdjacencyMatrix")
+                table = fh.get_tensor("table")
+                meta = fh.metadata() or {}
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"adjacency matrix file {path} is corrupt or truncated ({e}); save it again or build "
+                              "a new matrix") from e
         if table.dim() != 2:
             raise ConfigError(f"{path} does not hold a [vocab, k] adjacency table")
         m = cls(int(table.shape[0]), int(table.shape[1]), table.dtype, device)
         m.table.copy_(table.to(device))
-        m.updates = int(meta.get("updates", 0))
+        try:
+            m.updates = int(meta.get("updates", 0))
+        except ValueError:
+            raise ConfigError(f"adjacency matrix file {path}: metadata updates={meta['updates']!r} is not an int; "
+                              "save the matrix again") from None
         return m
 
 

@@ -173,6 +173,14 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Target, drafter=None, graft=None, round_hooks=(), check_trees: bool = True,
                  schedule=None):
+        owner = getattr(drafter, "target", None)
+        # a drafter reads its own target's embedding, LM head and cache: with another target it drafts garbage
+        if owner is not None and owner is not target:
+            raise ConfigError(
+                f"the drafter was built on target {getattr(owner, 'name', owner)!r}, not on this decoder's target "
+                f"{getattr(target, 'name', target)!r} (another object): rebuild it on this one with "
+                "Drafter.from_config(cfg, target=target)"
+            )
         self.target = target
         self.drafter = drafter
         self.graft = graft
@@ -254,7 +262,7 @@ class SpeculativeDecoder:
                     if self.schedule is not None:
                         tree = self.schedule.apply(tree, state, self.drafter)
                     if self.check_trees:
-                        validate(tree, budget=self.budget, root_token=state.root_token)
+                        validate(tree, budget=self.budget, root_token=state.root_token, vocab_size=target.vocab_size)
                 with timer.section("verify"):
                     logits, feats = target.verify(tree)
                     choices = choose(logits, sampling, generator)

@@ -6,6 +6,11 @@ class ConfigError(ValueError):
     """A config, checkpoint or argument is malformed or inconsistent with the target."""
 
 
+class MethodUnavailable(ConfigError):
+    """A benchmark method that cannot run here (its bundled checkpoint or llama.cpp build is absent, the target lacks
+    what it needs): the bench skips it with this message, where any other ConfigError stops the run."""
+
+
 def run_command(main, prog: str) -> int:
     """Run a command's ``main()``: a ConfigError (bad input) prints one line ``PROG: error: ...`` and gives exit
     status 2, as argparse does for a bad flag, instead of a traceback."""

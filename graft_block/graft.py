@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from graft_block.tree import SOURCE_RETRIEVED, Tree, merge, root_only
+from graft_block.tree import SOURCE_RETRIEVED, Tree, TreeError, merge, root_only
 from graft_block.tree.templates import asymmetric_template, compile_template
 
 from .adjacency import AdjacencyMatrix
@@ -83,9 +83,16 @@ class Graft:
         if missing:
             raise ConfigError(f"draft_allowances lacks checkpoints {missing}; give one allowance per checkpoint")
         self.draft_allowances = allow
-        self.reference_budget = int(reference_budget)
+        if isinstance(reference_budget, bool) or not isinstance(reference_budget, int) or reference_budget < 1:
+            raise ConfigError(f"reference_budget must be an int >= 1 (the budget draft_allowances were set for, "
+                              f"{REFERENCE_BUDGET} by default), got {reference_budget!r}")
+        self.reference_budget = reference_budget
         self.fixed_draft_fraction = float(fixed_draft_fraction)
-        self.template_depth, self.template_width = int(template_depth), int(template_width)
+        for name, v in (("template_depth", template_depth), ("template_width", template_width)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"Graft {name} must be an int >= 1 (retrieval template levels / ranks per node), "
+                                  f"got {v!r}")
+        self.template_depth, self.template_width = template_depth, template_width
         self.attach, self.frontier_share = attach, float(frontier_share)
         self.tail_threshold, self.tail_confidence = float(tail_threshold), tail_confidence
         self.static_threshold = float(static_threshold)
@@ -96,8 +103,12 @@ class Graft:
         default = asymmetric_template(min(spare, self._capacity()), self.template_depth, self.template_width)
         self.templates = {"default": compile_template(default)}
         for key, tmpl in (templates or {}).items():
-            self.templates[key if key in ("default", "fixed", "tail", "static", "retrieve_only") else int(key)] = \
-                compile_template(tmpl)
+            try:  # a bad template is named now, not as a TreeError in the first round
+                self.templates[key if key in ("default", "fixed", "tail", "static", "retrieve_only") else int(key)] = \
+                    compile_template(tmpl)
+            except (TreeError, TypeError, ValueError) as exc:
+                raise ConfigError(f"Graft templates[{key!r}]: {exc} (keys: a stage checkpoint or 'default', 'fixed', "
+                                  "'tail', 'static', 'retrieve_only'; values: lists of rank paths)") from None
         self.record_signals = bool(record_signals)
         self.signal_log: dict[int, list[float]] = {c: [] for c in self.checkpoints}
         self.stats = {"rounds": 0, "stage_counts": Counter(), "draft_nodes": 0, "retrieved_nodes": 0,
@@ -130,6 +141,8 @@ class Graft:
 
     @torch.no_grad()
     def apply(self, tree: Tree, state=None) -> Tree:
+        if self.matrix is not None and getattr(state, "target", None) is not None:
+            self.matrix.check_target(state.target)  # another vocabulary's rows would retrieve ids the target lacks
         root = int(tree.tokens[0]) if state is None else int(state.root_token)
         if int(tree.tokens[0]) != root:
             raise ConfigError(f"draft tree root {int(tree.tokens[0])} != state.root_token {root}")
@@ -219,6 +232,8 @@ class Graft:
             matrix = drafter.matrix if drafter.matrix is not None or target is None else drafter.ensure_matrix(target)
         if matrix is None and path is not None:
             matrix = AdjacencyMatrix.load(path, device="cpu" if target is None else target.device)
+        if matrix is not None and target is not None:
+            matrix.check_target(target)
         if matrix is None and target is not None and cfg.get("mode", "graft") != "prune":
             matrix = AdjacencyMatrix(target.vocab_size, k, mdtype, target.device)
             if warmup_rounds and getattr(target, "tokenizer", None) is not None:

@@ -3,13 +3,18 @@ KV compaction. Device and dtype follow the model; nothing here is CPU- or model-
 from __future__ import annotations
 
 import importlib.util
+import json
+import numbers
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+import transformers
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from graft_block.tree import Tree, attention_mask, position_ids
@@ -44,6 +49,7 @@ class Target:
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.tokenizer = tokenizer
+        self.tokenizer_error: str | None = None  # why load_target found no tokenizer (named where text needs one)
         self.name = name or getattr(model.config, "_name_or_path", "target")
         self.config = model.config
         text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -286,8 +292,13 @@ class Target:
     def encode(self, prompt) -> torch.Tensor:
         """Token ids for a prompt: ids (list / tensor), a string, or chat messages (chat template applied)."""
         if isinstance(prompt, torch.Tensor) or (isinstance(prompt, (list, tuple))
-                                                and (len(prompt) == 0 or isinstance(prompt[0], int))):
-            ids = torch.as_tensor(prompt).reshape(-1).to(torch.long).cpu()
+                                                and all(is_token_id(x) for x in prompt)):
+            if isinstance(prompt, torch.Tensor) and (prompt.is_floating_point() or prompt.is_complex()
+                                                     or prompt.dtype == torch.bool):
+                raise ConfigError(f"prompt tensor must hold integer token ids, got dtype {prompt.dtype}: "
+                                  "convert it with .long() if its values are ids")
+            ids = (prompt.reshape(-1) if isinstance(prompt, torch.Tensor)
+                   else torch.tensor([int(x) for x in prompt], dtype=torch.long)).to(torch.long).cpu()
             if ids.numel() == 0:
                 raise ConfigError("empty prompt: give at least one token")
             rows = self.model.get_input_embeddings().weight.shape[0]
@@ -295,11 +306,16 @@ class Target:
                 raise ConfigError(f"prompt token ids must lie in 0..{rows - 1} (the target's vocabulary), got "
                                   f"{int(ids.min())}..{int(ids.max())}: were they made by another tokenizer?")
             return ids
-        is_chat = isinstance(prompt, (list, tuple)) and isinstance(prompt[0], dict)
+        is_chat = isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)
+        if isinstance(prompt, (list, tuple)) and not is_chat:
+            kinds = ", ".join(sorted({type(x).__name__ for x in prompt}))
+            raise ConfigError(f"a prompt list must hold only token ids (ints, not bools or floats) or only chat "
+                              f"messages (dicts), got elements of type {kinds}")
         if not (isinstance(prompt, str) or is_chat):
             raise ConfigError(f"prompt must be token ids, a string or chat messages, got {type(prompt).__name__}")
         if self.tokenizer is None:
-            raise ConfigError("this target has no tokenizer: pass token ids instead of text")
+            why = f" ({self.tokenizer_error})" if self.tokenizer_error else ""
+            raise ConfigError(f"this target has no tokenizer{why}: pass token ids instead of text")
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         else:
@@ -314,6 +330,13 @@ class Target:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def is_token_id(x) -> bool:
+    """An integer token id: int, numpy integer or 0-d integer tensor; never a bool (True would read as token 1)."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def feature_module(model, index: int):
@@ -403,12 +426,80 @@ def load_target(
             )
     if dtype is None:
         dtype = torch.float32 if str(device).startswith("cpu") else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
-    ).to(device)
-    tok = None
+    model = load_weights(folder, dtype, attn_implementation).to(device)
+    tok, tok_error = None, None
     try:
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError):
-        tok = None
-    return Target(model, tok, name=str(name_or_path), engine=engine, compile=compile, gemm=gemm, release_hf=release_hf)
+    except Exception as exc:  # noqa: BLE001 - kept: a text prompt's error names it (token ids need no tokenizer)
+        tok_error = tokenizer_failure(folder, exc)
+        if any((folder / f).exists() for f in TOKENIZER_FILES):  # files that failed: say so now, not only on text
+            print(f"[target] {tok_error}", file=sys.stderr)
+    target = Target(model, tok, name=str(name_or_path), engine=engine, compile=compile, gemm=gemm,
+                    release_hf=release_hf)
+    target.tokenizer_error = tok_error
+    return target
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "merges.txt", "spiece.model")
+
+
+def tokenizer_failure(folder: Path, exc: Exception) -> str:
+    """Why a folder gave no tokenizer, for the error a text prompt gets later: no files, or the loader's error."""
+    if not any((folder / f).exists() for f in TOKENIZER_FILES):
+        return f"{folder} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)"
+    return f"loading the tokenizer from {folder} failed ({type(exc).__name__}: {_first_line(exc)})"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+def load_weights(folder: Path, dtype: torch.dtype, attn_implementation: str = "sdpa"):
+    """The HF causal LM in ``folder`` with every weight from its files. ConfigError naming the folder, the cause and
+    the fix for a folder that does not load (no or corrupt weight files, a config transformers cannot build), and for
+    one whose files lack weights or hold them in other shapes, which HF would fill randomly with only a warning."""
+    hint = _drafter_hint(folder)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+            output_loading_info=True, ignore_mismatched_sizes=True,  # mismatches come back in info, named below
+        )
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        if isinstance(exc, RuntimeError) and "memory" in str(exc).lower():  # out of memory: not the folder's fault
+            raise
+        raise ConfigError(f"target folder {folder} does not load: {type(exc).__name__}: {_first_line(exc)}; "
+                          + (hint or "it needs config.json and complete weight files (*.safetensors): re-save or "
+                             "re-download it")) from exc
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"target folder {folder} does not load: {type(exc).__name__}: {_first_line(exc)}; "
+                          + (hint or f"its config.json must describe a causal LM that transformers "
+                             f"{transformers.__version__} can build")) from exc
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = set(info.get("missing_keys") or ())
+    # a tied weight (lm_head.weight with tie_word_embeddings) is the same tensor as a loaded one: not missing
+    missing = {k for k in missing
+               if not any(p is params.get(k) for n, p in params.items() if n != k and n not in missing)}
+    mismatched = [k[0] if isinstance(k, (tuple, list)) else k for k in info.get("mismatched_keys") or ()]
+    if missing or mismatched:
+        what = "; ".join(f"{len(keys)} {why} ({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})"
+                         for why, keys in (("weights missing from its files", missing),
+                                           ("weights of another shape than its config.json says", mismatched))
+                         if keys)
+        raise ConfigError(f"target folder {folder} is incomplete: {what}, which HF would fill randomly; "
+                          + (hint or "re-save or re-download the folder with all its weight files (every shard of "
+                             "model.safetensors.index.json) and the config.json they were saved with"))
+    return model
+
+
+def _drafter_hint(folder: Path) -> str | None:
+    """The fix when ``folder`` is a drafter checkpoint (its config.json names a drafter ``type``) given as a target."""
+    try:
+        kind = json.loads((folder / "config.json").read_text()).get("type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(kind, str):
+        return None
+    return (f"it is a drafter checkpoint (type {kind!r}), not a target: give it as the drafter and the model it was "
+            "trained on as the target (e.g. smollm2-135m)")

@@ -147,10 +147,12 @@ def test_proxy_rejects_bad_logits():
 def test_hooks_on_tiny_target(tiny_llama):
     from graft_block.drafters.planted import PlantedTreeDrafter
     from graft_block.decoder import SpeculativeDecoder
+    from graft_block.testing import hf_greedy
 
     target = tiny_llama
     prompt = [1, 5, 9, 17, 33]
-    ref = SpeculativeDecoder(target).generate(prompt, max_new_tokens=24).tokens
+    ref = hf_greedy(target, prompt, 24)
+    assert SpeculativeDecoder(target).generate(prompt, max_new_tokens=24).tokens == ref
     hook, rec = proxy_hook(), futures_recorder(count=3)
     drafter = PlantedTreeDrafter(reference=ref, budget=10, vocab_size=128, seed=1)
     res = SpeculativeDecoder(target, drafter, round_hooks=[hook, rec]).generate(prompt, max_new_tokens=24)

@@ -9,7 +9,7 @@ from graft_block.drafter import Drafter
 from graft_block.drafters import dflash as D
 from graft_block.drafters import mfd as M
 from graft_block.errors import ConfigError
-from graft_block.testing import prefilled_state, tiny_target
+from graft_block.testing import hf_greedy, prefilled_state, tiny_target
 
 ON_CPU = torch.device("cpu") == torch.device(__import__("os").environ.get("GRAFT_BLOCK_TEST_DEVICE", "cpu"))
 
@@ -76,11 +76,13 @@ def test_c_block_takes_mfd_mode_masks(fused):
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-@pytest.mark.parametrize("cls,kw", [(D.DFlashDrafter, {"proposal": "ddtree", "budget": 5}),
-                                    (M.MFDDrafter, {"budget": 4})])
+# budgets of 12: wide enough first levels that even these untrained drafters get a few drafts accepted
+@pytest.mark.parametrize("cls,kw", [(D.DFlashDrafter, {"proposal": "ddtree", "budget": 12}),
+                                    (M.MFDDrafter, {"budget": 12})])
 def test_c_block_drafts_stay_token_identical_to_ar(fused, cls, kw, bf16, monkeypatch):
-    """Greedy output is AR's with the exact packs and with bfloat16 drafting (the benchmark's default on
-    AVX512-BF16 CPUs), whose block stays near the torch forward's."""
+    """Greedy output is HF greedy's (and AR's) with the exact packs and with bfloat16 drafting (the benchmark's
+    default on AVX512-BF16 CPUs), whose block stays near the torch forward's; some drafts were accepted (tau > 1),
+    so the identity covers commits of accepted rows into the C cache."""
     if bf16:
         if not skinny._lib.bf16_weights():
             pytest.skip("bfloat16 drafting needs an AVX512-BF16 CPU")
@@ -98,10 +100,11 @@ def test_c_block_drafts_stay_token_identical_to_ar(fused, cls, kw, bf16, monkeyp
         err = (got - ref).abs().max()
         assert 1e-5 < err < 0.1 * ref.abs().max(), err  # rounded, not broken
     prompt = torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(5))
-    ar = SpeculativeDecoder(fused, None).generate(prompt, max_new_tokens=40)
-    spec = SpeculativeDecoder(fused, c).generate(prompt, max_new_tokens=40)
-    assert spec.tokens == ar.tokens
-    assert spec.stats.rounds < ar.stats.rounds or spec.stats.tau >= 1.0
+    ref = hf_greedy(fused, prompt, 80)
+    ar = SpeculativeDecoder(fused, None).generate(prompt, max_new_tokens=80)
+    spec = SpeculativeDecoder(fused, c).generate(prompt, max_new_tokens=80)
+    assert ar.tokens == ref and spec.tokens == ref
+    assert spec.stats.tau > 1.0, dict(spec.stats.accept_hist)
 
 
 def test_block_size_budget_keeps_the_rows_a_tree_can_reach(tiny_qwen3):
@@ -129,8 +132,9 @@ def test_benchmark_mode_frees_the_torch_layer_weights(fused, tmp_path):
     assert base.layers[0].mlp.gate_proj.weight.numel() == 0 and base.layers[1].self_attn.k_proj.weight.numel() == 0
     assert base.fc.weight.numel() > 0  # the features' projection still runs in torch
     prompt = torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(7))
-    ar = SpeculativeDecoder(t, None).generate(prompt, max_new_tokens=30)
-    assert SpeculativeDecoder(t, d).generate(prompt, max_new_tokens=30).tokens == ar.tokens
+    ref = hf_greedy(t, prompt, 30)
+    assert SpeculativeDecoder(t, None).generate(prompt, max_new_tokens=30).tokens == ref
+    assert SpeculativeDecoder(t, d).generate(prompt, max_new_tokens=30).tokens == ref
     with pytest.raises(ConfigError, match="torch layers were freed"):
         base(torch.zeros(8, 64), torch.arange(8), [])
 

@@ -545,13 +545,21 @@ def test_bad_dspark_folders_fail_clearly(tmp_path):
 
 # ---- sampling: the exact law -----------------------------------------------------------------------------
 def _law(dec, target, prompt, n, seed=123):
+    """n T=1 samples of 3 new tokens: a first round that accepts no draft is followed by a second whose tree the
+    drafter builds from the state the first left, so that carried state is law-tested too. Returns (counts, drafted
+    nodes accepted by first rounds, by second rounds)."""
     gen = torch.Generator().manual_seed(seed)
-    counts, accepted = Counter(), 0
+    counts, first_accepted, second_accepted = Counter(), 0, 0
     for _ in range(n):
-        r = dec.generate(prompt, max_new_tokens=2, temperature=1.0, generator=gen)
+        r = dec.generate(prompt, max_new_tokens=3, temperature=1.0, generator=gen)
         counts[tuple(r.tokens)] += 1
-        accepted += sum(k * c for k, c in r.stats.accept_hist.items())
-    return counts, accepted
+        accepted = sum(k * c for k, c in r.stats.accept_hist.items())
+        # one round emits 3 tokens only by accepting a draft; two rounds mean the first accepted none
+        if r.stats.rounds == 1:
+            first_accepted += accepted
+        else:
+            second_accepted += accepted
+    return counts, first_accepted, second_accepted
 
 
 def test_a_draft_sized_by_the_schedule_is_the_markov_tree_of_that_budget_and_block(tiny_qwen3):
@@ -609,10 +617,10 @@ def _expected_accepts(d, target, prompt, sched=None) -> tuple[float, float]:
     ("ddtree", 4, False, 64, False, "vanilla"), ("ddtree", 4, False, 64, True, "gated"),
     ("ddtree", 6, True, 64, False, "rnn")])
 def test_sampling_matches_target_distribution(proposal, budget, scheduled, candidates, first, kind, one_thread):
-    """T=1 on a 4-token vocabulary: the joint law of 2 new tokens under DSpark (chain, Markov tree, the tree cut by
+    """T=1 on a 4-token vocabulary: the joint law of 3 new tokens under DSpark (chain, Markov tree, the tree cut by
     its confidence head every round, children ranked among 2 candidate tokens, no bias on the first draft, gated
-    and RNN heads) equals the target's exact law (chi-square and TV), with drafted nodes accepted; the T=0.8 law
-    is rejected."""
+    and RNN heads) equals the target's exact law (chi-square and TV), with drafted nodes accepted in first rounds
+    as often as the law says and in second rounds too (state carried over a round); the T=0.8 law is rejected."""
     from graft_block.schedule import ConfidenceSchedule
 
     V = 4
@@ -620,10 +628,10 @@ def test_sampling_matches_target_distribution(proposal, budget, scheduled, candi
     d = _drafter(target, proposal=proposal, budget=budget, block_size=3, mask_token_id=V - 1, target_layer_ids=[0, 1],
                  markov_rank=4, markov_candidates=candidates, markov_first_draft=first, markov_head_type=kind)
     prompt = [1, 3, 2]
-    exact = exact_sequence_probs(target, prompt, 2, SamplingConfig(1.0))
+    exact = exact_sequence_probs(target, prompt, 3, SamplingConfig(1.0))
     n = 800
     sched = ConfidenceSchedule(lambda k: 1.0 + 0.3 * k) if scheduled else None
-    counts, accepted = _law(SpeculativeDecoder(target, d, schedule=sched), target, prompt, n)
+    counts, accepted, second_accepted = _law(SpeculativeDecoder(target, d, schedule=sched), target, prompt, n)
     if scheduled:  # the head's survivals cut the trees, and not to the root
         s = sched.summary()
         assert s["survival_source"] == {"drafter": s["rounds"]} and 1 <= s["mean_nodes_kept"] < s["mean_nodes_in"]
@@ -633,7 +641,8 @@ def test_sampling_matches_target_distribution(proposal, budget, scheduled, candi
     # drafted nodes were accepted as often as the target's law says they are: within 4 sd of the exact expectation
     mean, var = _expected_accepts(d, target, prompt, ConfidenceSchedule(lambda k: 1.0 + 0.3 * k) if scheduled else None)
     assert mean > 0.05 and abs(accepted - n * mean) < 4 * math.sqrt(n * var), (accepted, n * mean, n * var)
-    assert chi_square_test(counts, exact_sequence_probs(target, prompt, 2, SamplingConfig(0.8)))[2] < 1e-3
+    assert second_accepted > n // 20, second_accepted
+    assert chi_square_test(counts, exact_sequence_probs(target, prompt, 3, SamplingConfig(0.8)))[2] < 1e-3
 
 
 # ---- training ----------------------------------------------------------------------------------------------
@@ -948,7 +957,8 @@ def test_acceptance_table_counts_a_position_only_after_accepted_ones(one_thread,
 
 
 def test_dspark_tree_composes_with_graft_losslessly(one_thread):
-    """prune -> retrieve -> splice over a Markov-corrected tree, then the confidence schedule: greedy-identical."""
+    """prune -> retrieve -> splice over a Markov-corrected tree, then the confidence schedule: greedy-identical, with
+    retrieved nodes verified and accepted."""
     from graft_block.adjacency import AdjacencyMatrix
     from graft_block.graft import Graft
     from graft_block.schedule import ConfidenceSchedule
@@ -961,6 +971,10 @@ def test_dspark_tree_composes_with_graft_losslessly(one_thread):
     sched = ConfidenceSchedule(lambda n: 1.0 + 0.05 * n)
     res = SpeculativeDecoder(target, d, graft=graft, schedule=sched).generate(PROMPT, max_new_tokens=32)
     assert res.tokens == ref and sched.summary()["rounds"] == res.stats.rounds
+    # the matrix, empty at first, fills from verified rounds: retrieved nodes reach the verified trees and some are
+    # accepted, so the identity covers walks through grafted nodes that the schedule kept
+    assert graft.summary()["mean_retrieved_nodes"] > 0 and res.stats.retrieved_nodes > 0
+    assert res.stats.retrieved_accepted > 0
 
 
 # ---- the bundled drafter on the real target ---------------------------------------------------------------

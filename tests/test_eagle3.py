@@ -381,9 +381,10 @@ def test_c_layer_drafts_the_torch_layers_tree(norm_before_residual, tmp_path):
     assert c.c_layer is not None
     tr.c_layer = None
     prompt = prompts(1, 20, 128, seed=6)[0]
-    ar = SpeculativeDecoder(t, None).generate(prompt, max_new_tokens=30)
+    ref = hf_greedy(t, prompt, 30)
+    assert SpeculativeDecoder(t, None).generate(prompt, max_new_tokens=30).tokens == ref
     for dr in (c, tr):
-        assert SpeculativeDecoder(t, dr).generate(prompt, max_new_tokens=30).tokens == ar.tokens
+        assert SpeculativeDecoder(t, dr).generate(prompt, max_new_tokens=30).tokens == ref
     (kc, vc), (kt, vt) = c.cached_kv(), tr.cached_kv()
     assert kc.shape == kt.shape and torch.allclose(kc, kt, atol=1e-4) and torch.allclose(vc, vt, atol=1e-4)
     trees = []
@@ -402,7 +403,7 @@ def test_c_layer_drafts_the_torch_layers_tree(norm_before_residual, tmp_path):
     dr = Eagle3Drafter(t, checkpoint=tmp_path, budget=12, depth=3, top_k=4)
     freed = dr.head
     assert freed.midlayer.mlp.down_proj.weight.numel() == 0 and freed.lm_head.weight.numel() == 0  # packed in C
-    assert SpeculativeDecoder(t, dr).generate(prompt, max_new_tokens=30).tokens == ar.tokens
+    assert SpeculativeDecoder(t, dr).generate(prompt, max_new_tokens=30).tokens == ref
     with pytest.raises(ConfigError, match="torch layers were freed"):
         freed(t.embed(torch.tensor([[1, 2]])), torch.zeros(1, 2, 64), torch.arange(2).view(1, 2))
     with pytest.raises(ConfigError, match="torch layers were freed"):
@@ -422,8 +423,9 @@ def test_bf16_drafting_stays_token_identical_to_ar(monkeypatch):
     dr = Eagle3Drafter(t, head=make_head(t, seed=5), budget=8, depth=3, top_k=4)
     assert dr.c_layer is not None and dr.c_layer.lm.packed.dtype == torch.bfloat16
     prompt = prompts(1, 20, 128, seed=7)[0]
-    ar = SpeculativeDecoder(t, None).generate(prompt, max_new_tokens=30)
-    assert SpeculativeDecoder(t, dr).generate(prompt, max_new_tokens=30).tokens == ar.tokens
+    ref = hf_greedy(t, prompt, 30)
+    assert SpeculativeDecoder(t, None).generate(prompt, max_new_tokens=30).tokens == ref
+    assert SpeculativeDecoder(t, dr).generate(prompt, max_new_tokens=30).tokens == ref
 
 
 # ---- greedy identity ---------------------------------------------------------------------------------------
@@ -433,10 +435,13 @@ def test_greedy_identity_tiny(arch, budget, depth, top_k, tiny_llama, tiny_qwen3
     t = tiny_llama if arch == "llama" else tiny_qwen3
     dr = Eagle3Drafter(t, head=make_head(t, seed=budget), budget=budget, depth=depth, top_k=top_k)
     dec = SpeculativeDecoder(t, dr)
-    for p in prompts(2, 11, 128, seed=budget):
+    accepted = 0
+    for p in prompts(4, 11, 128, seed=budget):
         res = dec.generate(p, max_new_tokens=24)
         assert res.tokens == hf_greedy(t, p, 24)
-        assert res.stats.rounds >= 1
+        accepted += sum(k * c for k, c in res.stats.accept_hist.items())
+    # even these untrained heads get a draft accepted on 4 prompts: the identity covers accepted paths
+    assert accepted > 0
 
 
 def test_runs_in_bfloat16():
@@ -597,6 +602,12 @@ def test_sampling_matches_target_distribution():
     print(f"chi2={stat:.1f} dof={dof} p={pval:.3f} tv={tv:.4f} tol={null[-1]:.4f} accepted={accepted}")
     assert pval > 1e-3, (stat, dof, pval)
     assert tv <= null[-1], (tv, null[-1])
+    # the test has power at this N: the same counts are rejected against the target's law at 0.8 T
+    from graft_block.testing import chi_square_test, exact_sequence_probs
+
+    colder = exact_sequence_probs(t, prompt, 3, SamplingConfig(temperature=0.8))
+    observed = {seq: float(counts[seq]) for seq in colder if counts[seq] > 0}
+    assert chi_square_test(observed, colder)[2] < 1e-3
 
 
 # ---- SmolLM2 -----------------------------------------------------------------------------------------------

@@ -236,26 +236,83 @@ SAMPLING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("cfg", SAMPLING_CASES, ids=["T1", "T0.7-topk5", "T0.8-topp0.9"])
-def test_sampling_distribution_matches_plain_sampling(cfg):
-    """First 3 new tokens from speculative decoding with random trees vs the exact distribution of plain
-    sampling from the target (enumerated), chi-square at p > 1e-3 with 1200 samples."""
+def _law_case(cfg):
+    """The tiny target, prompt and exact 3-token law the end-to-end sampling tests share (vocab 8: 512 outcomes)."""
     target = tiny_target("llama", vocab_size=8, hidden_size=32, num_layers=1, heads=2, kv_heads=1, seed=4)
     prompt = [1, 5, 3]
-    exact = exact_sequence_probs(target, prompt, 3, cfg)
-    # Trees built from the target's own likely tokens (so they get accepted often) plus garbage branches.
+    return target, prompt, exact_sequence_probs(target, prompt, 3, cfg)
+
+
+def _planted_law_drafter(exact):
+    """Random planted trees over the target's likeliest 3-token sequence (so drafts get accepted) among garbage."""
     likely = max(exact, key=exact.get)
-    drafter = Drafter.from_config({"type": "planted", "reference": list(likely) * 2, "budget": 6,
-                                   "vocab_size": 8, "max_width": 3, "max_depth": 3, "seed": 0})
+    return Drafter.from_config({"type": "planted", "reference": list(likely) * 2, "budget": 6,
+                                "vocab_size": 8, "max_width": 3, "max_depth": 3, "seed": 0})
+
+
+def _spec_counts(target, prompt, drafter, cfg, n=1200):
+    """n speculative samples of 3 new tokens; returns (counts, drafted nodes accepted over all runs)."""
     dec = SpeculativeDecoder(target, drafter)
     gen = torch.Generator().manual_seed(123)
-    counts = Counter()
-    for _ in range(1200):
+    counts, accepted = Counter(), 0
+    for _ in range(n):
         res = dec.generate(prompt, max_new_tokens=3, temperature=cfg.temperature, top_k=cfg.top_k,
                            top_p=cfg.top_p, generator=gen)
         counts[tuple(res.tokens)] += 1
+        accepted += sum(k * c for k, c in res.stats.accept_hist.items())
+    return counts, accepted
+
+
+@pytest.mark.parametrize("cfg", SAMPLING_CASES, ids=["T1", "T0.7-topk5", "T0.8-topp0.9"])
+def test_sampling_distribution_matches_plain_sampling(cfg):
+    """First 3 new tokens from speculative decoding with random trees vs the exact distribution of plain
+    sampling from the target (enumerated), chi-square at p > 1e-3 with 1200 samples; drafted nodes really were
+    accepted, and the same counts are rejected against the law at 1.25x the temperature (the test has power)."""
+    from dataclasses import replace
+
+    target, prompt, exact = _law_case(cfg)
+    n = 1200
+    counts, accepted = _spec_counts(target, prompt, _planted_law_drafter(exact), cfg, n)
     stat, dof, p = chi_square_test(counts, exact)
     assert p > 1e-3, f"{cfg}: speculative sampling differs from the target (chi2={stat:.1f}, dof={dof}, p={p:.2g})"
+    assert accepted > n // 10, f"{cfg}: only {accepted} drafted nodes accepted in {n} runs: the trees went unused"
+    # warmer, not colder: top-p's nucleus only grows, so the rejection is the chi-square's, not an impossible outcome
+    warmer = exact_sequence_probs(target, prompt, 3, replace(cfg, temperature=1.25 * cfg.temperature))
+    assert chi_square_test(counts, warmer)[2] < 1e-3, f"{cfg}: the law at 1.25 T is not told apart"
+
+
+def test_sampling_law_test_rejects_a_biased_acceptance_rule(monkeypatch):
+    """Power of the end-to-end law test: a verifier that, at ~30% of the tree's nodes with children, swaps the
+    target's sampled choice for its first drafted child (accepting drafts too often) is rejected, p < 1e-3, at
+    the 1200 samples the real test uses."""
+    from graft_block import decoder as decoder_module
+
+    cfg = SAMPLING_CASES[0]
+    target, prompt, exact = _law_case(cfg)
+    trees, cheat_gen, real_choose = [], torch.Generator().manual_seed(7), decoder_module.choose
+
+    def biased_choose(logits, sampling, generator=None):
+        choices = real_choose(logits, sampling, generator)
+        tree = trees[-1] if trees else None
+        if tree is None or logits.shape[0] != tree.size:  # the prefill's one row: no tree to bias
+            return choices
+        choices = choices.clone()
+        parents = tree.parents.tolist()
+        for node in range(tree.size):
+            kids = [j for j in range(1, tree.size) if parents[j] == node]
+            if kids and float(torch.rand(1, generator=cheat_gen)) < 0.3:
+                choices[node] = tree.tokens[kids[0]]
+        return choices
+
+    monkeypatch.setattr(decoder_module, "choose", biased_choose)
+    drafter = _planted_law_drafter(exact)
+    propose = drafter.propose
+    # the decoder verifies exactly the proposed tree (no graft, no schedule): record it for the biased verifier
+    monkeypatch.setattr(drafter, "propose", lambda state: trees.append(propose(state)) or trees[-1])
+    counts, _ = _spec_counts(target, prompt, drafter, cfg)
+    assert trees, "the biased verifier never saw a tree"
+    stat, dof, p = chi_square_test(counts, exact)
+    assert p < 1e-3, f"a biased acceptance rule passed the law test (chi2={stat:.1f}, dof={dof}, p={p:.2g})"
 
 
 def test_decoders_sharing_a_target_each_capture_their_drafters_layers(tiny_llama, one_thread):

@@ -265,3 +265,160 @@ def test_every_command_turns_bad_input_into_one_line_and_status_2(capsys):
                          capture_output=True, text=True, timeout=120)  # the checkpoint is looked for before the target
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1
     assert out.stderr.startswith("python -m graft_block.drafters.dspark.calibrate: error: DSpark checkpoint '/nowhere'")
+
+
+# ---- review fixes: wrong folder type, foreign matrices, corrupt files, silent overrides, bad numbers -----------
+_STUB = type("Stub", (), {"device": torch.device("cpu"), "dtype": torch.float32})()
+
+
+@pytest.mark.parametrize("kind, bundled, named", [("dflash", "dspark-smollm2", "dspark"),
+                                                  ("dflash", "mfd-smollm2", "mfd"),
+                                                  ("mfd", "dspark-smollm2", "dspark")])
+def test_a_folder_of_another_drafter_type_names_that_type(kind, bundled, named):
+    """Used to report its extra tensors (markov_..., mode_embed) as unexpected and blame num_hidden_layers."""
+    with pytest.raises(ConfigError, match=rf"{bundled} is an? '{named}' checkpoint.*use type '{named}' or omit type"):
+        Drafter.from_config({"type": kind, "checkpoint": bundled}, target=_STUB)
+
+
+def test_an_adjacency_matrix_for_another_vocabulary_is_refused(tiny_llama):
+    """Smaller: an IndexError in the template gather; larger (another tokenizer): ids past the embedding table."""
+    from types import SimpleNamespace
+
+    from graft_block.adjacency import AdjacencyMatrix
+    from graft_block.drafters.recycling import RecyclingDrafter
+    from graft_block.graft import Graft
+    from graft_block.tree import make_tree
+
+    for rows in (64, 256):
+        words = rf"adjacency matrix has vocab_size {rows} but the target's vocabulary has 128 .*AdjacencyMatrix\("
+        with pytest.raises(ConfigError, match=words):
+            RecyclingDrafter(target=tiny_llama, matrix=AdjacencyMatrix(rows, 8), warmup_rounds=0)
+        with pytest.raises(ConfigError, match=words):
+            Graft.from_config({"mode": "graft"}, matrix=AdjacencyMatrix(rows, 8), target=tiny_llama)
+        g = Graft(budget=4, matrix=AdjacencyMatrix(rows, 8))  # built without a target: checked on first use
+        with pytest.raises(ConfigError, match=words):
+            g.apply(make_tree([5], [-1]), SimpleNamespace(target=tiny_llama, root_token=5))
+
+
+def test_tree_and_template_name_ids_outside_the_vocabulary():
+    from graft_block.adjacency import AdjacencyMatrix
+    from graft_block.tree import validate
+    from graft_block.tree.templates import TR80_TEMPLATE, expand_template
+
+    with pytest.raises(TreeError, match=r"token id 200 .*outside the target vocabulary 0\.\.127"):
+        validate(make_tree([5, 200], [-1, 0]), vocab_size=128)
+    assert validate(make_tree([5, 127], [-1, 0]), vocab_size=128).size == 2
+    with pytest.raises(TreeError, match=r"root token 200 has no row in the adjacency matrix \(rows 0\.\.127\)"):
+        expand_template(200, TR80_TEMPLATE, AdjacencyMatrix(128, 8))
+
+
+def test_a_missing_or_corrupt_adjacency_file_is_named(tmp_path):
+    from graft_block.adjacency import AdjacencyMatrix
+    from graft_block.graft import Graft
+
+    with pytest.raises(ConfigError, match=r"adjacency matrix file .*nothing\.safetensors is missing"):
+        Graft.from_config({"mode": "graft", "budget": 4, "matrix": str(tmp_path / "nothing.safetensors")})
+    path = tmp_path / "m.safetensors"
+    AdjacencyMatrix(16, 2).save(path)
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(ConfigError, match=r"adjacency matrix file .*m\.safetensors is corrupt or truncated"):
+        AdjacencyMatrix.load(path)
+
+
+def _tiny_eagle3_folder(target, folder):
+    from graft_block.drafters.eagle3 import Eagle3Head, build_draft_vocab, head_config_for, save_head
+
+    head = Eagle3Head(head_config_for(target, 64))
+    d2t, t2d = build_draft_vocab(torch.rand(target.vocab_size, generator=torch.Generator().manual_seed(0)), 64)
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    return save_head(head, folder, extra_config={"type": "eagle3"})
+
+
+def test_a_corrupt_eagle3_pytorch_model_bin_is_named(tmp_path, tiny_llama):
+    from graft_block.drafters.eagle3 import load_head
+
+    folder = _tiny_eagle3_folder(tiny_llama, tmp_path / "e3")
+    torch.save({"fc.weight": torch.zeros(64, 64)}, folder / "pytorch_model.bin")  # EAGLE reads the .bin first
+    whole = (folder / "pytorch_model.bin").read_bytes()
+    for broken in (whole[: len(whole) // 2], b"", b"not a pickle" * 8):
+        (folder / "pytorch_model.bin").write_bytes(broken)
+        with pytest.raises(ConfigError, match=r"e3/pytorch_model\.bin is corrupt, truncated.*re-download"):
+            load_head(folder, tiny_llama)
+
+
+def test_eagle3_refuses_a_model_key_that_differs_from_its_checkpoint(tmp_path, tiny_llama):
+    """draft_vocab_size 4096 beside a 64-id checkpoint was accepted and ignored."""
+    folder = _tiny_eagle3_folder(tiny_llama, tmp_path / "e3")
+    for key, value in (("draft_vocab_size", 4096), ("hidden_size", 100)):
+        with pytest.raises(ConfigError, match=rf"eagle3 options \['{key}'\] .*cannot be overridden"):
+            Drafter.from_config({"type": "eagle3", "checkpoint": str(folder), key: value}, target=tiny_llama)
+    same = Drafter.from_config({"type": "eagle3", "checkpoint": str(folder), "draft_vocab_size": 64}, tiny_llama)
+    assert same.head.cfg.draft_vocab_size == 64  # the checkpoint's own value is no override
+
+
+def test_mfd_markov_head_with_another_draft_vocabulary_is_refused(tmp_path, tiny_llama):
+    """Same backbone, but DSpark's W2 rows follow its 64-id draft vocabulary while MFD drafts over all 128 ids."""
+    from graft_block.drafters import mfd as M
+    from graft_block.drafters.dspark.checkpoint import new_dspark_model, save_checkpoint
+
+    dm = new_dspark_model(tiny_llama, num_layers=1, block_size=4, markov_rank=4, draft_vocab=torch.arange(0, 128, 2))
+    save_checkpoint(dm, tmp_path / "dspark", dtype=torch.float32)
+    model = M.MFDModel(dm.config, dm.block_size, dm.target_layer_ids, dm.mask_token_id, dm.num_target_layers, None,
+                       num_modes=2)
+    heads = ("markov_head.", "confidence_head.")
+    model.load_state_dict({k: v for k, v in dm.state_dict().items() if not k.startswith(heads)}, strict=False)
+    with pytest.raises(ConfigError, match=r"markov: draft vocabularies differ .*64 ids.*the full vocabulary"):
+        M.MFDDrafter(tiny_llama, model, budget=8, markov=str(tmp_path / "dspark"))
+
+
+@pytest.mark.parametrize("cfg, words", [
+    ({"type": "pld", "max_ngram": 0}, r"pld needs ints 1 <= min_ngram <= max_ngram"),
+    ({"type": "pld", "min_ngram": 3, "max_ngram": 2}, r"pld needs ints 1 <= min_ngram <= max_ngram"),
+    ({"type": "recycling", "budget": 20, "depth": 1, "width": 2, "warmup_rounds": 0},
+     r"recycling template .*at most 2 nodes, asked for 20: raise depth or width"),
+    ({"type": "recycling", "depth": 0, "warmup_rounds": 0}, r"template depth must be an int >= 1"),
+    ({"type": "recycling", "template": [[1, 0]], "warmup_rounds": 0}, r"recycling template .*before .*its prefix"),
+])
+def test_drafter_construction_raises_config_errors(cfg, words):
+    with pytest.raises(ConfigError, match=words):
+        Drafter.from_config(cfg)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"template_depth": 0}, r"template_depth must be an int >= 1"),
+    ({"template_width": 0}, r"template_width must be an int >= 1"),
+    ({"templates": {"default": [[0, 0]]}}, r"templates\['default'\]: .*prefix"),
+    ({"reference_budget": 0}, r"reference_budget must be an int >= 1"),
+    ({"reference_budget": -60}, r"reference_budget must be an int >= 1"),
+    ({"reference_budget": 1.5}, r"reference_budget must be an int >= 1"),
+])
+def test_graft_numbers_fail_at_construction(kw, words):
+    """reference_budget 0 was a ZeroDivisionError in round 1 (negative: silently 0 draft nodes); template_depth 0
+    a TreeError."""
+    from graft_block.adjacency import AdjacencyMatrix
+    from graft_block.graft import Graft
+
+    with pytest.raises(ConfigError, match=words):
+        Graft(budget=8, matrix=AdjacencyMatrix(16, 2), **kw)
+
+
+@pytest.mark.parametrize("table, words", [
+    ({"1": 0.0, "8": 0.02}, r"entry '1': 0\.0: seconds must be a finite number > 0"),
+    ({"1": 0.01, "8": -0.02}, r"entry '8': -0\.02: seconds must be"),
+    ({"1": 0.01, "8": float("nan")}, r"entry '8': nan: seconds must be"),
+    ({"1": 0.01, "8": "fast"}, r"entry '8': 'fast': seconds must be"),
+    ({"1": 0.01, "2.5": 0.02}, r"entry '2\.5': 0\.02: sizes must be integers >= 1"),
+    ({"0": 0.01, "8": 0.02}, r"entry '0': 0\.01: sizes must be integers >= 1"),
+    ({"one": 0.01}, r"entry 'one': 0\.01: sizes must be integers >= 1"),
+])
+def test_a_bad_verify_cost_curve_entry_is_named(table, words):
+    """A 0-second entry divided by zero in round 1; a non-integer size was a raw ValueError."""
+    from graft_block.schedule import ConfidenceSchedule
+    from graft_block.tree.schedule import curve_cost
+
+    for stop in ("best", "first_drop"):
+        with pytest.raises(ConfigError, match=words):
+            ConfidenceSchedule({"median_s": table}, stop=stop)
+    with pytest.raises(TreeError, match=words):
+        curve_cost({"median_s": table}, 4)

@@ -50,33 +50,38 @@ def test_smollm2_sampling_runs_and_is_seeded(smollm2):
 
 
 # ---- the trained drafter on SmolLM2 ------------------------------------------------------------------------
-def test_smollm2_mfd_lossless(smollm2):
+FIBONACCI = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+
+
+@pytest.fixture(scope="module")
+def fibonacci_reference(smollm2):
+    """HF greedy's first 64 tokens for the Fibonacci prompt, computed once (seconds on SmolLM2) for the tests that
+    share the prompt; a shorter reference is its prefix (greedy is, and EOS stops both at the same token)."""
+    return hf_greedy(smollm2, smollm2.encode(FIBONACCI), 64)
+
+
+def test_smollm2_mfd_lossless(smollm2, fibonacci_reference):
     folder = bundled_checkpoint("mfd-smollm2")
     if folder is None:
         pytest.skip("drafters/checkpoints/mfd-smollm2 is not present")
-    prompts = [[{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
-               [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]]
-    AR = SpeculativeDecoder(smollm2)
+    france = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     d = Drafter.from_config({"type": "mfd", "checkpoint": str(folder), "budget": 32}, target=smollm2)
     dec = SpeculativeDecoder(smollm2, d)
-    for p in prompts:
-        ref = AR.generate(p, max_new_tokens=64).tokens
+    for p, ref in ((FIBONACCI, fibonacci_reference), (france, hf_greedy(smollm2, smollm2.encode(france), 64))):
         res = dec.generate(p, max_new_tokens=64)
         assert res.tokens == ref
         assert res.stats.tau > 1.0
 
 
-def test_smollm2_mfd_with_a_shared_markov_head_is_lossless(smollm2):
+def test_smollm2_mfd_with_a_shared_markov_head_is_lossless(smollm2, fibonacci_reference):
     """mfd-smollm2's modes under dspark-smollm2's Markov head (both on the dflash-smollm2 backbone): greedy output
-    equals AR; a Markov head from another backbone is refused, naming the first tensor that differs."""
+    equals HF greedy; a Markov head from another backbone is refused, naming the first tensor that differs."""
     if bundled_checkpoint("mfd-smollm2") is None or bundled_checkpoint("dspark-smollm2") is None:
         pytest.skip("the bundled mfd-smollm2 / dspark-smollm2 checkpoints are not present")
-    prompt = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
-    ref = SpeculativeDecoder(smollm2).generate(prompt, max_new_tokens=48).tokens
     d = Drafter.from_config({"type": "mfd", "checkpoint": "mfd-smollm2", "budget": 16, "markov": "dspark-smollm2"},
                             target=smollm2)
-    res = SpeculativeDecoder(smollm2, d).generate(prompt, max_new_tokens=48)
-    assert res.tokens == ref and res.stats.tau > 1.0
+    res = SpeculativeDecoder(smollm2, d).generate(FIBONACCI, max_new_tokens=48)
+    assert res.tokens == fibonacci_reference[:48] and res.stats.tau > 1.0
     assert d.describe()["markov"] == "dspark-smollm2"
     with pytest.raises(ConfigError, match="backbone differs from this MFD checkpoint's at"):
         Drafter.from_config({"type": "mfd", "num_layers": 1, "seed": 3, "budget": 8, "markov": "dspark-smollm2"},

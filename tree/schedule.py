@@ -15,6 +15,7 @@ the rows that reached that position; ``expected_calibration_error`` and ``prefix
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Mapping
 
 import torch
@@ -33,10 +34,39 @@ def curve_cost(curve: Mapping, nodes: int) -> float:
 
 def _curve_points(curve: Mapping) -> list[tuple[int, float]]:
     table = curve.get("median_s") if isinstance(curve, Mapping) else None
-    if not table:
+    if not table or not isinstance(table, Mapping):
         raise TreeError("a verify-cost curve needs a non-empty 'median_s' table {nodes: seconds} "
                         "(the harness's measure.verify_cost_curve output)")
-    return sorted((int(k), float(v)) for k, v in table.items())
+    pts: dict[int, float] = {}
+    for k, v in table.items():
+        size = _curve_size(k)
+        if size is None or size < 1:
+            raise TreeError(f"verify-cost curve entry {k!r}: {v!r}: sizes must be integers >= 1 (positions "
+                            "verified); fix or drop that entry, or measure the curve again")
+        try:
+            sec = math.nan if isinstance(v, bool) else float(v)
+        except (TypeError, ValueError):
+            sec = math.nan
+        if not math.isfinite(sec) or sec <= 0:  # 0 s divides by zero in the schedule's tokens-per-second
+            raise TreeError(f"verify-cost curve entry {k!r}: {v!r}: seconds must be a finite number > 0 (a "
+                            "measured verify time); fix or drop that entry, or measure the curve again")
+        if size in pts:
+            raise TreeError(f"verify-cost curve lists size {size} twice ({pts[size]} and {sec} s): keep one")
+        pts[size] = sec
+    return sorted(pts.items())
+
+
+def _curve_size(key) -> int | None:
+    """A curve key as a node count: an int, an integral float or a string of digits (JSON keys); else None."""
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, numbers.Integral):
+        return int(key)
+    if isinstance(key, numbers.Real):
+        return int(key) if float(key).is_integer() else None
+    if isinstance(key, str) and key.strip().lstrip("+-").isdigit():
+        return int(key)
+    return None
 
 
 def _interpolate(pts: list[tuple[int, float]], nodes: int) -> float:
@@ -55,8 +85,7 @@ def convex_cost_curve(curve: Mapping) -> dict:
     With a convex cost and nodes added in decreasing survival, expected tokens per second is unimodal in the node
     count (its upper level sets are intervals), so the schedule's first drop is also its best cut. A measured
     step (two sizes timed alike, then a jump) would stop the schedule at the step instead."""
-    curve_cost(curve, 1)  # the same error as the raw curve for a missing table
-    pts = sorted((int(k), float(v)) for k, v in curve["median_s"].items())
+    pts = _curve_points(curve)  # the same errors as the raw curve (missing table, bad entries)
     hull: list[tuple[int, float]] = []
     for x, y in pts:  # monotone chain: drop the last point while it lies on or above the chord to the new one
         while len(hull) >= 2 and (hull[-1][1] - hull[-2][1]) * (x - hull[-2][0]) >= \

@@ -176,6 +176,11 @@ def gather_template(root_token: int, template, matrix: MatrixLike) -> torch.Tens
     tensor on the matrix's device (no host sync)."""
     ct = compile_template(template)
     rows, device = _rows_fn(matrix)
+    table = getattr(matrix, "table", matrix)
+    if isinstance(table, torch.Tensor) and not 0 <= int(root_token) < table.shape[0]:
+        raise TreeError(f"root token {int(root_token)} has no row in the adjacency matrix (rows "
+                        f"0..{table.shape[0] - 1}): the matrix was built for another vocabulary; build it with the "
+                        "target's vocab_size")
     toks = torch.full((ct.size + 1,), -1, dtype=torch.long, device=device)
     toks[0] = int(root_token)
     parents, ranks = ct.parents.to(device), ct.ranks.to(device)

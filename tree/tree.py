@@ -202,8 +202,10 @@ def merge(base: Tree, extra: Tree, budget: int | None = None, attach: int = 0) -
     return make_tree(tokens, parents, scores, sources, modes if has_modes else None)
 
 
-def validate(tree: Tree, budget: int | None = None, root_token: int | None = None) -> Tree:
-    """Check every invariant the verifier relies on; return the tree or raise TreeError naming the problem."""
+def validate(tree: Tree, budget: int | None = None, root_token: int | None = None,
+             vocab_size: int | None = None) -> Tree:
+    """Check every invariant the verifier relies on; return the tree or raise TreeError naming the problem.
+    ``vocab_size``: the target's, when known; every token id must then be a row of its embedding table."""
     n = tree.size
     for name in ("parents", "depths", "scores", "sources"):
         t = getattr(tree, name)
@@ -236,6 +238,10 @@ def validate(tree: Tree, budget: int | None = None, root_token: int | None = Non
             raise TreeError("duplicate sibling tokens: two children of one parent carry the same token (trie-merge them)")
     if bool((tree.tokens < 0).any()):
         raise TreeError("negative token id in tree")
+    if vocab_size is not None and int(tree.tokens.max()) >= vocab_size:
+        bad = int(tree.tokens.max())
+        raise TreeError(f"token id {bad} in the tree is outside the target vocabulary 0..{vocab_size - 1}: a drafter "
+                        "or adjacency matrix made for another tokenizer proposed it; use one built for this target")
     return tree
 
 

@@ -3,6 +3,7 @@ strict loading against the target, saving, the reduced draft vocabulary and reco
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -73,7 +74,16 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     """EAGLE tries pytorch_model.bin first, then safetensors; shards (``*.safetensors``) are merged."""
     bin_path = folder / "pytorch_model.bin"
     if bin_path.exists():
-        return dict(torch.load(bin_path, map_location="cpu", weights_only=True))
+        try:
+            sd = torch.load(bin_path, map_location="cpu", weights_only=True)
+        except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError, AttributeError) as e:
+            raise ConfigError(f"EAGLE-3 weights file {bin_path} is corrupt, truncated or not a plain state dict "
+                              f"({type(e).__name__}: {str(e)[:200]}); re-download it (or save it as "
+                              "model.safetensors)") from e
+        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+            raise ConfigError(f"EAGLE-3 weights file {bin_path} holds a {type(sd).__name__}, not a dict of tensors "
+                              "(a state dict); re-download it or save the head's state_dict()")
+        return dict(sd)
     return read_weights(folder, "EAGLE3 checkpoint (no pytorch_model.bin either)")
 
 

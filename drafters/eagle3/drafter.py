@@ -103,6 +103,12 @@ class Eagle3Drafter(Drafter):
             raise ConfigError(AUTO_BUDGET_REMOVED)
         if unknown:
             raise ConfigError(f"unknown eagle3 config keys {unknown}; known: {', '.join(DRAFTER_KEYS)}")
+        # the head is built from the folder's config.json alone, so a model key that differs would be ignored
+        overridden = sorted(k for k in cfg if k in MODEL_CONFIG_KEYS and k not in from_file)
+        if overridden and folder is not None:
+            raise ConfigError(f"eagle3 options {overridden} beside checkpoint {ckpt} differ from its config.json (a "
+                              f"saved field cannot be overridden): drop them, or edit {folder / 'config.json'}; the "
+                              f"options are {', '.join(DRAFTER_KEYS)}")
         # A checkpoint's config.json may carry drafter defaults; explicit keys win. A hub file's top-level keys
         # are model settings only (HF configs may hold e.g. a generation top_k); ours are honoured as before.
         ours = "type" in saved
