@@ -70,6 +70,13 @@ def test_build_methods_skips_only_unavailable_methods():
     absent = {"drafter": {"type": "dflash", "checkpoint": "@no-such-drafter"}}
     methods, skipped, _ = run_block.build_methods(["absent"], {"absent": absent}, target, [None], None, [], False)
     assert methods == [] and "not installed" in skipped["absent"]
+    # a method the suite added (not named by the user) is skipped with its reason, e.g. a SmolLM2 drafter beside
+    # another --target; the same method named by the user stops the run
+    methods, skipped, _ = run_block.build_methods(["typo"], {"typo": typo}, target, [None], None, [], False,
+                                                  named=set())
+    assert methods == [] and "budgt" in skipped["typo"]
+    with pytest.raises(ConfigError, match="method 'typo' cannot be built"):
+        run_block.build_methods(["typo"], {"typo": typo}, target, [None], None, [], False, named={"typo"})
     with pytest.raises(MethodUnavailable, match="tokenizer-backed"):  # the target lacks what the peer needs
         make_method("hf_pld", PRESETS["hf_pld"], target, None)
 
