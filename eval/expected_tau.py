@@ -65,7 +65,8 @@ def answer_contexts(target, sets: list[str], limit: int, cuts: int = 4, answer_t
                     seed: int = 0, log=None) -> tuple[list[list[int]], list[str]]:
     """Contexts in a prompt set's domain: the target's greedy answer to each prompt's first turn, cut at ``cuts``
     distinct random points (at least one answer token before a cut, four after), prompt ids included; and each
-    context's prompt set."""
+    context's prompt set. ``cuts=None``: every position from the answer's first token on, in order (``walk_taus``
+    reads them back per answer: each answer's contexts are prompt + answer[:c], c = 0, 1, ...)."""
     from graft_block import SpeculativeDecoder
     from graft_block.eval.prompts import encode_turn, prompt_records
 
@@ -75,8 +76,11 @@ def answer_contexts(target, sets: list[str], limit: int, cuts: int = 4, answer_t
     for rec in recs:
         ids = encode_turn(target, [], rec["turns"][0]).tolist()
         answer = dec.generate(ids, max_new_tokens=answer_tokens).tokens
-        points = range(1, len(answer) - 3)
-        cut = [ids + answer[:c] for c in sorted(rng.sample(points, min(cuts, len(points))))]
+        if cuts is None:
+            cut = [ids + answer[:c] for c in range(len(answer) - 1)]
+        else:
+            points = range(1, len(answer) - 3)
+            cut = [ids + answer[:c] for c in sorted(rng.sample(points, min(cuts, len(points))))]
         out += cut
         labels += [rec["set"]] * len(cut)
     if log:
@@ -233,6 +237,29 @@ def summary_rows(res: dict, only: list[int] | None = None) -> list[dict]:
     return rows
 
 
+def walk_taus(res: dict, contexts: list[list[int]]) -> list[dict]:
+    """Greedy decoding's own path over every-position values (``answer_contexts(cuts=None)``): a round on context
+    c accepts value(c) drafts and emits them and its bonus, so the next starts at c + value(c) + 1. Per method: the
+    mean over all positions (what random cuts estimate) and the walk's tokens per round, which is the decoded tau
+    of those turns at T = 0 (the last round counted up to the answer's end). Rounds start after a token the last
+    tree missed, so the walk visits the harder positions and reads below the mean."""
+    starts = [i for i, ids in enumerate(contexts) if i == 0 or ids[:-1] != contexts[i - 1]]  # a new answer
+    spans = list(zip(starts, starts[1:] + [len(contexts)]))  # one answer's positions each
+    rows = []
+    for name, d in res["values"].items():
+        vals = [round(v) for v in d[0.0]]  # at T = 0 a value is a count of accepted nodes
+        tokens = rounds = 0
+        for lo, hi in spans:
+            c = 0
+            while c < hi - lo:
+                tokens += min(vals[lo + c] + 1, hi - lo - c)
+                rounds += 1
+                c += vals[lo + c] + 1
+        rows.append({"method": name, "mean_tau": 1.0 + sum(vals) / len(vals), "walk_tau": tokens / rounds,
+                     "rounds": rounds, "positions": len(vals)})
+    return rows
+
+
 def format_table(rows: list[dict]) -> str:
     base = rows[0]["method"]
     lines = [f"| method | T | tree nodes | expected tau | vs {base} (paired, +- 1 se) | contexts |",
@@ -308,6 +335,10 @@ def main(argv=None) -> None:
     ap.add_argument("--limit", type=int, default=20, help="with --prompts: prompts per set (0 = all)")
     ap.add_argument("--cuts", type=int, default=4, help="with --prompts: contexts cut from each answer")
     ap.add_argument("--answer-tokens", type=int, default=96, help="with --prompts: greedy answer length")
+    ap.add_argument("--walk", action="store_true",
+                    help="with --prompts, greedy: score every position of each answer instead of --cuts random ones, "
+                         "and give the tau of decoding's own walk over them (= the decoded tau of those turns; --cuts and "
+                         "--contexts do not apply)")
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
@@ -340,6 +371,9 @@ def main(argv=None) -> None:
     except ValueError as exc:
         raise ConfigError(f"--temperature takes comma-separated numbers, got {args.temperature!r}") from exc
     samplings = sampling_options(temps, args.top_k, args.top_p)  # a bad one fails before any model loads
+    if args.walk and (not args.prompts or temps != [0.0]):
+        raise ConfigError("--walk needs --prompts and --temperature 0: it follows greedy decoding's path over the "
+                          "target's own answers (a sampled path depends on the draws)")
     extra = load_method_files(args.config)
     names = [m for m in args.methods.split(",") if m]
     specs = {n if len(budgets) == 1 else f"{n}@{b}": tree_spec(n, lookup(n, extra), b, schedule_ok=args.headroom)
@@ -348,11 +382,12 @@ def main(argv=None) -> None:
     drafters = {label: Drafter.from_config(spec["drafter"], target=target) for label, spec in specs.items()}
     estimates = {label: estimate_source(spec) for label, spec in specs.items()}
     if args.prompts:
-        contexts, sets = answer_contexts(target, args.prompts.split(","), args.limit, args.cuts,
-                                         args.answer_tokens, args.seed, log=print)
-        order = list(range(len(contexts)))
-        random.Random(args.seed).shuffle(order)
-        contexts, sets = [contexts[i] for i in order[: args.contexts]], [sets[i] for i in order[: args.contexts]]
+        contexts, sets = answer_contexts(target, args.prompts.split(","), args.limit,
+                                         None if args.walk else args.cuts, args.answer_tokens, args.seed, log=print)
+        if not args.walk:  # the walk keeps every position, in order
+            order = list(range(len(contexts)))
+            random.Random(args.seed).shuffle(order)
+            contexts, sets = [contexts[i] for i in order[: args.contexts]], [sets[i] for i in order[: args.contexts]]
     else:
         contexts = sample_contexts(args.data, args.contexts, args.seed)
         sets = [Path(args.data).name] * len(contexts)
@@ -370,6 +405,12 @@ def main(argv=None) -> None:
     res = evaluate(target, drafters, contexts, samplings, log=print, cuts=cuts, estimates=estimates)
     rows = summary_rows(res)
     print(format_table(rows))
+    walk = walk_taus(res, contexts) if args.walk else None
+    if walk:
+        print("\nDecoding's own walk over these values (a round starts where the last stopped):\n")
+        print("| method | mean over positions | walk (= decoded) | rounds | positions |\n|---|---|---|---|---|")
+        for w in walk:
+            print(f"| {w['method']} | {w['mean_tau']:.3f} | {w['walk_tau']:.3f} | {w['rounds']} | {w['positions']} |")
     per_set = {}
     if len(set(sets)) > 1:  # paired within each set: a drafter can win on one domain and lose on the other
         for name in dict.fromkeys(sets):
@@ -391,6 +432,7 @@ def main(argv=None) -> None:
         if cuts is not None:
             per_method["headroom"] = {n: {str(t): h for t, h in d.items()} for n, d in res["headroom"].items()}
         Path(args.out).write_text(json.dumps({"rows": rows, "per_set": per_set, "sets": sets, "args": vars(args),
+                                              "walk": walk,
                                               **per_method}, indent=1))
 
 

@@ -213,3 +213,41 @@ def test_expect_headroom_on_a_real_tree_agrees_with_its_expected_tau(one_thread)
     taus = [h["fixed"][n]["tau"] for n in sorted(h["fixed"])]
     assert taus == sorted(taus) and taus[0] == 1.0
     assert h["oracle"]["speedup"] >= h["fixed"][h["best_fixed"]]["speedup"] - 1e-12
+
+
+def test_walk_over_every_position_is_the_decoded_tau(tmp_path, one_thread):
+    """--walk: scored at every position of the target's greedy answers, the decode's own path (c -> c + value + 1)
+    gives the tokens per round that decoding those turns gives, round for round; the mean over positions differs.
+    The drafter is a function of the context (as every bundled tree is): the next 4 answer tokens, with a wrong one
+    at every answer position divisible by 5, so rounds accept 0-4 drafts."""
+    import json
+
+    from graft_block import SpeculativeDecoder
+    from graft_block.eval.expected_tau import answer_contexts, walk_taus
+    from graft_block.tree import chain
+
+    target = tiny_target("llama")
+    prompts = [[5, 17, 33, 2, 5, 17], [9, 9, 40, 71, 3]]
+    answers = [hf_greedy(target, p, 40) for p in prompts]
+
+    class NextFour(Drafter):
+        budget = 4
+
+        def propose(self, state):
+            p, ref = next((p, a) for p, a in zip(prompts, answers) if state.tokens[: len(p)] == p)
+            n = len(state.tokens) - len(p)  # answer tokens known, the root included
+            nxt = [t if (n + i) % 5 else (t + 1) % target.vocab_size for i, t in enumerate(ref[n: n + 4])]
+            return chain(state.root_token, torch.tensor(nxt, dtype=torch.long))
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "turns": [p]}) + "\n" for i, p in enumerate(prompts)))
+    ctxs, _ = answer_contexts(target, [str(path)], 0, cuts=None, answer_tokens=40)
+    walk = walk_taus(evaluate(target, {"next4": NextFour()}, ctxs, [SamplingConfig()]), ctxs)[0]
+    tokens = rounds = 0
+    for p in prompts:
+        out = SpeculativeDecoder(target, NextFour()).generate(p, max_new_tokens=40)
+        assert out.tokens == answers[prompts.index(p)]
+        tokens, rounds = tokens + len(out.tokens) - 1, rounds + out.stats.rounds  # the first token is the prefill's
+    assert walk["positions"] == len(ctxs) == 2 * 39 and walk["rounds"] == rounds
+    assert walk["walk_tau"] == pytest.approx(tokens / rounds) and walk["walk_tau"] > 2  # drafts were accepted
+    assert abs(walk["mean_tau"] - walk["walk_tau"]) > 0.05

@@ -155,7 +155,9 @@ def option_names(parser: argparse.ArgumentParser) -> set[str]:
 def check_values(module_name: str, namespace) -> list[str]:
     """Values a parser takes as free text but the program resolves by name."""
     problems = []
-    if module_name == "graft_block.eval.run_block" and getattr(namespace, "methods", None):
+    # methods named by a --config file are defined there, not in the presets
+    if module_name == "graft_block.eval.run_block" and getattr(namespace, "methods", None) \
+            and not getattr(namespace, "config", None):
         from graft_block.eval.presets import PRESETS
 
         problems += [f"unknown method {m!r}" for m in namespace.methods.split(",") if m not in PRESETS]
