@@ -75,7 +75,8 @@ def encode_turn(target, history: list[dict], turn) -> torch.Tensor:
     if isinstance(turn, list):  # token ids (tokenizer-less targets)
         return torch.tensor(turn, dtype=torch.long)
     if target.tokenizer is None:
-        raise ConfigError("this target has no tokenizer: give prompts as token-id lists ('turns': [[ids]])")
+        why = getattr(target, "tokenizer_error", None) or "this target has no tokenizer"
+        raise ConfigError(f"{why}: give prompts as token-id lists ('turns': [[ids]])")
     return target.encode(history + [{"role": "user", "content": turn}])
 
 

@@ -422,3 +422,16 @@ def test_a_bad_verify_cost_curve_entry_is_named(table, words):
             ConfidenceSchedule({"median_s": table}, stop=stop)
     with pytest.raises(TreeError, match=words):
         curve_cost({"median_s": table}, 4)
+
+
+def test_a_falling_curve_end_and_a_zero_callable_cost_never_price_a_tree_at_zero():
+    """Past the largest measured size a falling last segment used to extrapolate to 0 s and below (a schedule then
+    divided by it); a callable cost returning 0 did the same silently."""
+    from graft_block.tree import from_paths
+    from graft_block.tree.schedule import curve_cost, schedule_tree
+
+    falling = {"median_s": {"1": 0.010, "8": 0.020, "16": 0.015}}
+    assert curve_cost(falling, 64) == pytest.approx(0.015)  # flat past 16, not 0.015 - 48 * 0.000625 < 0
+    tree = from_paths(0, [[1, 2], [3]], path_scores=[[-0.1, -0.2], [-0.5]])
+    with pytest.raises(TreeError, match=r"cost\(1\) returned 0\.0: a verify cost must be a finite number"):
+        schedule_tree(tree, torch.exp(tree.scores.double()), lambda n: 0.0)

@@ -28,7 +28,8 @@ CostLike = Callable[[int], float] | Mapping
 # ---- the verify-cost curve ----------------------------------------------------------------------------------
 def curve_cost(curve: Mapping, nodes: int) -> float:
     """Verify seconds for ``nodes`` positions from ``curve["median_s"]`` (size -> seconds): linear between measured
-    sizes, the first value below the smallest size, linear extrapolation of the last segment past the largest."""
+    sizes, the first value below the smallest size, linear extrapolation of the last segment past the largest (flat
+    if that segment falls: a verify never gets cheaper with more positions)."""
     return _interpolate(_curve_points(curve), nodes)
 
 
@@ -76,7 +77,7 @@ def _interpolate(pts: list[tuple[int, float]], nodes: int) -> float:
         if nodes <= b:
             return ta + (tb - ta) * (nodes - a) / (b - a)
     (a, ta), (b, tb) = pts[-2], pts[-1]
-    return tb + (tb - ta) * (nodes - b) / (b - a)
+    return tb + max(tb - ta, 0.0) * (nodes - b) / (b - a)
 
 
 def convex_cost_curve(curve: Mapping) -> dict:
@@ -99,7 +100,12 @@ def convex_cost_curve(curve: Mapping) -> dict:
 def cost_function(cost: CostLike) -> Callable[[int], float]:
     """``cost`` as a callable nodes -> seconds (a curve dict is interpolated by ``curve_cost``)."""
     if callable(cost):
-        return cost
+        def checked(nodes: int) -> float:  # a user's callable: a cost of 0 or NaN would break tokens per second
+            sec = float(cost(nodes))
+            if not math.isfinite(sec) or sec <= 0:
+                raise TreeError(f"cost({nodes}) returned {sec}: a verify cost must be a finite number of seconds > 0")
+            return sec
+        return checked
     if isinstance(cost, Mapping):
         pts = _curve_points(cost)  # fail now, naming the missing table, not inside a decode round
         return lambda nodes: _interpolate(pts, nodes)  # sorted once: the schedule reads it ~10 times a round
