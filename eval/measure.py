@@ -275,13 +275,15 @@ def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: 
             for t_idx, turn in enumerate(p["turns"]):
                 for m in methods:
                     hist = histories[m.name]
-                    ids = None if m.name in cut else encode_turn(target, hist, turn)
-                    if ids is not None and ctx is not None and ids.numel() + max_new_tokens > ctx:
-                        cut[m.name] = (f"prompt {ids.numel()} + max_new_tokens {max_new_tokens} tokens exceed the "
-                                       f"target's context window of {ctx}")
-                        print(f"[too long] {m.name} on {p['id']} turn {t_idx} (T {temp}): {cut[m.name]}; skipped "
-                              "with its later turns (lower --max-new-tokens, or --first-turn-only)", file=sys.stderr)
-                    if ids is None or m.name in cut:
+                    if m.name not in cut:
+                        ids = encode_turn(target, hist, turn)
+                        if ctx is not None and ids.numel() + max_new_tokens > ctx:
+                            cut[m.name] = (f"prompt {ids.numel()} + max_new_tokens {max_new_tokens} tokens exceed "
+                                           f"the target's context window of {ctx}")
+                            print(f"[too long] {m.name} on {p['id']} turn {t_idx} (T {temp}): {cut[m.name]}; "
+                                  "skipped with its later turns (lower --max-new-tokens, or --first-turn-only)",
+                                  file=sys.stderr)
+                    if m.name in cut:
                         if too_long is not None:
                             too_long.append({"prompt_id": p["id"], "turn": t_idx, "method": m.name,
                                              "temperature": temp, "reason": cut[m.name]})

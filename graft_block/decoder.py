@@ -181,6 +181,9 @@ class SpeculativeDecoder:
                 f"{getattr(target, 'name', target)!r} (another object): rebuild it on this one with "
                 "Drafter.from_config(cfg, target=target)"
             )
+        matrix = getattr(graft, "matrix", None)
+        if matrix is not None:  # a graft built without a target: another vocabulary's rows retrieve ids it lacks
+            matrix.check_target(target)
         self.target = target
         self.drafter = drafter
         self.graft = graft

@@ -314,6 +314,18 @@ def detect_type(data: dict) -> str:
                       f"add \"type\" to say which")
 
 
+def checkpoint_type(data: dict) -> str | None:
+    """The drafter type a checkpoint's config.json names: its ``type`` key, else the one registered drafter that
+    claims its layout (``detect_type``); None when neither says."""
+    kind = data.get("type")
+    if isinstance(kind, str) and kind:
+        return kind
+    try:
+        return detect_type({k: v for k, v in data.items() if k != "checkpoint"})
+    except ConfigError:
+        return None
+
+
 class Drafter:
     """Base class. Subclasses set ``type_name`` through ``@register`` and implement ``propose``.
 

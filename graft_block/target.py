@@ -460,7 +460,6 @@ def load_weights(folder: Path, dtype: torch.dtype, attn_implementation: str = "s
     """The HF causal LM in ``folder`` with every weight from its files. ConfigError naming the folder, the cause and
     the fix for a folder that does not load (no or corrupt weight files, a config transformers cannot build), and for
     one whose files lack weights or hold them in other shapes, which HF would fill randomly with only a warning."""
-    hint = _drafter_hint(folder)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
@@ -470,17 +469,17 @@ def load_weights(folder: Path, dtype: torch.dtype, attn_implementation: str = "s
         if isinstance(exc, RuntimeError) and "memory" in str(exc).lower():  # out of memory: not the folder's fault
             raise
         raise ConfigError(f"target folder {folder} does not load: {type(exc).__name__}: {_first_line(exc)}; "
-                          + (hint or "it needs config.json and complete weight files (*.safetensors): re-save or "
-                             "re-download it")) from exc
+                          + _fix(folder, "it needs config.json and complete weight files (*.safetensors): re-save "
+                                 "or re-download it")) from exc
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"target folder {folder} does not load: {type(exc).__name__}: {_first_line(exc)}; "
-                          + (hint or f"its config.json must describe a causal LM that transformers "
-                             f"{transformers.__version__} can build")) from exc
+                          + _fix(folder, f"its config.json must describe a causal LM that transformers "
+                                 f"{transformers.__version__} can build")) from exc
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = set(info.get("missing_keys") or ())
+    loaded = {id(p) for n, p in params.items() if n not in missing}
     # a tied weight (lm_head.weight with tie_word_embeddings) is the same tensor as a loaded one: not missing
-    missing = {k for k in missing
-               if not any(p is params.get(k) for n, p in params.items() if n != k and n not in missing)}
+    missing = {k for k in missing if id(params.get(k)) not in loaded}
     mismatched = [k[0] if isinstance(k, (tuple, list)) else k for k in info.get("mismatched_keys") or ()]
     if missing or mismatched:
         what = "; ".join(f"{len(keys)} {why} ({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})"
@@ -488,18 +487,22 @@ def load_weights(folder: Path, dtype: torch.dtype, attn_implementation: str = "s
                                            ("weights of another shape than its config.json says", mismatched))
                          if keys)
         raise ConfigError(f"target folder {folder} is incomplete: {what}, which HF would fill randomly; "
-                          + (hint or "re-save or re-download the folder with all its weight files (every shard of "
-                             "model.safetensors.index.json) and the config.json they were saved with"))
+                          + _fix(folder, "re-save or re-download the folder with all its weight files (every shard "
+                                 "of model.safetensors.index.json) and the config.json they were saved with"))
     return model
 
 
-def _drafter_hint(folder: Path) -> str | None:
-    """The fix when ``folder`` is a drafter checkpoint (its config.json names a drafter ``type``) given as a target."""
+def _fix(folder: Path, otherwise: str) -> str:
+    """The fix a target folder that does not load gets: ``otherwise``, unless it is a drafter checkpoint (its
+    config.json names a drafter type, or a drafter claims its layout) given as the target."""
+    from .drafter import checkpoint_type  # error path only: it may load the drafter plugins
+
     try:
-        kind = json.loads((folder / "config.json").read_text()).get("type")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(kind, str):
-        return None
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return otherwise
+    kind = checkpoint_type(raw) if isinstance(raw, dict) else None
+    if kind is None:
+        return otherwise
     return (f"it is a drafter checkpoint (type {kind!r}), not a target: give it as the drafter and the model it was "
             "trained on as the target (e.g. smollm2-135m)")

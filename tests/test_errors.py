@@ -282,12 +282,9 @@ def test_a_folder_of_another_drafter_type_names_that_type(kind, bundled, named):
 
 def test_an_adjacency_matrix_for_another_vocabulary_is_refused(tiny_llama):
     """Smaller: an IndexError in the template gather; larger (another tokenizer): ids past the embedding table."""
-    from types import SimpleNamespace
-
     from graft_block.adjacency import AdjacencyMatrix
     from graft_block.drafters.recycling import RecyclingDrafter
     from graft_block.graft import Graft
-    from graft_block.tree import make_tree
 
     for rows in (64, 256):
         words = rf"adjacency matrix has vocab_size {rows} but the target's vocabulary has 128 .*AdjacencyMatrix\("
@@ -295,9 +292,9 @@ def test_an_adjacency_matrix_for_another_vocabulary_is_refused(tiny_llama):
             RecyclingDrafter(target=tiny_llama, matrix=AdjacencyMatrix(rows, 8), warmup_rounds=0)
         with pytest.raises(ConfigError, match=words):
             Graft.from_config({"mode": "graft"}, matrix=AdjacencyMatrix(rows, 8), target=tiny_llama)
-        g = Graft(budget=4, matrix=AdjacencyMatrix(rows, 8))  # built without a target: checked on first use
+        g = Graft(budget=4, matrix=AdjacencyMatrix(rows, 8))  # built without a target: checked by the decoder
         with pytest.raises(ConfigError, match=words):
-            g.apply(make_tree([5], [-1]), SimpleNamespace(target=tiny_llama, root_token=5))
+            SpeculativeDecoder(tiny_llama, None, g)
 
 
 def test_tree_and_template_name_ids_outside_the_vocabulary():

@@ -100,12 +100,7 @@ def convex_cost_curve(curve: Mapping) -> dict:
 def cost_function(cost: CostLike) -> Callable[[int], float]:
     """``cost`` as a callable nodes -> seconds (a curve dict is interpolated by ``curve_cost``)."""
     if callable(cost):
-        def checked(nodes: int) -> float:  # a user's callable: a cost of 0 or NaN would break tokens per second
-            sec = float(cost(nodes))
-            if not math.isfinite(sec) or sec <= 0:
-                raise TreeError(f"cost({nodes}) returned {sec}: a verify cost must be a finite number of seconds > 0")
-            return sec
-        return checked
+        return cost
     if isinstance(cost, Mapping):
         pts = _curve_points(cost)  # fail now, naming the missing table, not inside a decode round
         return lambda nodes: _interpolate(pts, nodes)  # sorted once: the schedule reads it ~10 times a round
@@ -201,10 +196,18 @@ def schedule_tree(tree: Tree, survival: torch.Tensor, cost: CostLike, min_nodes:
     # Stable sort on -survival: ties keep index order, and running-min survival makes parents precede children.
     order = (torch.sort(-surv[1:], stable=True).indices + 1).tolist()
     vals = surv.tolist()
-    expected, best = [1.0], [1.0 / (overhead + float(cost_of(1)))]  # per k kept: expected tokens, objective
+
+    def seconds(nodes: int) -> float:  # a round's; 0 or NaN (a user's callable) would break tokens per second
+        sec = overhead + float(cost_of(nodes))
+        if not sec > 0 or not math.isfinite(sec):
+            raise TreeError(f"cost({nodes}) returned {sec - overhead}: a verify cost must be a finite number of "
+                            "seconds > 0")
+        return sec
+
+    expected, best = [1.0], [1.0 / seconds(1)]  # per k kept: expected tokens, objective
     for k, node in enumerate(order, start=1):
         expected.append(expected[-1] + vals[node])
-        best.append(expected[-1] / (overhead + float(cost_of(k + 1))))
+        best.append(expected[-1] / seconds(k + 1))
         if stop == "first_drop" and k > min_nodes and not best[k] > best[k - 1]:
             best.pop(), expected.pop()
             break  # the first drop ends the schedule: no look-ahead past it

@@ -236,11 +236,11 @@ def validate(tree: Tree, budget: int | None = None, root_token: int | None = Non
         key = tree.parents[1:] * (int(tree.tokens.max()) + 1) + tree.tokens[1:]
         if key.unique().numel() != n - 1:
             raise TreeError("duplicate sibling tokens: two children of one parent carry the same token (trie-merge them)")
-    if bool((tree.tokens < 0).any()):
+    lo, hi = (int(v) for v in tree.tokens.aminmax())  # one pass for both bounds: this runs every round
+    if lo < 0:
         raise TreeError("negative token id in tree")
-    if vocab_size is not None and int(tree.tokens.max()) >= vocab_size:
-        bad = int(tree.tokens.max())
-        raise TreeError(f"token id {bad} in the tree is outside the target vocabulary 0..{vocab_size - 1}: a drafter "
+    if vocab_size is not None and hi >= vocab_size:
+        raise TreeError(f"token id {hi} in the tree is outside the target vocabulary 0..{vocab_size - 1}: a drafter "
                         "or adjacency matrix made for another tokenizer proposed it; use one built for this target")
     return tree
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from graft_block.drafter import read_config_json, read_weights, resolve_checkpoint
+from graft_block.drafter import checkpoint_type, read_config_json, read_weights, resolve_checkpoint
 from graft_block.errors import ConfigError
 
 from .model import DFlashModel, build_target_layer_ids
@@ -132,24 +132,10 @@ def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DFlashModel:
     return load_strict(model_from_config(raw, vocab), tensors, folder, device, dtype)
 
 
-def folder_kind(raw: dict) -> str | None:
-    """The drafter type a checkpoint's config.json names: its "type" key, else the one registered drafter that
-    claims its layout (DSpark architectures, mfd_config, EAGLE-3 ...); None when that is unclear."""
-    kind = raw.get("type")
-    if isinstance(kind, str) and kind:
-        return kind
-    from graft_block.drafter import detect_type
-
-    try:
-        return detect_type({k: v for k, v in raw.items() if k != "checkpoint"})
-    except ConfigError:
-        return None
-
-
 def check_folder_kind(raw: dict, folder, kind: str) -> None:
     """A ConfigError naming the right type when ``folder`` is another drafter's checkpoint: its tensors would
     otherwise be reported as unexpected, blaming the layer settings."""
-    other = folder_kind(raw)
+    other = checkpoint_type(raw)
     if other is not None and other != kind:
         article = "an" if other[0] in "aeiou" else "a"
         raise ConfigError(f"{folder} is {article} {other!r} checkpoint: use type {other!r} or omit type")
