@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import numbers
 import os
 import sys
@@ -461,10 +462,11 @@ def load_weights(folder: Path, dtype: torch.dtype, attn_implementation: str = "s
     the fix for a folder that does not load (no or corrupt weight files, a config transformers cannot build), and for
     one whose files lack weights or hold them in other shapes, which HF would fill randomly with only a warning."""
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
-            output_loading_info=True, ignore_mismatched_sizes=True,  # mismatches come back in info, named below
-        )
+        with _held_load_report() as report:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+                output_loading_info=True, ignore_mismatched_sizes=True,  # mismatches come back in info, named below
+            )
     except (OSError, RuntimeError, SafetensorError) as exc:
         if isinstance(exc, RuntimeError) and "memory" in str(exc).lower():  # out of memory: not the folder's fault
             raise
@@ -489,7 +491,33 @@ def load_weights(folder: Path, dtype: torch.dtype, attn_implementation: str = "s
         raise ConfigError(f"target folder {folder} is incomplete: {what}, which HF would fill randomly; "
                           + _fix(folder, "re-save or re-download the folder with all its weight files (every shard "
                                  "of model.safetensors.index.json) and the config.json they were saved with"))
+    for record in report:  # the folder is whole: HF's report (unexpected keys, say) is worth seeing
+        logging.getLogger(record.name).handle(record)
     return model
+
+
+class _Held(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@contextmanager
+def _held_load_report():
+    """Holds back what transformers logs while a folder loads: its load report would print a table of missing keys
+    above the ConfigError that names them; load_weights re-logs the records once the folder proved whole."""
+    log = logging.getLogger("transformers.modeling_utils")
+    held, propagate = _Held(), log.propagate
+    log.addHandler(held)
+    log.propagate = False
+    try:
+        yield held.records
+    finally:
+        log.removeHandler(held)
+        log.propagate = propagate
 
 
 def _fix(folder: Path, otherwise: str) -> str:

@@ -40,13 +40,21 @@ def test_target_folder_without_or_with_broken_weights_is_named(saved, tmp_path):
         load_target(str(corrupt), engine="hf")
 
 
-def test_target_folder_with_missing_weights_is_refused_not_filled_randomly(saved, tmp_path):
+def test_target_folder_with_missing_weights_is_refused_not_filled_randomly(saved, tmp_path, caplog):
     part = _copy(saved, tmp_path / "part")
     weights = load_file(part / "model.safetensors")
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, part / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=r"incomplete: 1 weights missing .*up_proj.*fill randomly; re-save"):
         load_target(str(part), engine="hf")
+    assert "LOAD REPORT" not in caplog.text  # our error names the keys; HF's table above it is held back
+    # a whole folder with one extra tensor loads, and HF's report on it is shown
+    extra = _copy(saved, tmp_path / "extra")
+    weights = load_file(extra / "model.safetensors")
+    weights["model.unused_probe.weight"] = torch.zeros(2)
+    save_file(weights, extra / "model.safetensors", metadata={"format": "pt"})
+    assert load_target(str(extra), engine="hf").num_layers == 4
+    assert "LOAD REPORT" in caplog.text and "unused_probe" in caplog.text
     # a drafter checkpoint given as the target: said so, with the fix
     cfg = json.loads((part / "config.json").read_text())
     (part / "config.json").write_text(json.dumps({**cfg, "type": "dflash"}))
