@@ -7,7 +7,6 @@ it), the two numbers every speedup is made of (``measure.speedup``).
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,23 +26,6 @@ class Method:
     budget: int | None = None
     config: dict = field(default_factory=dict)
     hooks: list = field(default_factory=list)
-
-
-class TimedHook:
-    """A round hook whose own wall time is summed, so that analysis (chimeric shares) is not billed as decoding."""
-
-    def __init__(self, hook):
-        self.hook, self.seconds = hook, 0.0
-
-    def __call__(self, verified, state):
-        t0 = time.perf_counter()
-        self.hook(verified, state)
-        self.seconds += time.perf_counter() - t0
-
-    def __getattr__(self, name):  # rows, records, summary() ... of the wrapped hook
-        if name == "hook":
-            raise AttributeError(name)
-        return getattr(self.hook, name)
 
 
 _WARM_MATRIX: dict = {}
@@ -121,27 +103,20 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
             matrix = warm_matrix(target, int(gcfg.get("k", 8)), int(gcfg.get("warmup_rounds", 5)))
         graft = Graft.from_config(gcfg, matrix=matrix, target=target, drafter=drafter)
     schedule = make_schedule(spec["schedule"], curve) if spec.get("schedule") else None
-    hooks = [TimedHook(h) for h in (extra_hooks or [])]
+    hooks = list(extra_hooks or [])
     if chimeric and drafter is not None:
         from graft_block.chimeric import proxy_hook
 
-        hooks.append(TimedHook(proxy_hook()))
+        hooks.append(proxy_hook())
     dec = SpeculativeDecoder(target, drafter, graft=graft, round_hooks=hooks, schedule=schedule)
-    proxies = [h for h in hooks if hasattr(h.hook, "rows")]
+    proxies = [h for h in hooks if hasattr(h, "rows")]
 
     def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0):
         for h in proxies:
             h.rows.clear()
-        hook_s0 = sum(h.seconds for h in hooks)
         res = dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=seed)
-        out = {"tokens": res.tokens, **res.stats.to_dict()}
-        hook_s = sum(h.seconds for h in hooks) - hook_s0
-        if hook_s:  # analysis hooks run inside the loop: their time is taken out of decoding, and shown
-            out["hook_s"] = hook_s
-            out["decode_s"] = max(out["decode_s"] - hook_s, 1e-9)
-            out["phase_s"]["commit"] = max(out["phase_s"].get("commit", 0.0) - hook_s, 0.0)  # hooks run in commit
-            out["decode_tok_s"] = out["decode_tokens"] / out["decode_s"]
+        out = {"tokens": res.tokens, **res.stats.to_dict()}  # analysis hooks' time is hook_s, not decode_s
         if graft is not None and hasattr(graft, "state_bytes"):
             out["retrieval_state_bytes"] = int(graft.state_bytes())
         elif drafter is not None and hasattr(drafter, "state_bytes"):

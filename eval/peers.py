@@ -98,7 +98,8 @@ def _runner(target, kwargs: dict):
         decode_tokens = max(len(toks) - clock.n_first, 0)
         decode_s = max(t1 - t_first, 1e-9)
         return {"tokens": toks, "new_tokens": len(toks), "decode_tokens": decode_tokens, "decode_s": decode_s,
-                "prefill_s": t_first - t0, "decode_tok_s": decode_tokens / decode_s, "tau": None, "rounds": None}
+                "prefill_s": t_first - t0, "decode_tok_s": decode_tokens / decode_s, "tau": None, "rounds": None,
+                "hf_peer": True}  # its T=0 tokens come from HF's arithmetic, not our engine's: report.lossless_alarm
 
     return run
 

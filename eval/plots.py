@@ -70,7 +70,7 @@ def plots(out: Path, rows: list[dict]) -> list[str]:
     if chim:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         ax.bar([f"{r['method']}\nb={r['budget']}" for r in chim], [r["chimeric_share"] for r in chim])
-        ax.set_ylabel("chimeric share of tree nodes")
+        ax.set_ylabel("chimeric share of drafted nodes")
         fig.tight_layout()
         fig.savefig(out / "chimeric.png", dpi=110)
         plt.close(fig)

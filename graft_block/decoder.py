@@ -117,6 +117,7 @@ class Stats:
     phase_s: dict = field(default_factory=dict)
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    hook_s: float = 0.0
     new_tokens: int = 0
     tree_nodes: int = 0
     retrieved_nodes: int = 0
@@ -145,6 +146,7 @@ class Stats:
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "decode_tok_s": self.decode_tok_s,
+            "hook_s": self.hook_s,
             "mean_tree_nodes": self.tree_nodes / self.rounds if self.rounds else 0.0,
             "retrieved_nodes": self.retrieved_nodes,
             "retrieved_accepted": self.retrieved_accepted,
@@ -168,7 +170,8 @@ class SpeculativeDecoder:
     after graft and before validation (timed as "tree") and returns the subtree to verify; it gets the drafter that
     proposed the tree so that it can ask for per-node confidences, and must not read the target's choices (an
     optional ``observe(verified, state)`` sees each round's outcome afterwards, for later rounds).
-    ``round_hooks`` are called as ``hook(verified, state)`` after every round (analysis such as chimeric shares).
+    ``round_hooks`` are called as ``hook(verified, state)`` after every round (analysis such as chimeric shares);
+    their time is ``stats.hook_s``, not decoding time.
     """
 
     def __init__(self, target: Target, drafter=None, graft=None, round_hooks=(), check_trees: bool = True,
@@ -244,10 +247,9 @@ class SpeculativeDecoder:
         first = int(choose(logits.view(1, -1), sampling, generator)[0])
         state = DecodeState(target, sampling, generator, prompt_ids.tolist() + [first], int(prompt_ids.numel()))
         state.new_features, state.new_features_start = feats, 0
+        if self.drafter is not None:  # the drafter's prompt pass is prefill: kept out of the rounds' phase split
+            self.drafter.prefill(state)
         state.timer = timer
-        if self.drafter is not None:
-            with timer.section("draft"):
-                self.drafter.prefill(state)
         self._sync()
         stats.prefill_s = time.perf_counter() - t0
         emit([first])
@@ -285,8 +287,10 @@ class SpeculativeDecoder:
                         self.schedule.observe(verified, state)
                     if self.drafter is not None:
                         self.drafter.commit(state, verified)
-                    for hook in self.round_hooks:
-                        hook(verified, state)
+                if self.round_hooks:
+                    with timer.section("hooks"):  # analysis: kept out of decode_s and of the phases a schedule reads
+                        for hook in self.round_hooks:
+                            hook(verified, state)
                 # statistics (acceptance before the stop trim; emitted counts after it, below)
                 stats.rounds += 1
                 stats.accept_hist[len(new) - 1] += 1
@@ -313,7 +317,8 @@ class SpeculativeDecoder:
                 stats.committed_in_rounds += len(new)  # emitted tokens only: the trimmed tail never counts
                 emit(new)
         self._sync()
-        stats.decode_s = time.perf_counter() - t_loop
+        stats.hook_s = timer.totals.pop("hooks", 0.0)
+        stats.decode_s = time.perf_counter() - t_loop - stats.hook_s
         stats.phase_s = dict(timer.totals)
         out = state.tokens[state.prompt_len :]
         stats.new_tokens = len(out)

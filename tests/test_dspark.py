@@ -1067,3 +1067,32 @@ def test_l1_recipe_without_cached_topk_fails_clearly(one_thread):
     batch = {k: v for k, v in _batch(target, model).items() if k not in ("top_ids", "top_logp")}
     with pytest.raises(ConfigError, match="top-k"):
         D.training_loss(model, target, batch)
+
+
+# ---- per-node acceptance estimates stay probabilities ------------------------------------------------------
+def test_sibling_acceptance_stays_a_probability_when_the_top_child_is_near_certain():
+    # float32 log-softmax of a 20-nat gap: the top child's log-prob rounds to 0.0, its siblings' do not
+    lp = torch.log_softmax(torch.tensor([30.0, 10.0, 9.0]), -1).tolist()
+    assert lp[0] == 0.0 and lp[1] > -21
+    tree, acc = conditional_ddtree(7, lambda d, p, _: [([1, 2, 3], lp, 0.9)], 3, 1)
+    assert tree.tokens.tolist() == [7, 1, 2, 3]
+    assert acc[1] == 0.9
+    assert all(0.0 <= a <= 1.0 for a in acc)
+    assert sum(acc[2:]) <= 0.1 + 1e-9  # the siblings share what the top child leaves
+    assert acc[2] > acc[3]
+
+
+def test_dspark_node_survival_is_at_most_one_with_sharp_draft_temperatures():
+    target = tiny_target("llama")
+    d = Drafter.from_config({"type": "dspark", "num_layers": 2, "target_layer_ids": [0, 2], "block_size": 3,
+                             "seed": 1, "markov_rank": 8, "proposal": "ddtree", "budget": 12,
+                             "confidence_head": True, "markov_candidates": 0}, target=target)
+    state = prefilled_state(target, PROMPT, d)
+    for t in (0.25, 0.2, 0.1):  # sharp enough that a top child's float32 log-prob rounds to 0
+        d.model.draft_temperatures.fill_(t)
+        tree = d.propose(state)
+        surv = d.node_survival(tree)
+        assert float(surv.max()) <= 1.0 + 1e-9, t
+        cond = surv[1:] / surv[tree.parents[1:]]
+        sums = torch.zeros(tree.size, dtype=torch.float64).index_add_(0, tree.parents[1:], cond)
+        assert float(sums.max()) <= 1.0 + 1e-9, t  # only one child of a node can be the target's token

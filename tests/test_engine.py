@@ -1,5 +1,6 @@
 """The verification engine on tiny random HF targets: greedy identity, sampling exactness, KV compaction."""
 from collections import Counter
+import time
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from graft_block import Drafter, SpeculativeDecoder
 from graft_block.sampling import SamplingConfig
 from graft_block.testing import chi_square_test, exact_sequence_probs, tiny_target
 from graft_block.testing import hf_greedy
+from graft_block.drafters.pld import PromptLookupDrafter
 from graft_block.tree import from_paths
 
 
@@ -326,3 +328,42 @@ def test_decoders_sharing_a_target_each_capture_their_drafters_layers(tiny_llama
     assert tiny_llama.feature_layers == (1, 3)
     b.generate(torch.tensor([5, 6, 7]), max_new_tokens=4)
     assert tiny_llama.feature_layers == ()
+
+
+PREFILL_SLEEP_S = 0.3
+
+
+class SlowPrefillPLD(PromptLookupDrafter):
+    """PLD whose prompt pass takes a known time (a block drafter's context forward over the prompt)."""
+
+    def prefill(self, state) -> None:
+        time.sleep(PREFILL_SLEEP_S)
+
+
+def test_drafter_prefill_is_prefill_not_a_round_phase():
+    """The time split is of the rounds (decode_s); the drafter's prompt pass is prefill (in prefill_s) and must
+    not also be billed to the draft phase, nor to the per-round overhead a schedule reads after round 1."""
+    seen_draft_s = []
+    dec = SpeculativeDecoder(tiny_target("llama"), SlowPrefillPLD(budget=4),
+                             round_hooks=[lambda v, st: seen_draft_s.append(st.timer.totals["draft"])])
+    s = dec.generate([5, 6, 7, 5, 6], max_new_tokens=12).stats
+    assert s.prefill_s >= PREFILL_SLEEP_S
+    assert sum(s.phase_s.values()) <= s.decode_s + 1e-3  # phases partition the decode loop, nothing more
+    assert seen_draft_s[0] <= s.decode_s  # round 1's draft time is round 1's, not the prompt pass's
+
+
+def test_round_hooks_are_analysis_not_decoding_time():
+    """A slow analysis hook (the chimeric proxy) is timed as hook_s: decode_s, the phases and so a schedule's
+    per-round overhead estimate are what they are without it."""
+    seen = []
+
+    def slow_hook(verified, state):
+        seen.append(dict(state.timer.totals))
+        time.sleep(0.02)
+
+    s = SpeculativeDecoder(tiny_target("llama"), PromptLookupDrafter(budget=4),
+                           round_hooks=[slow_hook]).generate([5, 6, 7, 5, 6], max_new_tokens=12).stats
+    assert s.hook_s >= 0.02 * s.rounds
+    assert s.decode_s < 0.02 * s.rounds  # the tiny target's rounds take well under the hook's sleep
+    assert "hooks" not in s.phase_s and sum(s.phase_s.values()) <= s.decode_s + 1e-3
+    assert all(t["commit"] < 0.02 for t in seen[1:])  # no earlier hook's sleep billed to commit

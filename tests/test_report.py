@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from graft_block.eval import report
+from graft_block.eval import measure, report
 
 
 def test_suffix_decay_by_hand():
@@ -114,3 +114,38 @@ def test_a_tie_is_not_a_win_unless_the_claim_is_inclusive():
     table = report.verdict_table(list(v.values()))
     assert "| Markov + confidence heads beat the same recipe without them | 2-layer DSpark > 5-layer DFlash | 1.00 | " \
            "too close to call (within 2% of the bar) |" in table
+
+
+def _chimeric_rec(method, pid, share, rounds):
+    return {"method": method, "prompt_id": pid, "turn": 0, "temperature": 0.0, "budget": 64, "tokens": [1],
+            "decode_tokens": 2 * rounds, "decode_s": 1.0, "rounds": rounds,
+            "chimeric": {"draft": {"rounds": rounds, "n": 64 * rounds, "chimeric": share}},
+            "chimeric_share": share}
+
+
+def test_chimeric_share_is_pooled_over_rounds_like_tau():
+    """Two short turns without chimeric nodes and one long turn full of them: the row's share of chimeric nodes
+    per round is over all 120 rounds (as tau is), not the median turn's."""
+    recs = [_chimeric_rec("ar", f"p{i}", None, 10) for i in range(3)]
+    recs += [_chimeric_rec("tree", "p0", 0.0, 10), _chimeric_rec("tree", "p1", 0.0, 10), _chimeric_rec("tree", "p2", 1.0, 100)]
+    for r in recs[:3]:
+        del r["chimeric"], r["chimeric_share"]
+    measure.pair_with(recs)
+    rows = {r["method"]: r for r in report.summarize(recs)}
+    assert rows["tree"]["chimeric_share"] == pytest.approx(100 / 120)
+    assert rows["ar"]["chimeric_share"] is None
+
+
+def test_hf_generate_differing_from_our_ar_is_a_note_not_the_lossless_alarm():
+    """HF generate's greedy tokens against our AR's differ only by the engines' arithmetic: named in the note, while
+    one of our methods differing from AR still raises the alarm."""
+    recs = []
+    for m, toks, extra in (("ar", [1, 2], {}), ("hf", [1, 3], {"hf_peer": True}), ("tree", [1, 3], {})):
+        recs.append({"method": m, "prompt_id": "p", "turn": 0, "temperature": 0.0, "budget": None, "tokens": toks,
+                     "decode_tokens": 2, "decode_s": 1.0, "rounds": 2, **extra})
+    measure.pair_with(recs)
+    rows = report.summarize(recs)
+    alarm, note = report.lossless_alarm(rows)
+    assert "tree" in alarm and "hf" not in alarm
+    assert "hf: differs from our AR (HF's arithmetic) on p#0" in note
+    assert "HF's arithmetic" in report._lossless(next(r for r in rows if r["method"] == "hf"))

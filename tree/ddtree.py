@@ -89,6 +89,7 @@ def conditional_ddtree(root_token: int, expand, budget: int, max_depth: int) -> 
     has_conf = kids[0][2] is not None
     heap = [(-kids[0][1][0], 0, 0, 1, 0)]  # (-score, pop-order tiebreak, parent node, depth, rank)
     seq = 1
+    rest: dict[int, float] = {}  # parent node -> 1 - q(its top child), for its other children's estimates
     while heap and len(tokens) - 1 < budget:
         neg, _, parent, depth, rank = heapq.heappop(heap)
         ids, lps, conf = kids[parent]
@@ -99,8 +100,12 @@ def conditional_ddtree(root_token: int, expand, budget: int, max_depth: int) -> 
         paths.append(paths[parent] + (int(ids[rank]),))
         if has_conf:
             c = float(conf)
-            rest = max(1e-12, 1.0 - math.exp(lps[0]))
-            accept.append(c if rank == 0 else (1.0 - c) * math.exp(lps[rank]) / rest)
+            if rank == 0:
+                accept.append(c)
+            else:
+                if parent not in rest:  # q(top) ~ 1 rounds lps[0] to 0: the siblings' mass floors 1 - q(top)
+                    rest[parent] = max(1e-12, -math.expm1(lps[0]), math.fsum(math.exp(v) for v in lps[1:]))
+                accept.append((1.0 - c) * math.exp(lps[rank]) / rest[parent])
         if rank + 1 < len(ids):  # next sibling
             heapq.heappush(heap, (-(scores[parent] + lps[rank + 1]), seq, parent, depth, rank + 1))
             seq += 1
