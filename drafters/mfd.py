@@ -484,7 +484,7 @@ def training_loss(model: MFDModel, target, batch: dict):
         argmax = torch.full((b, n, K, B - 1), -1, dtype=torch.long, device=dev)
         argmax[valid_k] = pred
         m = {"loss": float(loss), "block_nll": float(block_nll[live].min(-1).values.sum() / norm) if bool(live.any())
-             else 0.0, "rows": int(lab.numel())}
+             else 0.0, "rows": int(lab.numel()), "blocks": int(live.sum())}
         if objective["accept"] is not None:  # mode 0's expected accepted length, read as DFlash's tau_exp
             soft = torch.zeros(b, n, K, B - 1, device=dev)
             soft[valid_k] = objective["accept"]

@@ -73,11 +73,13 @@ class RecyclingDrafter(Drafter):
             self.ensure_matrix(target)
 
     def ensure_matrix(self, target) -> AdjacencyMatrix:
-        """Create the matrix on the target's device (once) and warm it up if it has never been written."""
+        """Create the matrix on the target's device (once), or move a given or loaded one there, and warm it up if
+        it has never been written."""
         if self.matrix is None:
             self.matrix = AdjacencyMatrix(target.vocab_size, self.k, self.dtype, target.device)
         else:
             self.matrix.check_target(target)
+            self.matrix.to_(target.device)  # on another device every round would copy all the tree's logits over
         if self.warmup_rounds and self.matrix.updates == 0:
             self.matrix.warmup(target, self.warmup_prompts, rounds=self.warmup_rounds, new_tokens=self.warmup_tokens)
         return self.matrix

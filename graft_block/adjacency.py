@@ -42,6 +42,11 @@ class AdjacencyMatrix:
     def filled_rows(self) -> int:
         return int((self.table[:, 0] >= 0).sum())
 
+    def to_(self, device) -> "AdjacencyMatrix":
+        """Move the table to ``device`` in place, so every drafter or graft sharing this object follows it."""
+        self.table = self.table.to(device)
+        return self
+
     def rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """[m] token ids -> [m, k] ranked successors (long, -1 = unknown)."""
         return self.table[tokens.to(self.device, torch.long)].to(torch.long)

@@ -25,6 +25,12 @@ def _prompt_messages(rec, target):
     return text
 
 
+def _restore_matrix(matrix, start) -> None:
+    if matrix is not None:
+        matrix.table.copy_(start[0])
+        matrix.updates = start[1]
+
+
 def calibrate(target, drafter, matrix=None, prompts=None, n_prompts: int = 5, max_new_tokens: int = 64,
               quantiles: Sequence[float] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5), kind: str = "mass",
               checkpoints: Sequence[int] = CHECKPOINTS, graft_kwargs: dict | None = None) -> dict:
@@ -33,7 +39,8 @@ def calibrate(target, drafter, matrix=None, prompts=None, n_prompts: int = 5, ma
     1. Run the drafter with a non-pruning Graft and record every round's signal at each checkpoint.
     2. For each quantile q of the grid, threshold_d = q-quantile of the recorded signals at checkpoint d (so
        roughly a fraction q of rounds fire at each stage; q = 0 never fires = no pruning), decode the same
-       prompts with Graft and measure decode tokens/s.
+       prompts with Graft and measure decode tokens/s. Every pass starts from ``matrix`` as given, which is left
+       as it was.
     3. Keep the q with the best tokens/s (ties: higher tau). Returns a JSON-able dict for the drafter config.
     """
     if prompts is None:
@@ -45,6 +52,8 @@ def calibrate(target, drafter, matrix=None, prompts=None, n_prompts: int = 5, ma
         raise ConfigError("calibration needs at least one prompt")
     kw = dict(graft_kwargs or {})
     kw.setdefault("budget", int(drafter.budget))
+    # a matrix that learnt earlier passes over these same prompts would favour whichever quantile runs last
+    start = None if matrix is None else (matrix.table.clone(), matrix.updates)
     never = {int(c): float("-inf") for c in checkpoints}
     recorder = Graft(matrix=matrix, mode="graft", checkpoints=checkpoints, thresholds=never, signal=kind,
                      record_signals=True, **kw)
@@ -63,6 +72,7 @@ def calibrate(target, drafter, matrix=None, prompts=None, n_prompts: int = 5, ma
                 thr[c] = float("-inf")  # never fires: nothing is below -inf
             else:
                 thr[c] = float(torch.quantile(finite, q))
+        _restore_matrix(matrix, start)
         g = Graft(matrix=matrix, mode="graft", checkpoints=checkpoints, thresholds=thr, signal=kind, **kw)
         dec = SpeculativeDecoder(target, drafter, g)
         committed, secs, rounds = 0, 0.0, 0
@@ -74,6 +84,7 @@ def calibrate(target, drafter, matrix=None, prompts=None, n_prompts: int = 5, ma
         grid.append({"quantile": float(q), "thresholds": {str(c): v for c, v in thr.items()},
                      "tok_s": committed / secs if secs > 0 else 0.0, "tau": committed / max(rounds, 1),
                      "stages": {str(k): v for k, v in g.stats["stage_counts"].items()}})
+    _restore_matrix(matrix, start)
     best = max(grid, key=lambda r: (r["tok_s"], r["tau"]))
     return {"signal": kind, "checkpoints": [int(c) for c in checkpoints], "thresholds": best["thresholds"],
             "quantile": best["quantile"], "rule": "argmax measured decode tok/s over per-checkpoint signal quantiles",
@@ -102,7 +113,8 @@ def main(argv=None):
     ap.add_argument("--signal", default="mass", choices=SIGNALS)
     ap.add_argument("--quantiles", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.2, 0.3, 0.5])
     ap.add_argument("--warmup-rounds", type=int, default=5, help="adjacency warm-up rounds before calibrating")
-    ap.add_argument("--save", help="config.json to store the thresholds in (under the 'graft' key)")
+    ap.add_argument("--save", help="config.json to store the thresholds in (under the 'graft' key); in the drafter "
+                    "checkpoint's own config.json, a Graft built for that drafter applies them")
     args = ap.parse_args(argv)
     target = load_target(args.target, device=args.device)
     drafter = Drafter.from_config(args.drafter, target=target)

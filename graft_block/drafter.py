@@ -342,7 +342,11 @@ class Drafter:
     def from_config(cls, cfg: Any, target=None) -> "Drafter":
         data = load_config(cfg)
         kind = data.pop("type", None) or detect_type(data)
-        return drafter_class(kind).build(data, target)
+        calibration = data.pop("graft", None)  # Graft's thresholds (calibrate --save), not a drafter argument
+        drafter = drafter_class(kind).build(data, target)
+        if calibration is not None:
+            drafter.graft_calibration = calibration
+        return drafter
 
     @classmethod
     def claims(cls, config: dict) -> bool:

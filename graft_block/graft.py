@@ -30,6 +30,7 @@ from graft_block.tree import SOURCE_RETRIEVED, Tree, TreeError, merge, root_only
 from graft_block.tree.templates import asymmetric_template, compile_template
 
 from .adjacency import AdjacencyMatrix
+from .drafter import read_config_json, resolve_checkpoint
 from .errors import ConfigError
 from .kernels import expand as expand_template
 from .pruning import (CHECKPOINTS, SIGNALS, fired_stage, normalize_thresholds, path_min_scores, ranked_nodes,
@@ -203,8 +204,9 @@ class Graft:
                 "draft_allowances": {str(k): v for k, v in self.draft_allowances.items()},
                 "reference_budget": self.reference_budget, "fixed_draft_fraction": self.fixed_draft_fraction,
                 "template_depth": self.template_depth, "template_width": self.template_width, "attach": self.attach,
-                "tail_threshold": self.tail_threshold, "tail_confidence": self.tail_confidence,
-                "static_threshold": self.static_threshold, "refill": self.refill}
+                "frontier_share": self.frontier_share, "tail_threshold": self.tail_threshold,
+                "tail_confidence": self.tail_confidence, "static_threshold": self.static_threshold,
+                "refill": self.refill, "update_matrix": self.update_matrix}
 
     def state_bytes(self) -> int:
         """Bytes of retrieval state (the adjacency matrix) this graft holds."""
@@ -217,9 +219,12 @@ class Graft:
         Matrix, first match: ``matrix``; the drafter's own ``.matrix`` (a retrieval drafter: one shared matrix);
         a saved file at ``cfg["matrix"]``; a new one for ``target`` (``k``, ``matrix_dtype``) warmed up with
         ``warmup_rounds`` (default 5) ShareGPT calibration prompts when the target has a tokenizer. ``budget``
-        defaults to the drafter's."""
+        defaults to the drafter's; without ``thresholds``, those ``graft_block.calibrate`` saved in the drafter's
+        checkpoint config.json apply (``saved_calibration``)."""
         cfg = {k: v for k, v in dict(cfg).items() if k not in ("quantile", "rule", "prompts", "prompt_source",
                                                                    "grid", "max_new_tokens")}
+        if drafter is not None and "thresholds" not in cfg:
+            cfg.update(saved_calibration(drafter, cfg))
         k = int(cfg.pop("k", 8))
         mdtype = cfg.pop("matrix_dtype", "int32")
         warmup_rounds = int(cfg.pop("warmup_rounds", 5))
@@ -232,6 +237,7 @@ class Graft:
             matrix = AdjacencyMatrix.load(path, device="cpu" if target is None else target.device)
         if matrix is not None and target is not None:
             matrix.check_target(target)
+            matrix.to_(target.device)
         if matrix is None and target is not None and cfg.get("mode", "graft") != "prune":
             matrix = AdjacencyMatrix(target.vocab_size, k, mdtype, target.device)
             if warmup_rounds and getattr(target, "tokenizer", None) is not None:
@@ -240,6 +246,26 @@ class Graft:
             return cls(matrix=matrix, **cfg)
         except TypeError as exc:
             raise ConfigError(f"bad Graft config: {exc}") from exc
+
+
+def saved_calibration(drafter, cfg: dict) -> dict:
+    """``signal``, ``checkpoints`` and ``thresholds`` from the ``"graft"`` entry that ``graft_block.calibrate``
+    saved in the drafter's checkpoint config.json or config file; {} when there is none or ``cfg`` names another signal or other
+    checkpoints (thresholds are log-probabilities of one signal at given depths). A drafter built from a config
+    file holds that file's entry as ``graft_calibration``."""
+    saved = getattr(drafter, "graft_calibration", None)
+    ckpt = getattr(drafter, "checkpoint", None)
+    if saved is None and ckpt is not None:
+        saved = read_config_json(resolve_checkpoint(ckpt)).get("graft")
+    if not isinstance(saved, dict) or not saved.get("thresholds"):
+        return {}
+    cal = {k: saved[k] for k in ("signal", "checkpoints", "thresholds") if k in saved}
+    if "signal" in cfg and cfg["signal"] != cal.get("signal", "mass"):
+        return {}
+    if "checkpoints" in cfg and sorted(int(c) for c in cfg["checkpoints"]) != \
+            sorted(int(c) for c in cal.get("checkpoints", CHECKPOINTS)):
+        return {}
+    return cal
 
 
 def best_path_end(tree: Tree) -> int:

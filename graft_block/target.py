@@ -75,6 +75,10 @@ class Target:
         # release_hf: HF's mmapped weights leave memory layer by layer as the lean engine packs its own copy, when
         # its C layers run every forward (``release_hf_weights``)
         self.lean = LeanForward(model, compile=compile, gemm=gemm, release_hf=release_hf) if engine == "lean" else None
+        # the smallest window of HF's sliding-window cache layers (None: none): they keep only its last rows
+        self.sliding_window = None if engine == "lean" else min(
+            (int(lay.sliding_window) for lay in DynamicCache(config=model.config).layers
+             if getattr(lay, "is_sliding", False)), default=None)
         self.engine = engine
         self.compiled = bool(compile and engine == "lean")
 
@@ -262,6 +266,21 @@ class Target:
         """One forward over every tree node at positions ``cache_len + depth`` with the ancestor-only mask.
         Returns (logits [n, V], features [n, F] or None). The n new KV entries are appended; call ``compact``."""
         start = self.cache_len
+        last = start + int(tree.depths.max())
+        if last >= self.max_positions:
+            # positions past the window are undefined for the target (a dynamic RoPE rescales every row for them)
+            raise ConfigError(
+                f"the tree's deepest node would sit at position {last}, past the target's context window of "
+                f"{self.max_positions} ({start} tokens cached): verify only nodes at depth "
+                f"< {self.max_positions - start}"
+            )
+        if self.sliding_window is not None and tree.size > 1 and start + tree.size >= self.sliding_window:
+            # the layers would drop their oldest rows for the tree's, and the ancestor mask has no window
+            raise ConfigError(
+                f"{start} cached tokens and a {tree.size}-node tree exceed the target's sliding window of "
+                f"{self.sliding_window}: verify at most {max(self.sliding_window - 1 - start, 1)} nodes here (the "
+                "decoder cuts its trees to fit, and past the window verifies one node a round)"
+            )
         ids = tree.tokens.to(self.device).view(1, -1)
         pos = position_ids(tree, start, self.device)
         # A single root node is one plain decoding step: the default causal mask is the same and cheaper.
@@ -288,6 +307,8 @@ class Target:
                 v[..., base : base + m, :] = v[..., idx, :]
             layer.keys = k[..., : base + m, :]
             layer.values = v[..., : base + m, :]
+            if hasattr(layer, "cumulative_length"):  # sliding layers count tokens apart from rows: the cache length
+                layer.cumulative_length -= n_new - m
 
     # ---- text helpers -----------------------------------------------------------------------------------
     def encode(self, prompt) -> torch.Tensor:

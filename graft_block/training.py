@@ -75,20 +75,22 @@ EVAL_BATCH = 4  # held-out batches: fixed, so runs with different training batch
 @torch.no_grad()
 def evaluate(klass, model, target, recs, batch_size: int = EVAL_BATCH, seed: int = 1234) -> dict:
     """Mean metrics over held-out sequences with fixed anchors (same every call, and the same for every run on
-    these sequences at the default ``batch_size``)."""
+    these sequences at the default ``batch_size``). A batch weighs by the blocks it scored (``blocks``, from the
+    block drafters), so tau_tf and tau_exp are means over blocks; without that count, every batch weighs one."""
     model.eval()
     g = torch.Generator().manual_seed(seed)
     tot: dict[str, float] = {}
-    n = 0
+    n = 0.0
     for i in range(0, len(recs), batch_size):
         batch = collate(recs[i: i + batch_size], target.device)
         batch["generator"] = g
         _, m = klass.training_loss(model, target, batch)
+        w = float(m.get("blocks", 1))
         for k, v in m.items():
-            tot[k] = tot.get(k, 0.0) + v
-        n += 1
+            tot[k] = tot.get(k, 0.0) + w * v
+        n += w
     model.train()
-    return {k: v / max(1, n) for k, v in tot.items()}
+    return {k: v / n for k, v in tot.items()} if n > 0 else {}
 
 
 def write_learning_curve(log_path: str | Path, out_dir: str | Path) -> Path | None:
@@ -152,9 +154,11 @@ def without_overlap(recs: list[dict], held: list[dict]) -> list[dict]:
     def answer(r):
         return tuple(r["ids"][int(r.get("prompt_len", 0)):].tolist())
 
-    def prompt(r):  # None without a prompt (teacher-forced text): nothing to share
+    def prompt(r):  # None without a prompt: nothing to share
         n = int(r.get("prompt_len", 0))
-        return tuple(r["ids"][:n].tolist()) if n else None
+        # teacher-forced text (it carries ``labels``): prompt_len is an anchor floor inside the chat header that
+        # every conversation shares, not a prompt
+        return tuple(r["ids"][:n].tolist()) if n and "labels" not in r else None
 
     seen = {answer(r) for r in held}
     prompts = {prompt(r) for r in held} - {None}
@@ -206,7 +210,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     cfg = dict(cfg or {})
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed + rank)
+    torch.manual_seed(seed)  # not + rank: parameters are never broadcast, so every rank must build the same model
     state_path = run_dir / "state.pt"
     state = torch.load(state_path, weights_only=False) if resume and state_path.exists() else None
     if state is not None:
@@ -287,6 +291,10 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         step, epoch0, elapsed0 = state["step"], state["epoch"], state.get("elapsed", 0.0)
     seen = state.get("tokens_seen", 0) if state is not None else 0  # training tokens consumed (the curve's x axis)
     steps_per_epoch = len(epoch_batches(len(train_recs), batch_size, 0, seed, rank, world))
+    if steps_per_epoch == 0:  # an empty epoch would loop forever
+        raise ConfigError(f"no training sequence is left in {data} for rank {rank} of {world} once the held-out "
+                          f"ones and every sequence sharing their prompt or answer are dropped ({len(train_recs)} "
+                          "left): lower --holdout or add data")
     if steps is not None and steps < 0:
         raise ConfigError(f"steps must be >= 0 (0 only evaluates), got {steps}")
     total = steps if steps is not None else max(1, int(math.ceil(epochs * steps_per_epoch)))
@@ -340,6 +348,8 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             batch_recs = [train_recs[i] for i in bi]
             with amp():
                 batch = collate(featurize(batch_recs) if online else batch_recs, target.device)
+            # the step's anchors come from (seed, step, rank) alone, so a resumed run draws what an unbroken one did
+            batch["generator"] = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1024 + rank)
             seen += sum(len(train_recs[i]["ids"]) for i in bi) * world
             cur_lr = lr_at(step, total, lr, warmup)
             for gr in opt.param_groups:

@@ -367,3 +367,109 @@ def test_round_hooks_are_analysis_not_decoding_time():
     assert s.decode_s < 0.02 * s.rounds  # the tiny target's rounds take well under the hook's sleep
     assert "hooks" not in s.phase_s and sum(s.phase_s.values()) <= s.decode_s + 1e-3
     assert all(t["commit"] < 0.02 for t in seen[1:])  # no earlier hook's sleep billed to commit
+
+
+def _dynamic_rope_llama(window: int):
+    """A tiny Llama whose RoPE rescales itself once a forward reaches past ``window`` positions (HF "dynamic")."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=window,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                      initializer_range=0.3, rope_parameters={"rope_type": "dynamic", "factor": 4.0,
+                                                              "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+class _ReferenceChain:
+    """Proposes the next ``depth`` tokens of a known greedy continuation as one chain, padded with token 0 past
+    its end (so a chain reaches past the context window)."""
+
+    budget, feature_layers = 8, ()
+
+    def __init__(self, prompt, ref, depth=8):
+        self.seq, self.depth = list(prompt) + list(ref), depth
+
+    def prefill(self, state):
+        pass
+
+    def commit(self, state, verified):
+        pass
+
+    def propose(self, state):
+        from graft_block.tree import chain
+
+        n = len(state.tokens)
+        known = self.seq[n : n + self.depth]
+        return chain(state.root_token, known + [0] * (self.depth - len(known)))
+
+
+@pytest.mark.parametrize("engine", ["lean", "hf"])
+def test_trees_reaching_past_the_context_window_are_cut_to_it(engine):
+    """Near the end of the context window a deep tree's last nodes would sit at positions the target has none
+    for. The decoder verifies only the nodes inside the window (greedy output stays HF's even where the RoPE
+    changes past it), and a tree past the window given to ``verify`` is a ConfigError naming the window."""
+    from graft_block.errors import ConfigError
+    from graft_block.target import Target
+    from graft_block.tree import chain
+
+    target = Target(_dynamic_rope_llama(32), None, engine=engine)
+    prompt = [(3 * j + 1) % 128 for j in range(18)]
+    ref = hf_greedy(target, prompt, 14)  # 18 + 14 = the whole window
+    res = SpeculativeDecoder(target, _ReferenceChain(prompt, ref)).generate(prompt, max_new_tokens=14)
+    assert res.tokens == ref
+    assert res.stats.rounds <= 3  # the chains really were accepted
+    target.prefill(torch.tensor(prompt + ref[:10]))  # 28 cached: positions 28..31 are left
+    with pytest.raises(ConfigError, match="context window of 32"):
+        target.verify(chain(ref[10], ref[11:14] + [0, 0]))  # depth 5: position 33
+    assert target.cache_len == 28  # refused before anything was appended
+    logits, _ = target.verify(chain(ref[10], ref[11:14]))  # depth 3: position 31, the last one
+    assert logits.shape[0] == 4 and target.cache_len == 32
+
+
+def _sliding_window_mistral(window: int):
+    """A tiny Mistral with a sliding window: the lean engine refuses it, so it runs HF's forward."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                        initializer_range=0.3, sliding_window=window)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def test_sliding_window_target_on_hfs_forward_decodes_like_hf_inside_its_window():
+    """HF's sliding-window cache layers count their tokens apart from the rows they hold: compaction must drop the
+    rejected nodes from that count too, or the next verify's cache length (its positions and mask) is off. A tree
+    that would push rows out of the window is a ConfigError naming the window, not a wrong cache."""
+    from graft_block.errors import ConfigError
+    from graft_block.target import Target
+    from graft_block.tree import chain
+
+    target = Target(_sliding_window_mistral(48), None)
+    assert target.engine == "hf"
+    prompt = [3, 1, 4, 1, 5]
+    ref = hf_greedy(target, prompt, 40)  # 45 tokens: inside the window of 48
+    drafter = Drafter.from_config({"type": "planted", "reference": ref, "budget": 2, "max_depth": 2, "seed": 3})
+    res = SpeculativeDecoder(target, drafter).generate(prompt, max_new_tokens=40)
+    assert res.tokens == ref
+    accepted = sum(k * c for k, c in res.stats.accept_hist.items())
+    assert 0 < accepted < res.stats.tree_nodes  # drafts accepted, and rejected nodes compacted away
+    assert target.cache_len == len(prompt) + 40 + res.stats.dropped - 1  # every committed token but the last bonus
+    target.prefill(torch.tensor(prompt + ref[:40]))  # 45 cached
+    with pytest.raises(ConfigError, match="sliding window of 48: verify at most 2 nodes"):
+        target.verify(chain(ref[39], [1, 2, 3]))  # 45 + 4 rows: the oldest would leave the window
+    assert target.cache_len == 45
+    # with a drafter past the window: trees cut to fit, then one node a round, and still HF's greedy tokens
+    longer = hf_greedy(target, prompt, 70)
+    drafter = Drafter.from_config({"type": "planted", "reference": longer, "budget": 4, "max_depth": 3, "seed": 3})
+    res = SpeculativeDecoder(target, drafter).generate(prompt, max_new_tokens=70)
+    assert res.tokens == longer and res.stats.tau > 1.0

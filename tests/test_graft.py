@@ -211,6 +211,18 @@ def test_allowances_scale_and_config_roundtrip(tmp_path):
     assert Graft(budget=10, mode="prune").apply(random_ddtree(0, 10)).size <= 11
 
 
+def test_config_roundtrip_keeps_the_frontier_share_and_the_matrix_update_switch():
+    m = random_matrix(1)
+    g = Graft(budget=20, matrix=m, attach="both", frontier_share=0.8, update_matrix=False)
+    g2 = Graft.from_config(g.describe(), matrix=m)
+    assert (g2.frontier_share, g2.update_matrix) == (0.8, False)
+    draft = random_ddtree(3, 20)
+    forced = force_stage(0)
+    a = Graft(budget=20, matrix=m, attach="both", frontier_share=0.8, thresholds=forced)
+    b = Graft.from_config(a.describe(), matrix=m)
+    assert torch.equal(a.apply(draft).tokens, b.apply(draft).tokens)
+
+
 def test_retrieved_duplicates_of_draft_children_are_merged():
     m = AdjacencyMatrix(V, 4, torch.int64)
     m.table[:] = torch.arange(4).repeat(V, 1) + 10  # every row: 10, 11, 12, 13
@@ -447,6 +459,55 @@ def test_calibrate_picks_thresholds_from_recorded_quantiles(tiny_llama, tmp_path
     assert data["type"] == "x" and data["graft"]["quantile"] == cal["quantile"]
     g = Graft.from_config(dict(data["graft"], budget=12), matrix=m)
     assert g.thresholds == {int(k): v for k, v in cal["thresholds"].items()}
+    # a drafter config file that holds a calibration still loads, and a Graft built for that drafter applies it
+    from graft_block.drafter import Drafter
+
+    pld_cfg = tmp_path / "pld.json"
+    pld_cfg.write_text('{"type": "pld", "budget": 12}')
+    save_calibration(pld_cfg, cal)
+    pld = Drafter.from_config(str(pld_cfg), target=tiny_llama)
+    assert Graft.from_config({"mode": "graft"}, matrix=m, drafter=pld).thresholds == g.thresholds
+
+
+def test_calibrate_measures_every_quantile_from_the_same_matrix(tiny_llama):
+    """Two grid points with the same quantile decode the same prompts alike: no pass learns from an earlier one,
+    and the caller's matrix comes back as it was given."""
+    drafter = _RandomTreeDrafter(12, tiny_llama.vocab_size)
+    m = AdjacencyMatrix(tiny_llama.vocab_size, 8)
+    m.warmup(tiny_llama, [[1, 2, 3, 1, 2]], rounds=1, new_tokens=8)
+    given, given_updates = m.table.clone(), m.updates
+    cal = calibrate(tiny_llama, drafter, m, prompts=[[1, 2, 3], [4, 5, 6, 7], [8, 9]], n_prompts=3,
+                    max_new_tokens=24, quantiles=(0.6, 0.6, 0.6))
+    first = cal["grid"][0]
+    assert sum(v for k, v in first["stages"].items() if k != "None") > 0  # pruning fired: retrieval was used
+    for row in cal["grid"][1:]:
+        assert (row["tau"], row["stages"]) == (first["tau"], first["stages"])
+    assert torch.equal(m.table, given) and m.updates == given_updates
+
+
+def test_from_config_applies_the_calibration_saved_in_the_drafter_checkpoint(tmp_path):
+    """``calibrate --save`` writes the thresholds into the checkpoint's config.json; a Graft built for that drafter
+    (as the bench builds it: no thresholds in its own config) prunes with them, not with the placeholders."""
+    import json
+    from types import SimpleNamespace
+
+    from graft_block.pruning import DEFAULT_THRESHOLDS
+
+    m = random_matrix(0)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    calibrated = {"0": -0.25, "1": -1.5, "5": float("-inf")}
+    save_calibration(tmp_path / "config.json", {"signal": "best", "checkpoints": [0, 1, 5],
+                                                "thresholds": calibrated, "quantile": 0.2, "rule": "r"})
+    drafter = SimpleNamespace(budget=12, checkpoint=str(tmp_path))
+    g = Graft.from_config({"mode": "graft"}, matrix=m, drafter=drafter)
+    assert g.signal == "best" and g.thresholds == {int(k): v for k, v in calibrated.items()}
+    # thresholds or another signal given in the method's own config win over the saved ones
+    assert Graft.from_config({"mode": "graft", "thresholds": {"0": -3.0}}, matrix=m, drafter=drafter).thresholds[0] \
+        == -3.0
+    assert Graft.from_config({"signal": "mass"}, matrix=m, drafter=drafter).thresholds == DEFAULT_THRESHOLDS["mass"]
+    # a checkpoint without a calibration keeps the placeholders
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    assert Graft.from_config({"mode": "graft"}, matrix=m, drafter=drafter).thresholds == DEFAULT_THRESHOLDS["mass"]
 
 
 def test_from_config_builds_or_shares_the_matrix(tiny_llama):

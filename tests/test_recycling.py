@@ -133,3 +133,18 @@ def test_smollm2_greedy_identity_recycling(smollm2):
         # HF stops at EOS; the decoder does too, so compare the common length.
         out = dec.generate(ids, max_new_tokens=64).tokens
         assert out == ref[: len(out)] and len(out) == len(ref)
+
+
+def test_matrix_given_or_loaded_on_another_device_moves_to_the_targets(tmp_path):
+    """A matrix file loads on the CPU; with a target elsewhere (a GPU) it must move there, or every round copies
+    all of the tree's logits to the host for the update. The meta device stands in for a GPU on this machine."""
+    from types import SimpleNamespace
+
+    from graft_block.graft import Graft
+
+    full_matrix(vocab=64).save(tmp_path / "adj.safetensors")
+    elsewhere = SimpleNamespace(vocab_size=64, device=torch.device("meta"))
+    d = RecyclingDrafter(budget=8, warmup_rounds=0, matrix=str(tmp_path / "adj.safetensors"))
+    assert d.ensure_matrix(elsewhere).device.type == "meta"
+    g = Graft.from_config({"mode": "fixed", "budget": 8}, matrix=full_matrix(vocab=64), target=elsewhere)
+    assert g.matrix.device.type == "meta"

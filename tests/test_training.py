@@ -267,3 +267,116 @@ def test_holdout_spreads_over_lengths_and_drops_copied_answers():
     assert len(train) == 40 - 4 - 2 and all(r is not recs[20] for r in train)
     with pytest.raises(ConfigError, match="holdout 40 leaves no training data"):
         T.split_holdout(recs, 40)
+
+
+def test_teacher_forced_text_is_held_out_by_its_answer_not_by_the_chat_header_every_record_shares(tiny):
+    """Teacher-forced text carries ``prompt_len`` 16, an anchor floor inside the chat template's header, which is
+    the same for every conversation (SmolLM2: "<|im_start|>system\\nYou are a helpful AI assistant ..."): taking
+    it for a prompt held out every training conversation along with the held-out ones."""
+    g = torch.Generator().manual_seed(3)
+    header = torch.randint(3, 128, (16,), generator=g).tolist()
+    seqs = [(header + torch.randint(3, 128, (12,), generator=g).tolist(), 16) for _ in range(10)]
+    recs = TD.teacher_forced_records(tiny, seqs, (1, 3), topk=4, labels=True)
+    held, train = T.split_holdout(recs, 2)
+    assert len(held) == 2 and len(train) == 8
+
+
+def test_a_split_that_leaves_nothing_to_train_is_an_error_not_an_endless_loop(tiny, tmp_path):
+    g = torch.Generator().manual_seed(4)
+    answer = torch.randint(3, 128, (10,), generator=g).tolist()  # one canned answer to every prompt
+    seqs = [(torch.randint(3, 128, (6,), generator=g).tolist() + answer, 6) for _ in range(6)]
+    TD.forward_cache(tiny, seqs, tmp_path / "canned", "canned", batch_size=3, layers=(1, 3), topk=4,
+                     log=lambda s: None)
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "num_anchors": 4, "mask_token_id": 127, "block_size": 4}
+    with pytest.raises(ConfigError, match="no training sequence"):
+        T.train("dflash", tiny, str(tmp_path / "canned"), tmp_path / "ck", tmp_path / "run", cfg=cfg, init="random",
+                steps=2, holdout=1, log=lambda s: None)
+
+
+def test_eagle3_vocabulary_counts_the_training_split_not_the_first_records(data):
+    """The loop holds out records spread over the data (``split_holdout``); EAGLE3's draft vocabulary, built from
+    response-token counts, must skip those, not the first ``holdout`` records (which then leaked held-out tokens
+    into the vocabulary and left training ones out)."""
+    from graft_block.drafters.eagle3.training import response_token_counts
+
+    recs, _ = TD.load_records(data)
+    _, train = T.split_holdout(recs, 6)
+    want = torch.zeros(128, dtype=torch.long)
+    for r in train:
+        want += torch.bincount(r["ids"][r["prompt_len"]:].long(), minlength=128)
+    assert torch.equal(response_token_counts(str(data), 128, skip=6), want)
+
+
+def test_a_resumed_run_ends_with_the_weights_of_the_uninterrupted_run(tiny, data, tmp_path):
+    """Same seed, same steps: stopping after one step (time limit) and resuming must reproduce the run that never
+    stopped; the anchors drawn after the resume used to restart from the seed's first draws."""
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "num_anchors": 4, "mask_token_id": 127, "block_size": 4}
+    kw = dict(init="random", lr=1e-3, batch_size=4, holdout=4, eval_every=0, log=lambda s: None, seed=3, steps=6)
+    T.train("dflash", tiny, str(data), tmp_path / "ckA", tmp_path / "runA", cfg=dict(cfg), **kw)
+    T.train("dflash", tiny, str(data), tmp_path / "ckB", tmp_path / "runB", cfg=dict(cfg), time_limit_s=0.0, **kw)
+    assert torch.load(tmp_path / "runB" / "state.pt", weights_only=False)["step"] == 1
+    T.train("dflash", tiny, str(data), tmp_path / "ckB", tmp_path / "runB", cfg=dict(cfg), resume=True, **kw)
+    a, b = (torch.load(tmp_path / r / "state.pt", weights_only=False)["model"] for r in ("runA", "runB"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_held_out_accepted_lengths_average_over_blocks_not_over_batches(tiny, data):
+    """tau_tf and tau_exp are means over held-out blocks; a batch with fewer blocks (the last, partial one) must
+    not weigh as much as a full one."""
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 4, "eval_anchors": 64}
+    model = D.training_model(tiny, cfg, "random")
+    recs, _ = TD.load_records(data, feature_layers=model.feature_layers)
+    held = recs[:10]  # batches of 4, 4 and 2 sequences
+    g = torch.Generator().manual_seed(1234)  # evaluate's anchors
+    sums, blocks, per_batch = {"tau_tf": 0.0, "tau_exp": 0.0}, 0, []
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(held), 4):
+            batch = TD.collate(held[i: i + 4], tiny.device)
+            batch["generator"] = g
+            _, m = D.DFlashDrafter.training_loss(model, tiny, batch)
+            n = sum(min(64, int(L) - 1 - int(p)) for L, p in zip(batch["lengths"], batch["prompt_len"]))
+            for k in sums:
+                sums[k] += m[k] * n
+            blocks += n
+            per_batch.append(m["tau_tf"])
+    model.train()
+    ev = T.evaluate(D.DFlashDrafter, model, tiny, held)
+    assert sum(per_batch) / len(per_batch) != pytest.approx(sums["tau_tf"] / blocks)  # the test can tell them apart
+    for k in sums:
+        assert ev[k] == pytest.approx(sums[k] / blocks)
+
+
+def test_every_torchrun_rank_starts_from_the_same_weights(tiny, tmp_path, monkeypatch):
+    """Gradients are all-reduced but parameters never broadcast, so every rank must build the same initial model;
+    EAGLE3's randomly initialised layer came from a generator seeded with seed + rank, one model per rank."""
+    from graft_block.drafters.eagle3 import Eagle3Drafter
+
+    g = torch.Generator().manual_seed(6)
+    seqs = [(torch.randint(3, 128, (14,), generator=g).tolist(), 4) for _ in range(8)]
+    TD.forward_cache(tiny, seqs, tmp_path / "d", "d", batch_size=4, layers=(1, 2), topk=4, log=lambda s: None)
+    built = []
+    real = Eagle3Drafter.training_model.__func__
+    monkeypatch.setattr(Eagle3Drafter, "training_model", classmethod(
+        lambda cls, *a, **k: built.append(real(cls, *a, **k)) or built[-1]))
+    cfg = {"draft_vocab_size": 32, "token_counts": torch.ones(128), "feature_layers": [2, 2, 1]}
+    for rank in (0, 1):
+        monkeypatch.setattr(T, "_dist", lambda: (rank, 2))
+        T.train("eagle3", tiny, str(tmp_path / "d"), tmp_path / "ck", tmp_path / f"run{rank}", cfg=dict(cfg),
+                init="random", steps=0, holdout=2, log=lambda s: None, seed=1)
+    a, b = (m.state_dict() for m in built)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_acceptance_label_is_the_overlap_with_the_target_even_when_its_top_k_is_outside_the_draft_vocab():
+    """The confidence label and tau_exp read sum_v min(q, p) (DeepSpec's c*); a row whose target top-k lies wholly
+    outside the draft vocabulary can accept nothing, where 1 - L1 / 2 read 0.5 (p is all zero there)."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(draft_vocab=torch.tensor([0, 1, 2]))
+    batch = {"top_ids": torch.tensor([[[3, 4]], [[0, 1]]]), "top_logp": torch.log(torch.tensor([[[0.6, 0.4]],
+                                                                                               [[0.5, 0.5]]]))}
+    opts = {"soft_weight": 0.0, "ce_weight": 1.0, "l1_weight": 1.0}
+    rows = D.row_objective(model, torch.zeros(2, 3), torch.tensor([3, 0]), batch, torch.tensor([0, 1]), opts)
+    assert rows["accept"].tolist() == pytest.approx([0.0, 2 / 3])
+    assert not rows["accept"].requires_grad

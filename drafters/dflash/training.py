@@ -271,12 +271,15 @@ def lm_head(target) -> tuple[torch.Tensor, torch.Tensor | None]:
     return lm.weight.float(), None if getattr(lm, "bias", None) is None else lm.bias.float()
 
 
-def target_l1(q: torch.Tensor, model, batch: dict, src: torch.Tensor) -> torch.Tensor:
+def target_l1(q: torch.Tensor, model, batch: dict, src: torch.Tensor, with_overlap: bool = False):
     """L1 distance between draft probabilities q [N, V'] and the target's cached top-k distribution at data rows
-    ``src`` [N] (``target_topk``): sum over the top-k of |q - p| plus the draft's mass elsewhere."""
+    ``src`` [N] (``target_topk``): sum over the top-k of |q - p| plus the draft's mass elsewhere. ``with_overlap``:
+    also sum_v min(q, p), the acceptance probability (1 - TV while p has mass in the draft vocabulary, 0 where it
+    has none)."""
     cols, p = target_topk(model, batch, src)
     qk = q.gather(1, cols) * (p > 0)
-    return (qk - p).abs().sum(-1) + (1.0 - qk.sum(-1)).clamp(min=0.0)
+    l1 = (qk - p).abs().sum(-1) + (1.0 - qk.sum(-1)).clamp(min=0.0)
+    return (l1, torch.minimum(qk, p).sum(-1)) if with_overlap else l1
 
 
 def training_blocks(model, batch: dict) -> dict:
@@ -310,13 +313,13 @@ def row_objective(model, logits: torch.Tensor, lab: torch.Tensor, batch: dict, s
                   opts: dict) -> dict:
     """The recipe's per-row loss for draft logits [N, V'] with labels ``lab`` [N]: ce_weight * CE (mixed
     ``soft_weight`` with soft CE) + l1_weight * L1 to the target's top-k. Returns loss, hard (CE rows), l1 and
-    accept (1 - TV, detached) rows; l1 and accept are None without a cached top-k."""
+    accept (sum_v min(q, p) = 1 - TV, detached) rows; l1 and accept are None without a cached top-k."""
     ce, hard = row_losses(model, logits, lab, batch, src, opts["soft_weight"])
     loss = opts["ce_weight"] * ce
     l1 = accept = None
     if "top_ids" in batch:
-        l1 = target_l1(torch.softmax(logits.float(), -1), model, batch, src)
-        accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
+        l1, overlap = target_l1(torch.softmax(logits.float(), -1), model, batch, src, with_overlap=True)
+        accept = overlap.clamp(0.0, 1.0).detach()
         loss = loss + opts["l1_weight"] * l1
     elif opts["l1_weight"] > 0:
         raise ConfigError("l1_weight > 0 needs the target's top-k distributions in the data cache (top_ids / "
@@ -341,7 +344,8 @@ def block_metrics(hit: torch.Tensor, valid: torch.Tensor, anchor_ok: torch.Tenso
     lead = correct.cumprod(-1).sum(-1)[anchor_ok]
     m = {"acc": float(hit.float().mean()) if hit.numel() else 0.0,
          "acc_k1": float(correct[:, :, 0][valid[:, :, 0]].mean()) if bool(valid[:, :, 0].any()) else 0.0,
-         "accept_len": float(lead.mean()) if lead.numel() else 0.0, "rows": int(hit.numel())}
+         "accept_len": float(lead.mean()) if lead.numel() else 0.0, "rows": int(hit.numel()),
+         "blocks": int(lead.numel())}
     m["tau_tf"] = 1.0 + m["accept_len"]
     if accept is not None:
         soft = torch.zeros((b, n, Lr), dtype=torch.float32, device=valid.device)

@@ -188,15 +188,15 @@ def warm_start(head: Eagle3Head, target, layer: int | None = None, seed: int = 0
 
 def response_token_counts(data: Any, vocab_size: int, skip: int = 0) -> torch.Tensor:
     """Token frequencies over the trained (response) tokens of cached training data (graft_block.train_data; a
-    name, a folder, or a comma-separated list), skipping the first ``skip`` sequences in load order (the shared
-    loop's held-out set)."""
+    name, a folder, or a comma-separated list), less the ``skip`` sequences the shared loop holds out
+    (``split_holdout``: spread over the load order, with every sequence sharing their prompt or answer)."""
     from graft_block.train_data import data_root
+    from graft_block.training import split_holdout
 
     if data is None:
         raise ConfigError("eagle3 training needs cfg['data'] (cached data name/folder) or cfg['token_counts'] to "
                           "build the draft vocabulary")
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    seen = 0
+    recs = []
     for part in str(data).split(","):
         folder = Path(part.strip())
         if not folder.exists():
@@ -204,11 +204,11 @@ def response_token_counts(data: Any, vocab_size: int, skip: int = 0) -> torch.Te
         meta = json.loads((folder / "meta.json").read_text())
         for shard in sorted(meta["shards"], key=lambda s: s["batch"]):
             for rec in torch.load(folder / shard["file"], weights_only=False):
-                seen += 1
-                if seen <= skip:
-                    continue
-                resp = rec["ids"][rec["prompt_len"]:].long()
-                counts += torch.bincount(resp, minlength=vocab_size)[:vocab_size]
+                recs.append({k: rec[k] for k in ("ids", "prompt_len", "labels") if k in rec})  # what the split reads
+    _, train = split_holdout(recs, skip)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for rec in train:
+        counts += torch.bincount(rec["ids"][rec["prompt_len"]:].long(), minlength=vocab_size)[:vocab_size]
     return counts
 
 
