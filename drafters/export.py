@@ -166,7 +166,9 @@ def dflash_spec(src: Source) -> tuple[dict, dict]:
          "num_target_layers": raw.get("num_target_layers")}
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         s[key] = raw.get(key)
-    missing = [k for k, v in s.items() if v is None and k != "num_target_layers"]
+    missing = [k for k, v in s.items() if v is None and k not in ("num_target_layers", "target_layer_ids")]
+    if s["target_layer_ids"] is None and s["num_target_layers"] is None:
+        missing.append("target_layer_ids (or num_target_layers)")
     if missing:
         raise ConfigError(f"{src.folder}/config.json lacks {', '.join(missing)} (needed to export a {src.kind} "
                           "drafter; target_layer_ids sit in dflash_config)")
@@ -180,7 +182,7 @@ def dflash_spec(src: Source) -> tuple[dict, dict]:
              max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
              hidden_act=raw.get("hidden_act", "silu"), attention_bias=bool(raw.get("attention_bias", False)),
              rope_theta=_rope_theta(raw, f"{src.folder}/config.json"), block_size=int(s["block_size"]),
-             mask_token_id=int(s["mask_token_id"]), target_layer_ids=[int(i) for i in s["target_layer_ids"]])
+             mask_token_id=int(s["mask_token_id"]))
     if s["hidden_act"] != "silu":
         raise ConfigError(f"{src.folder}: hidden_act {s['hidden_act']!r}; the DFlash drafters here use silu")
     if any(t != "full_attention" for t in raw.get("layer_types") or []):
@@ -194,6 +196,8 @@ def dflash_spec(src: Source) -> tuple[dict, dict]:
         s.update(opts, confidence_temperatures=dcfg.get("confidence_temperatures"))
     # the tensors a checkpoint of this config holds are the drafter model's own (the loader's strict check)
     model = model_from_dspark_config(raw, where=where) if src.kind == "dspark" else model_from_config(raw)
+    # the loader's ids: a z-lab config may give only num_target_layers, and llama.cpp's converter derives others
+    s["target_layer_ids"] = [int(i) for i in model.target_layer_ids]
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     V, H = int(s["vocab_size"]), int(s["hidden_size"])
     s["draft_vocab"] = tensors.pop("draft_vocab", None)

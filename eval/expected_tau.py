@@ -6,7 +6,8 @@ every context is fixed, a prefix of an answer from the committed calibration spl
 method's tree for it is scored exactly: one target forward over the tree gives each node's probability of being
 the target's choice at its parent, and the expected accepted length is the sum over nodes of the probability that
 the walk reaches them (``tree.expected_accept_length``). Every method sees the same contexts, so differences come
-paired, with a standard error. At T = 0 a context's value is the tree's accepted length there.
+paired, with a standard error over answers (the cuts of one answer are not independent draws). At T = 0 a
+context's value is the tree's accepted length there.
 
     graft-block expect --methods dflash_ddtree,dspark_ddtree,mfd,mfd_k1_ddtree --contexts 300 --temperature 0,1
     graft-block expect --prompts humaneval,mtbench --limit 40 --cuts 4 --temperature 1   # the benchmark's domain
@@ -62,18 +63,19 @@ def sample_contexts(dataset: str | Path, count: int, seed: int = 0, min_answer: 
 
 
 def answer_contexts(target, sets: list[str], limit: int, cuts: int = 4, answer_tokens: int = 96,
-                    seed: int = 0, log=None) -> tuple[list[list[int]], list[str]]:
+                    seed: int = 0, log=None) -> tuple[list[list[int]], list[str], list[int]]:
     """Contexts in a prompt set's domain: the target's greedy answer to each prompt's first turn, cut at ``cuts``
-    distinct random points (at least one answer token before a cut, four after), prompt ids included; and each
-    context's prompt set. ``cuts=None``: every position from the answer's first token on, in order (``walk_taus``
-    reads them back per answer: each answer's contexts are prompt + answer[:c], c = 0, 1, ...)."""
+    distinct random points (at least one answer token before a cut, four after), prompt ids included; each
+    context's prompt set; and the number of the answer it was cut from. ``cuts=None``: every position from the
+    answer's first token on, in order (``walk_taus`` reads them back per answer: each answer's contexts are
+    prompt + answer[:c], c = 0, 1, ...)."""
     from graft_block import SpeculativeDecoder
     from graft_block.eval.prompts import encode_turn, prompt_records
 
     recs, _ = prompt_records(sets, limit, first_turn_only=True)
-    rng, dec, out, labels = random.Random(seed), SpeculativeDecoder(target, None), [], []
+    rng, dec, out, labels, answers = random.Random(seed), SpeculativeDecoder(target, None), [], [], []
     t0 = time.perf_counter()
-    for rec in recs:
+    for n, rec in enumerate(recs):
         ids = encode_turn(target, [], rec["turns"][0]).tolist()
         answer = dec.generate(ids, max_new_tokens=answer_tokens).tokens
         if cuts is None:
@@ -83,11 +85,12 @@ def answer_contexts(target, sets: list[str], limit: int, cuts: int = 4, answer_t
             cut = [ids + answer[:c] for c in sorted(rng.sample(points, min(cuts, len(points))))]
         out += cut
         labels += [rec["set"]] * len(cut)
+        answers += [n] * len(cut)
     if log:
         log(f"  {len(recs)} greedy answers of up to {answer_tokens} tokens in {time.perf_counter() - t0:.0f} s")
     if not out:
         raise ConfigError(f"no answer of 5 tokens or more to cut contexts from (--prompts {','.join(sets)})")
-    return out, labels
+    return out, labels, answers
 
 
 @torch.inference_mode()
@@ -217,23 +220,38 @@ def evaluate(target, drafters: dict, contexts: list[list[int]], samplings: list[
     return res
 
 
-def summary_rows(res: dict, only: list[int] | None = None) -> list[dict]:
+def paired_se(diffs: list[float], groups: list) -> float:
+    """Standard error of the mean of ``diffs`` with the contexts of one group (one answer) as one draw: the
+    cluster-robust estimate, sqrt(G / (G - 1) * sum over groups of (their summed deviations)^2) / n, which is
+    sd / sqrt(n) when every context is its own group. Cuts of one answer share its difficulty, so counting them
+    as independent would shrink the interval."""
+    n = len(diffs)
+    mean = sum(diffs) / n
+    dev: dict = {}
+    for x, g in zip(diffs, groups):
+        dev[g] = dev.get(g, 0.0) + x - mean
+    G = len(dev)
+    return math.sqrt(G / max(1, G - 1) * sum(v * v for v in dev.values())) / n
+
+
+def summary_rows(res: dict, only: list[int] | None = None, groups: list | None = None) -> list[dict]:
     """One row per (method, temperature): expected tau and its paired difference from the first method, over the
-    contexts numbered ``only`` (all when None)."""
+    contexts numbered ``only`` (all when None); ``groups`` (one per context: the answer it was cut from; None =
+    each context its own) are the independent units of the difference's standard error."""
     vals = res["values"]
-    if only is not None:
-        vals = {m: {t: [xs[i] for i in only] for t, xs in d.items()} for m, d in vals.items()}
+    n_all = len(next(iter(vals[next(iter(vals))].values())))  # contexts scored (every method saw them all)
+    keep = list(range(n_all)) if only is None else list(only)
+    units = [i if groups is None else groups[i] for i in keep]
+    vals = {m: {t: [xs[i] for i in keep] for t, xs in d.items()} for m, d in vals.items()}
     names = list(vals)
     rows = []
     for name in names:
         for temp, xs in vals[name].items():
             ref = vals[names[0]][temp]
             d = [a - b for a, b in zip(xs, ref)]
-            mean = sum(d) / len(d)
-            sd = math.sqrt(sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1))
             rows.append({"method": name, "temperature": temp, "tau": 1.0 + sum(xs) / len(xs),
-                         "nodes": res["nodes"][name], "diff": mean, "se": sd / math.sqrt(len(d)),
-                         "contexts": len(xs)})
+                         "nodes": res["nodes"][name], "diff": sum(d) / len(d), "se": paired_se(d, units),
+                         "contexts": len(xs), "answers": len(set(units))})
     return rows
 
 
@@ -266,8 +284,10 @@ def format_table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|"]
     for r in rows:
         diff = "-" if r["method"] == base else f"{r['diff']:+.3f} +- {r['se']:.3f}"
+        answers = r.get("answers", r["contexts"])
+        count = f"{r['contexts']}" + (f" ({answers} answers)" if answers < r["contexts"] else "")
         lines.append(f"| {r['method']} | {r['temperature']:g} | {r['nodes']:.1f} | {r['tau']:.3f} | {diff} | "
-                     f"{r['contexts']} |")
+                     f"{count} |")
     return "\n".join(lines)
 
 
@@ -382,15 +402,16 @@ def main(argv=None) -> None:
     drafters = {label: Drafter.from_config(spec["drafter"], target=target) for label, spec in specs.items()}
     estimates = {label: estimate_source(spec) for label, spec in specs.items()}
     if args.prompts:
-        contexts, sets = answer_contexts(target, args.prompts.split(","), args.limit,
-                                         None if args.walk else args.cuts, args.answer_tokens, args.seed, log=print)
+        contexts, sets, answers = answer_contexts(target, args.prompts.split(","), args.limit,
+                                                  None if args.walk else args.cuts, args.answer_tokens, args.seed,
+                                                  log=print)
         if not args.walk:  # the walk keeps every position, in order
             order = list(range(len(contexts)))
             random.Random(args.seed).shuffle(order)
-            contexts, sets = [contexts[i] for i in order[: args.contexts]], [sets[i] for i in order[: args.contexts]]
+            contexts, sets, answers = ([xs[i] for i in order[: args.contexts]] for xs in (contexts, sets, answers))
     else:
         contexts = sample_contexts(args.data, args.contexts, args.seed)
-        sets = [Path(args.data).name] * len(contexts)
+        sets, answers = [Path(args.data).name] * len(contexts), list(range(len(contexts)))  # one cut an answer
     source = f"greedy answers to {args.prompts}" if args.prompts else args.data
     print(f"expected tau: {len(contexts)} contexts from {source}, target {args.target}, T {temps}"
           + (f", top-k {args.top_k}" if args.top_k else "") + (f", top-p {args.top_p}" if args.top_p < 1 else ""))
@@ -403,7 +424,7 @@ def main(argv=None) -> None:
         print(f"verify-cost curve ({curve.get('source', 'measured')}): 1 / 5 / 17 positions "
               + " / ".join(f"{1e3 * cuts[0](n):.1f}" for n in (1, 5, 17)) + " ms")
     res = evaluate(target, drafters, contexts, samplings, log=print, cuts=cuts, estimates=estimates)
-    rows = summary_rows(res)
+    rows = summary_rows(res, groups=answers)
     print(format_table(rows))
     walk = walk_taus(res, contexts) if args.walk else None
     if walk:
@@ -414,7 +435,7 @@ def main(argv=None) -> None:
     per_set = {}
     if len(set(sets)) > 1:  # paired within each set: a drafter can win on one domain and lose on the other
         for name in dict.fromkeys(sets):
-            per_set[name] = summary_rows(res, [i for i, s in enumerate(sets) if s == name])
+            per_set[name] = summary_rows(res, [i for i, s in enumerate(sets) if s == name], answers)
             print(f"\nprompt set {name}:\n")
             print(format_table(per_set[name]))
     if cuts is not None:
@@ -431,8 +452,8 @@ def main(argv=None) -> None:
                       for key in ("values", "at_least")}
         if cuts is not None:
             per_method["headroom"] = {n: {str(t): h for t, h in d.items()} for n, d in res["headroom"].items()}
-        Path(args.out).write_text(json.dumps({"rows": rows, "per_set": per_set, "sets": sets, "args": vars(args),
-                                              "walk": walk,
+        Path(args.out).write_text(json.dumps({"rows": rows, "per_set": per_set, "sets": sets, "answers": answers,
+                                              "args": vars(args), "walk": walk,
                                               **per_method}, indent=1))
 
 

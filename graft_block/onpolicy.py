@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shlex
 import sys
 import time
@@ -67,9 +68,13 @@ def write_shard(path: str | Path, seqs: Sequence[np.ndarray], prompt_len, prompt
     """Write one shard (module doc) and return its response tokens."""
     ids, starts = packed(seqs, dtype)
     prompt_len = np.asarray(prompt_len, dtype=np.int32)
-    np.savez_compressed(path, ids=ids, starts=starts, prompt_len=prompt_len,
-                        prompt_index=np.asarray(prompt_index, dtype=np.int32),
-                        sample=np.asarray(sample, dtype=np.int16))
+    path = Path(path)
+    part = path.with_name(path.name + ".part")  # a run killed mid-write leaves no file under the shard's name
+    with open(part, "wb") as fh:
+        np.savez_compressed(fh, ids=ids, starts=starts, prompt_len=prompt_len,
+                            prompt_index=np.asarray(prompt_index, dtype=np.int32),
+                            sample=np.asarray(sample, dtype=np.int16))
+    os.replace(part, path)
     return int(len(ids) - prompt_len.sum())
 
 
@@ -168,7 +173,7 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
     for a in range(first, first + count, chunk):
         b = min(a + chunk, first + count)
         name = f"{kind}_{a:06d}-{b:06d}.npz"
-        if (folder / name).exists():
+        if (folder / name).exists() and any(e["file"] == name for e in manifest["shards"]):
             continue
         if (time_limit_s is not None and time.time() - t0 > time_limit_s) or (max_files and written >= max_files):
             log(f"stopping before {name}: {'time limit' if max_files is None or written < max_files else 'max files'}")
@@ -190,6 +195,7 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
                            [r["prompt_len"] for _, _, r in recs], [i for i, _, _ in recs], [j for _, j, _ in recs],
                            dtype)
         dt = time.time() - t1
+        manifest["shards"] = [e for e in manifest["shards"] if e["file"] != name]  # a regenerated shard once
         manifest["shards"].append({"file": name, "kind": kind, "first": a, "end": b, "seed": seed,
                                    "sampling": None if not sampled else vars(sampling), "samples": samples,
                                    "sequences": len(recs), "response_tokens": resp, "seconds": round(dt, 1),
@@ -245,9 +251,10 @@ def drop_reserved(src: Path, dst: Path, entry: dict, ranges, log=print) -> dict:
 
 
 def merge(src: str | Path, dst: str | Path, log=print) -> dict:
-    """Add the shards of dataset ``src`` (e.g. one made on a GPU machine) to ``dst``: same target, settings and
-    generator; a shard whose prompt indices overlap a shard of the same kind in ``dst`` is refused, and answers to
-    ``dst``'s reserved (held-out) prompts are dropped, so a merge never leaks the held-out set into training."""
+    """Add the shards of dataset ``src`` (e.g. one made on a GPU machine) to ``dst``: same target, settings,
+    generator and prompt list (split and source); a shard whose prompt indices overlap a shard of the same kind in
+    ``dst`` is refused, and answers to ``dst``'s reserved (held-out) prompts are dropped, so a merge never leaks the
+    held-out set into training."""
     import shutil
 
     src, dst = Path(src), Path(dst)
@@ -260,6 +267,11 @@ def merge(src: str | Path, dst: str | Path, log=print) -> dict:
     for key in ("target_fingerprint", "max_new", "max_prompt_tokens", "generator_version"):
         if a[key] != b[key]:
             raise ConfigError(f"cannot merge {src} into {dst}: {key} differs ({a[key]} vs {b[key]})")
+    # prompt indices are positions in one prompt list: another split's or file's would pass as these prompts
+    for key, default in (("split", "train"), ("source", None)):
+        if a.get(key, default) != b.get(key, default):
+            raise ConfigError(f"cannot merge {src} into {dst}: its prompt {key} differs ({a.get(key, default)!r} "
+                              f"vs {b.get(key, default)!r}); a folder answers one prompt list")
     keep_out = b.get("reserved", [])
     for e in a["shards"]:
         clash = [f["file"] for f in b["shards"] if f["kind"] == e["kind"] and f["first"] < e["end"] and e["first"] < f["end"]]

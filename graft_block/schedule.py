@@ -106,12 +106,16 @@ class ConfidenceSchedule:
 
     @staticmethod
     def overhead(state) -> float:
-        """Mean seconds per round outside the verify so far (drafting, tree building, commit), from the decoder's
-        own phase timer: a round costs that plus its verify. Timing only, never the target's choices."""
+        """Mean seconds per round outside the verify so far (drafting, tree building, commit; this round's draft
+        counts from the first round on), from the decoder's own phase timer: a round costs that plus its verify.
+        Timing only, never the target's choices."""
         timer = getattr(state, "timer", None)
-        if timer is None or not getattr(state, "round", 0):
+        if timer is None:
             return 0.0
-        return sum(timer.totals.get(p, 0.0) for p in ("draft", "tree", "commit")) / state.round
+        done, totals = getattr(state, "round", 0), timer.totals
+        # called between this round's draft and its tree: the drafts timed are one more than the rounds done
+        draft = totals.get("draft", 0.0) / (done + 1)
+        return draft + (sum(totals.get(p, 0.0) for p in ("tree", "commit")) / done if done else 0.0)
 
     def apply(self, tree: Tree, state=None, drafter=None) -> Tree:
         """The scheduled subtree of ``tree``. Of ``state`` only the round counter and the phase timer are read (the
@@ -175,12 +179,13 @@ class ConfidenceSchedule:
     def observe(self, verified, state=None) -> None:
         """After the round: per depth, the predicted conditional acceptances of the verified nodes whose parent was
         accepted, and how many of them were (the decoder calls this; the outcome feeds later rounds only)."""
-        if self._pending is None or self._pending[0] is not verified.tree:
-            return
         total = self._verify_total(state)
+        # timed whatever was verified (the decoder may cut the tree to its window), so no round's time carries over
         if self.fit_cost and state is not None and getattr(state, "timer", None) is not None:
             _add_point(self._timed, float(self.cost(verified.tree.size)), total - self._verify_mark)
         self._verify_mark = total
+        if self._pending is None or self._pending[0] is not verified.tree:
+            return
         tree, keys, cond = self._pending
         self._pending = None
         on_path = set(verified.path.tolist())

@@ -17,7 +17,7 @@ Cheaper data (``teacher_forced_data``): one forward over ShareGPT train conversa
 reply) with no generation (~3-8x more tokens per CPU-minute here). Its records add ``labels`` [L] = the target's
 own argmax at every position, so the k=1 block row learns exactly the target's next token given real context
 (rows k >= 2 are approximate: the in-between tokens are human, not the target's). Several caches can be trained
-on together (``data="a,b"``); the held-out sequences are the first ones of the first cache.
+on together (``data="a,b"``); the held-out sequences are spread over them (``training.split_holdout``).
 Design choice: features are cached by default, and ``training.train(online=True)`` recomputes them inside each
 step instead. Measured on 2 CPU cores (SmolLM2, DFlash, 2026-12-02, alone): building the cache 489 tok/s, a
 cached training step 689 tok/s, an online step 274 tok/s. So E epochs cost 2.04 + 1.45 E ms per token cached
@@ -28,11 +28,13 @@ A trainer asking for other layers gets a clear error naming the cached layers (r
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import time
 import warnings
+from array import array
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Sequence
@@ -51,14 +53,33 @@ def data_root() -> Path:
 
 
 # ---- data generation ---------------------------------------------------------------------------------------
+# ShareGPT's splits are cut by conversation index and its prompts recur word for word: a split's prompt that
+# recurs in a split kept from it is left out (train: the held-out calibration and the benchmark's eval slice)
+KEPT_FROM = {"train": ("calibration", "eval"), "calibration": ("train",)}
+
+
+def turn_key(turn):
+    return tuple(turn) if isinstance(turn, list) else turn
+
+
+def recurring_prompts(split: str) -> set:
+    """The first turns (``turn_key``) of the splits that ``split``'s prompts must not repeat."""
+    from .data import sharegpt
+
+    return {turn_key(r["turns"][0]) for other in KEPT_FROM.get(split, ()) for r in sharegpt(other)}
+
+
 def train_prompts(target, max_prompt_tokens: int, limit: int | None = None,
                   split: str = "train") -> list[tuple[int, list[int]]]:
     """(index, chat-template ids) of the first ``limit`` ShareGPT prompts of ``split`` (train, or calibration for
-    held-out data no drafter trains on), those that fit ``max_prompt_tokens`` kept; an index is the prompt's
-    position in the split, so it never shifts."""
+    held-out data no drafter trains on), those that fit ``max_prompt_tokens`` and do not recur in a split kept
+    from it (``KEPT_FROM``) kept; an index is the prompt's position in the split, so it never shifts."""
     from .data import sharegpt
 
-    return first_turn_ids(target, sharegpt(split, limit=limit), max_prompt_tokens)
+    records = sharegpt(split, limit=limit)
+    shared = recurring_prompts(split)
+    return [(i, ids) for i, ids in first_turn_ids(target, records, max_prompt_tokens)
+            if turn_key(records[i]["turns"][0]) not in shared]
 
 
 def first_turn_ids(target, records, max_prompt_tokens: int) -> list[tuple[int, list[int]]]:
@@ -90,6 +111,29 @@ def hooked_features(model, layers: Sequence[int]):
     finally:
         for h in hooks:
             h.remove()
+
+
+def batches_digest(batches, *settings) -> str:
+    """A hash of what every batch index holds (ids, and prompt_len where given) and of ``settings``."""
+    h = hashlib.sha256(json.dumps(settings).encode())
+    for batch in batches:
+        h.update(b"|")
+        for item in batch:
+            ids, plen = item if isinstance(item, tuple) else (item, None)
+            h.update(array("q", ids).tobytes() + f";{plen};".encode())
+    return h.hexdigest()[:16]
+
+
+def check_resume(meta: dict, digest: str, out: Path) -> None:
+    """Record ``digest`` in a new cache's ``meta``; refuse to resume one whose batches held other sequences (a
+    resume skips the batch indices on disk, so they must mean the same sequences). Caches from before the digest
+    carry none and resume unchecked."""
+    if not meta["shards"]:
+        meta["batches"] = digest
+    elif meta.get("batches", digest) != digest:
+        raise ConfigError(f"{out} holds batches of other sequences (other data, prompt count or batch size than "
+                          "the run that made it): resuming would repeat some and skip others; use another name (or "
+                          "--from-index for on-policy shards added since)")
 
 
 def _pending_batches(order, meta: dict, time_limit_s, log, max_shards: int | None = None):
@@ -234,6 +278,7 @@ def generate_data(target, name: str, num_prompts: int = 2000, max_prompt_tokens:
     prompts.sort(key=len)  # similar lengths per batch: less padding
     prompts = [p for p in prompts for _ in range(samples)]  # a prompt's samples sit side by side
     batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+    check_resume(meta, batches_digest(batches, max_new), out)
     rng = random.Random(0)
     order = list(range(len(batches)))
     rng.shuffle(order)  # a time-limited run still covers short and long prompts
@@ -295,10 +340,11 @@ def load_records(name_or_path: str | Path, feature_layers: Sequence[int] | None 
 
 
 def draft_vocab_from_data(recs, size: int) -> torch.Tensor:
-    """The ``size`` most frequent ids among response tokens and the target's top-k candidates (sorted)."""
+    """The ``size`` most frequent ids among the trained labels (response tokens; a teacher-forced record's
+    ``labels``) and the target's top-k candidates (sorted)."""
     counts: dict[int, int] = {}
     for r in recs:
-        resp = r["ids"][r["prompt_len"]:].tolist()
+        resp = r.get("labels", r["ids"])[r["prompt_len"]:].tolist()  # teacher-forced ids are human text, not labels
         top = r["top_ids"][r["prompt_len"] - 1: len(r["ids"]) - 1].reshape(-1).tolist()
         for t in resp:
             counts[t] = counts.get(t, 0) + 4  # real labels weigh more than alternatives
@@ -343,8 +389,9 @@ def teacher_forced_data(target, name: str, num_convs: int = 3000, max_len: int =
     from .data import sharegpt
 
     seqs = []
+    shared = recurring_prompts("train")
     for rec in sharegpt("train", limit=num_convs + skip)[skip:]:
-        if not rec.get("reference"):
+        if not rec.get("reference") or turn_key(rec["turns"][0]) in shared:
             continue
         msgs = [{"role": "user", "content": rec["turns"][0]}, {"role": "assistant", "content": str(rec["reference"])}]
         ids = target.tokenizer.apply_chat_template(msgs, tokenize=True)
@@ -411,6 +458,7 @@ def forward_cache(target, seqs: list[tuple[list[int], int]], out: Path, source: 
                               "extend it with the same --autocast, or use another name")
     seqs = sorted(seqs, key=lambda s: len(s[0]))
     batches = [seqs[i: i + batch_size] for i in range(0, len(seqs), batch_size)]
+    check_resume(meta, batches_digest([[(list(s), p) for s, p in b] for b in batches]), out)
     order = list(range(len(batches)))
     random.Random(0).shuffle(order)
     t0 = time.time()

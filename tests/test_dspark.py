@@ -919,6 +919,43 @@ def test_sampled_draft_temperatures_recover_a_planted_sharpening(one_thread, mon
     assert all(t < 1.9 for t in fit_draft_temperatures(greedy, rows, min_rows=1))  # argmax labels: sharper
 
 
+def test_calibration_reports_on_held_out_sequences_that_share_nothing_with_its_fit_half(monkeypatch):
+    """The held-out sequences split into a fit half and a report half; a report sequence that repeats a fit
+    sequence's answer (a canned reply) or prompt (another future of it) would report the error on what was fitted,
+    so it is left out of the report, as split_holdout leaves such copies out of training."""
+    import types
+
+    import graft_block.drafters.dspark.calibrate as C
+    import graft_block.drafters.dspark.checkpoint as CK
+    import graft_block.train_data as TD
+
+    def rec(prompt, answer):
+        return {"ids": torch.tensor(prompt + answer), "prompt_len": len(prompt)}
+
+    recs = [rec([1, i], [50 + i, 60 + i]) for i in range(12)]
+    # split_holdout(recs, 6) holds 0, 2, 4, 7, 9, 11 out; the fit half is 0, 4, 9 and the report half 2, 7, 11
+    recs[2] = rec([1, 2], [50, 60])  # recs[0]'s answer to another prompt
+    recs[7] = rec([1, 4], [90, 91])  # another answer to recs[4]'s prompt
+    seen = []
+
+    def fitted(model, target, fit, test, min_rows, sampled=0.0):
+        seen.append((fit, test))
+        return [1.0], torch.ones(1), torch.zeros(1, len(C.TEMP_GRID))
+
+    model = types.SimpleNamespace(feature_layers=(0,), confidence_head=None)
+    monkeypatch.setattr(CK, "load_checkpoint", lambda *a, **k: model)
+    monkeypatch.setattr(TD, "load_records", lambda data, layers: (recs, None))
+    monkeypatch.setattr(C, "fitted_draft_temperatures", fitted)
+    C.calibrate("folder", "data", holdout=6, target=types.SimpleNamespace(device="cpu"), write=False, sampled_at=0)
+    (fit, test), = seen
+    assert [r["ids"].tolist() for r in fit] == [recs[i]["ids"].tolist() for i in (0, 4, 9)]
+    assert [r["ids"].tolist() for r in test] == [recs[11]["ids"].tolist()]
+    recs[11] = rec([1, 9], [70])  # every report sequence repeats a fit one: nothing left to report on
+    with pytest.raises(ConfigError, match="report half"):
+        C.calibrate("folder", "data", holdout=6, target=types.SimpleNamespace(device="cpu"), write=False,
+                    sampled_at=0)
+
+
 def test_acceptance_table_counts_a_position_only_after_accepted_ones(one_thread, monkeypatch):
     """The calibration table: accepted = the Markov-corrected argmax equals the target's token; position k is
     valid only when every earlier draft was accepted; a planted perfect head is accepted everywhere."""

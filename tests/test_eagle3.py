@@ -85,6 +85,21 @@ def test_layouts_roundtrip(tmp_path, tiny_llama, layout, with_emb):
     assert (loaded.embed_tokens is None) == (not with_emb)
 
 
+def test_speculators_layout_keeps_norm_before_fc_and_rope_scaling(tmp_path, tiny_llama):
+    """A speculators-layout save loads back as the same head: the fc norm is a config flag (its weight would be
+    'unexpected' without it) and a scaled RoPE must not come back unscaled."""
+    head = make_head(tiny_llama, norm_before_fc=True, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    save_head(head, tmp_path, layout="speculators", dtype=torch.float32)
+    loaded = load_head(tmp_path, tiny_llama)
+    assert loaded.cfg == head.cfg
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    biased = make_head(tiny_llama, attention_bias=True)
+    with pytest.raises(ConfigError, match="attention_bias.*speculators"):
+        save_head(biased, tmp_path / "biased", layout="speculators")
+    assert not (tmp_path / "biased").exists()
+
+
 def test_model_prefixed_and_bin_layout(tmp_path, tiny_llama):
     head = make_head(tiny_llama)
     sd = {("model.layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k: v

@@ -6,8 +6,8 @@ import torch
 
 from graft_block import Drafter
 from graft_block.errors import ConfigError
-from graft_block.eval.expected_tau import (cut_values, decay_rows, evaluate, format_headroom,
-                                          format_sizes, headroom, sample_contexts, summary_rows, tree_spec)
+from graft_block.eval.expected_tau import (cut_values, decay_rows, evaluate, format_headroom, format_sizes,
+                                          format_table, headroom, sample_contexts, summary_rows, tree_spec)
 from graft_block.sampling import SamplingConfig
 from graft_block.testing import hf_greedy, prefilled_state, tiny_target
 from graft_block.tree import accept_at_least, accept_length, expected_accept_length, from_paths, walk
@@ -94,6 +94,30 @@ def test_expect_scores_each_tree_against_the_targets_own_continuation(one_thread
     assert one[2]["diff"] == pytest.approx(3.0 - res["values"]["tree"][0.0][1])
 
 
+def test_paired_standard_error_counts_answers_not_their_cuts():
+    """Cuts of one answer move together: with 4 cuts of each of 3 answers whose paired differences agree within
+    an answer, the standard error is that of the 3 answers' differences (as if one cut each), not of 12 draws.
+    Without groups every context is its own answer, as sample_contexts cuts them."""
+    import math
+
+    per_answer = [0.1, 0.5, -0.2]
+    ref = [1.0, 2.0, 0.5, 1.5] * 3
+    res = {"values": {"ref": {0.0: ref}, "new": {0.0: [r + per_answer[i // 4] for i, r in enumerate(ref)]}},
+           "nodes": {"ref": 4.0, "new": 4.0}}
+    groups = [i // 4 for i in range(12)]
+    mean = sum(per_answer) / 3
+    by_answer = math.sqrt(sum((x - mean) ** 2 for x in per_answer) / 2) / math.sqrt(3)
+    row = summary_rows(res, groups=groups)[1]
+    assert row["diff"] == pytest.approx(mean) and row["se"] == pytest.approx(by_answer) and row["answers"] == 3
+    one = summary_rows(res, [0, 1, 4, 5], groups=groups)[1]  # a subset keeps each context's answer
+    assert one["answers"] == 2 and one["se"] == pytest.approx(0.2)  # differences 0.1, 0.1, 0.5, 0.5
+    loose = summary_rows(res)[1]
+    diffs = [per_answer[i // 4] for i in range(12)]
+    sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / 11)
+    assert loose["se"] == pytest.approx(sd / math.sqrt(12)) and loose["answers"] == 12
+    assert "(3 answers)" in format_table(summary_rows(res, groups=groups))
+
+
 def test_expect_refuses_what_depends_on_earlier_rounds():
     target = tiny_target("qwen3")
     tree = {"drafter": {"type": "pld", "budget": "{budget}"}, "default_budget": 4}
@@ -150,8 +174,9 @@ def test_answer_contexts_cut_the_targets_own_answers(tmp_path, one_thread):
     prompts = [[5, 17, 33, 2], [9, 9, 40, 71, 3]]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"id": i, "turns": [p]}) + "\n" for i, p in enumerate(prompts)))
-    ctxs, sets = answer_contexts(target, [str(path)], 0, cuts=3, answer_tokens=12, seed=2)
+    ctxs, sets, answers = answer_contexts(target, [str(path)], 0, cuts=3, answer_tokens=12, seed=2)
     assert len(ctxs) == 6 and sets == ["p"] * 6  # the set is named by its file
+    assert answers == [0, 0, 0, 1, 1, 1]  # the answer each was cut from: the paired se's unit
     for k, c in enumerate(ctxs):
         p = prompts[k // 3]
         answer = hf_greedy(target, p, 12)
@@ -241,7 +266,7 @@ def test_walk_over_every_position_is_the_decoded_tau(tmp_path, one_thread):
 
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"id": i, "turns": [p]}) + "\n" for i, p in enumerate(prompts)))
-    ctxs, _ = answer_contexts(target, [str(path)], 0, cuts=None, answer_tokens=40)
+    ctxs, _, _ = answer_contexts(target, [str(path)], 0, cuts=None, answer_tokens=40)
     walk = walk_taus(evaluate(target, {"next4": NextFour()}, ctxs, [SamplingConfig()]), ctxs)[0]
     tokens = rounds = 0
     for p in prompts:

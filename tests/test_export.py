@@ -414,6 +414,24 @@ def test_hub_layouts_without_type(tmp_path, tiny_tok):
         assert_same_gguf(k, v, got[dflash_gguf_name(k)])
 
 
+def test_zlab_config_with_only_num_target_layers_exports_the_loaders_layer_ids(tmp_path, tiny_tok):
+    """A z-lab config may name only num_target_layers: the loader derives the ids, so the export must write the
+    same ones (llama.cpp's converter would derive other ids)."""
+    from graft_block.drafters.dflash.checkpoint import load_checkpoint
+
+    folder = tiny_dflash(tmp_path / "z")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["dflash_config"]["target_layer_ids"]
+    cfg["num_target_layers"] = 8
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ids = list(load_checkpoint(folder).target_layer_ids)
+    assert ids == [1, 5]
+    kv, _ = read_gguf(ex.export(folder, "llama.cpp", tmp_path / "z.gguf", target=tiny_tok).path)
+    assert kv["dflash.target_layers"] == [i + 1 for i in ids]
+    out = json.loads((ex.export(folder, "speculators", tmp_path / "z-spec").path / "config.json").read_text())
+    assert out["aux_hidden_state_layer_ids"] == [i + 1 for i in ids]
+
+
 # ---- refusals -----------------------------------------------------------------------------------------------
 def test_unknown_name_and_non_drafter_folder(tmp_path):
     with pytest.raises(ConfigError, match="neither a drafter folder.*bundled:.*dflash-smollm2"):

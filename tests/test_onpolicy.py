@@ -379,3 +379,55 @@ def test_bad_prompt_file_options_fail_before_the_target_loads(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
     assert words in refusal(OP.main, ["--out", str(tmp_path / "out"), *bad])
+
+
+def test_merge_refuses_another_split_or_prompt_source(tmp_path, target):
+    """Prompt indices count positions in one prompt list: calibration answers (held-out data) or a prompt file's
+    answers merged into a train dataset would pass as train prompts of the same indices. Generation refuses to mix
+    sources in a folder; so does a merge."""
+    kw = dict(chunk=4, max_new=6, prompts=prompts(), log=lambda *_: None)
+    OP.generate(target, tmp_path / "train", 0, 4, **kw)
+    OP.generate(target, tmp_path / "calib", 4, 4, split="calibration", **kw)
+    OP.generate(target, tmp_path / "file", 8, 4, source="prompt file p.jsonl", **kw)
+    with pytest.raises(ConfigError, match="prompt split differs"):
+        OP.merge(tmp_path / "calib", tmp_path / "train", log=lambda *_: None)
+    with pytest.raises(ConfigError, match="prompt source differs"):
+        OP.merge(tmp_path / "file", tmp_path / "train", log=lambda *_: None)
+    assert [r["prompt_index"] for r in OP.read(tmp_path / "train")] == [0, 1, 2, 3]
+    man = OP.merge(tmp_path / "calib", tmp_path / "calib-copy", log=lambda *_: None)  # a new folder takes its split
+    assert man["split"] == "calibration" and len(OP.read(tmp_path / "calib-copy")) == 4
+
+
+def test_a_rerun_regenerates_a_deleted_or_unrecorded_shard_once(tmp_path, target):
+    """A shard counts as done when the manifest records it and its file is there. Deleting a corrupt shard and
+    rerunning (read()'s advice) used to record it a second time (its answers read twice), and a file left without
+    a manifest entry (a run killed while writing it) was skipped for good (its answers silently missing)."""
+    kw = dict(chunk=4, max_new=6, prompts=prompts(), log=lambda *_: None)
+    OP.generate(target, tmp_path, 0, 8, **kw)
+    want = [r["ids"].tolist() for r in OP.read(tmp_path)]
+    (tmp_path / "greedy_000000-000004.npz").unlink()
+    OP.generate(target, tmp_path, 0, 8, **kw)
+    assert [r["prompt_index"] for r in OP.read(tmp_path)] == list(range(8))
+    assert OP.totals(tmp_path)["greedy"] == {**OP.totals(tmp_path)["greedy"], "shards": 2, "sequences": 8}
+    (tmp_path / "greedy_000008-000012.npz").write_bytes(b"PK\x03\x04 cut short")  # written, never recorded
+    OP.generate(target, tmp_path, 0, 12, **kw)
+    assert [r["prompt_index"] for r in OP.read(tmp_path)] == list(range(12))
+    assert [r["ids"].tolist() for r in OP.read(tmp_path)][:8] == want
+
+
+def test_a_feature_cache_is_resumed_only_over_the_same_sequences(tmp_path, target):
+    """A cache resumes by skipping the batch indices it holds; once the dataset grew, those indices hold other
+    sequences, so "extending" the cache repeated some answers and left others out. It is refused instead (a cache
+    of the added shards is --from-index), and a rerun over the same sequences still resumes."""
+    from graft_block import train_data as TD
+
+    kw = dict(chunk=6, max_new=8, prompts=prompts(), log=lambda *_: None)
+    cache = dict(batch_size=4, layers=[1, 3], topk=4, folder=tmp_path / "cache", log=lambda *_: None)
+    OP.generate(target, tmp_path / "ds", 0, 6, **kw)
+    OP.training_cache(target, tmp_path / "ds", "x", **cache)
+    OP.training_cache(target, tmp_path / "ds", "x", **cache)  # same sequences: nothing to add, no refusal
+    OP.generate(target, tmp_path / "ds", 6, 6, **kw)
+    with pytest.raises(ConfigError, match="other sequences"):
+        OP.training_cache(target, tmp_path / "ds", "x", **cache)
+    assert sorted(r["ids"].tolist() for r in TD.load_records(tmp_path / "cache")[0]) == \
+        sorted(r["ids"].tolist() for r in OP.read(tmp_path / "ds") if r["prompt_index"] < 6)

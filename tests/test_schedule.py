@@ -336,6 +336,56 @@ def test_the_cost_curve_is_refitted_to_the_calls_verify_times():
         ConfidenceSchedule(curve, fit_cost=1)
 
 
+def test_round_overhead_is_the_mean_of_each_phase_over_the_rounds_it_has_timed(monkeypatch):
+    """At the schedule's call the decoder has timed this round's draft but not its tree or commit, so the
+    overhead divides the drafts by one round more than the rest: with every draft 1 s and nothing else timed, each
+    round (the first included) reads 1 s, not 2 s at the second round."""
+    import types
+
+    import graft_block.decoder as decoder
+
+    clock = [0.0]
+    monkeypatch.setattr(decoder, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    target = tiny_target("llama")
+
+    class OneSecondDrafts(Drafter):
+        budget = 2
+
+        def propose(self, state):
+            clock[0] += 1.0  # the only time that passes
+            return chain(state.root_token, torch.tensor([3, 4]))
+
+    seen = []
+
+    class Recording(ConfidenceSchedule):
+        def apply(self, tree, state=None, drafter=None):
+            seen.append(self.overhead(state))
+            return super().apply(tree, state, drafter)
+
+    SpeculativeDecoder(target, OneSecondDrafts(), schedule=Recording(lambda m: 1.0)).generate([5, 17, 9, 33],
+                                                                                             max_new_tokens=10)
+    assert len(seen) >= 3 and seen == pytest.approx([1.0] * len(seen))
+
+
+def test_a_round_cut_after_the_schedule_still_closes_its_verify_time():
+    """The decoder may cut the scheduled tree to the context window before verifying it; that round's verify time
+    belongs to that round (at the size verified), not to the next round's refit point."""
+    from graft_block.decoder import PhaseTimer, Verified
+
+    sched = ConfidenceSchedule({"median_s": {"1": 0.010, "17": 0.026}})
+    timer = PhaseTimer()
+    state = type("S", (), {"round": 0, "timer": timer})()
+    out = sched.apply(chain(0, [1, 2, 3, 4]), state)
+    timer.totals["verify"] += 0.5
+    sched.observe(Verified(out.subset(torch.arange(2)), None, None, torch.tensor([0]), 7, None), state)
+    state.round = 1
+    out = sched.apply(chain(0, [1, 2, 3, 4]), state)
+    timer.totals["verify"] += 0.02
+    sched.observe(Verified(out, None, None, torch.tensor([0]), 7, None), state)
+    c2, c5 = sched.cost(2), sched.cost(5)
+    assert sched._timed == pytest.approx([2.0, c2 + c5, 0.52, c2 * c2 + c5 * c5, c2 * 0.5 + c5 * 0.02])
+
+
 class FullTreeDrafter(Drafter):
     """Every token at every node down to ``depth``, with random sibling log-probs (its own generator): a tree
     that never depends on the target. A schedule's ``state.draft_nodes`` keeps its first nodes (breadth first)."""

@@ -307,6 +307,19 @@ def test_eagle3_vocabulary_counts_the_training_split_not_the_first_records(data)
     assert torch.equal(response_token_counts(str(data), 128, skip=6), want)
 
 
+def test_eagle3_vocabulary_counts_a_teacher_forced_records_labels_not_its_human_text(tmp_path):
+    """A teacher-forced record's ids after the prompt are human text; training learns its ``labels``."""
+    import json
+
+    from graft_block.drafters.eagle3.training import response_token_counts
+
+    rec = {"ids": torch.tensor([1, 2, 5, 5, 5]), "prompt_len": 2, "labels": torch.tensor([0, 0, 7, 8, 8])}
+    torch.save([rec], tmp_path / "b0.pt")
+    (tmp_path / "meta.json").write_text(json.dumps({"shards": [{"batch": 0, "file": "b0.pt"}]}))
+    counts = response_token_counts(str(tmp_path), 16)
+    assert counts[7] == 1 and counts[8] == 2 and counts[5] == 0
+
+
 def test_a_resumed_run_ends_with_the_weights_of_the_uninterrupted_run(tiny, data, tmp_path):
     """Same seed, same steps: stopping after one step (time limit) and resuming must reproduce the run that never
     stopped; the anchors drawn after the resume used to restart from the seed's first draws."""

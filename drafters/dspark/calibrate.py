@@ -12,8 +12,9 @@
 Greedy, teacher-forced and without decoding: for every anchor of the held-out sequences the chain's draft j is
 accepted when the Markov-corrected argmax equals the target's token, and position j counts only when every
 earlier draft was accepted (teacher forcing feeds the true previous tokens, which are the drafts while they are
-right). Half of the held-out sequences fit the temperatures, the other half reports the calibration error
-before and after (ECE of the conditional confidences, and of the survival products against realised prefixes):
+right). Half of the held-out sequences fit the temperatures, the other half (less any sequence sharing an answer
+or prompt with the first) reports the calibration error before and after (ECE of the conditional confidences,
+and of the survival products against realised prefixes):
 
     python -m graft_block.drafters.dspark.calibrate drafters/checkpoints/dspark-smollm2 --data onpolicy-greedy-a \
         --holdout 32
@@ -151,7 +152,7 @@ def calibrate(folder: str | Path, data: str, holdout: int = 32, target=None, wri
               min_rows: int = 30, sampled_at: float = 1.0) -> dict:
     from graft_block.target import load_target
     from graft_block.train_data import load_records
-    from graft_block.training import split_holdout
+    from graft_block.training import split_holdout, without_overlap
 
     from .checkpoint import load_checkpoint
 
@@ -160,7 +161,11 @@ def calibrate(folder: str | Path, data: str, holdout: int = 32, target=None, wri
     recs, _ = load_records(data, model.feature_layers)
     target = target or load_target("smollm2-135m")  # once the checkpoint and the data are found
     held, _ = split_holdout(recs, holdout)
-    fit, test = held[0::2], held[1::2]
+    # a report sequence repeating a fit one's answer or prompt would score the fit on its own rows
+    fit, test = held[0::2], without_overlap(held[1::2], held[0::2])
+    if not test:
+        raise ConfigError(f"each of the report half's {len(held[1::2])} held-out sequences repeats an answer or "
+                          "prompt of the fit half: raise --holdout")
     def at(per_row, temps):  # test NLL per row at each position's temperature
         return [round(float(per_row[k, TEMP_GRID.index(t)]), 4) for k, t in enumerate(temps)]
 

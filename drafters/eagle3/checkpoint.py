@@ -164,6 +164,9 @@ def save_head(head: Eagle3Head, out_dir: str | Path, extra_config: dict | None =
     (float tensors in ``dtype``; d2t int64, t2d bool) + config.json."""
     from safetensors.torch import save_file
 
+    if layout == "speculators" and head.cfg.attention_bias:
+        raise ConfigError("attention_bias=true (q/k/v biases, no o_proj bias) has no speculators layout: save it "
+                          "with layout='eagle'")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {}
@@ -180,10 +183,13 @@ def save_head(head: Eagle3Head, out_dir: str | Path, extra_config: dict | None =
         layer = {k: cfg[k] for k in ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
                                      "num_key_value_heads", "head_dim", "num_hidden_layers", "rms_norm_eps",
                                      "hidden_act", "rope_theta", "max_position_embeddings", "vocab_size")}
+        if head.cfg.rope_scaling:  # else the head loads back with unscaled RoPE
+            scaling = {k: v for k, v in head.cfg.rope_scaling.items() if k != "rope_theta"}
+            layer.update(rope_scaling=scaling, rope_parameters={**scaling, "rope_theta": head.cfg.rope_theta})
         cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                "transformer_layer_config": layer, "draft_vocab_size": head.cfg.draft_vocab_size,
                "target_hidden_size": head.cfg.target_hidden_size,
-               "norm_before_residual": head.cfg.norm_before_residual}
+               "norm_before_residual": head.cfg.norm_before_residual, "norm_before_fc": head.cfg.norm_before_fc}
         if head.cfg.aux_layer_ids is not None:
             cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in head.cfg.aux_layer_ids]  # vLLM's ids
     cfg.update(extra_config or {})

@@ -208,7 +208,8 @@ def response_token_counts(data: Any, vocab_size: int, skip: int = 0) -> torch.Te
     _, train = split_holdout(recs, skip)
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for rec in train:
-        counts += torch.bincount(rec["ids"][rec["prompt_len"]:].long(), minlength=vocab_size)[:vocab_size]
+        trained = rec.get("labels", rec["ids"])[rec["prompt_len"]:].long()  # teacher-forced ids are human text
+        counts += torch.bincount(trained, minlength=vocab_size)[:vocab_size]
     return counts
 
 
