@@ -253,6 +253,10 @@ class MFDDrafter(D.DFlashDrafter):
             raise ConfigError(f"markov: {folder} drafts from block row {dm.draft_offset} ({dm.alignment!r} alignment) "
                               f"but this MFD model from row {getattr(self.model, 'draft_offset', 1)}: their rows "
                               "predict different tokens")
+        if self.block_size - self.offset > dm.num_drafts:  # its per-depth temperatures end at its own block
+            raise ConfigError(f"markov: {folder} drafts {dm.num_drafts} rows (block_size {dm.block_size}) but this "
+                              f"MFD drafter drafts {self.block_size - self.offset}: its head is calibrated for its "
+                              f"own rows only; pass block_size <= {dm.block_size}")
         mine = (self.model if self.checkpoint is None else load_checkpoint(self.checkpoint, dev, dt)[0]).state_dict()
         theirs = dm.state_dict()
         for name, t in mine.items():

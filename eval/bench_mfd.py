@@ -11,8 +11,8 @@ one zero mode vector: DFlash + DDTree node for node) and ``mfd_bB`` = the K=4 ch
 the DFlash default they were all initialised from. A list of arms over ``run_block`` (the one measurement core;
 every other option is run_block's). Chimeric shares (``graft_block.chimeric``): the one-pass proxy (b) on every
 round of every arm (its time is taken out of the arm's decode time), and the sampled-futures reference (a) on
-``--futures-rounds`` recorded rounds per arm at the largest budget (``--futures`` target samples + the greedy one),
-computed after the timed run.
+``--futures-rounds`` recorded rounds per arm at the largest budget (``--futures`` target samples at each round's
+sampling settings, T = 1 for greedy rounds, + the greedy one), computed after the timed run.
 """
 from __future__ import annotations
 
@@ -85,7 +85,8 @@ def main(argv=None):
     if recorders and rep.get("records"):
         target.set_feature_layers(())
         sampled = {}
-        print(f"\nprotocol (a): {args.futures} sampled futures + the greedy one per recorded round")
+        print(f"\nprotocol (a): {args.futures} sampled futures + the greedy one per recorded round, drawn at the "
+              "round's own temperature / top-k / top-p (T = 1 for greedy rounds)")
         print("| arm | rounds | chimeric (a) | coherent (a) | off-support (a) |\n|---|---|---|---|---|")
         for name, rec in recorders.items():
             recs = spread(rec.records, args.futures_rounds)

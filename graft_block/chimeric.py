@@ -1,8 +1,8 @@
 """Chimeric-prefix measurement inside the decoding loop (the model side of ``graft_block.tree.chimeric``).
 
 Round hooks for ``SpeculativeDecoder(..., round_hooks=[hook])``: ``proxy_hook(...)`` accumulates protocol (b) per
-round from ``verified.logits``; ``futures_recorder(...)`` stores (context, tree) of chosen rounds so that (a) can be
-computed afterwards with ``sampled_report`` (sampling futures inside the loop would pollute the timings).
+round from ``verified.logits``; ``futures_recorder(...)`` stores (context, tree, sampling) of chosen rounds so that (a)
+can be computed afterwards with ``sampled_report`` (sampling futures inside the loop would pollute the timings).
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from graft_block.sampling import SamplingConfig, choose
 from graft_block.tree import TreeError
 from graft_block.tree.chimeric import GROUPS, mean_rows, proxy_shares, sampled_shares
 
@@ -39,8 +40,9 @@ def proxy_hook(eps: float = 0.01, delta: float = 0.1, temperature: float = 1.0) 
 
 @dataclass
 class FuturesRecorder:
-    """Round hook storing (context ids ending with the root, tree) for rounds ``first..first+count-1`` of each
-    generation (``every`` > 1 spaces them out). Feed ``records`` to ``sampled_report``."""
+    """Round hook storing (context ids ending with the root, tree, the round's SamplingConfig) for rounds
+    ``first..first+count-1`` of each generation (``every`` > 1 spaces them out). Feed ``records`` to
+    ``sampled_report``."""
 
     count: int = 4
     every: int = 1
@@ -56,7 +58,7 @@ class FuturesRecorder:
             return
         self._seen += 1
         committed = verified.accepted + 1  # accepted nodes + bonus were appended to state.tokens this round
-        self.records.append((list(state.tokens[: len(state.tokens) - committed]), verified.tree))
+        self.records.append((list(state.tokens[: len(state.tokens) - committed]), verified.tree, state.sampling))
 
 
 def futures_recorder(count: int = 4, every: int = 1, first: int = 0) -> FuturesRecorder:
@@ -105,12 +107,24 @@ def sample_futures(target, context_ids, n: int = 64, length: int = 15, sampler=N
     return result.tolist()
 
 
+def round_sampler(sampling: SamplingConfig | None):
+    """The futures' law for a round decoded under ``sampling`` (mfd.md 3.2: "sampling settings as in the
+    evaluation"): the decoder's own rule (temperature, top-k, top-p) at T > 0; at T = 0, or when the round's
+    settings are unknown, ``temperature_sampler(1.0)``, since the greedy law's only future is the greedy one."""
+    if sampling is None or sampling.greedy:
+        return temperature_sampler(1.0)
+    return lambda logits, generator: choose(logits, sampling, generator)
+
+
 def sampled_report(target, records, n: int = 64, length: int = 15, sampler=None, seed: int = 0,
                    greedy: bool = True) -> dict:
-    """Protocol (a) over recorded rounds: per-round shares averaged over rounds, per source group."""
+    """Protocol (a) over recorded rounds ((context, tree) or (context, tree, SamplingConfig)): per-round shares
+    averaged over rounds, per source group. Futures follow ``sampler`` if given, else each round's own law
+    (``round_sampler``)."""
     g = torch.Generator(device=target.device).manual_seed(seed)
     rows = []
-    for context, tree in records:
-        futs = sample_futures(target, context, n, length, sampler, generator=g, greedy=greedy)
+    for context, tree, *sampling in records:
+        law = sampler or round_sampler(sampling[0] if sampling else None)
+        futs = sample_futures(target, context, n, length, law, generator=g, greedy=greedy)
         rows.append(sampled_shares(tree, futs))
     return {group: mean_rows(rows, group) for group in GROUPS}

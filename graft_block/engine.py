@@ -112,6 +112,12 @@ def unsupported_reason(model) -> str | None:
         return "sliding-window attention is not implemented in the lean forward"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"activation {cfg.hidden_act!r} (the lean forward has SwiGLU/silu only)"
+    # a rope type honouring partial_rotary_factor: the layers rotate the whole head (the C layers would read its
+    # cos/sin tables past their end)
+    inv_freq = getattr(getattr(model.get_decoder(), "rotary_emb", None), "inv_freq", None)
+    head_dim = model.get_decoder().layers[0].self_attn.head_dim
+    if inv_freq is not None and 2 * inv_freq.numel() != head_dim:
+        return f"a partial rotary embedding ({2 * inv_freq.numel()} of the head's {head_dim} dims) is not implemented"
     return None
 
 

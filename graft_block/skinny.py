@@ -209,6 +209,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const unsigned short
 static inline unsigned short bf16_bits(float f) {
     unsigned int u;
     memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)((u >> 16) | 0x40);  /* a NaN stays one, quiet */
     return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -391,6 +392,7 @@ static inline __attribute__((always_inline)) void product_q(const unsigned char 
 /* the one dispatch on the weights' precision (0 float32, 1 float16, 2 bfloat16, 3 4-bit d * q + m, 4 8-bit d * q;
    inlined copies of the product) */
 static void any_product(const void *P, int prec, const float *X, float *Y, long out, long in, long n, int th) {
+    if (n <= 0) return;  /* no rows: the prefetch shares below divide by the row-group count */
 #if QUANT
     if (prec == 3) { product_q((const unsigned char *)P, X, Y, out, in, n, th, 1); return; }
     if (prec == 4) { product_q((const unsigned char *)P, X, Y, out, in, n, th, 0); return; }
@@ -884,7 +886,7 @@ def exact_quant(w: torch.Tensor, chunk: int = 4096):
     is the run's least value (q = 0), d the float16 next to (max - m) / 15 (or max |w| / 127) that rebuilds every
     value of the run."""
     out, n_in = w.shape
-    if n_in % QB or not out:
+    if n_in % QB or not out or not n_in:  # no runs: nothing to pack, and the C product would divide by zero runs
         return None
     for q4 in (True, False):
         if _exact_runs(w[:64], q4) is None:  # a cheap refusal for the float32 weights most are
@@ -994,7 +996,7 @@ def linear(x: torch.Tensor, w: SkinnyWeight, bias: torch.Tensor | None = None) -
         raise ValueError(f"skinny multiplies float32 CPU rows of {w.n_in}; got x {tuple(x.shape)} {x.dtype} on "
                          f"{x.device}")
     lead = x.shape[:-1]
-    x = x.reshape(-1, w.n_in).contiguous()
+    x = x.reshape(lead.numel(), w.n_in).contiguous()  # not -1: ambiguous for a weight of 0 inputs
     y = (_linear_op if torch.compiler.is_compiling() else _product)(x, w.packed, w.out, w.prec)  # eager: no dispatch
     if bias is not None:
         y.add_(bias)
@@ -1103,6 +1105,11 @@ class DecoderLayers:
         if self.reads_emb and (emb is None or emb.shape != x.shape or not emb.is_contiguous()
                                or emb.dtype != torch.float32):
             raise ValueError(f"an EAGLE-3 layer (hn) needs float32 emb of x's shape {tuple(x.shape)}, contiguous")
+        hd = self.dims.head_dim
+        if any(t.shape != (n, hd) or t.dtype != torch.float32 or not t.is_contiguous() for t in (cos, sin)):
+            # the C code reads hd values a row: a narrower (partial rotary) table would be read past its end
+            raise ValueError(f"cos and sin must be float32 [{n}, {hd}], contiguous; got {tuple(cos.shape)} and "
+                             f"{tuple(sin.shape)}")
         if start + n > v.shape[2]:
             raise ValueError(f"rows {start}..{start + n} do not fit a cache of {v.shape[2]} rows: reserve first")
         if mask is not None and (tuple(mask.shape) != (n, start + n) or not mask.is_contiguous()):

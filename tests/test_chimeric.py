@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from graft_block.tree import SOURCE_RETRIEVED, from_paths, make_tree, merge, with_sources
-from graft_block.chimeric import futures_recorder, proxy_hook, sample_futures, temperature_sampler
+from graft_block.chimeric import futures_recorder, proxy_hook, sample_futures, sampled_report, temperature_sampler
 from graft_block.tree.chimeric import label_proxy, label_sampled, proxy_shares, sampled_shares
 from graft_block.tree.ddtree import ddtree
 from graft_block.tree.mixed import mixed_ddtree, tree_paths
@@ -164,7 +164,7 @@ def test_hooks_on_tiny_target(tiny_llama):
     summ = hook.summary()["draft"]
     assert summ["rounds"] == len(hook.rows) and 0.0 <= summ["chimeric"] <= 1.0
     assert len(rec.records) == 3
-    for context, tree in rec.records:
+    for context, tree, _ in rec.records:
         assert context[-1] == tree.root_token and context[: len(prompt)] == prompt
         done = len(context) - len(prompt)
         # greedy future from its own cache == the target's greedy continuation; T=0 sampler rows too
@@ -174,3 +174,32 @@ def test_hooks_on_tiny_target(tiny_llama):
     g = torch.Generator().manual_seed(0)
     futs = sample_futures(target, rec.records[0][0], n=8, length=4, generator=g)
     assert len(futs) == 9 and len({tuple(f) for f in futs[:8]}) > 1  # T=1 samples differ
+
+
+def test_sampled_report_draws_futures_from_the_rounds_own_law(tiny_llama):
+    """Protocol (a) samples at the evaluation's settings (mfd.md 3.2): at T=1 with top-k 1 every future is the
+    greedy one, so a depth-1 sibling of the greedy token is off-support, never coherent."""
+    from graft_block.drafters.planted import PlantedTreeDrafter
+    from graft_block.decoder import SpeculativeDecoder
+    from graft_block.sampling import SamplingConfig
+    from graft_block.testing import hf_greedy
+
+    target = tiny_llama
+    prompt = [1, 5, 9, 17, 33]
+    ref = hf_greedy(target, prompt, 24)
+    rec = futures_recorder(count=3)
+    drafter = PlantedTreeDrafter(reference=ref, budget=10, vocab_size=128, seed=1)
+    res = SpeculativeDecoder(target, drafter, round_hooks=[rec]).generate(prompt, max_new_tokens=24,
+                                                                          temperature=1.0, top_k=1)
+    assert res.tokens == ref  # top-k 1 at T=1 decodes greedily
+    assert len(rec.records) == 3 and all(r[2] == SamplingConfig(1.0, 1, 1.0) for r in rec.records)
+    records = []
+    for context, _, sampling in rec.records:
+        done = len(context) - len(prompt)
+        logits = target.model(input_ids=torch.tensor([context])).logits[0, -1]
+        runners_up = [t for t in logits.topk(4).indices.tolist() if t != ref[done]][:3]  # T=1 futures would hold them
+        records.append((context, from_paths(context[-1], [ref[done:done + 3]] + [[t] for t in runners_up]), sampling))
+    got = sampled_report(target, records, n=32, length=5)["draft"]
+    # 6 nodes: the greedy chain's 3 are coherent, the 3 runners-up off-support
+    assert got["coherent"] == pytest.approx(0.5) and got["off_support"] == pytest.approx(0.5)
+    assert got["chimeric"] == 0.0

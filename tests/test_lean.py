@@ -687,3 +687,30 @@ def test_a_cache_grown_under_inference_mode_takes_writes_outside_it(gemm):
     again = d.propose(prefilled_state(t, ids, d))  # outside: writes into the caches grown above
     assert torch.equal(first.tokens, again.tokens)
     assert SpeculativeDecoder(t, d).generate(ids, max_new_tokens=6).tokens == hf_greedy(t, ids, 6)
+
+
+def test_a_partial_rotary_embedding_is_refused_not_run_on_half_a_table():
+    """A rope type that honours ``partial_rotary_factor`` gives cos/sin narrower than the head; HF's Llama and the
+    torch layers then fail on the shapes, while the C layers read [n, head_dim] past the end of the tables and ran
+    on. The lean forward refuses such a model, and the C layers refuse tables of another width."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from graft_block import skinny
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+                                       "partial_rotary_factor": 0.5})
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ConfigError, match="partial rotary embedding.*16 of the head's 32"):
+        LeanForward(model)
+    if not (ON_CPU and skinny.available()):
+        return
+    t = tiny_target("llama", engine="lean", gemm="skinny")
+    assert t.lean.fused is not None, t.lean.fused_why_not
+    t.prefill(torch.tensor([5, 9, 2]))  # the cache exists
+    x, hd = torch.randn(3, 64), t.lean.head_dim
+    for width in (hd // 2, hd + 2):
+        cos = torch.ones(3, width)
+        with pytest.raises(ValueError, match=f"cos and sin must be float32 \\[3, {hd}\\]"):
+            t.lean.fused.run(x, cos, cos, t.lean.k, t.lean.v, 0, None, {})

@@ -180,6 +180,24 @@ def test_sampling_matches_target_distribution(markov, tmp_path):
     assert chi_square_test(counts, cooler)[2] < 1e-3  # the test has the power to see a mild distortion
 
 
+def test_a_shared_markov_head_from_a_shorter_block_is_refused_unless_the_block_fits(tmp_path):
+    """A DSpark head of block 4 (3 drafts, 3 draft temperatures) shared by an MFD of block 8: the tree indexed the
+    head's temperatures past its rows and raised IndexError mid-generate once it reached depth 4. It is refused at
+    construction now, and block_size 4 drafts within the head's rows."""
+    target = tiny_target("llama", vocab_size=16, hidden_size=32, num_layers=2)
+    dspark = _mfd_sharing_a_markov_head(target, tmp_path / "dspark", block_size=4, mask_token_id=15,
+                                        target_layer_ids=[0, 1])
+    model = M.MFDModel(dspark.config, 8, dspark.target_layer_ids, dspark.mask_token_id, dspark.num_target_layers,
+                       None, num_modes=2)
+    model.load_state_dict({k: v for k, v in dspark.state_dict().items() if k != "mode_embed"}, strict=False)
+    with pytest.raises(ConfigError, match=r"markov: .* drafts 3 rows \(block_size 4\).* drafts 7.*block_size <= 4"):
+        M.MFDDrafter(target, model, budget=12, markov=str(tmp_path / "dspark"))
+    d = M.MFDDrafter(target, model, budget=12, block_size=4, markov=str(tmp_path / "dspark"))
+    tree = d.propose(prefilled_state(target, [1, 2, 3, 4], d))
+    validate(tree, budget=12)
+    assert int(tree.depths.max()) == 3
+
+
 def test_checkpoint_round_trip_and_config(tmp_path, tiny_qwen3):
     d = _mfd(tiny_qwen3)
     M.save_checkpoint(d.model, tmp_path / "ck", score="best_mode", dtype=torch.float32)
