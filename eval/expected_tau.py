@@ -343,7 +343,8 @@ def main(argv=None) -> None:
                     help="comma-separated presets or --config names; the first is the reference of the paired "
                          "differences (default: %(default)s)")
     ap.add_argument("--config", action="append", default=[], help="YAML/JSON method file, as for bench")
-    ap.add_argument("--contexts", type=int, default=200, help="contexts (one per answer)")
+    ap.add_argument("--contexts", type=int, default=200,
+                    help="contexts (one per answer of --data; with --prompts, --cuts of each answer)")
     ap.add_argument("--temperature", default="0", help="comma-separated target temperatures (0 = greedy)")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)

@@ -301,9 +301,12 @@ def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: 
                              peak_rss_mb=machine.peak_rss_mb(), **(filters if temp > 0 else {}))
                     if target.device.type == "cuda":
                         r["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
-                    if target.tokenizer is not None and not isinstance(turn, list):
+                    # the next turn is fed this method's own answer (MT-Bench protocol), as text or as token ids
+                    if isinstance(turn, list):
+                        hist.extend([{"role": "user", "content": list(turn)},
+                                     {"role": "assistant", "content": [int(t) for t in r["tokens"]]}])
+                    elif target.tokenizer is not None:
                         r["text"] = target.decode(r["tokens"])
-                        # the next turn is fed this method's own answer (MT-Bench protocol)
                         hist.extend([{"role": "user", "content": turn}, {"role": "assistant", "content": r["text"]}])
                     records.append(r)
                 if t_idx == 0:

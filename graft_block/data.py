@@ -124,7 +124,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
     path = Path(path)
     out, seen = [], {}
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # JSONL splits at "\n" only: str.splitlines also splits at U+2028 and others, legal raw inside JSON strings
+        lines = path.read_text(encoding="utf-8").split("\n")
     except OSError as exc:
         raise ConfigError(f"cannot read prompt file {path}: {exc}") from exc
     for lineno, line in enumerate(lines, 1):
@@ -160,7 +161,10 @@ def _turns(rec: dict, where: str) -> list:
         turns = rec["turns"]
         if not isinstance(turns, list) or not turns:
             raise ConfigError(f"{where}: 'turns' must be a non-empty list of user turns, got {turns!r:.60}")
-        return [_turn(t, where, f"turns[{i}]") for i, t in enumerate(turns)]
+        out = [_turn(t, where, f"turns[{i}]") for i, t in enumerate(turns)]
+        if len({isinstance(t, list) for t in out}) > 1:  # a later turn follows the earlier ones in the same form
+            raise ConfigError(f"{where}: 'turns' mixes text turns and token-id turns: give every turn one way")
+        return out
     for key in ("prompt", "text"):
         if key in rec:
             return [_turn(rec[key], where, key)]

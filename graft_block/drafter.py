@@ -190,7 +190,10 @@ def load_plugins(name: str | None = None) -> None:
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if name is None or ep.name == name:
-            ep.load()
+            obj = ep.load()
+            # an entry point naming a Drafter class registers it under the entry point's name (no @register needed)
+            if isinstance(obj, type) and issubclass(obj, Drafter) and obj not in _REGISTRY.values():
+                register(ep.name)(obj)
 
 
 def registered_types() -> list[str]:

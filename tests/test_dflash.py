@@ -680,3 +680,36 @@ def test_fill_rate_gives_some_rows_their_true_tokens_and_takes_them_out_of_the_l
     for bad in (1.5, -0.1, "half"):
         with pytest.raises(ConfigError, match="fill_rate must be a number in"):
             DT.training_model(target, {**cfg, "fill_rate": bad}, "random")
+
+
+DFLASH_KEYS = {"mask_token_id": 120, "target_layer_ids": [0, 2]}
+
+
+@pytest.mark.parametrize("extra,word", [
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}, "sliding"),
+    ({"layer_types": None, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, "sliding"),
+    ({"is_causal": True}, "is_causal"),
+    ({"dflash_config": {**DFLASH_KEYS, "input_embedding_scale": 8.0}}, "input_embedding_scale"),
+    ({"dflash_config": {**DFLASH_KEYS, "output_multiplier": 0.5}}, "output_multiplier"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+])
+def test_reference_attention_and_scale_settings_we_do_not_implement_are_refused(tmp_path, tiny_qwen3, extra, word):
+    """z-lab's reference honours sliding-window (causal) layers, ``is_causal``, ``input_embedding_scale``,
+    ``output_multiplier`` and ``final_logit_softcapping``; this forward is full, non-causal and unscaled, so such a
+    folder must fail naming the setting rather than load and draft other logits. ``layer_types: None``: the key
+    is absent and Qwen3Config derives the types from use_sliding_window / max_window_layers, as the reference does."""
+    folder = _zlab_folder(tmp_path / "z", tiny_qwen3, extra=extra)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    with pytest.raises(ConfigError, match=word):
+        Drafter.from_config(str(folder), target=tiny_qwen3)
+
+
+def test_neutral_reference_settings_still_load(tmp_path, tiny_qwen3):
+    """The same keys at their neutral values (z-lab's own configs carry them) load unchanged."""
+    plain = Drafter.from_config(str(_zlab_folder(tmp_path / "a", tiny_qwen3)), target=tiny_qwen3)
+    neutral = {"sliding_window": None, "use_sliding_window": False, "is_causal": False,
+               "final_logit_softcapping": None,
+               "dflash_config": {**DFLASH_KEYS, "input_embedding_scale": 1.0, "output_multiplier": 1}}
+    d = Drafter.from_config(str(_zlab_folder(tmp_path / "b", tiny_qwen3, extra=neutral)), target=tiny_qwen3)
+    assert torch.equal(_block_logits(d, tiny_qwen3), _block_logits(plain, tiny_qwen3))

@@ -1133,3 +1133,20 @@ def test_dspark_node_survival_is_at_most_one_with_sharp_draft_temperatures():
         cond = surv[1:] / surv[tree.parents[1:]]
         sums = torch.zeros(tree.size, dtype=torch.float64).index_add_(0, tree.parents[1:], cond)
         assert float(sums.max()) <= 1.0 + 1e-9, t  # only one child of a node can be the target's token
+
+
+@pytest.mark.parametrize("where", ["dflash_config", "top"])
+@pytest.mark.parametrize("anchor,alignment", [(True, "deepspec"), (False, "zlab")])
+def test_sample_from_anchor_sets_the_block_alignment(tmp_path, where, anchor, alignment, one_thread):
+    """vLLM, speculators, SGLang and llama.cpp's converter spell the alignment ``sample_from_anchor`` (true: the anchor
+    row drafts, DeepSpec's rows); a folder that says false is z-lab-aligned and must not run DeepSpec's rows."""
+    target = tiny_target("qwen3")
+    folder, _ = _dspark_folder(tmp_path / "ds", target, "export")
+    cfg = json.loads((folder / "config.json").read_text())
+    (cfg["dflash_config"] if where == "dflash_config" else cfg)["sample_from_anchor"] = anchor
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert S.load_checkpoint(folder).alignment == alignment
+    cfg["dflash_config"]["block_alignment"] = "zlab" if anchor else "deepspec"  # two keys that disagree
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="sample_from_anchor"):
+        S.load_checkpoint(folder)

@@ -693,3 +693,18 @@ def test_widening_the_draft_vocab_keeps_trained_rows(tiny_llama, tmp_path):
     assert (torch.arange(104) + resumed.d2t.cpu()).tolist() == used
     with pytest.raises(ConfigError, match="outside the target vocabulary"):
         widen_draft_vocab(head, t, torch.tensor([t.vocab_size]))
+
+
+@pytest.mark.parametrize("layout", ["specforge", "speculators"])
+def test_absent_rms_norm_eps_takes_the_references_default(tmp_path, tiny_llama, layout):
+    """A config.json without rms_norm_eps gets the default of the config class the reference builds it with:
+    EAGLE's EConfig, SpecForge's and speculators' LlamaConfig all say 1e-6. Every norm of the loaded head uses it."""
+    head = make_head(tiny_llama, seed=7, norm_before_residual=(layout == "speculators"))
+    folder = hub_folder(tmp_path, head, layout)
+    cfg = json.loads((folder / "config.json").read_text())
+    (cfg["transformer_layer_config"] if layout == "speculators" else cfg).pop("rms_norm_eps")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    loaded = load_head(folder)
+    assert loaded.cfg.rms_norm_eps == 1e-6
+    norms = [m for m in loaded.modules() if type(m).__name__ == "RMSNorm"]
+    assert norms and all(m.eps == 1e-6 for m in norms)

@@ -432,3 +432,29 @@ def test_a_falling_curve_end_and_a_zero_callable_cost_never_price_a_tree_at_zero
     tree = from_paths(0, [[1, 2], [3]], path_scores=[[-0.1, -0.2], [-0.5]])
     with pytest.raises(TreeError, match=r"cost\(1\) returned 0\.0: a verify cost must be a finite number"):
         schedule_tree(tree, torch.exp(tree.scores.double()), lambda n: 0.0)
+
+
+def test_an_entry_point_naming_an_unregistered_drafter_class_registers_it(monkeypatch):
+    """design.md: a third-party drafter is decorated with @register or listed under the entry-point group; a class
+    that is only listed is constructible under the entry point's name."""
+    import importlib.metadata
+
+    from graft_block import drafter as drafter_mod
+    from graft_block.drafters.pld import PromptLookupDrafter
+
+    class ListedOnly(PromptLookupDrafter):
+        pass
+
+    class FakeEntryPoint:
+        name = "listed_only_drafter"
+
+        def load(self):
+            return ListedOnly
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [FakeEntryPoint()])
+    monkeypatch.delitem(drafter_mod._REGISTRY, "listed_only_drafter", raising=False)
+    try:
+        d = Drafter.from_config({"type": "listed_only_drafter", "budget": 3})
+        assert type(d) is ListedOnly and d.budget == 3 and ListedOnly.type_name == "listed_only_drafter"
+    finally:
+        drafter_mod._REGISTRY.pop("listed_only_drafter", None)

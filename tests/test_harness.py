@@ -47,6 +47,7 @@ def test_jsonl_shapes(tmp_path):
     ('{"question": "x"}', "give 'turns' (a list of user turns), 'prompt' or 'text' (found keys: question)"),
     ('{"turns": []}', "'turns' must be a non-empty list"),
     ('{"turns": ["ok", 3]}', "turns[1] must be non-empty text"),
+    ('{"turns": ["ok", [1, 2]]}', "'turns' mixes text turns and token-id turns"),
     ('{"prompt": "x", "category": 5}', "category must be a string"),
     ('{"id": 1, "prompt": "x"}\n{"id": 1, "prompt": "y"}', "mine.jsonl:2: id '1' repeats line 1"),
 ])
@@ -292,3 +293,14 @@ def test_budget_auto_picks_from_the_measured_curve(tiny_folder, tmp_path, monkey
         assert row["est_speedup"] == pytest.approx(want)
     assert auto["best"] == max(auto["pilot"], key=lambda b: auto["pilot"][b]["est_speedup"])
     assert "auto budget for pld" in capsys.readouterr().out
+
+
+def test_jsonl_lines_split_only_at_newlines(tmp_path):
+    """JSON text may hold U+2028, U+0085 or a form feed raw inside a string (json.dumps(ensure_ascii=False) writes
+    them so): str.splitlines broke such a record in two and refused the file; a CRLF file still reads."""
+    f = tmp_path / "mine.jsonl"
+    text = "para one\u2028para two\x85three\x0cfour"
+    lines = [json.dumps({"id": "a", "prompt": text}, ensure_ascii=False), json.dumps({"id": "b", "prompt": "x"})]
+    f.write_bytes(("\r\n".join(lines) + "\r\n").encode("utf-8"))
+    recs = read_jsonl(f)
+    assert [r["id"] for r in recs] == ["mine/a", "mine/b"] and recs[0]["turns"] == [text]

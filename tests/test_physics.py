@@ -191,3 +191,33 @@ def test_the_floor_counts_the_bytes_the_engine_streams(phys, monkeypatch):
            "streamed_bytes": physics.streamed_bytes(quant.lean, weights)}
     assert "streamed as q4_1/q8_0 packs" in physics.format_report({**phys, "linear": lin})
     assert "streamed as" not in physics.format_report(phys)
+
+
+def test_the_floor_of_each_row_count_counts_its_own_kernels_bytes(monkeypatch, tmp_path):
+    """With skinny for few-row forwards only (mkl+skinny) or for all but one-row ones (skinny+mkl), a forward on
+    the other kernel reads the weights as stored, not the exact Q4_1 / Q8_0 packs: each row's memory floor counts
+    its own kernel's bytes (the packs' were the floor of every row, ~6x too low on MKL's rows)."""
+    from graft_block import skinny
+    from graft_block.target import Target
+    from graft_block.testing import gguf_like
+
+    if not (skinny.available() and skinny._lib.quant_weights()):
+        pytest.skip("no skinny kernel with quantised loads here")
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path))
+    t = tiny_target("llama", engine="hf")
+    gguf_like(t.model)
+    weights = physics.linear_weights(t.model)
+    stored = sum(w.numel() * 4 for w, _ in weights)
+    monkeypatch.setenv(skinny.QUANT_ENV, "1")
+    few = Target(t.model, None, engine="lean", gemm="mkl+skinny")
+    most = Target(t.model, None, engine="lean", gemm="skinny+mkl")
+    packs = physics.streamed_bytes(few.lean, weights)
+    assert packs < stored / 4
+    assert physics.streamed_bytes(few.lean, weights, 17) == packs
+    assert physics.streamed_bytes(few.lean, weights, 18) is None
+    assert physics.streamed_bytes(most.lean, weights, 1) is None
+    assert physics.streamed_bytes(most.lean, weights, 2) == packs
+    out = physics.measure_physics(few, **{**TINY, "sizes": (1, 32), "compare": False})
+    bw = out["bandwidth_gbs"] * 1e9
+    assert [r["mem_floor_ms"] for r in out["rows"]] == pytest.approx([1e3 * packs / bw, 1e3 * stored / bw])
+    assert out["linear"]["mem_floor_ms"] == pytest.approx(1e3 * packs / bw)  # a decode step's

@@ -180,3 +180,27 @@ def test_sharded_equals_unsharded(tiny_folder, tmp_path):
     b = {key(r): r["tokens"] for r in two["records"]}
     assert a == b and len(a) == 8
     assert [r["prompt_id"] for r in two["records"]] == [r["prompt_id"] for r in one["records"]]  # prompt order kept
+
+
+def test_token_id_turns_are_fed_the_methods_own_answer():
+    """A later token-id turn (tokenizer-less targets) follows the earlier turns and this method's own answers, as
+    a text turn does through the chat template: it was encoded alone, with no conversation before it."""
+    target = tiny_target("llama")
+    seen = []
+
+    def fake(name, answer):
+        def run(prompt_ids, n, temp, seed, **filters):
+            seen.append((name, prompt_ids.tolist()))
+            return {"tokens": list(answer), "decode_tokens": len(answer) - 1, "decode_s": 1.0, "tau": 1.0}
+
+        return run
+
+    methods = [Method("ar", fake("ar", [40, 41, 42])), Method("other", fake("other", [50, 51]))]
+    prompts = [{"id": "ids", "turns": [[1, 2, 3], [7, 8]]}]
+    recs = measure.run_interleaved(target, methods, prompts, 8, [0.0], progress=False, warmup_tokens=0)
+    assert seen == [("ar", [1, 2, 3]), ("other", [1, 2, 3]),
+                    ("ar", [1, 2, 3, 40, 41, 42, 7, 8]), ("other", [1, 2, 3, 50, 51, 7, 8])]
+    assert [r["prompt_tokens"] for r in recs] == [3, 3, 8, 7]
+    from graft_block.eval.prompts import encode_turn
+    with pytest.raises(ConfigError, match="mixes text turns and token-id turns"):
+        encode_turn(target, [{"role": "user", "content": [1, 2]}, {"role": "assistant", "content": [3]}], "text")

@@ -21,6 +21,8 @@ from .model import DFlashModel, build_target_layer_ids
 
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size", "hidden_act", "attention_bias")
+# what Qwen3Config derives layer_types from when a config.json has no layer_types (as the reference's does)
+WINDOW_KEYS = ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers")
 # Qwen3Config's default, which the reference applies to a config.json without rope_theta
 DEFAULT_ROPE_THETA = 10000.0
 ARCHITECTURE = "DFlashDraftModel"
@@ -79,8 +81,36 @@ def model_from_config(raw: dict, draft_vocab: torch.Tensor | None = None, cls=DF
     kw = {k: raw[k] for k in SHAPE_KEYS if k in raw}
     kw.setdefault("intermediate_size", 3 * int(raw["hidden_size"]))
     kw.setdefault("num_key_value_heads", raw["num_attention_heads"])
-    cfg = Qwen3Config(**kw, rope_parameters=rope_parameters(raw), tie_word_embeddings=False)
+    window = {k: raw[k] for k in WINDOW_KEYS if k in raw}  # as written: null must not become 4096
+    cfg = Qwen3Config(**kw, **window, rope_parameters=rope_parameters(raw), tie_word_embeddings=False)
+    check_reference_features(raw, cfg)
     return cls(cfg, int(block_size), layer_ids, int(mask_id), num_target, draft_vocab, **model_kw)
+
+
+def check_reference_features(raw: dict, cfg: Qwen3Config) -> None:
+    """A ConfigError when the config asks z-lab's reference for what this forward lacks: sliding-window or causal
+    layers, a scaled block embedding, scaled or soft-capped logits (dflash_config first, as the reference reads)."""
+    dcfg = raw.get("dflash_config") or {}
+
+    def value(key):
+        return dcfg.get(key, raw.get(key))
+
+    bad = []
+    sliding = [i for i, t in enumerate(cfg.layer_types or []) if t != "full_attention"]
+    if sliding:
+        bad.append(f"sliding-window layers {sliding} (layer_types / use_sliding_window)")
+    for key in ("is_causal", "causal", "use_swa"):  # the reference's key, then vLLM's dflash_config spellings
+        if value(key):
+            bad.append(f"{key}: {value(key)!r}")
+    for key in ("input_embedding_scale", "output_multiplier"):
+        if value(key) is not None and float(value(key)) != 1.0:
+            bad.append(f"{key}: {value(key)!r}")
+    if value("final_logit_softcapping") is not None and float(value("final_logit_softcapping")) > 0:
+        bad.append(f"final_logit_softcapping: {value('final_logit_softcapping')!r}")
+    if bad:
+        raise ConfigError(f"DFlash-family config.json sets {'; '.join(bad)}: graft-block's drafting forward has full, "
+                          "non-causal attention and unscaled embeddings and logits only, so this checkpoint would "
+                          "draft other tokens than its reference; it is not supported")
 
 
 def config_dict(model: DFlashModel, extra: dict | None = None) -> dict:

@@ -11,7 +11,8 @@
   optional ``draft_vocab`` tensor as in our DFlash checkpoints.
 
 A DeepSpec-made folder without ``block_alignment`` is DeepSpec-aligned (the anchor row drafts); ours always
-writes the key, so a z-lab-aligned model never runs with the wrong rows.
+writes the key, so a z-lab-aligned model never runs with the wrong rows. A folder that spells the alignment as vLLM,
+speculators and llama.cpp do, ``sample_from_anchor`` (true = DeepSpec's rows), is read by it.
 """
 from __future__ import annotations
 
@@ -54,9 +55,20 @@ def dspark_options(raw: dict, where: str = "config.json") -> dict:
     with_markov = src.get("confidence_head_with_markov", raw.get("confidence_head_with_markov"))
     if conf and with_markov is None:
         raise ConfigError(f"{where} enables the confidence head but lacks 'confidence_head_with_markov'")
-    alignment = src.get("block_alignment", raw.get("block_alignment", "deepspec"))
-    if alignment not in ALIGNMENTS:
+    alignment = src.get("block_alignment", raw.get("block_alignment"))
+    if alignment is not None and alignment not in ALIGNMENTS:
         raise ConfigError(f"{where}: block_alignment {alignment!r} is not one of {sorted(ALIGNMENTS)}")
+    # vLLM, speculators, SGLang and llama.cpp's converter spell the alignment sample_from_anchor
+    anchor = src.get("sample_from_anchor", raw.get("sample_from_anchor"))
+    if anchor is not None:
+        if not isinstance(anchor, bool):
+            raise ConfigError(f"{where}: sample_from_anchor must be true or false, got {anchor!r}")
+        from_anchor = "deepspec" if anchor else "zlab"
+        if alignment is not None and alignment != from_anchor:
+            raise ConfigError(f"{where}: block_alignment {alignment!r} contradicts sample_from_anchor {anchor} "
+                              f"(true = the anchor row drafts = 'deepspec'); keep the one the model was trained with")
+        alignment = from_anchor
+    alignment = alignment or "deepspec"  # DeepSpec's folders carry neither key: their anchor row drafts
     first = src.get("markov_first_draft", True)  # absent in DeepSpec's folders: they bias every draft
     if not isinstance(first, bool):
         raise ConfigError(f"{where}: markov_first_draft must be true or false, got {first!r}")

@@ -96,7 +96,8 @@ class Eagle3Config:
             draft_vocab_size=int(top.get("draft_vocab_size", base.get("draft_vocab_size", vocab))),
             head_dim=base.get("head_dim"),
             target_hidden_size=top.get("target_hidden_size", base.get("target_hidden_size")),
-            rms_norm_eps=float(base.get("rms_norm_eps", 1e-5)),
+            # EAGLE's EConfig and SpecForge's / speculators' LlamaConfig all default to 1e-6
+            rms_norm_eps=float(base.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=int(base.get("max_position_embeddings", 2048)),
