@@ -255,14 +255,15 @@ def summary_rows(res: dict, only: list[int] | None = None, groups: list | None =
     return rows
 
 
-def walk_taus(res: dict, contexts: list[list[int]]) -> list[dict]:
-    """Greedy decoding's own path over every-position values (``answer_contexts(cuts=None)``): a round on context
+def walk_taus(res: dict, answers: list[int]) -> list[dict]:
+    """Greedy decoding's own path over every-position values (``answer_contexts(cuts=None)``, whose third list,
+    ``answers``, numbers each context's answer; an answer's contexts sit in position order): a round on context
     c accepts value(c) drafts and emits them and its bonus, so the next starts at c + value(c) + 1. Per method: the
     mean over all positions (what random cuts estimate) and the walk's tokens per round, which is the decoded tau
     of those turns at T = 0 (the last round counted up to the answer's end). Rounds start after a token the last
     tree missed, so the walk visits the harder positions and reads below the mean."""
-    starts = [i for i, ids in enumerate(contexts) if i == 0 or ids[:-1] != contexts[i - 1]]  # a new answer
-    spans = list(zip(starts, starts[1:] + [len(contexts)]))  # one answer's positions each
+    starts = [i for i, a in enumerate(answers) if i == 0 or a != answers[i - 1]]  # a new answer
+    spans = list(zip(starts, starts[1:] + [len(answers)]))  # one answer's positions each
     rows = []
     for name, d in res["values"].items():
         vals = [round(v) for v in d[0.0]]  # at T = 0 a value is a count of accepted nodes
@@ -427,7 +428,7 @@ def main(argv=None) -> None:
     res = evaluate(target, drafters, contexts, samplings, log=print, cuts=cuts, estimates=estimates)
     rows = summary_rows(res, groups=answers)
     print(format_table(rows))
-    walk = walk_taus(res, contexts) if args.walk else None
+    walk = walk_taus(res, answers) if args.walk else None
     if walk:
         print("\nDecoding's own walk over these values (a round starts where the last stopped):\n")
         print("| method | mean over positions | walk (= decoded) | rounds | positions |\n|---|---|---|---|---|")

@@ -268,16 +268,7 @@ class SpeculativeDecoder:
                         tree = self.schedule.apply(tree, state, self.drafter)
                     if self.check_trees:
                         validate(tree, budget=self.budget, root_token=state.root_token, vocab_size=target.vocab_size)
-                    deepest, room = int(tree.depths.max()), target.max_positions - state.cache_len
-                    if deepest >= room:  # nodes past the context window could only give tokens the length limit drops
-                        tree = tree.subset(torch.nonzero(tree.depths < room).flatten())
-                        deepest = int(tree.depths.max())
-                    window = getattr(target, "sliding_window", None)
-                    if window is not None and tree.size > 1 and state.cache_len + tree.size >= window:
-                        # a sliding-window cache would drop rows the tree needs: its first nodes (a subtree, as
-                        # nodes come parents first) fit, and past the window a round is one plain step
-                        tree = tree.subset(torch.arange(max(window - 1 - state.cache_len, 1)))
-                        deepest = int(tree.depths.max())
+                    tree = target.fit(tree)  # the context window (and a sliding one) cut deeper or later nodes
                 with timer.section("verify"):
                     logits, feats = target.verify(tree)
                     choices = choose(logits, sampling, generator)
@@ -305,7 +296,7 @@ class SpeculativeDecoder:
                 stats.rounds += 1
                 stats.accept_hist[len(new) - 1] += 1
                 stats.tree_nodes += tree.size - 1
-                stats.depth_hist[deepest] += 1
+                stats.depth_hist[int(tree.depths.max())] += 1
                 if tree.num_retrieved:
                     stats.retrieved_nodes += tree.num_retrieved
                     stats.retrieved_accepted += int((tree.sources[path] == 2).sum())

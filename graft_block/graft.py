@@ -250,9 +250,9 @@ class Graft:
 
 def saved_calibration(drafter, cfg: dict) -> dict:
     """``signal``, ``checkpoints`` and ``thresholds`` from the ``"graft"`` entry that ``graft_block.calibrate``
-    saved in the drafter's checkpoint config.json or config file; {} when there is none or ``cfg`` names another signal or other
-    checkpoints (thresholds are log-probabilities of one signal at given depths). A drafter built from a config
-    file holds that file's entry as ``graft_calibration``."""
+    saved in the drafter's config file (held as ``drafter.graft_calibration``) or checkpoint config.json; {} when
+    there is none or ``cfg`` names another signal or other checkpoints (thresholds are log-probabilities of one
+    signal at given depths)."""
     saved = getattr(drafter, "graft_calibration", None)
     ckpt = getattr(drafter, "checkpoint", None)
     if saved is None and ckpt is not None:

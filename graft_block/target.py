@@ -262,24 +262,35 @@ class Target:
         return logits
 
     @torch.no_grad()
+    def fit(self, tree: Tree) -> Tree:
+        """The part of ``tree`` this target can verify after its cache: the nodes at positions inside the context
+        window (deeper ones could only give tokens the length limit drops), and on a sliding-window cache the first
+        nodes that keep the window (a subtree: nodes come parents first), one node a round past it. Positions
+        decide, never the target's choices, so the cut is lossless."""
+        start = self.cache_len
+        if start + tree.size > self.max_positions:  # depth < size: otherwise every node fits
+            tree = tree.subset(torch.nonzero(tree.depths < self.max_positions - start).flatten())
+        if self.sliding_window is not None and tree.size > 1 and start + tree.size >= self.sliding_window:
+            tree = tree.subset(torch.arange(max(self.sliding_window - 1 - start, 1)))
+        return tree
+
     def verify(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over every tree node at positions ``cache_len + depth`` with the ancestor-only mask.
         Returns (logits [n, V], features [n, F] or None). The n new KV entries are appended; call ``compact``."""
         start = self.cache_len
-        last = start + int(tree.depths.max())
-        if last >= self.max_positions:
+        # a node's depth is below the tree's size, so only a tree that long can reach past the context window
+        if start + tree.size > self.max_positions and start + int(tree.depths.max()) >= self.max_positions:
             # positions past the window are undefined for the target (a dynamic RoPE rescales every row for them)
             raise ConfigError(
-                f"the tree's deepest node would sit at position {last}, past the target's context window of "
-                f"{self.max_positions} ({start} tokens cached): verify only nodes at depth "
-                f"< {self.max_positions - start}"
+                f"the tree's deepest node would sit past the target's context window of {self.max_positions} "
+                f"({start} tokens cached): verify only nodes at depth < {self.max_positions - start} (Target.fit)"
             )
         if self.sliding_window is not None and tree.size > 1 and start + tree.size >= self.sliding_window:
             # the layers would drop their oldest rows for the tree's, and the ancestor mask has no window
             raise ConfigError(
                 f"{start} cached tokens and a {tree.size}-node tree exceed the target's sliding window of "
-                f"{self.sliding_window}: verify at most {max(self.sliding_window - 1 - start, 1)} nodes here (the "
-                "decoder cuts its trees to fit, and past the window verifies one node a round)"
+                f"{self.sliding_window}: verify at most {max(self.sliding_window - 1 - start, 1)} nodes here "
+                "(Target.fit)"
             )
         ids = tree.tokens.to(self.device).view(1, -1)
         pos = position_ids(tree, start, self.device)

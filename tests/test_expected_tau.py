@@ -266,8 +266,8 @@ def test_walk_over_every_position_is_the_decoded_tau(tmp_path, one_thread):
 
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"id": i, "turns": [p]}) + "\n" for i, p in enumerate(prompts)))
-    ctxs, _, _ = answer_contexts(target, [str(path)], 0, cuts=None, answer_tokens=40)
-    walk = walk_taus(evaluate(target, {"next4": NextFour()}, ctxs, [SamplingConfig()]), ctxs)[0]
+    ctxs, _, answer_of = answer_contexts(target, [str(path)], 0, cuts=None, answer_tokens=40)
+    walk = walk_taus(evaluate(target, {"next4": NextFour()}, ctxs, [SamplingConfig()]), answer_of)[0]
     tokens = rounds = 0
     for p in prompts:
         out = SpeculativeDecoder(target, NextFour()).generate(p, max_new_tokens=40)

@@ -232,16 +232,16 @@ def validate(tree: Tree, budget: int | None = None, root_token: int | None = Non
         raise TreeError(f"node {bad} has parent {parents[bad]}: nodes must be topologically ordered and prefix-closed")
     if n > 1 and not torch.equal(tree.depths[1:], tree.depths[par] + 1):
         raise TreeError("depths must equal parent depth + 1")
-    if n > 1:
-        key = tree.parents[1:] * (int(tree.tokens.max()) + 1) + tree.tokens[1:]
-        if key.unique().numel() != n - 1:
-            raise TreeError("duplicate sibling tokens: two children of one parent carry the same token (trie-merge them)")
-    lo, hi = (int(v) for v in tree.tokens.aminmax())  # one pass for both bounds: this runs every round
+    lo, hi = (int(v) for v in tree.tokens.aminmax())  # one pass for both bounds (and the sibling key): every round
     if lo < 0:
         raise TreeError("negative token id in tree")
     if vocab_size is not None and hi >= vocab_size:
         raise TreeError(f"token id {hi} in the tree is outside the target vocabulary 0..{vocab_size - 1}: a drafter "
                         "or adjacency matrix made for another tokenizer proposed it; use one built for this target")
+    if n > 1:
+        key = tree.parents[1:] * (hi + 1) + tree.tokens[1:]
+        if key.unique().numel() != n - 1:
+            raise TreeError("duplicate sibling tokens: two children of one parent carry the same token (trie-merge them)")
     return tree
 
 
