@@ -419,7 +419,9 @@ def training_model(target, cfg: dict, init: str | None = None) -> MFDModel:
         model, _ = load_checkpoint(init, device=target.device, dtype=torch.float32)
         train_opts = None
     else:
-        base = D.training_model(target, {k: v for k, v in cfg.items() if k not in MFD_TRAIN_DEFAULTS}, init)
+        # the seed is also the backbone's: a new one draws its weights from it
+        base = D.training_model(target, {k: v for k, v in cfg.items() if k not in MFD_TRAIN_DEFAULTS or k == "seed"},
+                                init)
         train_opts = base.train_opts
         model = MFDModel.from_dflash(base, int(opts["num_modes"]), opts["mode_rows"])
         with torch.no_grad():

@@ -23,14 +23,17 @@ from graft_block.tree.templates import TR80_TEMPLATE, asymmetric_template, compi
 from .pld import prompt_lookup
 
 
-def build_template(template, budget: int, depth: int, width: int, fill: bool):
+def build_template(template, budget: int, depth: int, width: int, fill: bool, k: int | None = None):
     """``"tr80"`` (Token Recycling's 80-node shape, reconstructed), ``"asymmetric"`` (Graft's generator) or an explicit
-    list of rank paths; with ``fill``, spare asymmetric paths follow so de-duplicated slots are refilled."""
+    list of rank paths; with ``fill``, spare asymmetric paths follow so de-duplicated slots are refilled. ``k``: the
+    matrix's successors per row; generated paths use ranks < min(width, k)."""
     if template is None:
         template = "tr80" if budget == 80 else "asymmetric"
     for name, v in (("depth", depth), ("width", width)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"template {name} must be an int >= 1, got {v!r}")
+    if k is not None:  # a rank >= k has no matrix column: such paths would only leave their slots empty
+        width = min(width, k)
     if template not in ("tr80", "asymmetric") and not isinstance(template, (list, tuple)):
         raise ConfigError(f"template must be 'tr80', 'asymmetric' or a list of rank paths, got {template!r}")
     try:  # a template the tree code refuses is a config mistake: name it at construction, not in round 1
@@ -42,10 +45,12 @@ def build_template(template, budget: int, depth: int, width: int, fill: bool):
             base = [list(p) for p in template]
         if fill:
             capacity = sum(width ** d for d in range(1, depth + 1))
-            base = extend_template(base, min(capacity, budget + budget // 2 + 8), depth, width)
+            dead = 0 if k is None else sum(any(r >= k for r in p) for p in base)  # no column: they fill no slot
+            base = extend_template(base, min(capacity, budget + budget // 2 + 8) + dead, depth, width)
         return compile_template(base)
     except (TreeError, TypeError, ValueError) as exc:
-        raise ConfigError(f"recycling template (budget={budget}, depth={depth}, width={width}): {exc}") from None
+        raise ConfigError(f"recycling template (budget={budget}, depth={depth}, width={width}"
+                          f"{'' if k is None else f', matrix k={k}'}): {exc}") from None
 
 
 @register("recycling")
@@ -56,11 +61,11 @@ class RecyclingDrafter(Drafter):
         self.budget = check_budget(budget)
         if not isinstance(warmup_rounds, int) or warmup_rounds < 0:
             raise ConfigError(f"warmup_rounds must be an int >= 0, got {warmup_rounds!r}")
-        self.k, self.dtype = int(k), dtype
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"k (matrix successors per row) must be an int >= 1, got {k!r}")
+        self.k, self.dtype = k, dtype
         self.warmup_rounds, self.warmup_tokens = warmup_rounds, int(warmup_tokens)
         self.warmup_prompts = warmup_prompts
-        self.template_name = template if isinstance(template, str) or template is None else "custom"
-        self.template = build_template(template, self.budget, depth, width, bool(fill))
         if isinstance(matrix, (str, Path)):
             matrix = AdjacencyMatrix.load(matrix)
         if matrix is not None and not isinstance(matrix, AdjacencyMatrix):
@@ -68,6 +73,10 @@ class RecyclingDrafter(Drafter):
         if matrix is not None and matrix.k < self.k:
             raise ConfigError(f"shared matrix has k={matrix.k} < drafter k={self.k}: build the matrix with k >= {self.k}")
         self.matrix = matrix
+        self.template_name = template if isinstance(template, str) or template is None else "custom"
+        # the matrix this drafter reads has matrix.k columns (self.k when it builds its own)
+        self.template = build_template(template, self.budget, depth, width, bool(fill),
+                                       self.k if matrix is None else matrix.k)
         self.stats = {"rounds": 0, "retrieved_nodes": 0, "retrieved_accepted": 0, "rounds_with_retrieved_hit": 0}
         if target is not None:
             self.ensure_matrix(target)

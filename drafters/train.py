@@ -25,6 +25,8 @@ drafters/checkpoints/dspark-smollm2/TRAINING.md), then its confidence calibratio
     python -m graft_block.drafters.train --type dspark --data onpolicy-greedy-a --init drafters/checkpoints/dflash-smollm2 \
         --config '{"num_anchors": 64, "markov_rank": 64}' --steps 440 --warmup 0.1 --lr 2e-4 --batch-size 2 --holdout 32
     python -m graft_block.drafters.dspark.calibrate OUT --data onpolicy-greedy-a --holdout 32
+Training leaves a DSpark folder uncalibrated (a continued one's temperatures reset to 1; its config.json's
+"calibration" entry says so) until calibrate runs.
 
 Example (the bundled default, on 2 CPU cores; see drafters/checkpoints/dflash-smollm2/TRAINING.md):
     python -m graft_block.drafters.train --generate --data smollm2-sharegpt --num-prompts 4000 --max-new 160 --gen-batch 48 \\
@@ -104,7 +106,10 @@ def main(argv=None):
                          "the checkpoint's draft vocabulary (its ids stay; new EAGLE3 LM-head rows start from the "
                          "target's, mapped onto the trained rows)")
     ap.add_argument("--limit", type=int, default=None, help="use at most N cached sequences")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="every random draw of the run: data order, anchors and the drafter's initialisation (new "
+                         "layers, DSpark's heads, MFD's mode vectors, EAGLE3's warm-start noise); a \"seed\" in "
+                         "--config takes precedence for the initialisation only (--generate: the sampled answers)")
     ap.add_argument("--keep-best", action="store_true",
                     help="also keep the best held-out tau_tf weights so far in <--out>-best (with best_step.json)")
     ap.add_argument("--online", action="store_true",

@@ -22,6 +22,7 @@ import torch
 from graft_block.errors import MethodUnavailable
 
 WARMUP_TOKENS = 8  # the child's untimed call on the same prompt (the parent's warm-up call is another process)
+CHILD_TIMEOUT_S = 3600.0  # one child call (load, warm-up, timed run): a hung child stops the bench, not stalls it
 
 
 class FirstForwardClock:
@@ -59,18 +60,32 @@ def hf_runner(target, kwargs: dict):
     return _runner(target, kwargs)
 
 
-def _child_runner(target, folder: str, kwargs: dict):
+def _text(out) -> str:
+    """A TimeoutExpired's partial output: bytes even from a text-mode run."""
+    return out.decode("utf-8", errors="replace") if isinstance(out, bytes) else (out or "")
+
+
+def _child_runner(target, folder: str, kwargs: dict, timeout: float = CHILD_TIMEOUT_S):
     base = {"folder": folder, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "kwargs": kwargs}
 
     def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0):
         req = {**base, "ids": ids.view(-1).tolist(), "max_new_tokens": max_new_tokens, "temperature": temperature,
                "seed": seed, "top_k": top_k, "top_p": top_p}
-        done = subprocess.run([sys.executable, "-m", "graft_block.eval.peers"], input=json.dumps(req),
-                              capture_output=True, text=True)
+        try:
+            done = subprocess.run([sys.executable, "-m", "graft_block.eval.peers"], input=json.dumps(req),
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:  # run() has killed it
+            raise RuntimeError(f"the HF peer's child process did not finish within {timeout:g} s and was stopped: "
+                               f"{_text(exc.stderr)[-800:]}") from None
         if done.returncode:
             raise RuntimeError(f"the HF peer's child process failed ({done.returncode}): {done.stderr[-800:]}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        lines = done.stdout.strip().splitlines()
+        try:
+            return json.loads(lines[-1])
+        except (IndexError, ValueError):
+            raise RuntimeError("the HF peer's child process exited without a record (a JSON last line); stdout "
+                               f"{done.stdout[-400:]!r}, stderr: {done.stderr[-800:]}") from None
 
     return run
 

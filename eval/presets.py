@@ -208,8 +208,24 @@ def resolve_bundled(obj, name: str):
     return obj
 
 
+METHOD_KEYS = ("drafter", "graft", "schedule", "hf", "llamacpp", "default_budget", "chimeric", "hooks", "about")
+
+
+def check_spec(name: str, spec: dict) -> None:
+    """ConfigError for a method key nobody reads (a misspelt "graft" ran the method without Graft) or a default
+    budget that is no int >= 1 (1.5 was truncated to 1, "8" failed deep in int())."""
+    unknown = sorted(set(spec) - set(METHOD_KEYS))
+    if unknown:
+        raise ConfigError(f"method {name!r} has unknown keys {unknown}; a method takes {', '.join(METHOD_KEYS)}")
+    default = spec.get("default_budget", 10)
+    if isinstance(default, bool) or not isinstance(default, int) or default < 1:
+        raise ConfigError(f"method {name!r}: default_budget must be an int >= 1 (its budget without --budget), "
+                          f"got {default!r}")
+
+
 def prepare(name: str, spec: dict, budget: int | None) -> dict:
     """A preset ready to build: budget filled (the run's or the preset's default), bundled folders resolved."""
+    check_spec(name, spec)
     spec = copy.deepcopy(spec)
     spec.pop("about", None)
     default = spec.pop("default_budget", 10)

@@ -188,8 +188,9 @@ def markdown_table(rows: list[dict]) -> str:
 
 def schedule_summary(records: list[dict]) -> dict | None:
     """Per-round means over a scheduled method's records: nodes drafted and kept, the tokens the survivals
-    expected and the tokens realised (tau): their gap is the survivals' calibration on these prompts. None when
-    no record was scheduled."""
+    expected and the tokens realised (accepted + bonus, before the stop trim at EOS or max_new_tokens, as expected
+    is; not the emitted tau): their gap is the survivals' calibration on these prompts. None when no record was
+    scheduled."""
     rs = [r for r in records if r.get("schedule") and r["schedule"].get("rounds")]
     if not rs:
         return None
@@ -198,6 +199,10 @@ def schedule_summary(records: list[dict]) -> dict | None:
     def mean(key: str) -> float:
         return sum(r["schedule"][key] * r["schedule"]["rounds"] for r in rs) / n
 
+    def realised(r: dict) -> float:  # a record from before the schedule counted it: emitted plus trimmed tokens
+        got = r["schedule"].get("mean_realised_tokens")
+        return got if got is not None else (r["decode_tokens"] + (r.get("dropped") or 0)) / r["rounds"]
+
     sources: dict = {}
     for r in rs:
         for k, v in (r["schedule"].get("survival_source") or {}).items():
@@ -205,13 +210,14 @@ def schedule_summary(records: list[dict]) -> dict | None:
     return {"rounds": n, "nodes_in": mean("mean_nodes_in"), "nodes_kept": mean("mean_nodes_kept"),
             "expected_raw": mean("mean_expected_raw"),
             "expected_tokens": mean("mean_expected_tokens"),
-            "realised_tokens": sum(r["tau"] * r["schedule"]["rounds"] for r in rs) / n,
+            "realised_tokens": sum(realised(r) * r["schedule"]["rounds"] for r in rs) / n,
             "survival_source": sources}
 
 
 def schedule_table(rows: list[dict]) -> str | None:
     """Markdown: per scheduled method, nodes drafted -> kept per round and the tokens per round the offline
-    survivals expected, the recalibrated ones the schedule cut by expected, and the realised ones."""
+    survivals expected, the recalibrated ones the schedule cut by expected, and the realised ones (before the stop
+    trim, like expected)."""
     rs = [r for r in rows if r.get("schedule")]
     if not rs:
         return None

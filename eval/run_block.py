@@ -112,14 +112,27 @@ def parse_args(argv=None, prog: str | None = None):
     return ap.parse_args(argv)
 
 
+# the methods the report's ratios divide by (report.summarize): a --config method of that name would replace them
+BASELINES = {"ar": "our AR loop, the base of every speedup", "hf": "HF generate, the base of the 'vs HF' column",
+             "llamacpp": "llama.cpp's AR, the base of the 'vs llama.cpp' column"}
+
+
 def method_names(args, suite: dict, extra: dict) -> list[str]:
     """The methods of this run, validated before any model loads (AR always first: every ratio is against it)."""
-    names = args.methods.split(",") if args.methods else [n for n in suite["methods"] if n in presets.PRESETS]
-    names += [n for n in extra if n not in names and not args.methods]
-    if getattr(args, "llamacpp", None) and not args.methods:
+    names = args.methods.split(",") if args.methods is not None else \
+        [n for n in suite["methods"] if n in presets.PRESETS]
+    names += [n for n in extra if n not in names and args.methods is None]
+    if getattr(args, "llamacpp", None) and args.methods is None:
         names += [n for n in presets.LLAMACPP if n not in names]
     for n in names:
-        lookup(n, extra)
+        presets.check_spec(n, lookup(n, extra))
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:  # two methods of one name would share one record key and one turn-2 history
+        raise ConfigError(f"--methods names {twice!r} twice: list each method once (a budget sweep is --budget 8,16)")
+    for n in sorted(set(extra) & set(BASELINES)):
+        if extra[n] != presets.PRESETS[n]:
+            raise ConfigError(f"a --config method is called {n!r}, the name of {BASELINES[n]}: it would replace that "
+                              "baseline in every ratio; give it another name")
     return ["ar"] + [n for n in names if n != "ar"]
 
 
@@ -144,6 +157,8 @@ def budgets_of(text: str | None) -> list:
         raise ConfigError(f"--budget takes an int, a comma list of ints, 'auto' or 'preset', got {text!r}") from None
     if min(out) < 1:
         raise ConfigError(f"--budget must be >= 1 (the nodes a tree may draft besides its root), got {text!r}")
+    if len(set(out)) < len(out):  # "pld@8" twice: one name for two methods
+        raise ConfigError(f"--budget lists a budget twice ({text!r}): list each once")
     return out
 
 
@@ -156,19 +171,54 @@ def check_flags(args) -> None:
         raise ConfigError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {args.warmup_tokens}")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be >= 1 (leave it out for torch's choice), got {args.threads}")
-    if args.time_limit is not None and args.time_limit <= 0:
+    if args.time_limit is not None and not args.time_limit > 0:  # nan compared False: the limit never fired
         raise ConfigError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
+    if args.out:
+        blocker = next((p for p in (Path(args.out), *Path(args.out).parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise ConfigError(f"--out {args.out}: {blocker} is a file, not a folder; give another --out")
+    if args.llamacpp and llamacpp.find_binary(args.llamacpp) is None:
+        raise ConfigError(f"--llamacpp {args.llamacpp}: no {llamacpp.BINARY} in it, its bin/ or its build/bin/ "
+                          "(scripts/build_llamacpp.sh builds one)")
     temperatures(args.temperature)
 
 
 def temperatures(text: str | None) -> list[float] | None:
     """--temperature's comma list as floats (None: the suite's)."""
-    if not text:
+    if text is None:
         return None
     try:
-        return [float(t) for t in text.split(",")]
+        out = [float(t) for t in text.split(",")]
     except ValueError:
         raise ConfigError(f"--temperature takes a number or a comma list of numbers (e.g. 0,1), got {text!r}") from None
+    if len(set(out)) < len(out):  # every method would run each prompt twice at it, summed into one row
+        raise ConfigError(f"--temperature lists a temperature twice ({text!r}): list each once")
+    return out
+
+
+def plan(args, extra: dict, notes: bool = True) -> dict:
+    """Everything of a run that needs no model, checked: flags, methods, budgets, prompt files and sampling options
+    fail here, before any target loads (``main``; ``run_arms`` before its own load). ``notes``: say on stderr which
+    given flags change nothing in this run."""
+    check_flags(args)
+    suite = presets.SUITES[args.suite]
+    names = method_names(args, suite, extra)
+    budgets = budgets_of(args.budget if args.budget is not None else suite.get("budget"))
+    limit = suite["limit"] if args.limit is None else args.limit
+    sets = args.prompts.split(",") if args.prompts is not None else suite["prompts"]
+    prompts, set_info = prompt_records(sets, limit, args.first_turn_only)
+    temps = temperatures(args.temperature) or suite["temperatures"]
+    sampling_options(temps, args.top_k, args.top_p)  # a bad temperature or filter fails before any model loads
+    if notes and int(os.environ.get("RANK", 0)) == 0:
+        fixed = [n for n in names if n != "ar" and not presets.takes_budget(lookup(n, extra))]
+        if args.budget not in (None, "preset") and fixed:
+            print(f"[budget] --budget {args.budget} does not change {', '.join(fixed)}: no '{{budget}}' in their "
+                  "methods, whose sizes are fixed (--list-methods)", file=sys.stderr)
+        if (args.top_k or args.top_p < 1) and all(t == 0 for t in temps):
+            print("[sampling] --top-k / --top-p filter sampling at T > 0, and every temperature of this run is 0 "
+                  "(greedy): they change nothing (add e.g. --temperature 0,1)", file=sys.stderr)
+    return {"suite": suite, "names": names, "budgets": budgets, "limit": limit, "prompts": prompts,
+            "set_info": set_info, "max_new": args.max_new_tokens or suite["max_new_tokens"], "temps": temps}
 
 
 def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named=None):
@@ -213,7 +263,7 @@ def run_arms(table: dict, defaults: list[str], rest: list[str]) -> tuple[dict, o
     opts = parse_args(run_args)
     if opts.list_methods:
         return main(run_args, methods=table), None
-    check_flags(opts)  # before the target loads here too
+    plan(opts, {**load_method_files(opts.config), **table}, notes=False)  # before the target loads here too
     exact_quant_env(opts)
     target = load_target(opts.target, device=opts.device, dtype=opts.dtype, engine=opts.engine, compile=opts.compile,
                          release_hf=True)
@@ -236,17 +286,10 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         rows = presets.method_rows(extra)
         print(presets.format_methods(rows))
         return {"methods": rows}
-    check_flags(args)
-    suite = presets.SUITES[args.suite]
+    pre = plan(args, extra)
+    names, budgets, limit = pre["names"], pre["budgets"], pre["limit"]
+    prompts, set_info, max_new, temps = pre["prompts"], pre["set_info"], pre["max_new"], pre["temps"]
     llamacpp.set_build(args.llamacpp)
-    names = method_names(args, suite, extra)
-    budgets = budgets_of(args.budget if args.budget is not None else suite.get("budget"))
-    limit = suite["limit"] if args.limit is None else args.limit
-    sets = args.prompts.split(",") if args.prompts else suite["prompts"]
-    prompts, set_info = prompt_records(sets, limit, args.first_turn_only)
-    max_new = args.max_new_tokens or suite["max_new_tokens"]
-    temps = temperatures(args.temperature) or suite["temperatures"]
-    sampling_options(temps, args.top_k, args.top_p)  # a bad temperature or filter fails before any model loads
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -255,7 +298,11 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
             print(f"[prompts] {s['set']}: {s['used']} of {s['of']} prompts (--limit {limit}, the {args.suite} "
                   "suite's default; --limit 0 for all)", file=sys.stderr)
     out = Path(args.out or f"runs/{args.suite}-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a read-only or missing mount: named before the model loads, not a traceback
+        raise ConfigError(f"--out {out}: cannot create the output folder ({exc.strerror or exc}); "
+                          "give another --out") from exc
 
     t_start = time.time()
     machine.return_large_frees()
@@ -272,7 +319,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     check_target(target, max_new, prompts)  # before minutes of cost curve and method building
     curve = measure.verify_cost_curve(target, fresh=not args.cached_cost)
     target.share_drafter_checkpoints = True  # methods only read their drafters' weights: one copy per checkpoint
-    named = set(args.methods.split(",")) if args.methods else set(extra)  # what the user asked for by name
+    named = set(args.methods.split(",")) if args.methods is not None else set(extra)  # what the user asked for by name
     runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric, named)
     too_long: list[dict] = []  # turns that outgrew the target's context, per method (run_interleaved's notes)
     trim_heap()

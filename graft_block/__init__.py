@@ -27,7 +27,8 @@ __version__ = "0.1.0"
 
 def cache_root() -> _Path:
     """Where converted targets, training data, measured costs and kernel choices live (``GRAFT_BLOCK_CACHE``)."""
-    return _Path(_os.environ.get("GRAFT_BLOCK_CACHE", _Path.home() / ".cache" / "graft_block"))
+    # set but empty (`GRAFT_BLOCK_CACHE= cmd`) is unset, not Path("") = the current folder
+    return _Path(_os.environ.get("GRAFT_BLOCK_CACHE") or _Path.home() / ".cache" / "graft_block")
 
 
 def keyed_cache_file(kind: str, key: dict) -> _Path:

@@ -74,6 +74,9 @@ class AdjacencyMatrix:
             raise ConfigError(f"update needs logits [n, V] for n={tokens.numel()} tokens, got {tuple(logits.shape)}")
         if logits.shape[1] < self.k:
             raise ConfigError(f"logits have {logits.shape[1]} entries per row, fewer than k={self.k}")
+        if logits.shape[1] > self.vocab_size:  # its top-k would store ids with no row: IndexError (GPU: assert) later
+            raise ConfigError(f"logits have {logits.shape[1]} entries per row but this adjacency matrix has "
+                              f"{self.vocab_size} rows: build it with the target's vocab_size ({logits.shape[1]})")
         if tokens.numel() == 0:
             return
         if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:

@@ -3,6 +3,10 @@
 Round hooks for ``SpeculativeDecoder(..., round_hooks=[hook])``: ``proxy_hook(...)`` accumulates protocol (b) per
 round from ``verified.logits``; ``futures_recorder(...)`` stores (context, tree, sampling) of chosen rounds so that (a)
 can be computed afterwards with ``sampled_report`` (sampling futures inside the loop would pollute the timings).
+
+Both protocols describe the futures the target would produce under the round's own law (``round_law`` for (b),
+``round_sampler`` for (a)): temperature, top-k and top-p as the decoder applies them. At T = 0 both take the plain
+softmax (T = 1) instead: the greedy law has a single future, under which no node could ever be chimeric.
 """
 from __future__ import annotations
 
@@ -11,29 +15,43 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from graft_block.sampling import SamplingConfig, choose
+from graft_block.sampling import SamplingConfig, choose, target_probs
 from graft_block.tree import TreeError
 from graft_block.tree.chimeric import GROUPS, mean_rows, proxy_shares, sampled_shares
 
 
+def round_law(sampling: SamplingConfig | None):
+    """Proxy (b)'s P(x | u) for a round decoded under ``sampling``, as logits [n, V] -> probabilities [n, V]: the
+    decoder's own law (``target_probs``: temperature, top-k, top-p) at T > 0, the law (a)'s futures follow; at T = 0,
+    or when the round's settings are unknown, softmax at T = 1, as ``round_sampler`` (a one-hot greedy law would
+    call every node off the greedy path off-support or unreachable, never chimeric)."""
+    if sampling is None or sampling.greedy:
+        return lambda logits: torch.softmax(logits.float(), dim=-1)
+    return lambda logits: target_probs(logits, sampling)
+
+
 @dataclass
 class ProxyHook:
-    """Round hook accumulating the one-pass proxy (b) of every verified tree. ``summary()`` averages per round."""
+    """Round hook accumulating the one-pass proxy (b) of every verified tree. ``summary()`` averages per round.
+    ``temperature`` None (default): each round's own law (``round_law(state.sampling)``); a number: softmax at that
+    temperature whatever the run's law."""
 
     eps: float = 0.01
     delta: float = 0.1
-    temperature: float = 1.0
+    temperature: float | None = None
     rows: list = field(default_factory=list)
 
     def __call__(self, verified, state=None) -> None:
         if verified.tree.size > 1:
-            self.rows.append(proxy_shares(verified.tree, verified.logits, self.eps, self.delta, self.temperature))
+            t = 1.0 if self.temperature is None else self.temperature
+            law = round_law(getattr(state, "sampling", None)) if self.temperature is None else None
+            self.rows.append(proxy_shares(verified.tree, verified.logits, self.eps, self.delta, t, law))
 
     def summary(self) -> dict:
         return {group: mean_rows(self.rows, group) for group in GROUPS}
 
 
-def proxy_hook(eps: float = 0.01, delta: float = 0.1, temperature: float = 1.0) -> ProxyHook:
+def proxy_hook(eps: float = 0.01, delta: float = 0.1, temperature: float | None = None) -> ProxyHook:
     """``SpeculativeDecoder(..., round_hooks=[proxy_hook()])``; read ``hook.summary()`` afterwards."""
     return ProxyHook(eps, delta, temperature)
 
@@ -120,11 +138,13 @@ def sampled_report(target, records, n: int = 64, length: int = 15, sampler=None,
                    greedy: bool = True) -> dict:
     """Protocol (a) over recorded rounds ((context, tree) or (context, tree, SamplingConfig)): per-round shares
     averaged over rounds, per source group. Futures follow ``sampler`` if given, else each round's own law
-    (``round_sampler``)."""
+    (``round_sampler``); they are ``length`` tokens long, or as deep as the round's tree where it is deeper."""
     g = torch.Generator(device=target.device).manual_seed(seed)
     rows = []
     for context, tree, *sampling in records:
         law = sampler or round_sampler(sampling[0] if sampling else None)
-        futs = sample_futures(target, context, n, length, law, generator=g, greedy=greedy)
+        # a node deeper than every future would be labelled off-support whatever the target says there
+        depth = max(length, int(tree.depths.max()))
+        futs = sample_futures(target, context, n, depth, law, generator=g, greedy=greedy)
         rows.append(sampled_shares(tree, futs))
     return {group: mean_rows(rows, group) for group in GROUPS}

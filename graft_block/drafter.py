@@ -251,6 +251,9 @@ def bundled_checkpoints() -> list[str]:
 
 def resolve_checkpoint(ckpt: str | Path, what: str = "drafter") -> Path:
     """A folder holding config.json, or the short name of a bundled checkpoint (``bundled_checkpoints``)."""
+    if not isinstance(ckpt, (str, Path)):  # Path(5) is a TypeError from pathlib that names no key
+        raise ConfigError(f"{what} checkpoint must be a folder path or a bundled drafter's short name (a string), "
+                          f"got {type(ckpt).__name__} {ckpt!r}")
     path = Path(ckpt)
     if (path / "config.json").exists():
         return path
@@ -344,9 +347,21 @@ class Drafter:
     @classmethod
     def from_config(cls, cfg: Any, target=None) -> "Drafter":
         data = load_config(cfg)
+        if data.get("type") is not None and not (isinstance(data["type"], str) and data["type"]):
+            raise ConfigError(f"drafter config 'type' must be a drafter type name, got {data['type']!r}: one of "
+                              f"{', '.join(registered_types())}, or leave 'type' out for a checkpoint folder")
         kind = data.pop("type", None) or detect_type(data)
         calibration = data.pop("graft", None)  # Graft's thresholds (calibrate --save), not a drafter argument
-        drafter = drafter_class(kind).build(data, target)
+        check_calibration(calibration)
+        try:
+            drafter = drafter_class(kind).build(data, target)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            err = option_error(kind, data, exc)
+            if err is None:
+                raise
+            raise err from exc
         if calibration is not None:
             drafter.graft_calibration = calibration
         return drafter
@@ -382,6 +397,29 @@ class Drafter:
 
     def describe(self) -> dict:
         return {"type": self.type_name, "budget": self.budget}
+
+
+def check_calibration(calibration) -> None:
+    """A drafter config's ``graft`` entry is the calibration ``calibrate --save`` wrote; anything else would be
+    ignored by Graft without a word (e.g. Graft's own settings nested in the drafter config instead of beside it)."""
+    if calibration is None:
+        return
+    if not isinstance(calibration, dict) or not isinstance(calibration.get("thresholds"), dict) \
+            or not calibration["thresholds"]:
+        raise ConfigError(f"a drafter config's 'graft' entry is the calibration `graft-block calibrate --save` writes "
+                          f"({{'signal', 'checkpoints', 'thresholds': {{depth: log-prob}}}}), got {calibration!r}: "
+                          "Graft's own settings (mode, ...) go in the method's 'graft', beside 'drafter'")
+
+
+def option_error(kind: str, cfg: dict, exc: Exception) -> ConfigError | None:
+    """A ConfigError naming the options whose text value ``exc`` (raised deep inside a drafter's build, e.g. by
+    ``int('x')`` or HF's config checks) quotes; None when it quotes none: that is no config mistake, re-raise it."""
+    quoted = [k for k, v in cfg.items() if k != "checkpoint" and isinstance(v, str) and repr(v) in str(exc)]
+    if not quoted:
+        return None
+    named = ", ".join(f"{k}={cfg[k]!r}" for k in quoted)
+    return ConfigError(f"bad config for drafter {kind!r}: {named} was refused ({type(exc).__name__}: "
+                       f"{' '.join(str(exc).split())}); give the option a value of its type (e.g. 1, not '1')")
 
 
 def check_budget(budget) -> int:

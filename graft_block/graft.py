@@ -146,7 +146,7 @@ class Graft:
         if int(tree.tokens[0]) != root:
             raise ConfigError(f"draft tree root {int(tree.tokens[0])} != state.root_token {root}")
         stage, out = POLICIES[self.mode](self, tree, root)
-        self._last = {"stage": stage, "draft": out.num_drafted, "retrieved": out.num_retrieved}
+        self._last = {"stage": stage}
         return out
 
     def hybrid(self, kept: Tree, draft: Tree, stage, budget: int, attach_node: int | None = None) -> Tree:
@@ -177,14 +177,16 @@ class Graft:
         s["accepted"] += verified.accepted
         if last is not None:
             s["stage_counts"][str(last["stage"])] += 1
-            s["draft_nodes"] += last["draft"]
-            s["retrieved_nodes"] += last["retrieved"]
+            # the verified tree's nodes: a schedule (or the context window) may cut the grafted tree after apply
+            s["draft_nodes"] += verified.tree.num_drafted
+            s["retrieved_nodes"] += verified.tree.num_retrieved
         hits = int((verified.tree.sources[verified.path] == SOURCE_RETRIEVED).sum())
         s["retrieved_accepted"] += hits
         s["rounds_with_retrieved_hit"] += int(hits > 0)
 
     def summary(self) -> dict:
-        """Per-round statistics: which stage fired, nodes drafted/retrieved, retrieval hit rates."""
+        """Per-round statistics: which stage fired, nodes drafted/retrieved in the verified tree (after any schedule
+        cut), retrieval hit rates over those."""
         s = self.stats
         r = max(s["rounds"], 1)
         return {"mode": self.mode, "rounds": s["rounds"], "stage_counts": dict(s["stage_counts"]),

@@ -34,7 +34,8 @@ import torch
 
 from .errors import ConfigError, check_options, run_command
 from .sampling import SamplingConfig, sampling_options
-from .train_data import answer_batch, data_root, first_turn_ids, forward_cache, train_prompts
+from .train_data import (RESERVED_PROMPTS, answer_batch, data_root, first_turn_ids, forward_cache, is_reserved,
+                         leave_out_reserved, train_prompts)
 
 GENERATOR_VERSION = 1
 MANIFEST = "manifest.json"
@@ -84,10 +85,6 @@ def reserved(folder: str | Path | None) -> list[list[int]]:
     return json.loads(path.read_text()).get("reserved", []) if path is not None and path.exists() else []
 
 
-def is_reserved(index: int, ranges: Sequence[Sequence[int]]) -> bool:
-    return any(a <= index < b for a, b in ranges)
-
-
 def save_prompts(target, path: str | Path, max_prompt_tokens: int = 320) -> int:
     """Write the tokenised ShareGPT train prompts (those that fit) to ``path`` (.npz): a machine without the
     ShareGPT wheel (a GPU box) generates from this file. Returns how many prompts it holds."""
@@ -122,13 +119,15 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
              max_prompt_tokens: int = 320, time_limit_s: float | None = None, max_files: int | None = None,
              prompts: list[tuple[int, list[int]]] | None = None, command: str | None = None,
              reserve: Sequence[Sequence[int]] = (), split: str = "train", source: str | None = None,
-             log=print) -> dict:
+             answer_reserved: bool = False, log=print) -> dict:
     """Answer prompt indices [first, first + count) of ShareGPT's ``split`` ("train", or "calibration": prompts
     no drafter trains on, for clean held-out data) in chunks of ``chunk`` indices, one shard each (skipping shards
     that exist); stop before a new shard once ``time_limit_s`` has passed or ``max_files`` new shards were written.
     ``prompts`` (index, ids) replaces ShareGPT (a prompt file, tests, tokenizer-less targets; ``source`` then says
-    what they are, for the manifest). Prompt indices inside a
-    ``reserve`` range (held-out prompts) are never answered. A folder holds one split. Returns the manifest."""
+    what they are, for the manifest). Prompt indices inside a ``reserve`` range, the folder's ``reserved`` ones
+    and, for ShareGPT prompts, the held-out set's (``RESERVED_PROMPTS``; ``answer_reserved`` waives only these, to
+    build that set; not written to the manifest, so that set's own folder can be extended) are never answered. A
+    folder holds one split. Returns the manifest."""
     sampled = sampling is not None and not sampling.greedy
     if samples < 1 or (samples > 1 and not sampled):
         raise ConfigError(f"samples={samples}: need samples >= 1, and samples > 1 only with temperature > 0")
@@ -137,6 +136,8 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
     if split not in ANSWER_SPLITS:
         raise ConfigError(f"split {split!r}: answer 'train' prompts (training data) or 'calibration' prompts "
                           "(held-out data); the 'eval' slice is the benchmark's")
+    # prompt indices of another source (a prompt file) are not ShareGPT's: the held-out ranges do not apply
+    held = () if answer_reserved or source is not None else RESERVED_PROMPTS.get(split, ())
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     kind = kind_name(sampling, samples)
@@ -164,9 +165,9 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
     if command:
         manifest["commands"].append(command)
     manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
-    pool = {i: ids for i, ids in (prompts if prompts is not None else train_prompts(target, max_prompt_tokens,
-                                                                                     split=split))
-            if not is_reserved(i, manifest["reserved"])}
+    every = prompts if prompts is not None else train_prompts(target, max_prompt_tokens, split=split)
+    pool = dict(leave_out_reserved([(i, ids) for i, ids in every if first <= i < first + count],
+                                   [*manifest["reserved"], *held], log, "--answer-reserved in a folder of its own"))
     dtype = np.uint16 if target.vocab_size <= 1 << 16 else np.int32
     eos = target.eos_token_ids
     t0, written = time.time(), 0
@@ -359,6 +360,9 @@ def main(argv=None):
     ap.add_argument("--prompt-file", default=None, metavar="JSONL",
                     help="answer the first turns of this JSONL prompt file (bench's --prompts format, e.g. from "
                          "graft_block.code_prompts) instead of ShareGPT; prompt_index = record position")
+    ap.add_argument("--answer-reserved", action="store_true",
+                    help="answer the held-out set's reserved ShareGPT prompts too (only to build that set, in a "
+                         "folder of its own; a folder's own reserved ranges still hold)")
     ap.add_argument("--save-prompts", default=None, metavar="NPZ",
                     help="only write the tokenised ShareGPT train prompts to this file (for a machine without it)")
     args = ap.parse_args(argv)
@@ -408,7 +412,7 @@ def main(argv=None):
     generate(target, args.out, first, args.count, args.chunk, args.samples, sampling, args.seed, args.max_new,
              args.batch, args.max_prompt_tokens, None if args.minutes is None else 60 * args.minutes,
              args.max_files, prompts=prompts, command=command, reserve=reserved(args.after), split=args.split,
-             source=source)
+             source=source, answer_reserved=args.answer_reserved)
     print(json.dumps(totals(args.out), indent=1))
 
 

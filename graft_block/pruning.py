@@ -71,8 +71,9 @@ def normalize_thresholds(thresholds, checkpoints: Sequence[int], kind: str) -> d
 
 
 def path_min_scores(tree: Tree) -> torch.Tensor:
-    """Score of each node's weakest ancestor-or-self: non-increasing along every path even when raw scores are not."""
-    eff = tree.scores.clone().double()
+    """Score of each node's weakest ancestor-or-self: non-increasing along every path even when raw scores are not.
+    A NaN score counts as -inf (min(x, nan) is x in Python: a NaN parent would rank after its child)."""
+    eff = tree.scores.double().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     eff[0] = float("inf")
     pars = tree.parents.tolist()
     vals = eff.tolist()
@@ -97,6 +98,8 @@ def top_nodes(tree: Tree, n: int) -> torch.Tensor:
 def reorder(tree: Tree, order: torch.Tensor) -> Tree:
     """The same nodes listed in ``order`` (a topological permutation starting with the root)."""
     order = order.to(torch.long)
+    if order.numel() != tree.size or int(order[0]) != 0:  # the check below sees parents[1:] only: not the root's
+        raise ConfigError(f"reorder needs a permutation of the tree's {tree.size} nodes starting with the root (0)")
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel())
     parents = tree.parents[order]

@@ -55,7 +55,7 @@ class ConfidenceSchedule:
     group's conditionals by (accepted + adapt) / (predicted + adapt) from the next round on. Counts restart with
     each generate call. The cut then depends on earlier rounds' outcomes, never on this round's, which keeps
     decoding lossless (the exact-law tests run with it, one with a graft before the schedule). Siblings'
-    conditionals never sum past 1 (``tree.schedule.conditional_survival``).
+    conditionals never sum past 1, before the factors and after them (``tree.schedule.rescaled_survival``).
 
     ``fit_cost``: the curve is timed once, at a run's start, and the VM's speed flips within minutes (one-token
     verify 9 or 15 ms), so by default the schedule refits it to the call's own rounds: verify seconds of each
@@ -179,6 +179,8 @@ class ConfidenceSchedule:
     def observe(self, verified, state=None) -> None:
         """After the round: per depth, the predicted conditional acceptances of the verified nodes whose parent was
         accepted, and how many of them were (the decoder calls this; the outcome feeds later rounds only)."""
+        # the walk's tokens (accepted + bonus) before the decoder's stop trim: what expected_tokens estimates
+        self.stats["realised_tokens"] += int(verified.path.numel())
         total = self._verify_total(state)
         # timed whatever was verified (the decoder may cut the tree to its window), so no round's time carries over
         if self.fit_cost and state is not None and getattr(state, "timer", None) is not None:
@@ -198,7 +200,8 @@ class ConfidenceSchedule:
 
     def summary(self) -> dict:
         """Per-round means: nodes in and kept, the share kept, expected tokens per round (as the schedule saw them,
-        and before the online recalibration); survival sources."""
+        and before the online recalibration) and realised ones (accepted + bonus, counted before the decoder trims
+        the last round at EOS or max_new_tokens, as expected is: the emitted tau is after it); survival sources."""
         s = self.stats
         r = max(s["rounds"], 1)
         return {"rounds": s["rounds"], "min_nodes": self.min_nodes, "stop": self.stop, "adapt": self.adapt,
@@ -208,11 +211,11 @@ class ConfidenceSchedule:
                 "mean_nodes_in": s["nodes_in"] / r, "mean_nodes_kept": s["nodes_kept"] / r,
                 "kept_share": s["nodes_kept"] / s["nodes_in"] if s["nodes_in"] else None,
                 "mean_expected_tokens": s["expected_tokens"] / r, "mean_expected_raw": s["expected_raw"] / r,
-                "survival_source": dict(s["survival_source"])}
+                "mean_realised_tokens": s["realised_tokens"] / r, "survival_source": dict(s["survival_source"])}
 
     def reset_stats(self) -> None:
         self.stats = {"rounds": 0, "nodes_in": 0, "nodes_kept": 0, "expected_tokens": 0.0, "expected_raw": 0.0,
-                      "recalibrated_rounds": 0, "refit_rounds": 0, "draft_nodes": 0,
+                      "realised_tokens": 0, "recalibrated_rounds": 0, "refit_rounds": 0, "draft_nodes": 0,
                       "survival_source": Counter()}
 
     def describe(self) -> dict:

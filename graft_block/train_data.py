@@ -56,6 +56,24 @@ def data_root() -> Path:
 # ShareGPT's splits are cut by conversation index and its prompts recur word for word: a split's prompt that
 # recurs in a split kept from it is left out (train: the held-out calibration and the benchmark's eval slice)
 KEPT_FROM = {"train": ("calibration", "eval"), "calibration": ("train",)}
+# ShareGPT prompt indices [first, end) per split whose answers are the held-out set
+# (drafters/data/smollm2-sharegpt-heldout, its training set's manifest ``reserved``): no training data answers them
+RESERVED_PROMPTS: dict[str, tuple[tuple[int, int], ...]] = {"train": ((8576, 8704),)}
+
+
+def is_reserved(index: int, ranges: Sequence[Sequence[int]]) -> bool:
+    return any(a <= index < b for a, b in ranges)
+
+
+def leave_out_reserved(pairs: Sequence[tuple], ranges: Sequence[Sequence[int]], log=print,
+                       fix: str = "reserve=()") -> list:
+    """``pairs`` (prompt index, item) less those whose index lies in a reserved (held-out) range, saying how many."""
+    keep = [p for p in pairs if not is_reserved(p[0], ranges)]
+    if len(keep) < len(pairs):
+        names = ", ".join(f"{a}-{b - 1}" for a, b in sorted({tuple(r) for r in ranges}))
+        log(f"left out {len(pairs) - len(keep)} prompts reserved for the held-out set (prompt indices {names}); "
+            f"{fix} answers them (only to build that set, never training data)")
+    return keep
 
 
 def turn_key(turn):
@@ -242,13 +260,15 @@ def generate_data(target, name: str, num_prompts: int = 2000, max_prompt_tokens:
                   batch_size: int = 48, layers: Sequence[int] | None = None, topk: int = 8,
                   time_limit_s: float | None = None, log=print, prompts: list[list[int]] | None = None,
                   folder: str | Path | None = None, sampling=None, samples: int = 1, seed: int = 0,
-                  max_shards: int | None = None) -> Path:
+                  max_shards: int | None = None, reserve: Sequence[Sequence[int]] | None = None) -> Path:
     """Regenerate responses to ShareGPT *train* prompts (or the given token-id ``prompts``) with the target;
     resumable (existing shards are kept). ``folder`` overrides ``data_root() / name``. Greedy by default; with
     ``sampling`` (a ``SamplingConfig`` with T > 0) each prompt is answered ``samples`` times, so one context carries
     several futures (what a mixture drafter's modes can split; mfd.md 1.5). Shard ``b`` draws from seed ``seed``
     + ``b``, so a resumed run gives the same data; ``max_shards`` caps the set at the first N shards of the
-    (fixed) shuffled batch order, whatever the time limits of the runs that made it."""
+    (fixed) shuffled batch order, whatever the time limits of the runs that made it. ShareGPT prompts whose index
+    lies in ``reserve`` (default: the held-out set's, ``RESERVED_PROMPTS``) are left out; given ``prompts`` carry
+    no index and are all answered."""
 
     sampled = sampling is not None and not sampling.greedy
     if samples < 1 or (samples > 1 and not sampled):
@@ -271,7 +291,9 @@ def generate_data(target, name: str, num_prompts: int = 2000, max_prompt_tokens:
                               "another name")
         meta = old
     if prompts is None:
-        prompts = [ids for _, ids in train_prompts(target, max_prompt_tokens, num_prompts)]
+        ranges = RESERVED_PROMPTS["train"] if reserve is None else reserve
+        prompts = [ids for _, ids in leave_out_reserved(train_prompts(target, max_prompt_tokens, num_prompts),
+                                                         ranges, log)]
     else:
         meta["source"] = f"given prompts, {how}"
         prompts = [list(map(int, p)) for p in prompts]
@@ -377,29 +399,45 @@ def collate(recs, device) -> dict:
 
 
 # ---- cheaper data: the target's own next-token distributions over offline text -----------------------------
+# reply tokens a teacher-forced conversation needs inside max_len (the old rule: 48 tokens, 32 after prompt_len 16)
+TF_MIN_REPLY = 32
+
+
 @torch.inference_mode()
 def teacher_forced_data(target, name: str, num_convs: int = 3000, max_len: int = 384, batch_size: int = 8,
                         layers: Sequence[int] | None = None, topk: int = 8, time_limit_s: float | None = None,
-                        skip: int = 0, log=print, folder: str | Path | None = None) -> Path:
+                        skip: int = 0, log=print, folder: str | Path | None = None,
+                        reserve: Sequence[Sequence[int]] | None = None) -> Path:
     """One teacher-forced forward over ShareGPT *train* conversations (user turn + the human reference reply,
     chat template): no generation, so ~3x more tokens per second than ``generate_data``. Records carry
     ``labels`` [L] = the target's own greedy token at every position (``labels[t] = argmax p(. | ids[:t])``), so a
-    drafter learns the *target's* next token given real context; ``prompt_len`` is kept small (anchors anywhere
-    after the chat header). Same file format as ``generate_data``."""
+    drafter learns the *target's* next token given real context. ``prompt_len`` is the templated user turn's
+    length (``target.encode``, as ``generate_data``'s prompts): loss and anchors on the reply, of which at least
+    ``TF_MIN_REPLY`` tokens must fit ``max_len``. Conversations whose prompt index (``skip`` + position) lies in
+    ``reserve`` (default: the held-out set's, ``RESERVED_PROMPTS``) are left out. Same file format as
+    ``generate_data``."""
     from .data import sharegpt
 
     seqs = []
     shared = recurring_prompts("train")
-    for rec in sharegpt("train", limit=num_convs + skip)[skip:]:
+    records = list(enumerate(sharegpt("train", limit=num_convs + skip)))[skip:]
+    for _, rec in leave_out_reserved(records, RESERVED_PROMPTS["train"] if reserve is None else reserve, log):
         if not rec.get("reference") or turn_key(rec["turns"][0]) in shared:
             continue
-        msgs = [{"role": "user", "content": rec["turns"][0]}, {"role": "assistant", "content": str(rec["reference"])}]
-        ids = target.tokenizer.apply_chat_template(msgs, tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        if len(ids) >= 48:
-            seqs.append((list(ids)[:max_len], 16))
-    source = "sharegpt train split, user turn + reference reply, teacher-forced target distributions (labels = target argmax)"
+        user = {"role": "user", "content": rec["turns"][0]}
+        ids = target.tokenizer.apply_chat_template([user, {"role": "assistant", "content": str(rec["reference"])}],
+                                                   tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        prompt = target.encode([user]).tolist()
+        if ids[: len(prompt)] != prompt:
+            raise ConfigError(f"{target.name}'s chat template renders the user turn alone ({len(prompt)} tokens, "
+                              "with the generation prompt) other than at the head of the conversation: the reply "
+                              "cannot be told from the prompt; use generate_data (the target's own answers)")
+        # prompt_len after the user turn: a fixed 16 fell inside SmolLM2's 21-token system header
+        if len(ids[:max_len]) - len(prompt) >= TF_MIN_REPLY:
+            seqs.append((ids[:max_len], len(prompt)))
+    source = ("sharegpt train split, user turn + reference reply, teacher-forced target distributions (labels = "
+              "target argmax), prompt_len = templated user turn")
     return forward_cache(target, seqs, Path(folder) if folder is not None else data_root() / name, source,
                          batch_size, layers, topk, time_limit_s, log, labels=True, extra_meta={"max_len": max_len})
 
@@ -472,7 +510,7 @@ def forward_cache(target, seqs: list[tuple[list[int], int]], out: Path, source: 
         ntok = sum(len(s) for s, _ in batch)
         resp = sum(len(s) - p for s, p in batch)
         meta["shards"].append({"batch": bi, "file": fname, "sequences": len(batch), "tokens": ntok,
-                               "response_tokens": ntok if labels else resp, "seconds": time.time() - t1})
+                               "response_tokens": resp, "seconds": time.time() - t1})
         meta_path.write_text(json.dumps(meta, indent=1))
         log(f"forward shard {bi}: {len(batch)} seqs, {ntok} tok in {time.time() - t1:.1f}s, total "
             f"{sum(s['tokens'] for s in meta['shards'])} tok, {time.time() - t0:.0f}s")

@@ -28,7 +28,9 @@ from .train_data import autocast_context, collate, draft_vocab_from_data, load_r
 
 @runtime_checkable
 class TrainableDrafter(Protocol):
-    """What a drafter class provides to be trained by ``train`` (classmethods)."""
+    """What a drafter class provides to be trained by ``train`` (classmethods). ``training_model`` draws its random
+    inits from ``cfg["seed"]`` (``train`` sets it: ``init_seed_of``); the model it returns may carry
+    ``config_notes``, a dict that ``train`` logs and adds to every config.json it saves (``save_with_notes``)."""
 
     def training_model(self, target, cfg: dict, init: str | None = None) -> torch.nn.Module: ...
 
@@ -49,6 +51,29 @@ def epoch_batches(n: int, batch_size: int, epoch: int, seed: int, rank: int = 0,
     g.shuffle(batches)
     usable = len(batches) - len(batches) % world if world > 1 else len(batches)
     return batches[rank:usable:world]
+
+
+def init_seed_of(cfg: dict, seed: int) -> int:
+    """The seed of a run's initialisation draws (new layers and heads, MFD's mode vectors, EAGLE3's warm-start noise):
+    the config's ``"seed"`` when it names one (an explicit choice for the inits; a resumed run keeps its own), else
+    ``seed`` (``--seed``), which always orders the data and draws the anchors."""
+    own = cfg.get("seed")
+    if own is None:
+        return int(seed)
+    if not isinstance(own, int) or isinstance(own, bool):
+        raise ConfigError(f"the config's \"seed\" (the initialisation's; --seed gives it when absent) must be an "
+                          f"integer, got {own!r}")
+    return own
+
+
+def save_with_notes(klass, model, folder: Path, cfg: dict) -> None:
+    """``klass.save_trained``, then the model's ``config_notes`` (a dict; e.g. DSpark's calibration still needed)
+    added to the top level of the saved config.json, where a reader of the folder sees them."""
+    klass.save_trained(model, folder, cfg)
+    notes = getattr(model, "config_notes", None)
+    if notes:
+        path = Path(folder) / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **notes}, indent=2) + "\n")
 
 
 def lr_at(step: int, total: int, lr: float, warmup: float, min_ratio: float = 0.1) -> float:
@@ -198,7 +223,9 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     ``torch.autocast`` on the target's device, weights and optimiser state staying float32; held-out evaluation
     stays in the target's dtype, so its figures compare with float32 runs. On a CPU with AMX a bfloat16 product
     is ~10x a float32 one (docs/training.md).
-    ``steps=0`` only evaluates the init (or, with ``resume``, the run's state). Returns the final eval metrics."""
+    ``steps=0`` only evaluates the init (or, with ``resume``, the run's state). ``seed`` orders the data, draws the
+    anchors and, unless ``cfg`` names its own ``"seed"`` (``init_seed_of``), every random init. Returns the final
+    eval metrics."""
     from .drafter import drafter_class
 
     klass = drafter_class(drafter_type)
@@ -210,7 +237,6 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     cfg = dict(cfg or {})
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)  # not + rank: parameters are never broadcast, so every rank must build the same model
     state_path = run_dir / "state.pt"
     state = torch.load(state_path, weights_only=False) if resume and state_path.exists() else None
     if state is not None:
@@ -243,7 +269,15 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
             raise ConfigError(f"--resume: the run in {run_dir} started from --init {started}, not {init}: drop --init "
                               "or start a new run from that checkpoint")
         init = started if started is not None else init
+    init_seed = init_seed_of(cfg, seed)
+    if init_seed != seed:
+        log(f"[train] initialisation drawn with the config's seed {init_seed}, not --seed {seed} (which still orders "
+            "the data and draws the anchors)")
+    cfg["seed"] = init_seed  # every drafter reads its init draws from cfg["seed"]; the run state keeps it
+    torch.manual_seed(init_seed)  # not + rank: parameters are never broadcast, so every rank must build the same model
     model = klass.training_model(target, cfg, init)
+    for key, note in (getattr(model, "config_notes", None) or {}).items():
+        log(f"[init] {key}: {json.dumps(note)}")
     layers = list(getattr(model, "feature_layers", ()) or ())
     if online:
         layers = layers or list(default_feature_layers(target.num_layers))
@@ -310,7 +344,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
                     "elapsed": elapsed0 + time.time() - t0, "cfg": cfg, "tokens_seen": seen,
                     "records": len(recs), "init": None if init is None or init in ("random", "target")
                     else str(Path(init).resolve())}, state_path)
-        klass.save_trained(model, out_dir, cfg)
+        save_with_notes(klass, model, out_dir, cfg)
         write_learning_curve(run_dir / "log.jsonl", out_dir)
 
     best_tau, best_dir = float("-inf"), Path(str(out_dir) + "-best")
@@ -319,7 +353,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         nonlocal best_tau
         if keep_best and rank == 0 and ev.get("tau_tf", float("-inf")) > best_tau:
             best_tau = ev["tau_tf"]
-            klass.save_trained(model, best_dir, cfg)
+            save_with_notes(klass, model, best_dir, cfg)
             (best_dir / "best_step.json").write_text(json.dumps({"step": step, **ev}) + "\n")
 
     def write(rec):

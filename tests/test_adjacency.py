@@ -82,3 +82,18 @@ def test_warmup_fills_rows_from_target_greedy_continuation(tiny_llama):
             ref = slow_update_reference(ref, ids[0], logits)
     assert torch.equal(m.table, ref)
     assert m.filled_rows > 5
+
+
+def test_update_refuses_logits_wider_than_the_matrix():
+    """Logits over a larger vocabulary used to be accepted: their top-k stored ids with no row, and the next
+    expansion from that row indexed past the table (an IndexError on CPU, a device-side assert on a GPU)."""
+    from graft_block.tree.templates import expand_template
+
+    m = AdjacencyMatrix(10, 2)
+    logits = torch.zeros(1, 20)
+    logits[0, 15] = 5.0
+    with pytest.raises(ConfigError, match="10 rows"):
+        m.update(torch.tensor([1]), logits)
+    assert m.filled_rows == 0 and m.updates == 0
+    m.update(torch.tensor([1, 2]), torch.eye(10)[[2, 3]])  # the matrix's own width is fine: row 1 -> 2 -> 3
+    assert expand_template(1, [[0], [0, 0]], m).tokens.tolist() == [1, 2, 3]

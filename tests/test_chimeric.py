@@ -203,3 +203,64 @@ def test_sampled_report_draws_futures_from_the_rounds_own_law(tiny_llama):
     # 6 nodes: the greedy chain's 3 are coherent, the 3 runners-up off-support
     assert got["coherent"] == pytest.approx(0.5) and got["off_support"] == pytest.approx(0.5)
     assert got["chimeric"] == 0.0
+
+
+def proxy_case():
+    """Root -> 5 (P 0.05 at T=1) and 6 (0.95); after 6, token 7 has P 0.6; after 5 the target wants 1, not 7."""
+    tree = make_tree([0, 5, 6, 7], [-1, 0, 0, 1])
+    probs = torch.full((4, 10), 1e-9)
+    probs[0, 5], probs[0, 6] = 0.05, 0.95
+    probs[1, 1] = 1.0
+    probs[2, 7], probs[2, 1] = 0.6, 0.4
+    probs[3, 1] = 1.0
+    return tree, probs.log()
+
+
+def test_proxy_hook_scores_each_round_under_its_own_law():
+    """Proxy (b) describes the futures (a) samples: the round's temperature / top-k / top-p, not T=1 always. Token 5
+    (P 0.05 at T=1) is supported at T=1, but not at T=0.5 (P 0.003), top-k 1 or top-p 0.9 (outside the nucleus);
+    a greedy round (or one of unknown law) scores at T=1, as (a) samples its futures there."""
+    from types import SimpleNamespace
+
+    from graft_block.sampling import SamplingConfig
+
+    tree, logits = proxy_case()
+    verified = SimpleNamespace(tree=tree, logits=logits)
+    laws = {SamplingConfig(0.0): "coherent", SamplingConfig(1.0): "coherent", SamplingConfig(0.5): "off_support",
+            SamplingConfig(1.0, top_k=1): "off_support", SamplingConfig(1.0, top_p=0.9): "off_support",
+            SamplingConfig(2.0, top_k=2): "coherent"}
+    for sampling, label in laws.items():
+        hook = proxy_hook()
+        hook(verified, SimpleNamespace(sampling=sampling))
+        d = hook.rows[0]["draft"]
+        assert (d["coherent_n"], d["off_support_n"], d["chimeric_n"]) == \
+            ((2, 0, 1) if label == "coherent" else (1, 1, 1)), sampling  # node 7 stays chimeric: valid after 6
+    hook = proxy_hook()
+    hook(verified)  # no state: the T=1 law
+    assert hook.rows[0]["draft"]["coherent_n"] == 2
+    fixed = proxy_hook(temperature=1.0)  # an explicit temperature overrides the round's law
+    fixed(verified, SimpleNamespace(sampling=SamplingConfig(1.0, top_k=1)))
+    assert fixed.rows[0]["draft"]["coherent_n"] == 2
+
+
+def test_proxy_witness_is_a_path_the_target_would_take():
+    """"Valid elsewhere" needs a coherent other parent: after a junk node (10, 77) the target says JUNK, but no
+    future goes through (10, 77), so JUNK at depth 3 under the coherent (10, 11) is off-support, as under (a)."""
+    tree = from_paths(0, [A[:2] + [JUNK], [A[0], 77]])
+    node = tree_paths(tree)[tuple(A[:2] + [JUNK])]
+    assert label_sampled(tree, [A, B])[node] == "off_support"
+    labels, flags = label_proxy(tree, mixture_logits(tree))
+    assert labels[node] == "off_support" and not flags[node]
+    assert labels == label_sampled(tree, [A, B])
+
+
+def test_sampled_report_futures_reach_the_trees_depth(tiny_llama):
+    """Futures shorter than the tree left its deeper nodes off-support whatever the target says: a greedy chain
+    of depth 4 with length=2 futures is coherent all the way down."""
+    from graft_block.testing import hf_greedy
+
+    prompt = [1, 5, 9, 17, 33]
+    ref = hf_greedy(tiny_llama, prompt, 5)
+    tree = from_paths(ref[0], [ref[1:5]])  # the root is the first new token, the chain the next four
+    got = sampled_report(tiny_llama, [(prompt + ref[:1], tree)], n=0, length=2)["draft"]
+    assert got["n"] == 4 and got["coherent"] == 1.0

@@ -458,3 +458,65 @@ def test_an_entry_point_naming_an_unregistered_drafter_class_registers_it(monkey
         assert type(d) is ListedOnly and d.budget == 3 and ListedOnly.type_name == "listed_only_drafter"
     finally:
         drafter_mod._REGISTRY.pop("listed_only_drafter", None)
+
+
+# ---- audit of Drafter.from_config: text where a number goes, a checkpoint that is no path, a stray 'graft' -------
+@pytest.mark.parametrize("cfg, words", [
+    ({"type": "dflash", "num_layers": "1", "seed": 1}, r"num_layers.*'1'"),
+    ({"type": "dflash", "num_layers": 1, "seed": "a"}, r"seed.*'a'"),
+    ({"type": "mfd", "num_layers": 1, "mode_init_scale": "big"}, r"mode_init_scale.*'big'"),
+])
+def test_a_text_value_a_drafter_build_refused_is_named(tiny_llama, cfg, words):
+    """HF's strict config check, torch.manual_seed('a') and float('big') used to escape as their own tracebacks."""
+    with pytest.raises(ConfigError, match=words):
+        Drafter.from_config(cfg, target=tiny_llama)
+
+
+def test_from_config_names_the_option_a_deep_value_error_quotes():
+    @register("audit_int")
+    class Widths(Drafter):
+        def __init__(self, budget: int = 1, width: int = 8):
+            self.width = int(width)  # a ValueError, as many builds' int(...) of an option give
+
+    try:
+        with pytest.raises(ConfigError, match=r"'audit_int': width='x' was refused \(ValueError.*its type"):
+            Drafter.from_config({"type": "audit_int", "width": "x"})
+    finally:
+        from graft_block import drafter as drafter_mod
+
+        drafter_mod._REGISTRY.pop("audit_int", None)
+
+
+def test_an_error_that_quotes_no_option_still_raises_as_itself():
+    @register("audit_boom")
+    class Boom(Drafter):
+        def __init__(self, budget: int = 1, note: str = "ok"):
+            raise RuntimeError("a bug, not a config mistake")
+
+    try:
+        with pytest.raises(RuntimeError, match="a bug"):
+            Drafter.from_config({"type": "audit_boom", "note": "fine"})
+    finally:
+        from graft_block import drafter as drafter_mod
+
+        drafter_mod._REGISTRY.pop("audit_boom", None)
+
+
+@pytest.mark.parametrize("cfg, words", [
+    ({"type": "dflash", "checkpoint": 5}, "dflash checkpoint must be a folder path .* got int 5"),
+    ({"type": "mfd", "checkpoint": ["mfd-smollm2"]}, "mfd checkpoint must be a folder path .* got list"),
+    ({"type": ""}, "'type' must be a drafter type name, got '': one of .*pld"),
+    ({"type": 3, "budget": 2}, "'type' must be a drafter type name, got 3"),
+    ({"type": "pld", "graft": {"mode": "graft"}}, r"'graft' entry is the calibration .* beside 'drafter'"),
+    ({"type": "pld", "graft": "x"}, r"'graft' entry is the calibration"),
+])
+def test_a_checkpoint_type_or_graft_entry_of_the_wrong_kind_is_named(cfg, words):
+    """A checkpoint 5 was pathlib's TypeError; type '' said 'no type key'; Graft's settings nested in the drafter
+    config were kept as a calibration that Graft then ignored without a word."""
+    with pytest.raises(ConfigError, match=words):
+        Drafter.from_config(cfg, target=_STUB)
+
+
+def test_a_saved_calibration_still_rides_on_the_drafter():
+    cal = {"signal": "mass", "checkpoints": [0], "thresholds": {"0": -1.0}}
+    assert Drafter.from_config({"type": "pld", "graft": cal}).graft_calibration == cal

@@ -1,5 +1,6 @@
 """Entry points name bad input with the fix: target folders, bench flags and methods, prompts, context, drafters."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -150,3 +151,86 @@ def test_drafter_built_on_another_target_is_refused():
     with pytest.raises(ConfigError, match="another object.*Drafter.from_config\\(cfg, target=target\\)"):
         SpeculativeDecoder(b, d)
     assert len(SpeculativeDecoder(a, d).generate([3, 4, 5], max_new_tokens=4).tokens) == 4
+
+
+# ---- audit of the bench's flags: repeats, a replaced baseline, typos in a method, ignored values -----------------
+def _bench_files(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "p.jsonl").write_text('{"turns": [[1, 2, 3]]}\n')
+    (tmp_path / "empty.jsonl").write_text("\n")
+    for name, text in (("shadow", "name: ar\ndrafter: {type: pld, budget: 3}\n"),
+                       ("typo", "name: m\ndrafter: {type: pld}\ngrafts: {mode: graft}\n"),
+                       ("half", 'name: m\ndrafter: {type: pld, budget: "{budget}"}\ndefault_budget: 1.5\n')):
+        (tmp_path / f"{name}.yaml").write_text(text)
+
+
+@pytest.mark.parametrize("bad, words", [
+    (["--methods", "ar,pld,pld"], "--methods names 'pld' twice"),
+    (["--methods", "pld", "--budget", "8,8"], "--budget lists a budget twice"),
+    (["--temperature", "0,1,0"], "--temperature lists a temperature twice"),
+    (["--methods", ""], "unknown method ''"),
+    (["--temperature", ""], "--temperature takes a number"),
+    (["--prompts", ""], "unknown prompt set ''"),
+    (["--config", "{tmp}/shadow.yaml"], "a --config method is called 'ar', the name of our AR loop"),
+    (["--config", "{tmp}/typo.yaml", "--methods", "m"], r"method 'm' has unknown keys \['grafts'\]"),
+    (["--config", "{tmp}/half.yaml", "--methods", "m"], "default_budget must be an int >= 1.*got 1.5"),
+    (["--time-limit", "nan"], "--time-limit must be > 0 seconds, got nan"),
+    (["--out", "{tmp}/afile"], "{tmp}/afile is a file, not a folder"),
+    (["--out", "{tmp}/afile/run"], "{tmp}/afile is a file, not a folder"),
+    (["--llamacpp", "{tmp}/no-build"], "--llamacpp {tmp}/no-build: no llama-speculative-simple"),
+])
+def test_bench_refuses_what_would_run_wrong_before_the_model_loads(bad, words, tmp_path, refusal):
+    """Each ran on without a word: a repeated method shared one turn-2 history (and record key) with its twin, a
+    --config 'ar' replaced the baseline of every ratio, 'grafts' ran without Graft, default_budget 1.5 ran at 1,
+    an empty --methods/--temperature/--prompts fell back to the suite's, --time-limit nan never fired; --out on a file
+    was a FileExistsError, and a --llamacpp folder without the binary a skip after the model loaded."""
+    _bench_files(tmp_path)
+    argv = ["--methods", "ar", "--prompts", f"{tmp_path}/p.jsonl", "--out", f"{tmp_path}/o"]
+    msg = refusal(run_block.main, argv + [a.replace("{tmp}", str(tmp_path)) for a in bad])
+    assert re.search(words.replace("{tmp}", str(tmp_path)), msg), msg
+
+
+def test_run_arms_checks_prompts_and_budgets_before_its_own_load(tmp_path, refusal):
+    """The bench_*.py scripts load their target in run_arms: only the number flags were checked before it."""
+    _bench_files(tmp_path)
+    table = {"pld4": {"drafter": {"type": "pld", "budget": 4}}}
+    for rest, words in ((["--prompts", f"{tmp_path}/empty.jsonl"], "holds no records"),
+                        (["--budget", "4,4"], "--budget lists a budget twice"),
+                        (["--temperature", "0,0"], "--temperature lists a temperature twice")):
+        assert words in refusal(lambda argv: run_block.run_arms(table, ["--out", f"{tmp_path}/o"], argv), rest)
+
+
+def test_bench_says_which_given_flags_change_nothing(tmp_path, monkeypatch, capsys):
+    """--budget beside a method without a '{budget}' (a chain's size is its drafter's), and --top-p with every
+    temperature 0, were dropped without a word."""
+    from graft_block import target as target_module
+
+    class Loaded(Exception):
+        pass
+
+    def load(*a, **k):
+        raise Loaded
+
+    monkeypatch.setattr(target_module, "load_target", load)
+    _bench_files(tmp_path)
+    with pytest.raises(Loaded):
+        run_block.main(["--methods", "ar,pld,dflash_chain", "--budget", "8", "--top-p", "0.9", "--prompts",
+                        f"{tmp_path}/p.jsonl", "--out", f"{tmp_path}/o"])
+    err = capsys.readouterr().err
+    assert "[budget] --budget 8 does not change dflash_chain:" in err and "pld" not in err.split("[budget]")[1]
+    assert "[sampling] --top-k / --top-p filter sampling at T > 0" in err
+    with pytest.raises(Loaded):  # a sampled temperature: the filters apply, nothing to say
+        run_block.main(["--methods", "ar,pld", "--top-p", "0.9", "--temperature", "0,1", "--prompts",
+                        f"{tmp_path}/p.jsonl", "--out", f"{tmp_path}/o"])
+    assert "[sampling]" not in capsys.readouterr().err
+
+
+def test_an_empty_cache_variable_is_unset_not_the_current_folder(monkeypatch):
+    from pathlib import Path
+
+    import graft_block
+
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", "")
+    assert graft_block.cache_root() == Path.home() / ".cache" / "graft_block"
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", "/x/c")
+    assert graft_block.cache_root() == Path("/x/c")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from graft_block.errors import ConfigError
+from graft_block.errors import ConfigError, MethodUnavailable
 from graft_block.eval import llamacpp as L
 from graft_block.eval import presets, report, run_block
 from graft_block.eval.methods import make_method
@@ -207,7 +207,8 @@ def test_runner_end_to_end_on_a_fake_build(tmp_path, tokenizer, monkeypatch):
         Path(out).write_bytes(b"gguf")
         return Path(out)
 
-    monkeypatch.setitem(sys.modules, "graft_block.drafters.export", types.SimpleNamespace(export_llamacpp=export_llamacpp))
+    monkeypatch.setitem(sys.modules, "graft_block.drafters.export",
+                        types.SimpleNamespace(export_llamacpp=export_llamacpp))
     gg = L.gguf_dir() / "dflash-smollm2.gguf"
     assert L.draft_gguf("dflash-smollm2") == gg and calls == [("dflash-smollm2", gg, None)]
     assert L.draft_gguf("dflash-smollm2") == gg and len(calls) == 1  # cached
@@ -299,3 +300,181 @@ def test_a_delta_drafters_gguf_goes_stale_with_its_base(tmp_path):
     assert files == {"heads/model.safetensors", "heads/config.json", "backbone/model.safetensors",
                      "backbone/config.json"}
     assert {p.name for p in L.checkpoint_files(base)} == {"model.safetensors", "config.json"}
+
+
+def _fake_export(calls):
+    def export_llamacpp(source, out, tokenizer_gguf=None):
+        calls.append((source, tokenizer_gguf))
+        Path(out).write_bytes(b"gguf %d" % len(calls))
+        return Path(out)
+
+    return types.SimpleNamespace(export_llamacpp=export_llamacpp)
+
+
+def test_a_cached_draft_gguf_is_rebuilt_when_what_it_was_made_from_changes(tmp_path, monkeypatch, capsys):
+    """The cache is keyed on the checkpoint's content (not its mtime: a copied or checked-out checkpoint keeps an
+    older one), the export code and the tokenizer GGUF; each rebuild says why on stderr."""
+    import os
+
+    import graft_block.drafter as D
+
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
+    ckpt = tmp_path / "mine"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"weights v1")
+    monkeypatch.setattr(D, "bundled_checkpoint", lambda name: ckpt if name == "mine" else None)
+    calls = []
+    monkeypatch.setitem(sys.modules, "graft_block.drafters.export", _fake_export(calls))
+    gg = L.gguf_dir() / "mine.gguf"
+    assert L.draft_gguf("mine") == gg and len(calls) == 1
+    assert L.draft_gguf("mine") == gg and len(calls) == 1  # nothing changed: the cached file
+    # retrained weights whose file is older than the GGUF (a copy keeping its mtime)
+    (ckpt / "model.safetensors").write_bytes(b"weights v2")
+    os.utime(ckpt / "model.safetensors", (1e9, 1e9))
+    assert L.draft_gguf("mine") == gg and len(calls) == 2
+    err = capsys.readouterr().err
+    assert "[llamacpp] exporting: mine" in err
+    assert "[llamacpp] rebuilding (the checkpoint's weights or config changed): mine" in err
+    monkeypatch.setattr(L, "export_code_digest", lambda: "another export")
+    L.draft_gguf("mine")
+    assert len(calls) == 3 and "the export code changed" in capsys.readouterr().err
+    # the target's F32 GGUF appears: the tokenizer is copied from it now
+    tok = L.target_gguf("smollm2-135m")
+    tok.write_bytes(b"target gguf")
+    L.draft_gguf("mine")
+    assert calls[-1] == ("mine", str(tok)) and "the tokenizer GGUF changed" in capsys.readouterr().err
+    assert L.draft_gguf("mine") == gg and len(calls) == 4
+    # a GGUF cached before its inputs were recorded is not trusted
+    L._key_file(gg).unlink()
+    L.draft_gguf("mine")
+    assert len(calls) == 5 and "no record of what it was exported from" in capsys.readouterr().err
+    # a drafter no longer installed: its cached GGUF cannot be checked, so it is not run unasked
+    monkeypatch.setattr(D, "bundled_checkpoint", lambda name: None)
+    with pytest.raises(MethodUnavailable, match="not installed .* draft_gguf"):
+        L.draft_gguf("mine")
+
+
+def test_the_export_code_digest_covers_the_export_and_its_checkpoint_readers():
+    names = {f"{p.parent.name}/{p.name}" for p in L.export_code_files()}
+    assert {"drafters/export.py", "dflash/checkpoint.py", "dspark/checkpoint.py", "eagle3/checkpoint.py"} <= names
+    assert len(L.export_code_digest()) == 64
+
+
+def test_an_eos_stop_counts_only_the_tokens_up_to_the_eos(tokenizer):
+    """llama.cpp's decoded count takes its last round whole, drafts accepted past the EOS too; our loop trims them
+    (Stats.dropped), so tau and tok/s must not count them: 32 printed + EOS in 24 forwards, 36 counted."""
+    log = (STDERR.replace("decoded   32 tokens", "decoded   36 tokens").replace("n_predict = 32", "n_predict = 36")
+           .replace("n_drafted = 0", "n_drafted = 20").replace("n_accept  = 0", "n_accept  = 12"))
+    rec = L.to_record(STDOUT, log, META["prompt_text"], 40, tokenizer)
+    assert rec["tokens"][-1] == tokenizer.eos_token_id and rec["new_tokens"] == 33
+    assert rec["rounds"] == 24 and rec["decode_tokens"] == 33 and rec["dropped"] == 3
+    assert rec["tau"] == pytest.approx(33 / 24) and rec["decode_tok_s"] == pytest.approx(33 / 0.522)
+    # no stop: every counted token is emitted
+    rec = L.to_record(STDOUT, STDERR, META["prompt_text"], 32, tokenizer)
+    assert rec["decode_tokens"] == 32 and rec["dropped"] == 0
+
+
+def test_a_long_prompt_fits_llama_cpps_batch():
+    """speculative-simple refuses a prompt longer than its logical batch (default 2048): -b covers the context."""
+    ar = L.spec_args({"spec": "none"})
+    assert _after(L.command("b", "m", "p", 128, 2, ar, ctx=L.context_size(3000, 128)), "-b") == "3328"
+    assert _after(L.command("b", "m", "p", 128, 2, ar, ctx=512), "-b") == "2048"  # llama.cpp's own default
+    assert L.command("b", "m", "p", 8, 2, ar, extra=["-ub", 1])[-2:] == ["-ub", "1"]
+
+
+@pytest.mark.parametrize("cfg, why", [
+    ({"spec": "none", "args": "-ub 1"}, "args must be a list of command-line words"),
+    ({"spec": "none", "arg": ["-ub", "1"]}, r"unknown llamacpp keys \['arg'\]"),
+    ({"spec": "draft-dflash", "n_max": 7}, "needs 'draft'"),
+    ({"spec": "ngram-mod", "n_max": -1}, "n_max must be a whole number"),
+    ({"spec": "none", "timeout": 0}, "timeout must be seconds > 0"),
+])
+def test_bad_llamacpp_settings_stop_before_the_run(cfg, why):
+    """A preset's mistakes are ConfigErrors when the method is built, even where no build is configured (they used
+    to be a skip, a KeyError, or a mangled command line at the first call)."""
+    with pytest.raises(ConfigError, match=why) as got:
+        L.llamacpp_runner(_Target(None), cfg)
+    assert not isinstance(got.value, MethodUnavailable)
+
+
+def test_a_wrong_build_path_says_what_is_wrong(tmp_path, monkeypatch):
+    build = _fake_build(tmp_path)
+    binary = build / "bin" / L.BINARY
+    assert L.find_binary(binary) == binary  # the binary itself
+    # the binary's own path is a build; a path that does not exist says so
+    for where, why in ((binary, "tokenizer-backed target"), (tmp_path / "nowhere", "that path does not exist")):
+        monkeypatch.setenv(L.ENV, str(where))
+        with pytest.raises(MethodUnavailable, match=why):
+            L.llamacpp_runner(_Target(None), {"spec": "none"})
+    src = tmp_path / "src"
+    (src / "build").mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text("")
+    monkeypatch.setenv(L.ENV, str(src))
+    with pytest.raises(MethodUnavailable, match="holds llama.cpp sources but llama-speculative-simple is not built"):
+        L.llamacpp_runner(_Target(None), {"spec": "none"})
+    binary.chmod(0o644)
+    monkeypatch.setenv(L.ENV, str(build))
+    with pytest.raises(MethodUnavailable, match="llama-speculative-simple is not executable"):
+        L.llamacpp_runner(_Target(None), {"spec": "none"})
+
+
+def _stub_binary(tmp_path, body: str):
+    binary = tmp_path / "stub" / L.BINARY
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    binary.write_text(f"#!{sys.executable}\nimport sys, time\n{body}\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    L.set_build(str(binary.parent))
+    model = tmp_path / "target.gguf"
+    model.write_bytes(b"not a real gguf")
+    return str(model)
+
+
+def test_a_refused_flag_is_a_config_error_naming_it(tmp_path, tokenizer):
+    """An older build (or a preset's wrong args) fails on its first call: one line naming the flag, not a
+    RuntimeError ending in llama.cpp's usage text."""
+    import torch
+
+    model = _stub_binary(tmp_path, 'sys.stderr.write("error: invalid argument: --spec-type\\n"); sys.exit(1)')
+    run = L.llamacpp_runner(_Target(tokenizer), {"spec": "none", "model": model}, threads=1)
+    with pytest.raises(ConfigError, match="does not accept --spec-type: an older llama.cpp"):
+        run(torch.tensor(META["prompt_ids"]), 8, 0.0, 0)
+    _stub_binary(tmp_path, 'sys.stderr.write(\'error while handling argument "-ctk": unsupported cache type\\n\\n'
+                           'usage:\\n-ctk TYPE\\n\'); sys.exit(1)')
+    with pytest.raises(ConfigError, match="rejected -ctk: unsupported cache type"):
+        run(torch.tensor(META["prompt_ids"]), 8, 0.0, 0)
+
+
+def test_a_hung_call_is_stopped_at_the_presets_timeout(tmp_path, tokenizer):
+    import time
+
+    import torch
+
+    model = _stub_binary(tmp_path, 'sys.stderr.write("loading\\n"); sys.stderr.flush(); time.sleep(3)\n'
+                                   f'sys.stdout.write(open({str(DATA / "llamacpp_ar_n32.stdout")!r}).read())\n'
+                                   f'sys.stderr.write(open({str(DATA / "llamacpp_ar_n32.stderr")!r}).read())')
+    run = L.llamacpp_runner(_Target(tokenizer), {"spec": "none", "model": model, "timeout": 0.5}, threads=1)
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"did not finish within 0.5 s and was stopped(.|\n)*loading"):
+        run(torch.tensor(META["prompt_ids"]), 32, 0.0, 0)
+    assert time.perf_counter() - t0 < 2.5
+
+
+def test_the_hf_peers_child_is_stopped_at_its_timeout_and_must_print_a_record(tmp_path, monkeypatch):
+    """A hung HF child used to stall the bench forever; one that printed nothing failed with an IndexError."""
+    import torch
+
+    from graft_block.eval import peers
+
+    stub = tmp_path / "python"
+    stub.write_text(f"#!{sys.executable}\nimport os, sys, time\nsys.stdin.read()\n"
+                    "if os.environ.get('STUB_HANG'): time.sleep(3)\n")
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(sys, "executable", str(stub))
+    target = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
+    run = peers._child_runner(target, str(tmp_path), {}, timeout=0.5)
+    with pytest.raises(RuntimeError, match="exited without a record"):
+        run(torch.tensor([1, 2, 3]), 4, 0.0, 0)
+    monkeypatch.setenv("STUB_HANG", "1")
+    with pytest.raises(RuntimeError, match="did not finish within 0.5 s"):
+        run(torch.tensor([1, 2, 3]), 4, 0.0, 0)

@@ -185,3 +185,40 @@ def test_conditional_mixed_without_parent_dependence_is_the_mixed_tree():
             tree_paths(mixed_ddtree(0, ids, lps, budget))
     with pytest.raises(TreeError, match="modes"):
         conditional_mixed_ddtree(0, expand, 3, 4, 0)
+
+
+# ---- -inf log-probs (tokens outside a mode's support) ---------------------------------------------------------
+def test_best_mode_never_proposes_minus_inf_tokens_nor_nan_scores():
+    """A mode's top-K may end in -inf (the draft gives those tokens probability 0). Best-mode used to pop them
+    once the finite paths ran out, adding zero-probability nodes, and a sibling of a -inf entry scored
+    -inf - (-inf) = NaN. Now, as under the mixture rules and the brute force, they are never proposed."""
+    ninf = float("-inf")
+    ids = torch.tensor([[[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 9, 3, 4], [5, 6, 7, 8]]])
+    lps = torch.tensor([[[math.log(.7), math.log(.3), ninf, ninf]] * 2] * 2)
+    for budget in (3, 12):
+        for score, w in (("best_mode", None), ("mixture_uniform", None), ("mixture_gated", [0.3, 0.7])):
+            tree = mixed_ddtree(0, ids, lps, budget, score=score, mode_weights=w)
+            validate(tree, budget=budget, root_token=0)
+            assert bool(torch.isfinite(tree.scores).all()), (score, tree.scores.tolist())
+            assert set(tree_paths(tree)) == set(brute_force_mixed(ids, lps, budget, score=score, mode_weights=w))
+
+
+def test_conditional_mixed_never_proposes_minus_inf_children():
+    from graft_block.tree.mixed import conditional_mixed_ddtree
+
+    ninf = float("-inf")
+    expand = lambda m, d, tok: ([1, 2, 3, 4], [math.log(0.6), math.log(0.4), ninf, ninf])  # noqa: E731
+    tree = conditional_mixed_ddtree(0, expand, 12, 2, 2)
+    validate(tree, budget=12, root_token=0)
+    assert tree.size - 1 == 2 + 4  # the finite paths: 2 at depth 1, 2 x 2 at depth 2
+    assert bool(torch.isfinite(tree.scores).all()), tree.scores.tolist()
+    root_inf = lambda m, d, tok: ([1, 2], [ninf, ninf])  # noqa: E731
+    assert conditional_mixed_ddtree(0, root_inf, 5, 2, 1).size == 1
+
+
+def test_root_only_tree_marks_every_mode_and_zero_modes_is_root_only():
+    ids, lps = random_modes(3, 2, 2, 9, 0)
+    # the root's bits do not depend on whether the budget was 0 or no node could be proposed
+    assert mixed_ddtree(0, ids, lps, 0).modes.tolist() == [7]
+    assert mixed_ddtree(0, ids, torch.full_like(lps, float("-inf")), 4).modes.tolist() == [7]
+    assert mixed_ddtree(0, ids[:0], lps[:0], 4).size == 1  # no mode: was a ZeroDivisionError

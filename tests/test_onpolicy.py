@@ -197,11 +197,29 @@ def test_reserved_prompts_are_never_answered_nor_merged(tmp_path, target):
     assert OP.totals(tmp_path / "main")["greedy"]["sequences"] == 10
 
 
+def test_generation_leaves_out_the_heldout_prompts_in_a_folder_without_them(tmp_path, target):
+    """Only a folder whose manifest (or ``--after``) named the held-out range skipped it: a new folder answered
+    ShareGPT train prompts 8576-8703. Now the built-in range is always left out (and logged), and
+    ``answer_reserved`` (building the held-out set itself) waives it without writing it into the manifest."""
+    g = torch.Generator().manual_seed(2)
+    near = [(i, torch.randint(4, 96, (4,), generator=g).tolist()) for i in range(8570, 8580)]
+    kw = dict(chunk=10, max_new=2, prompts=near)
+    logs = []
+    man = OP.generate(target, tmp_path / "new", 8570, 10, log=logs.append, **kw)
+    assert [r["prompt_index"] for r in OP.read(tmp_path / "new")] == list(range(8570, 8576))
+    assert man["reserved"] == [] and any("left out 4 prompts" in s and "8576-8703" in s for s in logs), logs
+    OP.generate(target, tmp_path / "held", 8570, 10, answer_reserved=True, log=lambda *_: None, **kw)
+    assert [r["prompt_index"] for r in OP.read(tmp_path / "held")] == list(range(8570, 8580))
+    OP.generate(target, tmp_path / "file", 8570, 10, source="a prompt file", log=lambda *_: None, **kw)
+    assert len(OP.read(tmp_path / "file")) == 10  # a prompt file's indices are its own, not ShareGPT's
+
+
 def test_committed_data_reserves_the_heldout_prompts():
     if not (HELDOUT / OP.MANIFEST).exists():
         pytest.skip("the on-policy datasets are not committed")
     held = {int(r["prompt_index"]) for r in OP.read(HELDOUT)}
     assert all(OP.is_reserved(i, OP.reserved(COMMITTED)) for i in held)
+    assert OP.reserved(COMMITTED) == [list(r) for r in OP.RESERVED_PROMPTS["train"]]  # the built-in range is it
 
 
 @pytest.mark.slow

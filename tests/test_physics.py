@@ -12,11 +12,36 @@ from graft_block.testing import tiny_target
 TINY = dict(sizes=(1, 2, 4), reps=1, copy_mb=8, peak_n=128, context=16, verify_reps=1, probe_s=0.05)
 
 
+# tiny_target("llama"): hidden 64, intermediate 128, 4 heads of 16, 2 kv heads, 4 layers, vocab 128, untied head
+TINY_PARAMS = 4 * (64 * 64 + 2 * (64 * 32) + 64 * 64 + 3 * (64 * 128)) + 64 * 128  # every nn.Linear, float32
+
+
 @pytest.fixture(scope="module")
 def phys(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GRAFT_BLOCK_CACHE", str(tmp_path_factory.mktemp("cache")))
         return physics.measure_physics(tiny_target("llama", gemm="openblas"), **TINY)
+
+
+def check_consistent(p: dict) -> None:
+    """Relations between the report's fields that hold whatever the timings (speed is benchmarks' business)."""
+    lin, rows = p["linear"], {r["n"]: r for r in p["rows"]}
+    assert lin["count"] == 4 * 7 + 1 and lin["params"] == TINY_PARAMS and lin["bytes"] == 4 * TINY_PARAMS
+    assert lin["streamed_bytes"] == lin["bytes"]  # no packs on OpenBLAS: a forward reads the weights as stored
+    # units: ms x GB/s = 1e6 bytes; GFLOP/s x ms = 1e3 GFLOP
+    assert lin["mem_floor_ms"] * p["bandwidth_gbs"] * 1e6 == pytest.approx(lin["streamed_bytes"])
+    assert lin["mem_floor_ms"] == pytest.approx(rows[1]["mem_floor_ms"])  # a decode step's floor
+    for n, r in rows.items():
+        assert r["gflop"] == pytest.approx(2 * n * TINY_PARAMS / 1e9)
+        assert r["gflops"] * r["linear_ms"] == pytest.approx(1e3 * r["gflop"])
+        assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / p["peak_gflops"])
+        assert r["mem_floor_ms"] * p["bandwidth_gbs"] * 1e6 == pytest.approx(lin["streamed_bytes"])
+        assert r["floor_ms"] == pytest.approx(max(r["mem_floor_ms"], 1e3 * r["gflop"] / p["peak_gflops"]))
+        assert r["verify_ratio"] == pytest.approx(r["verify_ms"] / rows[1]["verify_ms"])
+        assert r["linear_share"] == pytest.approx(r["linear_ms"] / r["verify_ms"])
+    one = rows[1]  # non-GEMM shares: from the interleaved timing of each engine
+    assert p["non_gemm_share"] == pytest.approx((one["paired_ms"] - one["linear_ms"]) / one["paired_ms"])
+    assert p["eager_non_gemm_share"] == pytest.approx((one["eager_ms"] - one["linear_ms"]) / one["eager_ms"])
 
 
 def test_report_has_every_field_and_sane_numbers(phys):
@@ -45,11 +70,43 @@ def test_report_has_every_field_and_sane_numbers(phys):
     assert "- decoder layers: C (graft_block/skinny.py" in physics.format_report({**phys, "layers": "C"})
     tile = physics.format_report({**phys, "skinny_tile": "avx2 (2 x 8-float vectors, 6-row tiles)"})
     assert "- skinny tile on this CPU: avx2 (2 x 8-float vectors, 6-row tiles)" in tile
-    # the lean engine is compared with HF's eager forward in the same run, row by row
-    for r in phys["rows"]:  # timed alternately, rep by rep: the gain is a median of paired ratios
-        assert r["eager_ms"] > 0 and r["paired_ms"] > 0 and 0.1 < r["engine_gain"] < 10
+    # the lean engine is compared with HF's eager forward in the same run, row by row (how fast each is: benchmarks)
+    for r in phys["rows"]:
+        for k in ("eager_ms", "paired_ms", "engine_gain"):
+            assert math.isfinite(r[k]) and r[k] > 0, (r["n"], k)
+    check_consistent(phys)
     assert len([ln for ln in text.splitlines() if ln.startswith("| ")]) == 1 + 3  # header + one row per size
     json.dumps(phys)  # goes into results.json as is
+
+
+def test_report_figures_from_fixed_timings(monkeypatch):
+    """Every derived figure from timings fixed by hand (a memory-bound and a compute-bound row, and the 17.8x engine
+    gain a loaded machine once gave): exact values, so a wrong formula or unit fails here whatever the load."""
+    monkeypatch.setattr(physics, "copy_bandwidth", lambda dev, mb: 15.0)  # GB/s
+    monkeypatch.setattr(physics, "matmul_peak", lambda *a, **k: 10.0)  # GFLOP/s
+    monkeypatch.setattr(physics, "linear_sweep", lambda *a, **k: {1: 0.002, 2: 0.003})  # s
+    eager = {"a_s": {1: 0.0045, 2: 0.0065}, "b_s": {1: 0.08, 2: 0.1}, "gain": {1: 17.8, 2: 15.0}}
+    monkeypatch.setattr(physics, "paired_verify", lambda *a, **k: eager)
+    curve = {"median_s": {"1": 0.004, "2": 0.006}, "source": "given"}
+    p = physics.measure_physics(tiny_target("llama", gemm="openblas"), curve=curve, **{**TINY, "sizes": None})
+    check_consistent(p)
+    nbytes, flops = 4 * TINY_PARAMS, 2 * TINY_PARAMS  # per one-row forward
+    assert (p["bandwidth_gbs"], p["peak_gflops"]) == (15.0, 10.0) and [r["n"] for r in p["rows"]] == [1, 2]
+    r1, r2 = p["rows"]
+    assert r1["mem_floor_ms"] == r2["mem_floor_ms"] == pytest.approx(1e3 * nbytes / 15e9)
+    assert r1["floor_ms"] == pytest.approx(1e3 * nbytes / 15e9)  # 41.5 us of bytes > 31.1 us of FLOPs
+    assert r2["floor_ms"] == pytest.approx(1e3 * 2 * flops / 10e9)  # 62.3 us of FLOPs > 41.5 us of bytes
+    assert (r1["linear_ms"], r2["linear_ms"]) == pytest.approx((2.0, 3.0))
+    assert (r1["gflops"], r2["gflops"]) == pytest.approx((flops / 0.002 / 1e9, 2 * flops / 0.003 / 1e9))
+    assert r1["pct_peak"] == pytest.approx(100 * flops / 0.002 / 1e9 / 10.0)
+    assert (r1["verify_ms"], r2["verify_ms"], r2["verify_ratio"]) == pytest.approx((4.0, 6.0, 1.5))
+    assert (r1["linear_share"], r2["linear_share"]) == pytest.approx((0.5, 0.5))
+    assert (r1["paired_ms"], r1["eager_ms"], r1["engine_gain"]) == pytest.approx((4.5, 80.0, 17.8))
+    assert p["non_gemm_share"] == pytest.approx(2.5 / 4.5) and p["eager_non_gemm_share"] == pytest.approx(78 / 80)
+    text = physics.format_report(p)
+    assert "| 1 | 2.00 | 0.00 | 0.2 | 2% | 0.04 | 4.00 | 1.00 | 50% | 4.50 | 80.0 | 17.80x |" in text
+    assert "non-GEMM share of a decode step: 56% (verify(1) 4.50 ms, linear layers alone 2.00 ms); 98% on " \
+           "hf-sdpa-float32 (80.0 ms)" in text
 
 
 def test_linear_flops_match_a_hand_count():

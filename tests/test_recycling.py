@@ -47,6 +47,24 @@ def test_recycling_budget_exact_unique_siblings(budget):
         assert d.template_name is None and d.template.size > 80
 
 
+@pytest.mark.parametrize("k,shared", [(2, False), (3, False), (3, True)])
+def test_template_ranks_fit_the_matrix_k(k, shared):
+    """A rank >= k has no matrix column: the template used to keep width 8 whatever k, and with k = 2 a budget-40
+    tree came out with 25 nodes (k = 3, budget 80: 71) although the matrix fills it. The matrix's k bounds the
+    ranks: the drafter's own k, or a shared matrix's."""
+    m = full_matrix(k=k)
+    for budget in (40, 80):
+        d = RecyclingDrafter(budget=budget, k=2 if shared else k, matrix=m, warmup_rounds=0)
+        for root in (0, 17, 63):
+            tree = d.propose(_State([1, root]))
+            validate(tree, budget=budget, root_token=root)
+            assert tree.size - 1 == budget, (k, budget, root, tree.size - 1)
+    with pytest.raises(ConfigError, match="matrix k=1"):  # 6 nodes at most: say so instead of proposing fewer
+        RecyclingDrafter(budget=20, k=1, warmup_rounds=0)
+    with pytest.raises(ConfigError, match="k "):
+        RecyclingDrafter(budget=20, k=0, warmup_rounds=0)
+
+
 def test_tr80_used_verbatim_without_fill():
     d = RecyclingDrafter(budget=80, matrix=full_matrix(), warmup_rounds=0, fill=False)
     tree = d.propose(_State([3]))

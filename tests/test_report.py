@@ -49,23 +49,29 @@ def test_summary_rows_carry_suffix_decay_and_the_table():
 
 def test_schedule_summary_weights_records_by_rounds():
     a, b = _rec("sched", {0: 6, 1: 4}), _rec("sched", {0: 10, 2: 20}, pid="p1")
-    a.update(tau=1.4, schedule={"rounds": 10, "mean_nodes_in": 4.0, "mean_nodes_kept": 2.0,
-                                "mean_expected_tokens": 1.6, "mean_expected_raw": 1.6,
-                                "survival_source": {"drafter": 10}})
+    a.update(tau=1.4, dropped=2, schedule={"rounds": 10, "mean_nodes_in": 4.0, "mean_nodes_kept": 2.0,
+                                           "mean_expected_tokens": 1.6, "mean_expected_raw": 1.6,
+                                           "mean_realised_tokens": 1.6, "survival_source": {"drafter": 10}})
     a_schedule = copy.deepcopy(a["schedule"])
     b.update(tau=2.0, schedule={"rounds": 30, "mean_nodes_in": 8.0, "mean_nodes_kept": 6.0,
                                 "mean_expected_tokens": 2.2, "mean_expected_raw": 2.4,
-                                "survival_source": {"drafter": 28, "scores": 2}})
+                                "mean_realised_tokens": 2.0, "survival_source": {"drafter": 28, "scores": 2}})
     rows = {r["method"]: r for r in report.summarize([_rec("ar", {0: 10}), _rec("ar", {0: 10}, pid="p1"), a, b])}
     assert a["schedule"] == a_schedule  # the caller's records are read, not changed
     s = rows["sched"]["schedule"]
     assert s["rounds"] == 40 and s["nodes_in"] == pytest.approx(7.0) and s["nodes_kept"] == pytest.approx(5.0)
-    assert s["expected_tokens"] == pytest.approx(2.05) and s["realised_tokens"] == pytest.approx(1.85)
+    # realised: the schedule's own count before the stop trim (a's tau 1.4 is after it), weighted like expected
+    assert s["expected_tokens"] == pytest.approx(2.05) and s["realised_tokens"] == pytest.approx(1.9)
     assert s["expected_raw"] == pytest.approx((1.6 * 10 + 2.4 * 30) / 40)
     assert s["survival_source"] == {"drafter": 38, "scores": 2} and rows["ar"]["schedule"] is None
     table = report.schedule_table(list(rows.values())).splitlines()
-    assert table[2] == "| sched | 0 | - | 7.00 | 5.00 | 2.20 | 2.05 | 1.85 | drafter 38, scores 2 |" and len(table) == 3
+    assert table[2] == "| sched | 0 | - | 7.00 | 5.00 | 2.20 | 2.05 | 1.90 | drafter 38, scores 2 |" and len(table) == 3
     assert report.schedule_table([rows["ar"]]) is None
+    # a record from before the schedule counted it: emitted plus trimmed tokens a round, not the emitted tau
+    old = _rec("old", {0: 2, 1: 2})
+    old.update(tau=2.5, dropped=2, schedule={k: v for k, v in a["schedule"].items() if k != "mean_realised_tokens"})
+    old["schedule"]["rounds"] = 4
+    assert report.schedule_summary([old])["realised_tokens"] == pytest.approx((10 + 2) / 4)
 
 
 def test_suffix_decay_plot(tmp_path):

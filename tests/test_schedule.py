@@ -17,7 +17,8 @@ from graft_block.testing import chi_square_test, exact_sequence_probs, hf_greedy
 from graft_block.tree import SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_ROOT, chain, make_tree, merge, walk
 from graft_block.tree.schedule import (apply_temperatures, calibrate_temperatures, calibration_keys,
                                        conditional_survival, convex_cost_curve, curve_cost, expected_calibration_error,
-                                       survival_from_scores, path_survival, prefix_ece, schedule_tree)
+                                       path_survival, prefix_ece, rescaled_survival, schedule_tree,
+                                       survival_from_scores)
 
 
 def _random_tree(gen, n):
@@ -151,6 +152,28 @@ def test_sibling_conditionals_never_sum_past_one():
     sched = ConfidenceSchedule(lambda m: 1.0, adapt=0)  # flat cost: keeps all, expected = sum of survivals
     sched.apply(tree, None, _Head(torch.tensor([1.0, 0.8, 0.6, 0.4, 0.2])))
     assert sched.stats["expected_tokens"] == pytest.approx(1 + 1.0 + 0.8 / 1.4 * 0.75)
+
+
+def test_recalibrated_siblings_never_sum_past_one():
+    """The online factors scale a parent's top child and its other children apart, so two factors above 1 pushed
+    siblings past 1 again: a root with two children expected 2.32 tokens a round, where at most 2 can come."""
+    from graft_block.decoder import Verified
+
+    D = SOURCE_DRAFT
+    tree = make_tree([0, 1, 2], [-1, 0, 0])
+    keys = calibration_keys(tree, [1.0, 0.6, 0.4])
+    surv = rescaled_survival(tree, [1.0, 0.6, 0.4], {(1, True, D): 1.5, (1, False, D): 1.5}, keys)
+    assert surv.tolist() == pytest.approx([1.0, 0.6, 0.4])  # 0.9 and 0.6 scaled down together
+    sched = ConfidenceSchedule(lambda m: 1.0, adapt=1.0)  # flat cost: keeps all, expected = sum of survivals
+    state = type("S", (), {"round": 0})()
+    for r, (pa, pb, took) in enumerate([(0.3, 0.2, 1), (0.3, 0.2, 2)]):  # the top child, then the other, accepted
+        state.round = r
+        out = sched.apply(make_tree([0, 1, 2], [-1, 0, 0], scores=[0.0, math.log(pa), math.log(pb)]), state)
+        sched.observe(Verified(out, None, None, torch.tensor([0, took]), 7, None))
+    assert all(f > 1 for f in sched.factors().values())
+    state.round, before = 2, sched.stats["expected_tokens"]
+    sched.apply(make_tree([0, 1, 2], [-1, 0, 0], scores=[0.0, math.log(0.6), math.log(0.4)]), state)
+    assert sched.stats["expected_tokens"] - before == pytest.approx(2.0)
 
 
 def test_a_retrieved_subtree_continues_its_attach_nodes_path_score():
@@ -499,6 +522,39 @@ def test_graft_then_schedule_keeps_the_exact_law(one_thread):
     cheat = SpeculativeDecoder(target, FullTreeDrafter(V, depth=1, seed=3), graft=graft,
                                schedule=PeekingSchedule(bad=last.index(max(last))))
     assert chi_square_test(_law_counts(cheat, prompt, n, length, 321)[0], exact)[2] < 1e-3
+
+
+def test_graft_summary_counts_the_nodes_the_schedule_kept(one_thread):
+    """A schedule after the graft drops retrieved nodes that are never verified: the graft's node counts and its
+    hit rate per retrieved node are over the verified tree, the decoder's own counts."""
+    from graft_block.adjacency import AdjacencyMatrix
+    from graft_block.graft import Graft
+
+    V = 4
+    target = tiny_target("llama", vocab_size=V, hidden_size=32, num_layers=2)
+    graft = Graft(budget=8, matrix=AdjacencyMatrix(V, 2, "int32", "cpu"), mode="fixed", fixed_draft_fraction=0.25)
+    sched = ConfidenceSchedule(lambda m: 1.0 + 0.05 * (m - 1), fit_cost=False)  # cuts a few nodes
+    sched.overhead = lambda state: 0.0  # the cut reads no clock: the same every run
+    dec = SpeculativeDecoder(target, FullTreeDrafter(V, depth=1, seed=3), graft=graft, schedule=sched)
+    st = dec.generate([1, 3, 2], max_new_tokens=40, temperature=1.0, seed=0).stats
+    assert sched.summary()["mean_nodes_kept"] < sched.summary()["mean_nodes_in"]  # the schedule did cut
+    g = graft.stats
+    assert g["rounds"] == st.rounds and g["retrieved_nodes"] == st.retrieved_nodes and st.retrieved_accepted > 0
+    assert g["draft_nodes"] + g["retrieved_nodes"] == st.tree_nodes
+    assert graft.summary()["retrieved_hit_rate_per_node"] == pytest.approx(st.retrieved_accepted / st.retrieved_nodes)
+
+
+def test_realised_tokens_are_the_walks_before_the_stop_trim(one_thread):
+    """Expected tokens are the walk's (accepted + bonus) before the decoder trims the last round at max_new_tokens
+    or EOS; the schedule's realised tokens are counted at the same point, not from the emitted tau."""
+    V = 4
+    target = tiny_target("llama", vocab_size=V, hidden_size=32, num_layers=2)
+    sched = ConfidenceSchedule(lambda m: 1.0)  # a flat cost keeps the full 4-ary depth-2 tree
+    dec = SpeculativeDecoder(target, FullTreeDrafter(V, depth=2, seed=1), schedule=sched)
+    st = dec.generate([1, 3, 2], max_new_tokens=5).stats  # greedy: each round takes 2 nodes + bonus; 2 trimmed
+    assert st.rounds == 2 and st.dropped == 2 and st.tau == 2.0
+    s = sched.summary()
+    assert s["mean_realised_tokens"] == 3.0 and s["mean_expected_tokens"] <= 3.0
 
 
 def test_schedule_with_a_confidence_head_is_greedy_identical(one_thread):

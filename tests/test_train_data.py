@@ -62,18 +62,85 @@ def test_split_prompts_leave_out_text_that_recurs_in_a_split_kept_from_training(
     assert TD.train_prompts(target, 8, limit=2) == [(0, [5, 6])]
 
 
-def test_teacher_forced_text_leaves_out_conversations_whose_prompt_recurs_in_a_kept_split(target, monkeypatch,
-                                                                                         tmp_path):
+class HeaderChat:
+    """A chat template shaped like SmolLM2's: a 20-token system header, then per turn a role id, its content
+    (5 ids naming a user turn's text, 40 for a reply) and an end id; the generation prompt is the assistant id."""
+    HEADER = [10] * 20
+
+    def apply_chat_template(self, msgs, add_generation_prompt=False, tokenize=True):
+        ids = list(self.HEADER)
+        for m in msgs:
+            body = [4 + ord(m["content"][0]) - ord("a")] * 5 if m["role"] == "user" else [5] * 40
+            ids += [11 if m["role"] == "user" else 12, *body, 13]
+        return ids + [12] * add_generation_prompt
+
+
+def user_token(rec):
+    return int(rec["ids"][len(HeaderChat.HEADER) + 1])
+
+
+def fake_sharegpt(monkeypatch, train, others=(), reference="reply"):
+    """``data.sharegpt`` over the given train-split texts (None: no reference reply) and no other splits' text."""
     from graft_block import data
 
-    splits = {"train": ["a", "b", "c"], "calibration": ["b"], "eval": ["z"]}
-    monkeypatch.setattr(data, "sharegpt", lambda split="train", limit=None: [
-        {"id": f"{split}/{i}", "turns": [t], "reference": "reply"} for i, t in enumerate(splits[split])][:limit])
+    def split(name="train", limit=None):
+        texts = train if name == "train" else others
+        return [{"id": f"{name}/{i}", "turns": [t or "a"], "reference": reference if t else None}
+                for i, t in enumerate(texts)][:limit]
 
-    class Chat:  # 48 ids a conversation, the first naming its prompt
-        def apply_chat_template(self, msgs, tokenize=True):
-            return [4 + ord(msgs[0]["content"]) - ord("a")] + [5] * 47
+    monkeypatch.setattr(data, "sharegpt", split)
 
-    monkeypatch.setattr(target, "tokenizer", Chat(), raising=False)
+
+def test_teacher_forced_text_leaves_out_conversations_whose_prompt_recurs_in_a_kept_split(target, monkeypatch,
+                                                                                         tmp_path):
+    fake_sharegpt(monkeypatch, ["a", "b", "c"], others=["b", "z"])
+    monkeypatch.setattr(target, "tokenizer", HeaderChat(), raising=False)
     TD.teacher_forced_data(target, "tf", num_convs=3, layers=[1], topk=2, folder=tmp_path, log=lambda *_: None)
-    assert sorted(int(r["ids"][0]) for r in TD.load_records(tmp_path)[0]) == [4, 6]  # "a" and "c", not "b"
+    assert sorted(user_token(r) for r in TD.load_records(tmp_path)[0]) == [4, 6]  # "a" and "c", not "b"
+
+
+def test_teacher_forced_prompt_ends_after_the_user_turn(target, monkeypatch, tmp_path):
+    """``prompt_len`` was a fixed 16, inside SmolLM2's 21-token system header: the record's "prompt" held no user
+    text and its loss and anchors began in the header. It is now the templated user turn with the generation
+    prompt, the same ids ``generate_data`` answers."""
+    fake_sharegpt(monkeypatch, ["a", "b"])
+    monkeypatch.setattr(target, "tokenizer", HeaderChat(), raising=False)
+    TD.teacher_forced_data(target, "tf", num_convs=2, layers=[1], topk=2, folder=tmp_path, log=lambda *_: None)
+    recs = TD.load_records(tmp_path)[0]
+    assert len(recs) == 2
+    for r in recs:
+        prompt = target.encode([{"role": "user", "content": chr(ord("a") + user_token(r) - 4)}]).tolist()
+        assert r["prompt_len"] == len(prompt) == 28 and r["ids"][: r["prompt_len"]].tolist() == prompt
+
+
+def reserved_split(short):
+    """A train split reaching past the held-out prompts (8576-8703): only the indices in ``short`` hold a prompt
+    of 3 ids, the others 10 ids (over an 8-token cap), so a generation answers only ``short``."""
+    return [[4 + i % 90, 5, 6] if i in short else [7] * 10 for i in range(8580)]
+
+
+def test_generated_data_leaves_out_the_reserved_heldout_prompts(target, monkeypatch, tmp_path):
+    """A prompt count reaching past index 8576 answered the held-out set's prompts (only the on-policy path skipped
+    them): now they are left out and the log says how many."""
+    short = {0, 1, 8576, 8579}
+    fake_sharegpt(monkeypatch, reserved_split(short))
+    logs = []
+    TD.generate_data(target, "r", num_prompts=8580, max_prompt_tokens=8, max_new=2, layers=[1], topk=2,
+                     folder=tmp_path, log=logs.append)
+    got = sorted(r["ids"][: r["prompt_len"]].tolist() for r in TD.load_records(tmp_path)[0])
+    assert got == [[4, 5, 6], [5, 5, 6]]
+    assert any("left out 2 prompts" in s and "8576-8703" in s for s in logs), logs
+
+
+def test_teacher_forced_data_leaves_out_the_reserved_heldout_prompts(target, monkeypatch, tmp_path):
+    """The same for teacher-forced text: a conversation's index is ``skip`` + its position in the split."""
+    texts = [None] * 8706
+    for i, t in ((1, "a"), (8576, "b"), (8600, "c"), (8704, "d")):  # 8704: the first index past the range
+        texts[i] = t
+    fake_sharegpt(monkeypatch, texts)
+    monkeypatch.setattr(target, "tokenizer", HeaderChat(), raising=False)
+    logs = []
+    TD.teacher_forced_data(target, "tf", num_convs=8705, skip=1, layers=[1], topk=2, folder=tmp_path,
+                           log=logs.append)
+    assert sorted(user_token(r) for r in TD.load_records(tmp_path)[0]) == [4, 7]  # "a" and "d"
+    assert any("left out 128 prompts" in s for s in logs), logs

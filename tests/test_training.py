@@ -393,3 +393,70 @@ def test_acceptance_label_is_the_overlap_with_the_target_even_when_its_top_k_is_
     rows = D.row_objective(model, torch.zeros(2, 3), torch.tensor([3, 0]), batch, torch.tensor([0, 1]), opts)
     assert rows["accept"].tolist() == pytest.approx([0.0, 2 / 3])
     assert not rows["accept"].requires_grad
+
+
+def _capture_models(monkeypatch, klass) -> list:
+    """The models ``T.train`` builds through ``klass.training_model``, in order."""
+    built = []
+    real = klass.training_model.__func__
+    monkeypatch.setattr(klass, "training_model", classmethod(
+        lambda cls, *a, **k: built.append(real(cls, *a, **k)) or built[-1]))
+    return built
+
+
+@pytest.mark.parametrize("kind", ["dspark", "mfd", "eagle3"])
+def test_the_seed_governs_every_init_and_a_config_seed_overrides_it(tiny, data, tmp_path, monkeypatch, kind):
+    """--seed draws the DSpark heads, MFD's mode vectors, EAGLE3's warm-start noise and the DFlash backbone (they
+    read the drafter config's "seed", so two --seed values built the same model); the same seed builds the same
+    model, and a "seed" in the config wins for the inits (its documented precedence) and is logged."""
+    from graft_block.drafter import drafter_class
+
+    block = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 4, "num_anchors": 4}
+    cfg, init, parts = {
+        "dspark": (dict(block, markov_rank=4), "random",
+                   ("markov_head.markov_w1.weight", "confidence_head.proj.weight", "layers.0.mlp.up_proj.weight")),
+        "mfd": (dict(block, num_modes=2), "random", ("mode_embed", "layers.0.mlp.up_proj.weight")),
+        "eagle3": ({"draft_vocab_size": 32, "token_counts": torch.ones(128), "feature_layers": [1, 3, 3],
+                    "warm_start": ["layer"]}, "target", ("midlayer.self_attn.q_proj.weight",))}[kind]
+    built = _capture_models(monkeypatch, drafter_class(kind))
+    lines = []
+    for i, (seed, extra) in enumerate(((0, {}), (1, {}), (1, {}), (1, {"seed": 0}))):
+        T.train(kind, tiny, str(data), tmp_path / f"ck{i}", tmp_path / f"run{i}", cfg={**cfg, **extra}, init=init,
+                steps=0, holdout=2, seed=seed, log=lines.append)
+    s0, s1, again, over = (m.state_dict() for m in built)
+    assert all(torch.equal(s1[k], again[k]) for k in s1)  # reproducible from the command alone
+    for k in parts:
+        assert not torch.equal(s0[k], s1[k]), k
+    assert all(torch.equal(s0[k], over[k]) for k in s0)
+    assert sum("seed 0" in x and "--seed 1" in x for x in lines) == 1, lines
+
+
+def test_continuing_a_calibrated_dspark_folder_resets_its_temperatures_and_says_calibrate_is_needed(tiny, data,
+                                                                                                  tmp_path):
+    """The temperatures calibrate.py fitted belong to the folder's weights; a continued run used to ship them
+    unchanged with new heads. Now they are reset to 1 (logged), the saved config.json says calibration is needed,
+    and calibrate.py's write removes that mark."""
+    import graft_block.drafters.dspark as S
+    from graft_block.drafter import Drafter
+    from graft_block.drafters.dspark.calibrate import calibrate
+
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 4, "num_anchors": 4,
+           "markov_rank": 4}
+    model = S.DSparkDrafter.training_model(tiny, dict(cfg), "random")
+    model.confidence_temperatures = torch.tensor([0.7, 1.3, 2.0])
+    model.draft_temperatures = torch.tensor([1.2, 1.5, 1.9])
+    model.sampled_draft_temperatures = torch.tensor([1.4, 1.6, 2.2])
+    S.DSparkDrafter.save_trained(model, tmp_path / "cal", cfg)
+    lines = []
+    T.train("dspark", tiny, str(data), tmp_path / "ck", tmp_path / "run", cfg={"num_anchors": 4},
+            init=str(tmp_path / "cal"), steps=1, holdout=4, log=lines.append)
+    loaded = S.load_checkpoint(tmp_path / "ck", dtype=torch.float32)
+    assert loaded.confidence_temperatures.tolist() == [1.0] * 3 and loaded.draft_temperatures.tolist() == [1.0] * 3
+    assert loaded.sampled_draft_temperatures is None
+    note = json.loads((tmp_path / "ck" / "config.json").read_text())["calibration"]
+    assert note["needed"] is True and "calibrate" in note["run"]
+    assert all(k in note["why"] for k in ("confidence_temperatures", "draft_temperatures", "reset"))
+    assert any("[init] calibration" in x and "reset" in x for x in lines), lines
+    assert Drafter.from_config(str(tmp_path / "ck"), target=tiny).model.confidence_temperatures.tolist() == [1.0] * 3
+    calibrate(tmp_path / "ck", str(data), holdout=4, target=tiny, min_rows=1, sampled_at=0.0)
+    assert "calibration" not in json.loads((tmp_path / "ck" / "config.json").read_text())

@@ -177,3 +177,26 @@ def test_walk_sampling_is_exact_chi_square(cheat):
         assert p < 1e-3, f"the chi-square test failed to detect a biased verifier (p={p:.3g})"
     else:
         assert p > 1e-3, f"walk output distribution differs from the target's (chi2={stat:.1f}, dof={dof}, p={p:.3g})"
+
+
+# ---- pruning's ranking (graft_block/pruning.py) ------------------------------------------------------------
+def test_pruning_ranking_stays_ancestor_closed_with_a_nan_score():
+    """A NaN score (a builder's -inf - -inf) used to leave its child's path-min finite (Python's min(x, nan) is x)
+    while the NaN node sorted last: a top-n prefix held the child without its parent and subset() raised."""
+    from graft_block.pruning import path_min_scores, ranked_nodes, top_nodes
+
+    t = make_tree([9, 1, 2, 3], [-1, 0, 1, 0], scores=[0.0, float("nan"), -0.5, -1.0])
+    assert path_min_scores(t).tolist()[1:] == [float("-inf"), float("-inf"), -1.0]
+    assert ranked_nodes(t).tolist() == [0, 3, 1, 2]
+    for n in range(t.size):
+        validate(t.subset(top_nodes(t, n)), budget=n)
+
+
+def test_reorder_refuses_an_order_that_does_not_start_at_the_root():
+    from graft_block.errors import ConfigError
+    from graft_block.pruning import ranked_nodes, reorder
+
+    t = make_tree([9, 1, 2], [-1, 0, 0], scores=[0.0, -0.1, -0.2])
+    assert reorder(t, ranked_nodes(t)).tokens.tolist() == [9, 1, 2]
+    with pytest.raises(ConfigError, match="root"):  # was accepted: node 0 became token 1 with the root as child
+        reorder(t, torch.tensor([1, 0, 2]))

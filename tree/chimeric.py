@@ -12,10 +12,15 @@ the headline number is the drafted one ("chimeric nodes / B" when the tree is fu
     - ``off_support`` otherwise (some x_i was never seen at position i).
 
 (b) One-pass proxy from the verify logits (no sampling). With P(x | u) the target's probability of token x after
-    node u's path (softmax of the verify logits at u at ``temperature``, 1 by default), node p with parent u is
+    node u's path under the law the futures of (a) follow (``law``: the round's decoding law, temperature / top-k /
+    top-p, so that both protocols describe the same futures; softmax at T = 1 for a greedy round, whose one future
+    leaves nothing chimeric: ``graft_block.chimeric.round_law``; default softmax at ``temperature``, 1 by default),
+    node p with parent u is
     - ``coherent``    if every step on its path is supported: P(x_i | x_<i) >= eps for all i <= d;
     - ``chimeric``    (the spec's rule) if P(x_d | u) < eps and x_d is "valid elsewhere": P(x_d | u') >= delta for
-                      some other node u' != u of the tree at depth d-1;
+                      some other coherent node u' != u of the tree at depth d-1 (a future the target would produce
+                      passes through u'; after an unsupported u' it never goes, so its next token is no witness,
+                      as under (a), where a token counts only if some future holds it at that position);
     - ``off_support`` if P(x_d | u) < eps and x_d is valid nowhere else;
     - ``unreachable`` if its own step is supported but an ancestor's is not (verification can never reach it).
     Depth-1 nodes have no alternative parent, so they are never chimeric, as under (a).
@@ -97,9 +102,11 @@ def sampled_shares(tree: Tree, futures) -> dict:
 
 # ---- (b) one-pass proxy ------------------------------------------------------------------------------------
 def label_proxy(tree: Tree, logits: torch.Tensor, eps: float = 0.01, delta: float = 0.1,
-                temperature: float = 1.0) -> tuple[list[str], list[bool]]:
+                temperature: float = 1.0, law=None) -> tuple[list[str], list[bool]]:
     """Protocol (b) label of every node from the verify logits [n, V] (row i = target's next-token logits after
-    node i's path). Returns (labels, chimeric_path flags)."""
+    node i's path). ``law``: logits [n, V] -> probabilities [n, V] of the decoding law (e.g. the round's
+    ``graft_block.sampling.target_probs``); None: softmax(logits / temperature). Returns (labels, chimeric_path
+    flags)."""
     n = tree.size
     if logits.dim() != 2 or logits.shape[0] != n:
         raise TreeError(f"label_proxy needs verify logits of shape [{n}, V] (one row per tree node), got "
@@ -108,23 +115,32 @@ def label_proxy(tree: Tree, logits: torch.Tensor, eps: float = 0.01, delta: floa
         raise TreeError(f"need 0 < eps, delta <= 1 and temperature > 0, got eps={eps}, delta={delta}, "
                         f"temperature={temperature}")
     toks = tree.tokens.to(logits.device)
-    # log P(token of node j | path of node u) for all (u, j): one logsumexp per row + an [n, n] gather.
-    lg = logits.float() / temperature
-    lp = (lg[:, toks] - torch.logsumexp(lg, dim=-1, keepdim=True)).cpu()
+    # log P(token of node j | path of node u) for all (u, j): one normalisation per row + an [n, n] gather.
+    if law is None:
+        lg = logits.float() / temperature
+        lp = (lg[:, toks] - torch.logsumexp(lg, dim=-1, keepdim=True)).cpu()
+    else:
+        probs = law(logits)
+        if tuple(probs.shape) != tuple(logits.shape):
+            raise TreeError(f"label_proxy's law must map logits {tuple(logits.shape)} to probabilities of the same "
+                            f"shape, got {tuple(probs.shape)}")
+        lp = probs.float()[:, toks].log().cpu()  # a token outside top-k / top-p: log 0 = -inf, below any eps
     pars, depths = tree.parents.tolist(), tree.depths.tolist()
     log_eps, log_delta = math.log(eps), math.log(delta)
-    by_depth: dict[int, list[int]] = {}
-    for u in range(n):
-        by_depth.setdefault(depths[u], []).append(u)
-    labels, path_flag = ["root"], [False]
-    step_ok, path_ok, all_bad_elsewhere = [True], [True], [True]
+    # first pass: which paths are supported (parents come before children, not every shallower node before j)
+    step_ok, path_ok = [True], [True]
     for j in range(1, n):
-        u = pars[j]
-        own = bool(lp[u, j] >= log_eps)
-        others = [v for v in by_depth[depths[j] - 1] if v != u]
+        step_ok.append(bool(lp[pars[j], j] >= log_eps))
+        path_ok.append(path_ok[pars[j]] and step_ok[j])
+    witnesses: dict[int, list[int]] = {}  # coherent nodes by depth: the paths the target's futures go through
+    for u in range(n):
+        if path_ok[u]:
+            witnesses.setdefault(depths[u], []).append(u)
+    labels, path_flag, all_bad_elsewhere = ["root"], [False], [True]
+    for j in range(1, n):
+        u, own = pars[j], step_ok[j]
+        others = [v for v in witnesses.get(depths[j] - 1, ()) if v != u]
         elsewhere = bool(others) and bool((lp[others, j] >= log_delta).any())
-        step_ok.append(own)
-        path_ok.append(path_ok[u] and own)
         # every unsupported step so far is valid elsewhere
         all_bad_elsewhere.append(all_bad_elsewhere[u] and (own or elsewhere))
         if path_ok[j]:
@@ -138,9 +154,9 @@ def label_proxy(tree: Tree, logits: torch.Tensor, eps: float = 0.01, delta: floa
 
 
 def proxy_shares(tree: Tree, logits: torch.Tensor, eps: float = 0.01, delta: float = 0.1,
-                 temperature: float = 1.0) -> dict:
+                 temperature: float = 1.0, law=None) -> dict:
     """Protocol (b) shares per source group (coherent, chimeric, off_support, unreachable, chimeric_path)."""
-    labels, flags = label_proxy(tree, logits, eps, delta, temperature)
+    labels, flags = label_proxy(tree, logits, eps, delta, temperature, law)
     return _shares(tree, labels, PROXY_LABELS, {"chimeric_path": flags})
 
 

@@ -15,8 +15,9 @@ the top-B set is prefix-closed for all three rules (ties are broken parent-first
 (parent node, token). A popped entry whose token path exists already (a higher-scoring mode made it) creates
 nothing; either way it pushes its mode's next-rank sibling and rank-0 child, the child hanging under the trie
 node. Pops come in non-increasing score order, so the first pop of a path carries its best-mode score and the
-first ``budget`` distinct paths are exactly the top-B. Siblings are unique by construction; with M = 1 this is
-``tree.ddtree.ddtree`` node for node (same heap items, same rank-tuple tie-break, same arithmetic).
+first ``budget`` distinct paths are exactly the top-B. Siblings are unique by construction; with M = 1 and finite
+log-probs this is ``tree.ddtree.ddtree`` node for node (same heap items, same rank-tuple tie-break, same arithmetic).
+A ``-inf`` log-prob (a token outside the mode's support) is never proposed, under every rule.
 The mixture rules use a generic best-first search over the trie (each created node pushes all candidate
 children: the union of the modes' top-K at the next depth), exact for any prefix-monotone score.
 
@@ -62,7 +63,7 @@ def _check_inputs(top_ids: torch.Tensor, top_logprobs: torch.Tensor, budget: int
         return (w / w.sum()).tolist()
     if mode_weights is not None:
         raise TreeError(f"mode_weights are only used by score='mixture_gated', not {score!r}")
-    return [1.0 / M] * M
+    return [1.0 / M] * M if M else []  # M = 0: no mode, the root-only tree (not a ZeroDivisionError)
 
 
 def mixed_ddtree(
@@ -83,7 +84,8 @@ def mixed_ddtree(
     ids = top_ids.tolist()
     lps = top_logprobs.double().tolist()
     if L == 0 or K == 0 or budget < 1 or M == 0:
-        return make_tree([int(root_token)], [-1], [0.0], SOURCE_DRAFT, [0])
+        # the root's bits as proposing_modes and conditional_mixed_ddtree give them: every mode
+        return make_tree([int(root_token)], [-1], [0.0], SOURCE_DRAFT, [(1 << M) - 1])
     if score == "best_mode":
         tokens, parents, scores = _best_mode_heap(root_token, ids, lps, budget, M, L, K)
     else:
@@ -109,16 +111,17 @@ def _best_mode_heap(root_token, ids, lps, budget, M, L, K):
     tokens, parents, scores = [int(root_token)], [-1], [0.0]
     child: dict[tuple[int, int], int] = {}
     # heap item: (-score, rank tuple, mode, parent node, depth (1-based), rank); ranks first so M = 1 ties == DDTree
-    heap = [(-lps[m][0][0], (0,), m, 0, 1, 0) for m in range(M)]
+    # a -inf log-prob is a token the mode does not propose: never pushed (popped, it became a node and s - lps gave NaN)
+    heap = [(-lps[m][0][0], (0,), m, 0, 1, 0) for m in range(M) if lps[m][0][0] != NEG_INF]
     heapq.heapify(heap)
     while heap and len(tokens) - 1 < budget:
         neg, ranks, m, parent, depth, rank = heapq.heappop(heap)
         s = -neg
         node = _trie_node(child, tokens, parents, scores, parent, ids[m][depth - 1][rank], s)
-        if rank + 1 < K:  # mode m's next sibling
+        if rank + 1 < K and lps[m][depth - 1][rank + 1] != NEG_INF:  # mode m's next sibling
             s2 = s - lps[m][depth - 1][rank] + lps[m][depth - 1][rank + 1]
             heapq.heappush(heap, (-s2, ranks[:-1] + (rank + 1,), m, parent, depth, rank + 1))
-        if depth < L:  # mode m's first child, under the (possibly shared) trie node
+        if depth < L and lps[m][depth][0] != NEG_INF:  # mode m's first child, under the (possibly shared) trie node
             heapq.heappush(heap, (-(s + lps[m][depth][0]), ranks + (0,), m, node, depth + 1, 0))
     return tokens, parents, scores
 
@@ -137,7 +140,8 @@ def conditional_mixed_ddtree(root_token: int, expand, budget: int, max_depth: in
         return make_tree(tokens, parents, scores, SOURCE_DRAFT, bits)
     child: dict[tuple[int, int], int] = {}
     kids = {(m, 0): expand(m, 1, int(root_token)) for m in range(modes)}
-    heap = [(-kids[(m, 0)][1][0], m, m, 0, 1, 0) for m in range(modes) if len(kids[(m, 0)][0])]
+    heap = [(-kids[(m, 0)][1][0], m, m, 0, 1, 0) for m in range(modes)
+            if len(kids[(m, 0)][0]) and kids[(m, 0)][1][0] != NEG_INF]  # -inf: not proposed (as in the heap above)
     heapq.heapify(heap)  # (-score, pop-order tiebreak, mode, parent node, depth, rank)
     seq = modes
     while heap and len(tokens) - 1 < budget:
@@ -149,14 +153,14 @@ def conditional_mixed_ddtree(root_token: int, expand, budget: int, max_depth: in
         if node == len(bits):
             bits.append(0)
         bits[node] |= 1 << m
-        if rank + 1 < len(ids):  # mode m's next sibling
+        if rank + 1 < len(ids) and lps[rank + 1] != NEG_INF:  # mode m's next sibling
             heapq.heappush(heap, (-(s - lps[rank] + lps[rank + 1]), seq, m, parent, depth, rank + 1))
             seq += 1
         if depth < max_depth and len(tokens) - 1 < budget:  # mode m's first child (never under the last node)
             if (m, node) not in kids:
                 kids[(m, node)] = expand(m, depth + 1, tok)
             k_ids, k_lps = kids[(m, node)]
-            if len(k_ids):
+            if len(k_ids) and k_lps[0] != NEG_INF:
                 heapq.heappush(heap, (-(s + k_lps[0]), seq, m, node, depth + 1, 0))
                 seq += 1
     return make_tree(tokens, parents, scores, SOURCE_DRAFT, bits)

@@ -150,7 +150,11 @@ def conditional_survival(tree: Tree, path: list[float]) -> list[float]:
     alone) would otherwise count the same acceptance twice."""
     s = path
     pars = tree.parents.tolist()
-    cond = [1.0] + [s[i] / s[pars[i]] if s[pars[i]] > 0 else 0.0 for i in range(1, len(s))]
+    return _exclusive(pars, [1.0] + [s[i] / s[pars[i]] if s[pars[i]] > 0 else 0.0 for i in range(1, len(s))])
+
+
+def _exclusive(pars: list[int], cond: list[float]) -> list[float]:
+    """``cond`` with each node's children scaled down together where they sum past 1 (root entry kept)."""
     total: dict[int, float] = {}
     for i in range(1, len(cond)):
         total[pars[i]] = total.get(pars[i], 0.0) + cond[i]
@@ -171,9 +175,10 @@ def calibration_keys(tree: Tree, conditional: list[float]) -> list[tuple[int, bo
 
 
 def rescaled_survival(tree: Tree, conditional: list[float], factors: Mapping, keys: list) -> torch.Tensor:
-    """Path survival from per-node conditionals, each times its key's factor (missing: 1) and capped at 1."""
+    """Path survival from per-node conditionals, each times its key's factor (missing: 1) and capped at 1, then
+    scaled down among siblings that sum past 1 (a parent's top child and the others have factors of their own)."""
     scaled = [min(1.0, c * factors.get(k, 1.0)) for c, k in zip(conditional, keys)]
-    return torch.tensor(path_products(tree, scaled), dtype=torch.float64)
+    return torch.tensor(path_products(tree, _exclusive(tree.parents.tolist(), scaled)), dtype=torch.float64)
 
 
 # ---- the scheduler ------------------------------------------------------------------------------------------

@@ -83,7 +83,8 @@ def warm_start(model: DFlashModel, target, layers: Sequence[int], passthrough: i
 
 def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:
     """``init``: None/"random", "target" (warm start from the target's last ``num_layers`` decoder layers, or
-    ``cfg["init_layers"]``), or a DFlash checkpoint folder (continue training it)."""
+    ``cfg["init_layers"]``), or a DFlash checkpoint folder (continue training it). A new model's random weights
+    come from ``cfg["seed"]`` (default 0)."""
     opts = {**TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in TRAIN_DEFAULTS}}
     vocab = cfg.get("draft_vocab")
     vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long).sort().values
@@ -96,7 +97,8 @@ def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:
     else:
         ids = opts["target_layer_ids"] or build_target_layer_ids(target.num_layers, 3)
         mask = opts["mask_token_id"] if opts["mask_token_id"] is not None else target.vocab_size - 1
-        model = new_model(target, opts["num_layers"], opts["block_size"], ids, mask, draft_vocab=vocab)
+        model = new_model(target, opts["num_layers"], opts["block_size"], ids, mask, draft_vocab=vocab,
+                          seed=int(cfg.get("seed", 0)))  # the run's seed (graft_block.training.init_seed_of)
         model = model.float()
         if init == "target":
             n = opts["num_layers"]

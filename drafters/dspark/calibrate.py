@@ -14,7 +14,8 @@ accepted when the Markov-corrected argmax equals the target's token, and positio
 earlier draft was accepted (teacher forcing feeds the true previous tokens, which are the drafts while they are
 right). Half of the held-out sequences fit the temperatures, the other half (less any sequence sharing an answer
 or prompt with the first) reports the calibration error before and after (ECE of the conditional confidences,
-and of the survival products against realised prefixes):
+and of the survival products against realised prefixes). Training resets these temperatures to 1 and marks the
+folder's config.json (``"calibration": {"needed": true, ...}``); writing them here removes that mark:
 
     python -m graft_block.drafters.dspark.calibrate drafters/checkpoints/dspark-smollm2 --data onpolicy-greedy-a \
         --holdout 32
@@ -192,6 +193,7 @@ def calibrate(folder: str | Path, data: str, holdout: int = 32, target=None, wri
             dcfg["sampled_draft_temperatures"] = rep["sampled_draft_temperatures"]
         if "temperatures" in rep:
             dcfg["confidence_temperatures"] = rep["temperatures"]
+        cfg.pop("calibration", None)  # training's "calibration needed" note: these fits are for the current weights
         path.write_text(json.dumps(cfg, indent=2) + "\n")
     return rep
 

@@ -39,9 +39,12 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
     """``init``: a DSpark folder (continue it), a DFlash folder or None/"random"/"target" (a DFlash backbone as
     ``dflash.training.training_model`` builds it, wrapped with new heads: W2 = 0, so step 0 drafts as the
     backbone does). ``alignment`` ("zlab" | "deepspec") picks the rows that draft for a new model; from a z-lab
-    DFlash folder, "deepspec" asks the anchor row to draft and shifts every mask row's target by one."""
+    DFlash folder, "deepspec" asks the anchor row to draft and shifts every mask row's target by one. New heads
+    draw from ``cfg["seed"]`` (the run's: ``graft_block.training.init_seed_of``). A continued folder's
+    ``calibrate.py`` temperatures are reset to identity (the heads and drafts they fitted change under training),
+    and the model's ``config_notes`` mark every folder training saves as needing ``calibrate.py``."""
     opts = {**TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in TRAIN_DEFAULTS}}
-    arch = None
+    arch, stale = None, []
     if init not in (None, "random", "target"):
         path = Path(init) / "config.json"
         if not path.exists():
@@ -59,6 +62,7 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
                               "folder to change it)")
         if model.draft_vocab is not None:
             cfg["draft_vocab"] = model.draft_vocab.cpu().tolist()  # a resume rebuilds this vocabulary
+        stale = reset_calibration(model)
     else:
         base = D.training_model(target, cfg, init)
         model = from_dflash(base, markov_rank=int(opts["markov_rank"]), confidence_head=bool(opts["confidence_head"]),
@@ -88,10 +92,36 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
                           f"{opts['confidence_label']!r}")
     if opts["freeze_backbone"]:  # heads only: the drafts start and stay the backbone's, plus the Markov bias
         D.freeze_backbone(model, ("markov_head.", "confidence_head."))
+    # whatever trains, the saved folder is uncalibrated: its config.json says so until calibrate.py runs
+    model.config_notes = {"calibration": calibration_note(init, stale)}
     model.train_opts = {**D.block_loss_opts(cfg, model.block_size, RECIPE_DEFAULTS),
                         "confidence_weight": float(opts["confidence_weight"]),
                         "confidence_label": opts["confidence_label"]}
     return model.to(target.device)
+
+
+CALIBRATED = ("confidence_temperatures", "draft_temperatures", "sampled_draft_temperatures")  # calibrate.py's fits
+CALIBRATE = "python -m graft_block.drafters.dspark.calibrate"
+
+
+def reset_calibration(model: DSparkModel) -> list[str]:
+    """Set ``calibrate.py``'s per-position temperatures back to identity (sampled ones: none, i.e. the greedy fit's)
+    and return the names of those that were not: they were fitted to the weights training is about to change."""
+    stale = [k for k in CALIBRATED if getattr(model, k) is not None and not bool((getattr(model, k) == 1).all())]
+    model.confidence_temperatures = torch.ones_like(model.confidence_temperatures)
+    model.draft_temperatures = torch.ones_like(model.draft_temperatures)
+    model.sampled_draft_temperatures = None
+    return stale
+
+
+def calibration_note(init: str | None, stale: list[str]) -> dict:
+    """The ``"calibration"`` entry of a trained folder's config.json (``calibrate.py`` removes it once it fits)."""
+    why = "trained weights; their per-position temperatures are 1 (identity)"
+    if stale:
+        why = (f"continued from {init}, whose calibrated {', '.join(stale)} fitted its old weights: reset to 1 "
+               "(identity) rather than shipped stale")
+    return {"needed": True, "why": why,
+            "run": f"{CALIBRATE} <this folder> --data <its training data> --holdout <its --holdout>"}
 
 
 def draft_logits(model: DSparkModel, target, hidden: torch.Tensor, prev: torch.Tensor,
