@@ -235,6 +235,7 @@ class MFDDrafter(D.DFlashDrafter):
         """Take the Markov head of the DSpark checkpoint ``folder``. It corrects the logits of the backbone it was
         trained on, so that backbone must be this one, tensor for tensor (the mode vectors aside)."""
         from .dspark.checkpoint import load_checkpoint as load_dspark
+        from .dspark.checkpoint import warn_if_uncalibrated
 
         if not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1:
             raise ConfigError(f"markov_candidates must be an int >= 1 (children ranked among each mode's C likeliest "
@@ -244,6 +245,7 @@ class MFDDrafter(D.DFlashDrafter):
         # fresh copies from disk: a loaded model's layer weights may have moved into the C layers' packs
         dev, dt = self.target.device, self.target.dtype
         dm = load_dspark(resolve_checkpoint(folder, "markov"), device=dev, dtype=dt)
+        warn_if_uncalibrated(folder)  # the shared head's draft temperatures rank every mode's children
         if dm.markov_head is None:
             raise ConfigError(f"markov: {folder} has no Markov head (markov_rank 0), so there is nothing to share")
         if dm.markov_head_type != "vanilla":

@@ -22,6 +22,8 @@ from graft_block.tree.templates import TR80_TEMPLATE, asymmetric_template, compi
 
 from .pld import prompt_lookup
 
+PLD_TOKENS = 10  # pld_matrix's default chain length (at most the budget)
+
 
 def build_template(template, budget: int, depth: int, width: int, fill: bool, k: int | None = None):
     """``"tr80"`` (Token Recycling's 80-node shape, reconstructed), ``"asymmetric"`` (Graft's generator) or an explicit
@@ -59,12 +61,14 @@ class RecyclingDrafter(Drafter):
                  template=None, depth: int = 6, width: int = 8, matrix=None, dtype: str = "int32",
                  fill: bool = True, warmup_prompts=None):
         self.budget = check_budget(budget)
-        if not isinstance(warmup_rounds, int) or warmup_rounds < 0:
-            raise ConfigError(f"warmup_rounds must be an int >= 0, got {warmup_rounds!r}")
+        for name, v in (("warmup_rounds", warmup_rounds), ("warmup_tokens", warmup_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an int >= 0 (warm-up prompts, and tokens generated on each), "
+                                  f"got {v!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"k (matrix successors per row) must be an int >= 1, got {k!r}")
         self.k, self.dtype = k, dtype
-        self.warmup_rounds, self.warmup_tokens = warmup_rounds, int(warmup_tokens)
+        self.warmup_rounds, self.warmup_tokens = warmup_rounds, warmup_tokens
         self.warmup_prompts = warmup_prompts
         if isinstance(matrix, (str, Path)):
             matrix = AdjacencyMatrix.load(matrix)
@@ -123,14 +127,24 @@ class RecyclingDrafter(Drafter):
 
 @register("pld_matrix")
 class PLDMatrixDrafter(RecyclingDrafter):
-    """Prompt-lookup chain first (its tokens are drafts), matrix retrieval under the root for the remaining slots."""
+    """Prompt-lookup chain first (its tokens are drafts), matrix retrieval under the root for the remaining slots.
+    ``pld_tokens``: the chain's longest length, an int in 0..budget (0 = no lookup: retrieval only); left out, it is
+    min(10, budget), so a budget sweep below 10 needs no second setting."""
 
-    def __init__(self, target=None, budget: int = 60, pld_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1,
-                 **kw):
+    def __init__(self, target=None, budget: int = 60, pld_tokens: int | None = None, max_ngram: int = 3,
+                 min_ngram: int = 1, **kw):
         super().__init__(target=target, budget=budget, **kw)
-        if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= max_ngram):
-            raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
-        self.pld_tokens = max(0, min(int(pld_tokens), self.budget))
+        if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and not isinstance(max_ngram, bool)
+                and not isinstance(min_ngram, bool) and 1 <= min_ngram <= max_ngram):
+            raise ConfigError(f"pld_matrix needs ints 1 <= min_ngram <= max_ngram (n-gram lengths to look up), got "
+                              f"min_ngram={min_ngram!r}, max_ngram={max_ngram!r}")
+        if pld_tokens is None:
+            pld_tokens = min(PLD_TOKENS, self.budget)
+        elif isinstance(pld_tokens, bool) or not isinstance(pld_tokens, int) or not 0 <= pld_tokens <= self.budget:
+            raise ConfigError(f"pld_tokens (the lookup chain's longest length) must be an int in 0..{self.budget} "
+                              f"(the budget; 0 = no lookup), got {pld_tokens!r}: set it in that range, or leave it "
+                              f"out for min({PLD_TOKENS}, budget)")
+        self.pld_tokens = pld_tokens
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, state) -> Tree:

@@ -288,8 +288,8 @@ def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: 
                             too_long.append({"prompt_id": p["id"], "turn": t_idx, "method": m.name,
                                              "temperature": temp, "reason": cut[m.name]})
                         continue
-                    if target.device.type == "cuda":
-                        torch.cuda.reset_peak_memory_stats()
+                    if target.device.type == "cuda":  # the target's GPU, not the current one (cuda:0 by default)
+                        torch.cuda.reset_peak_memory_stats(target.device)
                     if guard is not None:
                         with guard.measure() as w:
                             r = m.run(ids, max_new_tokens, temp, seed, **filters)
@@ -300,7 +300,7 @@ def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: 
                              method=m.name, temperature=temp, budget=m.budget, prompt_tokens=int(ids.numel()),
                              peak_rss_mb=machine.peak_rss_mb(), **(filters if temp > 0 else {}))
                     if target.device.type == "cuda":
-                        r["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+                        r["peak_gpu_mb"] = torch.cuda.max_memory_allocated(target.device) / 2**20
                     # the next turn is fed this method's own answer (MT-Bench protocol), as text or as token ids
                     if isinstance(turn, list):
                         hist.extend([{"role": "user", "content": list(turn)},

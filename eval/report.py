@@ -315,13 +315,22 @@ def spread_notes(rows: list[dict], baseline: str = "ar") -> list[str]:
     return notes
 
 
-def lossless_alarm(rows: list[dict]) -> tuple[str | None, str | None]:
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def lossless_alarm(rows: list[dict], dtype: str = "float32") -> tuple[str | None, str | None]:
     """The T=0 identity failures as (alarm, note): ours (the lossless contract broke), and peer engines' (a
     peer's speculative output against its own greedy AR is its numerics, which no test of ours covers; HF
-    ``generate`` against our AR: two engines' float32 arithmetic, which tests/test_smollm2.py checks on its prompts)."""
+    ``generate`` against our AR: two engines' float32 arithmetic, which tests/test_smollm2.py checks on its prompts).
+    In bfloat16/float16 ours are a note too: a verify row computed beside other rows rounds differently from the
+    same row decoded alone (batch-variant attention and GEMM kernels), so identity holds only in float32, where the
+    tests check it; tests/test_dtypes.py shows half-precision trees identical once products run row by row."""
     ours = [(r["method"], r["mismatches"], "AR") for r in rows
             if r["mismatches"] and not r.get("engine") and not r.get("hf_peer")]
-    peers = [(r["method"], r["mismatches"], r["engine"] + " AR") for r in rows if r["mismatches"] and r.get("engine")]
+    half = [(m, ids, f"AR in {dtype} (batch-variant kernels)") for m, ids, _ in ours] if dtype in HALF_DTYPES else []
+    ours = [] if half else ours
+    peers = half + [(r["method"], r["mismatches"], r["engine"] + " AR") for r in rows
+                    if r["mismatches"] and r.get("engine")]
     # HF generate's greedy tokens against our AR's: the two engines' float32 arithmetic near a tie, not a method
     peers += [(r["method"], r["mismatches"], "our AR (HF's arithmetic)") for r in rows
               if r["mismatches"] and r.get("hf_peer")]
@@ -331,8 +340,8 @@ def lossless_alarm(rows: list[dict]) -> tuple[str | None, str | None]:
 
     alarm = ("!!! LOSSLESS CHECK FAILED at T=0: these methods' outputs differ from the target's greedy output:\n"
              + lines(ours)) if ours else None
-    note = ("note: peer engines whose speculative output differs from their own greedy AR at T=0 (their numerics, "
-            "not our lossless check):\n" + lines(peers)) if peers else None
+    note = ("note: outputs that differ from a greedy AR at T=0 through arithmetic, not a broken lossless check "
+            "(peer engines' numerics; half-precision kernels):\n" + lines(peers)) if peers else None
     return alarm, note
 
 

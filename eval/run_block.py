@@ -15,7 +15,8 @@ At temperature 0 every method's tokens are compared with AR's and any mismatch i
 differences from our AR, and llama.cpp's from its own AR, are a note on their arithmetic). The machine's
 load is sampled before, during and after: a busy machine is flagged in the header and in the JSON.
 After the table come the suffix decay (acceptance at draft depth k given depth k - 1, per method), the schedule's
-kept nodes and expected vs realised tokens per round (scheduled methods), and the physics
+kept nodes and expected vs realised tokens per round (scheduled methods; realised = accepted + bonus, counted
+before the stop trim at EOS or max_new_tokens, as expected is, so not the emitted tau), and the physics
 report (eval/physics.py: bandwidth, matrix-product peak, linear layers vs the verify curve measured above);
 --no-physics skips the latter.
 """
@@ -177,9 +178,8 @@ def check_flags(args) -> None:
         blocker = next((p for p in (Path(args.out), *Path(args.out).parents) if p.exists() and not p.is_dir()), None)
         if blocker is not None:
             raise ConfigError(f"--out {args.out}: {blocker} is a file, not a folder; give another --out")
-    if args.llamacpp and llamacpp.find_binary(args.llamacpp) is None:
-        raise ConfigError(f"--llamacpp {args.llamacpp}: no {llamacpp.BINARY} in it, its bin/ or its build/bin/ "
-                          "(scripts/build_llamacpp.sh builds one)")
+    if args.llamacpp and llamacpp.find_binary(args.llamacpp) is None:  # the reason: no path, not executable, unbuilt
+        raise ConfigError(f"--llamacpp {args.llamacpp}: {llamacpp.missing_build(args.llamacpp)}")
     temperatures(args.temperature)
 
 
@@ -370,7 +370,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     sched = report.schedule_table(rows)
     if sched:
         print("\nschedule: per round, nodes drafted and kept, and the tokens the survivals expected against those "
-              "realised\n")
+              "realised (accepted + bonus, before the stop trim at EOS or max_new_tokens, as expected is; not tau)\n")
         print(sched)
     for by in ("set", "category"):
         rep[f"per_{by}"] = report.group_rows(records, by)
@@ -395,7 +395,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     if too_long:
         print(f"\n[too long] {len(too_long)} method-turns did not fit the target's context and were left out "
               "(results.json: skipped_turns)", file=sys.stderr)
-    alarm, note = report.lossless_alarm(rows)
+    alarm, note = report.lossless_alarm(rows, str(target.dtype).removeprefix("torch."))
     if alarm:
         print("\n" + alarm, file=sys.stderr)
     for text in (alarm, note):

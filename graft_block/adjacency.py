@@ -128,7 +128,8 @@ class AdjacencyMatrix:
         used = 0
         for rec in list(prompts)[:rounds]:
             text = rec["turns"][0] if isinstance(rec, dict) else rec
-            msg = [{"role": "user", "content": text}] if isinstance(text, str) and target.tokenizer is not None else text
+            chat = isinstance(text, str) and target.tokenizer is not None
+            msg = [{"role": "user", "content": text}] if chat else text
             ids = target.encode(msg).to(target.device).view(-1)
             budget = max(0, min(new_tokens, target.max_positions - ids.numel() - 1))
             if budget:  # the target's own greedy reply, on the engine that decodes (HF's weights stay unread)
@@ -164,7 +165,23 @@ class AdjacencyMatrix:
                               "a new matrix") from e
         if table.dim() != 2:
             raise ConfigError(f"{path} does not hold a [vocab, k] adjacency table")
-        m = cls(int(table.shape[0]), int(table.shape[1]), table.dtype, device)
+        rows, k = int(table.shape[0]), int(table.shape[1])
+        redo = "save the matrix again with AdjacencyMatrix.save, or build (or warm up) a new one"
+        for name, have in (("vocab_size", rows), ("k", k)):  # save() writes both: a mismatch is a damaged file
+            if name in meta and meta[name] != str(have):
+                raise ConfigError(f"adjacency matrix file {path}: metadata {name}={meta[name]!r} but the table is "
+                                  f"[{rows}, {k}]: the file is corrupt; {redo}")
+        try:
+            m = cls(rows, k, table.dtype, device)
+        except ConfigError as e:
+            raise ConfigError(f"adjacency matrix file {path}: {e}; {redo}") from None
+        if table.numel():  # an id past the rows would index past the table mid-decode (GPU: a device-side assert)
+            lo, hi = (int(v) for v in table.aminmax())
+            if lo < -1 or hi >= rows:
+                bad = lo if lo < -1 else hi
+                raise ConfigError(f"adjacency matrix file {path} holds successor id {bad}, outside -1..{rows - 1} "
+                                  f"(-1 = unknown, else one of its {rows} rows): it is corrupt or was not written "
+                                  f"by AdjacencyMatrix.save for this vocabulary; {redo}")
         m.table.copy_(table.to(device))
         try:
             m.updates = int(meta.get("updates", 0))

@@ -314,7 +314,7 @@ class LeanForward:
     def compact(self, n_new: int, keep: torch.Tensor) -> None:
         base = self.len - n_new
         m = int(keep.numel())
-        if not torch.equal(keep, torch.arange(m, device=keep.device)):
+        if not is_prefix(keep):
             idx = keep.to(self.device) + base
             keys = self._keys(self.k)
             keys[:, :, base : base + m] = keys[:, :, idx]
@@ -408,6 +408,13 @@ class LeanForward:
         self.fused.run(x, cos[0].contiguous(), sin[0].contiguous(), self.k, self.v, start, mask, outs)
         got.update({i + 1: t for i, t in outs.items()})
         return self._finish(x[None], n, start, got, features, last_only, self.skinny)
+
+
+def is_prefix(keep: torch.Tensor) -> bool:
+    """Whether ``keep`` is 0, 1, ..., m-1 (compaction moves nothing), read on the host copy the walk gives: compared
+    on a GPU, torch.equal waits for the device every round."""
+    keep = keep.cpu()
+    return bool(torch.equal(keep, torch.arange(keep.numel(), dtype=keep.dtype)))
 
 
 def _file_mappings() -> list[tuple[int, int]]:
@@ -831,8 +838,13 @@ def _layer(x, w, pk, kc, vc, start: int, cos, sin, mask, causal: bool, heads: in
     kc.narrow(1, start, n).copy_(k[0])
     vc.narrow(1, start, n).copy_(v.view(n, kv_heads, hd).transpose(0, 1))
     keys, values = kc.narrow(1, 0, start + n)[None], vc.narrow(1, 0, start + n)[None]
+    gqa = heads != kv_heads
+    if gqa and q.device.type != "cpu" and (mask is not None or hd > 256):
+        # CUDA's fused kernels take GQA only unmasked at head_dim <= 256 (HF's rule): else SDPA runs its math kernel
+        keys, values = keys.repeat_interleave(heads // kv_heads, 1), values.repeat_interleave(heads // kv_heads, 1)
+        gqa = False
     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scaling,
-                                       enable_gqa=heads != kv_heads)
+                                       enable_gqa=gqa)
     x = x + linear(o.transpose(1, 2).reshape(1, n, heads * hd), w["o"], w["o_b"], pk.get("o"))
     h = rms_norm(x, w["ln2"], w["eps"])
     g, u = linear(h, w["gu"], w["gu_b"], pk.get("gu")).chunk(2, dim=-1)

@@ -94,6 +94,8 @@ class Graft:
                 raise ConfigError(f"Graft {name} must be an int >= 1 (retrieval template levels / ranks per node), "
                                   f"got {v!r}")
         self.template_depth, self.template_width = template_depth, template_width
+        # the matrix's successors per row: a rank >= k has no column, so such template paths would fill no slot
+        self.matrix_k = None if matrix is None else int(getattr(matrix, "k", None) or matrix.shape[1])
         self.attach, self.frontier_share = attach, float(frontier_share)
         self.tail_threshold, self.tail_confidence = float(tail_threshold), tail_confidence
         self.static_threshold = float(static_threshold)
@@ -101,23 +103,32 @@ class Graft:
         # One best-first list serves every stage: a stage with retrieval allowance B uses its first B paths, and
         # the rest are spares for slots freed by de-duplication.
         spare = budget + budget // 2 + 8
-        default = asymmetric_template(min(spare, self._capacity()), self.template_depth, self.template_width)
+        default = asymmetric_template(min(spare, self._capacity()), self.template_depth, self._width())
         self.templates = {"default": compile_template(default)}
         for key, tmpl in (templates or {}).items():
             try:  # a bad template is named now, not as a TreeError in the first round
-                self.templates[key if key in ("default", "fixed", "tail", "static", "retrieve_only") else int(key)] = \
-                    compile_template(tmpl)
+                ct = compile_template(tmpl)
+                self.templates[key if key in ("default", "fixed", "tail", "static", "retrieve_only") else int(key)] = ct
             except (TreeError, TypeError, ValueError) as exc:
                 raise ConfigError(f"Graft templates[{key!r}]: {exc} (keys: a stage checkpoint or 'default', 'fixed', "
                                   "'tail', 'static', 'retrieve_only'; values: lists of rank paths)") from None
+            if self.matrix_k is not None and ct.size and int(ct.ranks.max()) >= self.matrix_k:
+                raise ConfigError(f"Graft templates[{key!r}] uses rank {int(ct.ranks.max())} but the adjacency matrix "
+                                  f"holds k={self.matrix_k} successors per row (ranks 0..{self.matrix_k - 1}): its "
+                                  f"higher-rank paths would never fill a slot; drop them or build the matrix with a "
+                                  f"larger k")
         self.record_signals = bool(record_signals)
         self.signal_log: dict[int, list[float]] = {c: [] for c in self.checkpoints}
         self.stats = {"rounds": 0, "stage_counts": Counter(), "draft_nodes": 0, "retrieved_nodes": 0,
                       "retrieved_accepted": 0, "rounds_with_retrieved_hit": 0, "accepted": 0}
         self._last: dict | None = None
 
+    def _width(self) -> int:
+        """Ranks the default template uses: ``template_width``, capped at the matrix's k."""
+        return self.template_width if self.matrix_k is None else min(self.template_width, self.matrix_k)
+
     def _capacity(self) -> int:
-        return sum(self.template_width ** d for d in range(1, self.template_depth + 1))
+        return sum(self._width() ** d for d in range(1, self.template_depth + 1))
 
     # ---- allowances ---------------------------------------------------------------------------------------
     def draft_allowance(self, stage) -> int:

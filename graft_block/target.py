@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from graft_block.tree import Tree, attention_mask, position_ids
 
 from . import cache_root
-from .engine import LeanForward, release_tensors, unsupported_reason
+from .engine import LeanForward, is_prefix, release_tensors, unsupported_reason
 from .errors import ConfigError
 
 EMBEDDED_TARGETS = {
@@ -153,8 +153,11 @@ class Target:
     # ---- feature capture --------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for the device (timings on a GPU must not stop before its queued work ends); a no-op on CPU."""
-        if self.device.type == "cuda":
+        kind = self.device.type
+        if kind == "cuda":
             torch.cuda.synchronize(self.device)
+        elif kind not in ("cpu", "meta") and hasattr(getattr(torch, "accelerator", None), "synchronize"):
+            torch.accelerator.synchronize(self.device)  # XPU, MPS, ...: their queues run ahead of the host as well
 
     def set_feature_layers(self, indices: Sequence[int]) -> None:
         """Capture exactly these HF hidden-state indices (in this order) on every later forward."""
@@ -292,6 +295,13 @@ class Target:
                 f"{self.sliding_window}: verify at most {max(self.sliding_window - 1 - start, 1)} nodes here "
                 "(Target.fit)"
             )
+        attn = str(getattr(self.config, "_attn_implementation", None) or "")
+        if self.lean is None and tree.size > 1 and "flash" in attn:
+            # flash kernels read a 2-D padding mask: HF would misread the additive ancestor mask as one
+            raise ConfigError(
+                f"the target runs HF's {attn!r} attention, which cannot apply a tree's ancestor mask: load it with "
+                "attn_implementation='sdpa' (or 'eager'), or use engine='lean' where its architecture allows"
+            )
         ids = tree.tokens.to(self.device).view(1, -1)
         pos = position_ids(tree, start, self.device)
         # A single root node is one plain decoding step: the default causal mask is the same and cheaper.
@@ -304,11 +314,11 @@ class Target:
     @torch.no_grad()
     def compact(self, n_new: int, keep: torch.Tensor) -> None:
         """Keep, of the ``n_new`` entries the last ``verify`` appended, those at ``keep`` (path order), contiguously."""
-        keep = keep.to(self.device)
         if self.lean is not None:
             return self.lean.compact(n_new, keep)
         m = int(keep.numel())
-        identity = bool(torch.equal(keep, torch.arange(m, device=self.device)))
+        identity = is_prefix(keep)
+        keep = keep.to(self.device)
         for layer in self.cache.layers:
             k, v = layer.keys, layer.values
             base = k.shape[-2] - n_new

@@ -174,16 +174,23 @@ def split_holdout(recs: list[dict], holdout: int) -> tuple[list[dict], list[dict
     return held, without_overlap([r for i, r in enumerate(recs) if i not in picks], held)
 
 
+# teacher-forced caches built before 2026-12-06 (records with ``labels``) carry this prompt_len: an anchor floor
+# inside SmolLM2's chat header, the same for every conversation, so not a prompt
+LEGACY_TF_PROMPT_LEN = 16
+
+
 def without_overlap(recs: list[dict], held: list[dict]) -> list[dict]:
-    """``recs`` less every record whose answer or prompt equals one of ``held``'s."""
+    """``recs`` less every record whose answer or prompt equals one of ``held``'s. A teacher-forced record's prompt
+    is its templated user turn, as an on-policy record's, so the two kinds are matched against each other too."""
     def answer(r):
         return tuple(r["ids"][int(r.get("prompt_len", 0)):].tolist())
 
     def prompt(r):  # None without a prompt: nothing to share
         n = int(r.get("prompt_len", 0))
-        # teacher-forced text (it carries ``labels``): prompt_len is an anchor floor inside the chat header that
-        # every conversation shares, not a prompt
-        return tuple(r["ids"][:n].tolist()) if n and "labels" not in r else None
+        # teacher-forced text (it carries ``labels``) ends its prompt after the user turn (teacher_forced_data);
+        # an older cache's prompt_len 16 ends inside the system header that every conversation shares
+        legacy = "labels" in r and n == LEGACY_TF_PROMPT_LEN
+        return tuple(r["ids"][:n].tolist()) if n and not legacy else None
 
     seen = {answer(r) for r in held}
     prompts = {prompt(r) for r in held} - {None}

@@ -97,3 +97,35 @@ def test_update_refuses_logits_wider_than_the_matrix():
     assert m.filled_rows == 0 and m.updates == 0
     m.update(torch.tensor([1, 2]), torch.eye(10)[[2, 3]])  # the matrix's own width is fine: row 1 -> 2 -> 3
     assert expand_template(1, [[0], [0, 0]], m).tokens.tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("bad", [100, 12345, -2])
+def test_load_refuses_successor_ids_outside_the_vocabulary(tmp_path, bad):
+    """A corrupt or foreign file was loaded as it came: a stored id >= vocab_size then indexed past the table at the
+    next template expansion (an IndexError on CPU, a device-side assert on a GPU), mid-decode."""
+    from safetensors.torch import save_file
+
+    from graft_block.tree.templates import expand_template
+
+    m = AdjacencyMatrix(100, 3)
+    m.update(torch.tensor([4, 7]), torch.eye(100)[[7, 9]])
+    table = m.table.clone()
+    table[7, 0] = bad  # row 4 -> 7 -> bad
+    path = tmp_path / "adj.safetensors"
+    save_file({"table": table}, str(path), metadata={"vocab_size": "100", "k": "3", "updates": "2"})
+    with pytest.raises(ConfigError, match=rf"adj\.safetensors holds successor id {bad}, outside -1\.\.99.*save the"):
+        AdjacencyMatrix.load(path)
+    m.save(path)  # the matrix's own file loads and expands
+    assert expand_template(4, [[0], [0, 0]], AdjacencyMatrix.load(path)).tokens.tolist() == [4, 7, 9]
+
+
+def test_load_refuses_a_table_its_metadata_or_dtype_contradicts(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "adj.safetensors"
+    save_file({"table": torch.full((50, 2), -1, dtype=torch.int32)}, str(path), metadata={"vocab_size": "100"})
+    with pytest.raises(ConfigError, match=r"adj\.safetensors: metadata vocab_size='100' but the table is \[50, 2\]"):
+        AdjacencyMatrix.load(path)
+    save_file({"table": torch.zeros(10, 2)}, str(path))
+    with pytest.raises(ConfigError, match=r"adjacency matrix file .*adj\.safetensors: adjacency dtype .*float32"):
+        AdjacencyMatrix.load(path)

@@ -461,6 +461,70 @@ def test_bad_configs_fail_clearly(tiny_llama):
         Drafter.from_config({"type": "dflash"})
 
 
+def test_marginal_topk_must_be_a_positive_int(tiny_llama):
+    """0 and -2 were taken and then ignored (a tree keeps max(marginal_topk, budget)), 2.5 truncated to 2."""
+    for bad in (0, -2, 2.5, "8", True):
+        with pytest.raises(ConfigError, match="marginal_topk .*must be an int >= 1"):
+            _drafter(tiny_llama, proposal="ddtree", budget=6, marginal_topk=bad)
+    assert _drafter(tiny_llama, proposal="ddtree", budget=6, marginal_topk=1).marginal_topk == 1
+
+
+def _head_new_model(target, num_layers, block_size, layer_ids, mask, seed):
+    """HEAD's new_model before the fork (c9c0a51): reseed the global RNG, build on the CPU, redraw every matrix."""
+    model = D.new_model(target, num_layers, block_size, layer_ids, mask, seed=seed + 1)  # only for its config
+    torch.manual_seed(seed)
+    ref = D.DFlashModel(model.config, block_size, layer_ids, mask, target.num_layers, None)
+    for p in ref.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    return ref.to(device=target.device, dtype=target.dtype)
+
+
+def test_random_init_keeps_the_callers_rng_and_draws_what_it_drew_before(tiny_qwen3):
+    """new_model called torch.manual_seed(seed): it reseeded every caller's global RNG as a side effect. It draws
+    in a fork now, and the same seed still gives the weights it gave (the bundled fresh-init recipes used 0)."""
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    got = D.new_model(tiny_qwen3, 2, 5, [0, 2], 100, seed=0)
+    assert torch.equal(torch.get_rng_state(), before)
+    for seed in (0, 3):
+        ref = _head_new_model(tiny_qwen3, 2, 5, [0, 2], 100, seed).state_dict()
+        got = D.new_model(tiny_qwen3, 2, 5, [0, 2], 100, seed=seed).state_dict()
+        assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref), seed
+    torch.set_rng_state(before)  # the reference reseeded it
+    d = _drafter(tiny_qwen3)  # the random-init drafter config goes through it too
+    assert torch.equal(torch.get_rng_state(), before) and d.model.config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("bad", [{"num_layers": 0}, {"num_layers": -1}, {"num_features": 0}, {"num_layers": 1.5},
+                                 {"seed": 0.5}])
+def test_random_init_refuses_an_empty_or_fractional_shape(tiny_llama, bad):
+    """num_layers 0 built a drafter of no layers; num_features 0 failed as 'target_layer_ids is empty'."""
+    key = next(iter(bad))
+    with pytest.raises(ConfigError, match=f"{key} must be an int"):
+        D.new_model(tiny_llama, **bad)
+    cfg = {"type": "dflash", "block_size": 8, **bad}
+    with pytest.raises(ConfigError, match=f"{key} must be an int"):
+        Drafter.from_config(cfg, target=tiny_llama)
+
+
+def test_a_string_block_size_in_config_json_is_refused_in_both_spellings_of_the_folder(tmp_path, tiny_qwen3):
+    """block_size "4" loaded through {"type": "dflash", "checkpoint": folder} (int("4")) but was refused by
+    from_config(folder), where config.json's block_size is also the drafter option: both refuse it now."""
+    D.save_checkpoint(D.new_model(tiny_qwen3, 1, 4, [1], 100), tmp_path / "ck", dtype=torch.float32,
+                      extra={"type": "dflash"})
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    for key, value in (("block_size", "4"), ("block_size", 4.0), ("num_hidden_layers", "1")):
+        (tmp_path / "ck" / "config.json").write_text(json.dumps({**cfg, key: value}))
+        for form in ({"type": "dflash", "checkpoint": str(tmp_path / "ck")}, str(tmp_path / "ck")):
+            with pytest.raises(ConfigError, match=f"ck/config.json: {key} must be an integer.*got {value!r}"):
+                Drafter.from_config(form, target=tiny_qwen3)
+    cfg["dflash_config"]["target_layer_ids"] = ["1"]
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="target_layer_ids must be an integer.*without quotes"):
+        Drafter.from_config(str(tmp_path / "ck"), target=tiny_qwen3)
+
+
 def test_denoise_steps_lossless(tiny_qwen3):
     pytest.importorskip("diffusers")
     ref = _hf_greedy(tiny_qwen3, PROMPT, 24)

@@ -506,6 +506,65 @@ def test_round_trip_keeps_alignment_calibration_and_vocab(tmp_path, one_thread):
     assert Drafter.from_config(str(tmp_path / "ck"), target=target).model.alignment == "zlab"
 
 
+def test_an_uncalibrated_folder_warns_once_and_a_calibrated_one_loads_silently(tmp_path, one_thread):
+    """Training marks a folder whose temperatures it reset ("calibration": {"needed": true, ...}); loading one gave
+    no sign that its confidences were uncalibrated. It warns once per folder now, naming calibrate.py's command."""
+    import warnings
+
+    from graft_block.drafters.dspark.training import calibration_note
+
+    target = tiny_target("llama")
+    model = S.from_dflash(D.new_model(target, 1, 6, [1], 120), markov_rank=4, confidence_head=True)
+    for name in ("marked", "calibrated", "cleared"):
+        S.save_checkpoint(model, tmp_path / name, dtype=torch.float32, extra={"type": "dspark"})
+    for name, note in (("marked", calibration_note("runs/x", ["confidence_temperatures"])),
+                       ("cleared", {"needed": False})):
+        cfg = json.loads((tmp_path / name / "config.json").read_text())
+        (tmp_path / name / "config.json").write_text(json.dumps({**cfg, "calibration": note}))
+    marked = str(tmp_path / "marked")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Drafter.from_config({"type": "dspark", "checkpoint": marked}, target=target)
+        Drafter.from_config(marked, target=target)  # the same folder again, in the other spelling: no second word
+        for name in ("calibrated", "cleared"):
+            Drafter.from_config(str(tmp_path / name), target=target)
+    said = [w for w in caught if "uncalibrated" in str(w.message)]
+    assert len(said) == 1 and said[0].category.__name__ == "UncalibratedWarning", [str(w.message) for w in said]
+    assert f"{marked} is uncalibrated (continued from runs/x" in str(said[0].message)
+    assert f"Calibrate it: python -m graft_block.drafters.dspark.calibrate {marked} --data" in str(said[0].message)
+
+
+def test_prefetch_must_be_an_int_of_at_least_zero(one_thread):
+    """-1 was taken (int(-1)) and made expand() look up a node it had never computed: a KeyError mid-round."""
+    target = tiny_target("qwen3")
+    for bad in (-1, 1.5, "3"):
+        with pytest.raises(ConfigError, match="prefetch .*must be an int >= 0"):
+            _drafter(target, prefetch=bad)
+    assert _drafter(target, prefetch=0).prefetch == 0
+
+
+def test_random_init_keeps_the_callers_rng_and_its_heads_are_drawn_as_before(one_thread):
+    """new_dspark_model reseeded the global RNG (through new_model); a gated or RNN head's projection is drawn after
+    the backbone from the same stream, so a seed still gives the model it gave."""
+    from graft_block.drafters.dspark.model import from_dflash
+
+    target = tiny_target("qwen3")
+    torch.manual_seed(99)
+    before = torch.get_rng_state()
+    got = S.new_dspark_model(target, num_layers=1, block_size=6, markov_rank=4, markov_head_type="rnn", seed=2,
+                             target_layer_ids=[0, 2])
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(2)  # HEAD's order: the seed, the backbone's draws, then the heads' constructor draws
+    base = D.DFlashModel(got.config, 6, [0, 2], target.vocab_size - 1, target.num_layers, None)
+    for p in base.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    ref = from_dflash(base, markov_rank=4, confidence_head=True, alignment="zlab", seed=2, markov_head_type="rnn")
+    want, have = ref.state_dict(), got.state_dict()
+    assert torch.equal(want["markov_head.joint_proj.weight"], have["markov_head.joint_proj.weight"])
+    assert all(torch.equal(want[k], have[k]) for k in want if not k.startswith("markov_head.markov_w"))
+
+
 def test_bad_dspark_folders_fail_clearly(tmp_path):
     target = tiny_target("qwen3")
     cases = [
@@ -928,6 +987,7 @@ def test_calibration_reports_on_held_out_sequences_that_share_nothing_with_its_f
     import graft_block.drafters.dspark.calibrate as C
     import graft_block.drafters.dspark.checkpoint as CK
     import graft_block.train_data as TD
+    import graft_block.training  # noqa: F401 - first imported under the patch, it would keep the fake load_records
 
     def rec(prompt, answer):
         return {"ids": torch.tensor(prompt + answer), "prompt_len": len(prompt)}

@@ -158,6 +158,10 @@ def _bench_files(tmp_path):
     (tmp_path / "afile").write_text("x")
     (tmp_path / "p.jsonl").write_text('{"turns": [[1, 2, 3]]}\n')
     (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "unbuilt").mkdir(exist_ok=True)
+    (tmp_path / "unbuilt" / "CMakeLists.txt").write_text("project(llama.cpp)\n")  # sources, no build
+    (tmp_path / "noexec" / "bin").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "noexec" / "bin" / "llama-speculative-simple").write_text("")  # not executable
     for name, text in (("shadow", "name: ar\ndrafter: {type: pld, budget: 3}\n"),
                        ("typo", "name: m\ndrafter: {type: pld}\ngrafts: {mode: graft}\n"),
                        ("half", 'name: m\ndrafter: {type: pld, budget: "{budget}"}\ndefault_budget: 1.5\n')):
@@ -177,13 +181,16 @@ def _bench_files(tmp_path):
     (["--time-limit", "nan"], "--time-limit must be > 0 seconds, got nan"),
     (["--out", "{tmp}/afile"], "{tmp}/afile is a file, not a folder"),
     (["--out", "{tmp}/afile/run"], "{tmp}/afile is a file, not a folder"),
-    (["--llamacpp", "{tmp}/no-build"], "--llamacpp {tmp}/no-build: no llama-speculative-simple"),
+    (["--llamacpp", "{tmp}/no-build"], "--llamacpp {tmp}/no-build: no llama-speculative-simple.*does not exist"),
+    (["--llamacpp", "{tmp}/unbuilt"], "--llamacpp {tmp}/unbuilt: .*llama.cpp sources but .* not built"),
+    (["--llamacpp", "{tmp}/noexec"], "--llamacpp {tmp}/noexec: .*bin/llama-speculative-simple is not executable"),
 ])
 def test_bench_refuses_what_would_run_wrong_before_the_model_loads(bad, words, tmp_path, refusal):
     """Each ran on without a word: a repeated method shared one turn-2 history (and record key) with its twin, a
     --config 'ar' replaced the baseline of every ratio, 'grafts' ran without Graft, default_budget 1.5 ran at 1,
     an empty --methods/--temperature/--prompts fell back to the suite's, --time-limit nan never fired; --out on a file
-    was a FileExistsError, and a --llamacpp folder without the binary a skip after the model loaded."""
+    was a FileExistsError, and a --llamacpp folder without the binary a skip after the model loaded (the refusal
+    says why: no such path, sources not built, a binary that is not executable)."""
     _bench_files(tmp_path)
     argv = ["--methods", "ar", "--prompts", f"{tmp_path}/p.jsonl", "--out", f"{tmp_path}/o"]
     msg = refusal(run_block.main, argv + [a.replace("{tmp}", str(tmp_path)) for a in bad])

@@ -547,3 +547,30 @@ def test_fallback_without_triton(monkeypatch):
                        gather_template(3, TR80_TEMPLATE, table))
     tree = kernels.expand(3, TR80_TEMPLATE, table, budget=20)
     assert torch.equal(tree.tokens, expand_template(3, TR80_TEMPLATE, table, budget=20).tokens)
+
+
+# ---- a matrix with fewer than template_width successors per row -------------------------------------------------
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_default_template_fits_a_matrix_with_k_below_the_template_width(k):
+    """The default template used ranks < template_width (8) whatever the matrix's k: with k < 8 the ranks >= k had
+    no column, those paths filled no slot and retrieve_only proposed fewer nodes than its budget."""
+    m = random_matrix(7, k=k)  # every row: k distinct successors, so only the template's shape limits retrieval
+    budget = 6 if k == 1 else 24  # k = 1: one chain of template_depth (8) nodes at most
+    g = Graft(budget=budget, matrix=m, mode="retrieve_only")
+    assert int(g.template_for("retrieve_only").ranks.max()) < k
+    for root in (0, 5, 33):
+        out = g.apply(chain(root, [1, 2]))
+        validate(out, budget=budget, root_token=root)
+        assert out.size - 1 == budget and out.num_retrieved == budget, (k, root, out.size - 1)
+    # the grafted tree too: retrieval fills every slot the pruned draft freed, with no draft refill needed
+    draft = random_ddtree(1, 24)
+    out = Graft(budget=24, matrix=m, mode="graft", thresholds=force_stage(0), refill=False).apply(draft)
+    assert out.size - 1 == (24 if k > 1 else 3 + 8), (k, out.size - 1)  # k = 1: 3 kept + an 8-node chain
+
+
+def test_explicit_template_with_ranks_past_the_matrix_k_is_refused():
+    m = random_matrix(7, k=2)
+    with pytest.raises(ConfigError, match=r"templates\[0\] uses rank 7 .*k=2"):
+        Graft(budget=10, matrix=m, templates={0: TR80_TEMPLATE})
+    Graft(budget=10, matrix=m, templates={0: [[0], [1], [0, 1]]})  # ranks < k: fine
+    Graft(budget=10, mode="prune", templates={0: TR80_TEMPLATE})  # no matrix: nothing to check against

@@ -260,6 +260,23 @@ def test_bad_configs_fail_clearly(tiny_llama):
         _mfd(tiny_llama, num_modes=0)
     with pytest.raises(ConfigError, match="unknown mfd config"):
         _mfd(tiny_llama, colour="red")
+    for bad in (0, -2, 2.5):  # were taken, then ignored by max(marginal_topk, budget) or truncated
+        with pytest.raises(ConfigError, match="marginal_topk .*must be an int >= 1"):
+            _mfd(tiny_llama, marginal_topk=bad)
+
+
+def test_a_shared_markov_head_from_an_uncalibrated_dspark_folder_warns(tmp_path):
+    """The modes rank their children by the DSpark folder's draft temperatures: a folder training marked as
+    needing calibrate.py says so when MFD shares its head, as when it is loaded itself."""
+    target = tiny_target("llama", vocab_size=16, hidden_size=32, num_layers=2)
+    model = _mfd_sharing_a_markov_head(target, tmp_path / "dspark", block_size=4, mask_token_id=15,
+                                       target_layer_ids=[0, 1])
+    cfg = json.loads((tmp_path / "dspark" / "config.json").read_text())
+    note = {"needed": True, "why": "trained weights", "run": "python -m graft_block.drafters.dspark.calibrate "
+            "<this folder> --data d --holdout 4"}
+    (tmp_path / "dspark" / "config.json").write_text(json.dumps({**cfg, "calibration": note}))
+    with pytest.warns(UserWarning, match=f"is uncalibrated .*[.]calibrate {tmp_path / 'dspark'} --data d"):
+        M.MFDDrafter(target, model, budget=6, markov=str(tmp_path / "dspark"))
 
 
 # ---- training ----------------------------------------------------------------------------------------------

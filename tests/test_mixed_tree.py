@@ -222,3 +222,17 @@ def test_root_only_tree_marks_every_mode_and_zero_modes_is_root_only():
     assert mixed_ddtree(0, ids, lps, 0).modes.tolist() == [7]
     assert mixed_ddtree(0, ids, torch.full_like(lps, float("-inf")), 4).modes.tolist() == [7]
     assert mixed_ddtree(0, ids[:0], lps[:0], 4).size == 1  # no mode: was a ZeroDivisionError
+
+
+def test_mixed_tree_equals_ddtree_when_float32_would_overflow():
+    """finfo.min log-probs are finite, but a path of two sums past float32: the M = 1 mixed tree kept such nodes
+    (-inf in Tree.scores) where ddtree leaves them out; both follow one rule now."""
+    from graft_block.tree.ddtree import ddtree, topk_logprobs
+    from graft_block.tree.mixed import mixed_ddtree
+
+    lo = torch.finfo(torch.float32).min
+    logits = torch.tensor([[3.0, 1.0, lo, lo], [2.0, 0.5, lo, lo], [1.0, 0.0, lo, lo]])
+    ids, lps = topk_logprobs(logits, 4)
+    ref, mixed = ddtree(9, ids, lps, 60), mixed_ddtree(9, ids[None], lps[None], 60)
+    assert bool(torch.isfinite(mixed.scores).all()), mixed.scores.tolist()
+    assert torch.equal(mixed.tokens, ref.tokens) and torch.equal(mixed.parents, ref.parents)

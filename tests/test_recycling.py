@@ -98,6 +98,25 @@ def test_config_errors_and_registry():
     assert isinstance(d, PLDMatrixDrafter) and d.pld_tokens == 3
 
 
+def test_pld_tokens_is_refused_out_of_range_or_not_an_int_and_defaults_to_at_most_the_budget():
+    """-3 was clamped to 0 (lookup off), 1000 to the budget and 2.5 truncated to 2, without a word."""
+    for bad in (-3, 1000, 21, 2.5, "4", True):
+        with pytest.raises(ConfigError, match=r"pld_tokens .* must be an int in 0\.\.20 .*got"):
+            PLDMatrixDrafter(budget=20, pld_tokens=bad, warmup_rounds=0)
+    assert [PLDMatrixDrafter(budget=20, pld_tokens=v, warmup_rounds=0).pld_tokens for v in (0, 7, 20)] == [0, 7, 20]
+    # left out: 10, or the whole budget below 10 (the presets sweep budgets 2..16 with no pld_tokens)
+    assert [PLDMatrixDrafter(budget=b, warmup_rounds=0).pld_tokens for b in (4, 10, 60)] == [4, 10, 10]
+
+
+def test_warmup_settings_are_refused_unless_ints_of_at_least_zero():
+    """warmup_tokens -5 warmed up like 0 and 2.5 like 2 (int()), without a word."""
+    for name in ("warmup_rounds", "warmup_tokens"):
+        for bad in (-5, 2.5, True):
+            with pytest.raises(ConfigError, match=f"{name} must be an int >= 0"):
+                RecyclingDrafter(budget=8, **{name: bad})
+    assert RecyclingDrafter(budget=8, warmup_rounds=0, warmup_tokens=0).warmup_tokens == 0
+
+
 def _prompts(n, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = [torch.randint(0, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()

@@ -155,3 +155,7 @@ def test_hf_generate_differing_from_our_ar_is_a_note_not_the_lossless_alarm():
     assert "tree" in alarm and "hf" not in alarm
     assert "hf: differs from our AR (HF's arithmetic) on p#0" in note
     assert "HF's arithmetic" in report._lossless(next(r for r in rows if r["method"] == "hf"))
+    # in half precision a verify row's rounding depends on its batch: our mismatch is a note there, the alarm in fp32
+    alarm, note = report.lossless_alarm(rows, "bfloat16")
+    assert alarm is None and "tree: differs from AR in bfloat16 (batch-variant kernels) on p#0" in note
+    assert "tree" in report.lossless_alarm(rows, "float32")[0]

@@ -269,16 +269,36 @@ def test_holdout_spreads_over_lengths_and_drops_copied_answers():
         T.split_holdout(recs, 40)
 
 
-def test_teacher_forced_text_is_held_out_by_its_answer_not_by_the_chat_header_every_record_shares(tiny):
-    """Teacher-forced text carries ``prompt_len`` 16, an anchor floor inside the chat template's header, which is
-    the same for every conversation (SmolLM2: "<|im_start|>system\\nYou are a helpful AI assistant ..."): taking
-    it for a prompt held out every training conversation along with the held-out ones."""
+def test_a_legacy_teacher_forced_cache_is_held_out_by_its_answer_not_by_the_chat_header_every_record_shares(tiny):
+    """Teacher-forced caches built before 2026-12-06 carry ``prompt_len`` 16, an anchor floor inside the chat
+    template's header, which is the same for every conversation (SmolLM2: "<|im_start|>system\\nYou are a helpful
+    AI assistant ..."): taking it for a prompt held out every training conversation along with the held-out ones."""
     g = torch.Generator().manual_seed(3)
     header = torch.randint(3, 128, (16,), generator=g).tolist()
     seqs = [(header + torch.randint(3, 128, (12,), generator=g).tolist(), 16) for _ in range(10)]
     recs = TD.teacher_forced_records(tiny, seqs, (1, 3), topk=4, labels=True)
     held, train = T.split_holdout(recs, 2)
     assert len(held) == 2 and len(train) == 8
+
+
+def test_teacher_forced_text_is_held_out_by_its_user_turn_too():
+    """Teacher-forced ``prompt_len`` ends after the templated user turn (``teacher_forced_data``), the same tokens as
+    an on-policy prompt: a training conversation that repeats a held-out user turn (ShareGPT repeats prompts word
+    for word) leaks it, whichever kind either record is, and is dropped."""
+    g = torch.Generator().manual_seed(5)
+    header = torch.randint(3, 128, (6,), generator=g).tolist()  # the chat header every conversation shares
+    turns = [header + torch.randint(3, 128, (5,), generator=g).tolist() for _ in range(8)]  # prompt_len 11
+
+    def rec(turn, reply_len, tf=True):
+        ids = torch.tensor(turn + torch.randint(3, 128, (reply_len,), generator=g).tolist())
+        return {"ids": ids, "prompt_len": len(turn), **({"labels": ids.roll(1)} if tf else {})}
+
+    train = [rec(t, 9) for t in turns]
+    held = [rec(turns[2], 7), rec(turns[5], 8, tf=False)]  # other replies to two training user turns
+    kept = T.without_overlap(train, held)
+    assert [r["ids"][:11].tolist() for r in kept] == [t for i, t in enumerate(turns) if i not in (2, 5)]
+    # and the other way round: held-out teacher-forced text drops an on-policy answer to its user turn
+    assert len(T.without_overlap([rec(turns[2], 9, tf=False), rec(turns[3], 9, tf=False)], held[:1])) == 1
 
 
 def test_a_split_that_leaves_nothing_to_train_is_an_error_not_an_endless_loop(tiny, tmp_path):

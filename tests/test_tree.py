@@ -200,3 +200,112 @@ def test_reorder_refuses_an_order_that_does_not_start_at_the_root():
     assert reorder(t, ranked_nodes(t)).tokens.tolist() == [9, 1, 2]
     with pytest.raises(ConfigError, match="root"):  # was accepted: node 0 became token 1 with the root as child
         reorder(t, torch.tensor([1, 0, 2]))
+
+
+# ---- DDTree (tree/ddtree.py) --------------------------------------------------------------------------------
+NINF = float("-inf")
+
+
+def _ddtree_paths(tree):
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    paths = [()]
+    for i in range(1, tree.size):
+        paths.append(paths[pars[i]] + (toks[i],))
+    return set(paths[1:])
+
+
+def test_ddtree_never_proposes_minus_inf_tokens_nor_nan_scores():
+    """Rows ending in -inf (probability 0 under the drafter) used to become nodes once the finite paths ran out,
+    and the sibling after a -inf entry scored -inf - (-inf) = NaN, which broke the heap order."""
+    import math
+
+    from graft_block.tree.ddtree import brute_force_top_prefixes, ddtree
+    from graft_block.tree.mixed import mixed_ddtree
+
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    lps = torch.tensor([[math.log(0.7), math.log(0.3), NINF, NINF]] * 2)
+    for budget in (3, 6, 12):
+        tree = ddtree(0, ids, lps, budget)
+        validate(tree, budget=budget, root_token=0)
+        assert bool(torch.isfinite(tree.scores).all()), tree.scores.tolist()
+        assert tree.size - 1 == min(budget, 2 + 4)  # only the finite paths: 2 at depth 1, 2 x 2 at depth 2
+        assert _ddtree_paths(tree) == brute_force_top_prefixes(ids, lps, budget)
+        ref = mixed_ddtree(0, ids[None], lps[None], budget)  # M = 1 mixed tree == DDTree on such rows too
+        assert ref.tokens.tolist() == tree.tokens.tolist() and ref.parents.tolist() == tree.parents.tolist()
+        assert torch.equal(ref.scores, tree.scores)
+    assert ddtree(0, ids, torch.full_like(lps, NINF), 5).size == 1  # nothing proposable: the root alone
+
+
+def test_ddtree_scores_stay_finite_when_float32_would_overflow():
+    """Log-probs of finfo.min (a logit masked with finfo.min rather than -inf) are finite, but a path of two sums
+    past float32's range: stored in Tree.scores (float32) it became -inf, against the -inf-free convention."""
+    from graft_block.tree.ddtree import ddtree, topk_logprobs
+
+    lo = torch.finfo(torch.float32).min
+    logits = torch.tensor([[3.0, 1.0, lo, lo], [2.0, 0.5, lo, lo], [1.0, 0.0, lo, lo]])
+    ids, lps = topk_logprobs(logits, 4)
+    tree = ddtree(9, ids, lps, 60)
+    validate(tree, budget=60, root_token=9)
+    assert bool(torch.isfinite(tree.scores).all()), tree.scores.tolist()
+    assert bool((tree.scores[1:] <= 0).all())
+
+
+def test_ddtree_refuses_unsorted_nan_or_mismatched_rows():
+    """An unsorted row (rank r + 1 likelier than rank r) silently lost the top-B optimality, a NaN row gave NaN
+    scores and a log-prob table narrower than the ids one raised an IndexError mid-build."""
+    from graft_block.tree.ddtree import ddtree
+
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(TreeError, match="sorted"):
+        ddtree(0, ids, torch.tensor([[-2.0, -0.1, -3.0]]), 2)  # was [0, 1, 2]: missed the likelier token 2 first
+    with pytest.raises(TreeError, match="NaN"):
+        ddtree(0, ids, torch.tensor([[float("nan")] * 3]), 2)
+    with pytest.raises(TreeError, match="shape"):
+        ddtree(0, ids, torch.tensor([[-0.1, -0.2]]), 3)
+
+
+def test_ddtree_is_the_brute_force_top_prefixes_in_any_float_dtype():
+    from graft_block.tree.ddtree import brute_force_top_prefixes, ddtree, topk_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(6):
+        L, V = 1 + trial % 4, 7
+        logits = torch.randn(L, V, generator=g) * 2
+        logits[:, V - 2:] = NINF  # a restricted draft vocabulary: two ids outside it
+        ids, lps = topk_logprobs(logits, 6)
+        for budget in (1, 4, 9, 30):
+            ref = brute_force_top_prefixes(ids, lps, budget)
+            for dt in (torch.float32, torch.float64, torch.bfloat16):
+                lp = lps.to(dt)
+                tree = ddtree(3, ids.to(torch.int32), lp, budget)
+                validate(tree, budget=budget, root_token=3)
+                assert bool(torch.isfinite(tree.scores).all())
+                if dt != torch.bfloat16:  # bf16 rounding may reorder near-ties
+                    assert _ddtree_paths(tree) == ref, (trial, budget, dt)
+                else:
+                    assert tree.size - 1 == len(brute_force_top_prefixes(ids, lp.float(), budget))
+
+
+def test_conditional_ddtree_never_proposes_minus_inf_children():
+    """Its root, sibling and child pushes took -inf log-probs as they came (nodes with -inf scores, and -inf
+    siblings were handed to ``expand`` to precompute); an empty child list raised an IndexError."""
+    import math
+
+    from graft_block.tree.ddtree import conditional_ddtree
+
+    seen = []
+
+    def expand(depth, prevs, prefix):
+        seen.append(list(prevs))
+        return [([1, 2, 3, 4], [math.log(0.6), math.log(0.4), NINF, NINF], None)]
+
+    tree, acc = conditional_ddtree(0, expand, 12, 2)
+    validate(tree, budget=12, root_token=0)
+    assert tree.size - 1 == 2 + 4 and acc is None
+    assert bool(torch.isfinite(tree.scores).all()), tree.scores.tolist()
+    assert all(set(p) <= {1, 2} for p in seen[1:]), seen  # -inf siblings are no expansion candidates
+    root_inf = lambda d, p, _: [([1, 2], [NINF, NINF], None)]  # noqa: E731
+    assert conditional_ddtree(0, root_inf, 5, 2)[0].size == 1
+    leafy = lambda d, p, _: [([5, 6], [-0.1, -2.5], 0.9)] if d == 1 else [([], [], 0.9)]  # noqa: E731
+    tree, acc = conditional_ddtree(0, leafy, 5, 3)
+    assert tree.tokens.tolist() == [0, 5, 6] and len(acc) == 3

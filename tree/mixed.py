@@ -33,6 +33,7 @@ import math
 
 import torch
 
+from .ddtree import _proposable
 from .tree import SOURCE_DRAFT, Tree, TreeError, make_tree
 
 SCORES = ("best_mode", "mixture_uniform", "mixture_gated")
@@ -112,16 +113,17 @@ def _best_mode_heap(root_token, ids, lps, budget, M, L, K):
     child: dict[tuple[int, int], int] = {}
     # heap item: (-score, rank tuple, mode, parent node, depth (1-based), rank); ranks first so M = 1 ties == DDTree
     # a -inf log-prob is a token the mode does not propose: never pushed (popped, it became a node and s - lps gave NaN)
-    heap = [(-lps[m][0][0], (0,), m, 0, 1, 0) for m in range(M) if lps[m][0][0] != NEG_INF]
+    heap = [(-lps[m][0][0], (0,), m, 0, 1, 0) for m in range(M) if _proposable(lps[m][0][0])]
     heapq.heapify(heap)
     while heap and len(tokens) - 1 < budget:
         neg, ranks, m, parent, depth, rank = heapq.heappop(heap)
         s = -neg
         node = _trie_node(child, tokens, parents, scores, parent, ids[m][depth - 1][rank], s)
-        if rank + 1 < K and lps[m][depth - 1][rank + 1] != NEG_INF:  # mode m's next sibling
+        if rank + 1 < K:  # mode m's next sibling; scores below float32's range (ddtree's rule) are not proposed
             s2 = s - lps[m][depth - 1][rank] + lps[m][depth - 1][rank + 1]
-            heapq.heappush(heap, (-s2, ranks[:-1] + (rank + 1,), m, parent, depth, rank + 1))
-        if depth < L and lps[m][depth][0] != NEG_INF:  # mode m's first child, under the (possibly shared) trie node
+            if _proposable(s2):
+                heapq.heappush(heap, (-s2, ranks[:-1] + (rank + 1,), m, parent, depth, rank + 1))
+        if depth < L and _proposable(s + lps[m][depth][0]):  # mode m's first child, under the (shared) trie node
             heapq.heappush(heap, (-(s + lps[m][depth][0]), ranks + (0,), m, node, depth + 1, 0))
     return tokens, parents, scores
 
@@ -141,7 +143,7 @@ def conditional_mixed_ddtree(root_token: int, expand, budget: int, max_depth: in
     child: dict[tuple[int, int], int] = {}
     kids = {(m, 0): expand(m, 1, int(root_token)) for m in range(modes)}
     heap = [(-kids[(m, 0)][1][0], m, m, 0, 1, 0) for m in range(modes)
-            if len(kids[(m, 0)][0]) and kids[(m, 0)][1][0] != NEG_INF]  # -inf: not proposed (as in the heap above)
+            if len(kids[(m, 0)][0]) and _proposable(kids[(m, 0)][1][0])]  # -inf: not proposed (as in the heap above)
     heapq.heapify(heap)  # (-score, pop-order tiebreak, mode, parent node, depth, rank)
     seq = modes
     while heap and len(tokens) - 1 < budget:
@@ -153,14 +155,14 @@ def conditional_mixed_ddtree(root_token: int, expand, budget: int, max_depth: in
         if node == len(bits):
             bits.append(0)
         bits[node] |= 1 << m
-        if rank + 1 < len(ids) and lps[rank + 1] != NEG_INF:  # mode m's next sibling
+        if rank + 1 < len(ids) and _proposable(s - lps[rank] + lps[rank + 1]):  # mode m's next sibling
             heapq.heappush(heap, (-(s - lps[rank] + lps[rank + 1]), seq, m, parent, depth, rank + 1))
             seq += 1
         if depth < max_depth and len(tokens) - 1 < budget:  # mode m's first child (never under the last node)
             if (m, node) not in kids:
                 kids[(m, node)] = expand(m, depth + 1, tok)
             k_ids, k_lps = kids[(m, node)]
-            if len(k_ids) and k_lps[0] != NEG_INF:
+            if len(k_ids) and _proposable(s + k_lps[0]):
                 heapq.heappush(heap, (-(s + k_lps[0]), seq, m, node, depth + 1, 0))
                 seq += 1
     return make_tree(tokens, parents, scores, SOURCE_DRAFT, bits)

@@ -7,6 +7,7 @@ config loads into the model the reference builds from it: ``rope_theta`` 1e4, ``
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
@@ -58,33 +59,53 @@ def rope_parameters(raw: dict) -> dict:
     return rope
 
 
-def model_from_config(raw: dict, draft_vocab: torch.Tensor | None = None, cls=DFlashModel, **model_kw) -> DFlashModel:
+def config_int(value, key: str, where: str, minimum: int = 1) -> int:
+    """A config.json integer as written, or a ConfigError: ``int()`` would take "4" or 4.7 for 4 here, while the
+    same folder passed whole to ``Drafter.from_config`` hands its keys to options that refuse them."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        quoted = " (a string: write the number without quotes)" if isinstance(value, str) else ""
+        raise ConfigError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}{quoted}")
+    return value
+
+
+def model_from_config(raw: dict, draft_vocab: torch.Tensor | None = None, cls=DFlashModel,
+                      where: str = "DFlash config.json", **model_kw) -> DFlashModel:
     """A z-lab config.json dict -> an (uninitialised) DFlashModel (or ``cls``, a subclass such as DSpark's, built
-    with ``model_kw`` besides)."""
+    with ``model_kw`` besides). ``where`` names the file in errors."""
     dcfg = raw.get("dflash_config") or {}
     block_size = raw.get("block_size", dcfg.get("block_size"))
     if block_size is None:
-        raise ConfigError("DFlash config has no block_size (top level or dflash_config.block_size)")
+        raise ConfigError(f"{where} has no block_size (top level or dflash_config.block_size)")
+    block_size = config_int(block_size, "block_size", where, 2)
     mask_id = dcfg.get("mask_token_id", raw.get("mask_token_id"))
     if mask_id is None:
-        raise ConfigError("DFlash config has no dflash_config.mask_token_id (never substitute pad/eos: set it)")
+        raise ConfigError(f"{where} has no dflash_config.mask_token_id (never substitute pad/eos: set it)")
+    mask_id = config_int(mask_id, "mask_token_id", where, 0)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads"):
         if key not in raw:
-            raise ConfigError(f"DFlash config.json lacks {key!r}")
-    n_layers = int(raw["num_hidden_layers"])
+            raise ConfigError(f"{where} lacks {key!r}")
+    for key in SHAPE_KEYS:  # the integer shape keys Qwen3Config would store as given (null: its default)
+        if key not in ("rms_norm_eps", "hidden_act", "attention_bias") and raw.get(key) is not None:
+            config_int(raw[key], key, where)
+    n_layers = raw["num_hidden_layers"]
     num_target = raw.get("num_target_layers")
+    if num_target is not None:
+        num_target = config_int(num_target, "num_target_layers", where)
     layer_ids = dcfg.get("target_layer_ids", raw.get("target_layer_ids"))
     if layer_ids is None:
         if num_target is None:
-            raise ConfigError("DFlash config needs dflash_config.target_layer_ids or num_target_layers")
-        layer_ids = build_target_layer_ids(int(num_target), n_layers)
+            raise ConfigError(f"{where} needs dflash_config.target_layer_ids or num_target_layers")
+        layer_ids = build_target_layer_ids(num_target, n_layers)
+    if not isinstance(layer_ids, list):
+        raise ConfigError(f"{where}: target_layer_ids must be a list of decoder-layer ids, got {layer_ids!r}")
+    layer_ids = [config_int(i, "each of target_layer_ids", where, 0) for i in layer_ids]
     kw = {k: raw[k] for k in SHAPE_KEYS if k in raw}
     kw.setdefault("intermediate_size", 3 * int(raw["hidden_size"]))
     kw.setdefault("num_key_value_heads", raw["num_attention_heads"])
     window = {k: raw[k] for k in WINDOW_KEYS if k in raw}  # as written: null must not become 4096
     cfg = Qwen3Config(**kw, **window, rope_parameters=rope_parameters(raw), tie_word_embeddings=False)
     check_reference_features(raw, cfg)
-    return cls(cfg, int(block_size), layer_ids, int(mask_id), num_target, draft_vocab, **model_kw)
+    return cls(cfg, block_size, layer_ids, mask_id, num_target, draft_vocab, **model_kw)
 
 
 def check_reference_features(raw: dict, cfg: Qwen3Config) -> None:
@@ -159,7 +180,7 @@ def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DFlashModel:
     check_folder_kind(raw, folder, "dflash")
     tensors = read_weights(folder, "DFlash checkpoint")
     vocab = tensors.pop("draft_vocab", None)
-    return load_strict(model_from_config(raw, vocab), tensors, folder, device, dtype)
+    return load_strict(model_from_config(raw, vocab, where=f"{folder}/config.json"), tensors, folder, device, dtype)
 
 
 def check_folder_kind(raw: dict, folder, kind: str) -> None:
@@ -221,10 +242,36 @@ def check_compatible(model: DFlashModel, target) -> None:
         raise ConfigError("draft_vocab holds ids outside the target vocabulary")
 
 
+@contextmanager
+def seeded_init(seed: int):
+    """Random inits drawn as ``torch.manual_seed(seed)`` then construction on the CPU would draw them, without
+    touching the caller's RNG state: the CPU generator is forked, seeded, and restored on exit."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an int (the random init's), got {seed!r}")
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):  # CPU draws only, so only its state is forked
+        torch.default_generator.manual_seed(seed)  # not torch.manual_seed, which would reseed every CUDA device too
+        yield
+
+
 def new_model(target, num_layers: int = 2, block_size: int = 16, target_layer_ids: Sequence[int] | None = None,
               mask_token_id: int | None = None, num_features: int = 3, seed: int = 0,
               intermediate_size: int | None = None, draft_vocab: torch.Tensor | None = None) -> DFlashModel:
-    """A randomly initialised drafter shaped like the target's layers (heads, KV heads, head_dim, rope theta)."""
+    """A randomly initialised drafter shaped like the target's layers (heads, KV heads, head_dim, rope theta), drawn
+    from ``seed`` (``seeded_init``: the caller's RNG state is left as it was)."""
+    with seeded_init(seed):
+        return draw_model(target, num_layers, block_size, target_layer_ids, mask_token_id, num_features,
+                          intermediate_size, draft_vocab)
+
+
+def draw_model(target, num_layers: int = 2, block_size: int = 16, target_layer_ids: Sequence[int] | None = None,
+               mask_token_id: int | None = None, num_features: int = 3, intermediate_size: int | None = None,
+               draft_vocab: torch.Tensor | None = None) -> DFlashModel:
+    """``new_model`` drawing from the global CPU generator as it stands (``new_dspark_model`` draws its heads next,
+    inside the same ``seeded_init``)."""
+    for key, value in (("num_layers", num_layers), ("num_features", num_features)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key} must be an int >= 1 (a drafter has at least one decoder layer and reads at least "
+                              f"one target feature layer), got {value!r}")
     tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     heads = int(tc.num_attention_heads)
     head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // heads)
@@ -239,7 +286,6 @@ def new_model(target, num_layers: int = 2, block_size: int = 16, target_layer_id
         target_layer_ids = build_target_layer_ids(target.num_layers, num_features)
     if mask_token_id is None:
         mask_token_id = target.vocab_size - 1
-    torch.manual_seed(seed)
     model = DFlashModel(cfg, block_size, target_layer_ids, mask_token_id, target.num_layers, draft_vocab)
     for name, p in model.named_parameters():
         if p.dim() == 2:

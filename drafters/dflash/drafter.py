@@ -104,7 +104,10 @@ class DFlashDrafter(Drafter):
         if not isinstance(denoise_steps, int) or denoise_steps < 1:
             raise ConfigError(f"denoise_steps must be an int >= 1, got {denoise_steps!r}")
         self.denoise_steps = denoise_steps
-        self.marginal_topk = int(marginal_topk)
+        if isinstance(marginal_topk, bool) or not isinstance(marginal_topk, int) or marginal_topk < 1:
+            raise ConfigError(f"marginal_topk (candidates kept per block position; a tree takes at least its budget) "
+                              f"must be an int >= 1, got {marginal_topk!r}")
+        self.marginal_topk = marginal_topk
         self.checkpoint = checkpoint
         self.feature_layers = model.feature_layers
         self._lm_w, self._lm_b, self._lm_layouts = head_rows(target, model.draft_vocab)

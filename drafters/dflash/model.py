@@ -141,9 +141,9 @@ class DFlashModel(nn.Module):
         pos = block_positions.view(1, -1) if block_positions.dim() == 1 else block_positions
         if mask is not None and mask.dim() == 2:
             mask = mask.view(1, 1, *mask.shape)
+        x = x.to(self.fc.weight.dtype)  # before the mask: SDPA wants the mask in the queries' (the model's) dtype
         if mask is not None:
             mask = mask.to(x.dtype)
-        x = x.to(self.fc.weight.dtype)
         cos, sin = self.rope(pos, x)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k, v, mask)
@@ -161,7 +161,8 @@ class DFlashModel(nn.Module):
             lm_head_bias = None if lm_head_bias is None else lm_head_bias[self.draft_vocab]
             # a fresh gather every call: no layout worth keeping
             return F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight, lm_head_bias)
-        return inference_linear(hidden, lm_head_weight, lm_head_bias, self.kernel,
+        # the head's dtype is the target's, which a drafter loaded in another dtype does not share
+        return inference_linear(hidden.to(lm_head_weight.dtype), lm_head_weight, lm_head_bias, self.kernel,
                                 laid_out(self) if layouts is None else layouts)
 
     def to_vocab_ids(self, cols: torch.Tensor) -> torch.Tensor:

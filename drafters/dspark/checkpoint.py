@@ -16,6 +16,7 @@ speculators and llama.cpp do, ``sample_from_anchor`` (true = DeepSpec's rows), i
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,8 +24,8 @@ import torch
 from graft_block.drafter import read_weights, resolve_checkpoint
 from graft_block.errors import ConfigError
 
-from ..dflash.checkpoint import (check_compatible, config_dict, load_strict, model_from_config, new_model,
-                                 read_config)
+from ..dflash.checkpoint import (check_compatible, config_dict, draw_model, load_strict, model_from_config,
+                                 read_config, seeded_init)
 from ..dflash.checkpoint import save_checkpoint as dflash_save
 from .model import ALIGNMENTS, DSparkModel, EmbeddingMarkovHead, from_dflash
 
@@ -79,7 +80,7 @@ def dspark_options(raw: dict, where: str = "config.json") -> dict:
 
 def model_from_dspark_config(raw: dict, draft_vocab: torch.Tensor | None = None, where: str = "config.json"):
     # dflash's parser reads mask_token_id / target_layer_ids from dflash_config or the top level (native)
-    model = model_from_config(raw, draft_vocab, cls=DSparkModel, **dspark_options(raw, where))
+    model = model_from_config(raw, draft_vocab, cls=DSparkModel, where=where, **dspark_options(raw, where))
     for key in ("confidence_temperatures", "draft_temperatures", "sampled_draft_temperatures"):
         temps = (raw.get("dflash_config") or {}).get(key)
         if temps is None:
@@ -91,6 +92,34 @@ def model_from_dspark_config(raw: dict, draft_vocab: torch.Tensor | None = None,
             raise ConfigError(f"{where}: {key} must be positive numbers, got {temps}")
         setattr(model, key, torch.tensor([float(t) for t in temps]))
     return model
+
+
+class UncalibratedWarning(UserWarning):
+    """A DSpark folder whose config.json says its confidences still need ``calibrate.py``."""
+
+
+_WARNED: set[str] = set()  # folders already warned about in this process
+
+
+def warn_if_uncalibrated(folder: str | Path) -> None:
+    """Warn once per folder when its config.json carries training's ``"calibration": {"needed": true, ...}`` mark
+    (``calibrate.py`` removes it): the folder's temperatures are the identity, not fitted to its weights, so its
+    confidences and the tree's per-depth ranking are not calibrated. Calibration (``calibrate.py`` itself) and
+    training read such folders through ``load_checkpoint``, which stays quiet."""
+    folder = resolve_checkpoint(folder, "DSpark")
+    note = read_config(folder).get("calibration")
+    if note is None or (isinstance(note, dict) and note.get("needed") is False) or str(folder) in _WARNED:
+        return
+    _WARNED.add(str(folder))
+    from .training import CALIBRATE
+
+    fields = note if isinstance(note, dict) else {}
+    why = fields.get("why") or f"its config.json's 'calibration' entry is {note!r}"
+    run = str(fields.get("run") or f"{CALIBRATE} <this folder> --data <its training data> --holdout <its --holdout>")
+    warnings.warn(f"DSpark checkpoint {folder} is uncalibrated ({why}): its confidences and draft temperatures were "
+                  f"not fitted to these weights, so acceptance estimates (schedule, Graft) and the tree's ranking "
+                  f"read uncalibrated probabilities. Calibrate it: {run.replace('<this folder>', str(folder))}",
+                  UncalibratedWarning, stacklevel=3)
 
 
 def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DSparkModel:
@@ -145,10 +174,12 @@ def save_checkpoint(model: DSparkModel, folder: str | Path, dtype=torch.float16,
 def new_dspark_model(target, num_layers: int = 2, block_size: int = 16, markov_rank: int = 8,
                      confidence_head: bool = True, alignment: str = "zlab", seed: int = 0,
                      markov_first_draft: bool = True, markov_head_type: str = "vanilla", **kw) -> DSparkModel:
-    """A randomly initialised DSpark drafter for ``target`` (tests, or training from scratch)."""
-    base = new_model(target, num_layers=num_layers, block_size=block_size, seed=seed, **kw)
-    model = from_dflash(base, markov_rank=markov_rank, confidence_head=confidence_head, alignment=alignment,
-                        seed=seed, markov_first_draft=markov_first_draft, markov_head_type=markov_head_type)
+    """A randomly initialised DSpark drafter for ``target`` (tests, or training from scratch), drawn from ``seed``
+    without touching the caller's RNG state."""
+    with seeded_init(seed):  # one stream: a gated or RNN head's projection is drawn after the backbone, as ever
+        base = draw_model(target, num_layers=num_layers, block_size=block_size, **kw)
+        model = from_dflash(base, markov_rank=markov_rank, confidence_head=confidence_head, alignment=alignment,
+                            seed=seed, markov_first_draft=markov_first_draft, markov_head_type=markov_head_type)
     if model.markov_head is not None:  # a visible correction, unlike a trained start's W2 = 0
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():

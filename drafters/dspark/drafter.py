@@ -26,7 +26,7 @@ from graft_block.tree.ddtree import conditional_ddtree
 
 from ..dflash.drafter import DFlashDrafter, random_init_block
 from . import training as dspark_training
-from .checkpoint import is_dspark_layout, load_checkpoint, new_dspark_model, save_checkpoint
+from .checkpoint import is_dspark_layout, load_checkpoint, new_dspark_model, save_checkpoint, warn_if_uncalibrated
 from .model import DSparkModel
 
 
@@ -66,7 +66,10 @@ class DSparkDrafter(DFlashDrafter):
                  markov_candidates: int = 64, checkpoint: str | None = None):
         super().__init__(target, model, proposal=proposal, budget=budget, block_size=block_size,
                          marginal_topk=marginal_topk, checkpoint=checkpoint)
-        self.prefetch = int(prefetch)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"prefetch (later siblings whose children share a node's Markov product) must be an int "
+                              f">= 0, got {prefetch!r}")
+        self.prefetch = prefetch
         if not isinstance(markov_candidates, int) or isinstance(markov_candidates, bool) or markov_candidates < 0:
             raise ConfigError(f"markov_candidates must be an int >= 0 (0 = rank children over the whole draft "
                               f"vocabulary), got {markov_candidates!r}")
@@ -101,6 +104,7 @@ class DSparkDrafter(DFlashDrafter):
             if want is not None and want != model.alignment:
                 raise ConfigError(f"alignment {want!r} was asked for, but checkpoint {ckpt} was trained with "
                                   f"{model.alignment!r} rows: drop the option or use a matching checkpoint")
+            warn_if_uncalibrated(ckpt)
             return cls(target, model, checkpoint=str(ckpt), **opts)
         init = {k: cfg.pop(k) for k in ("num_layers", "target_layer_ids", "mask_token_id", "seed", "num_features",
                                         "markov_rank", "markov_head_type", "confidence_head", "markov_first_draft")

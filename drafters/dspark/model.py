@@ -166,7 +166,7 @@ class ConfidenceHead(nn.Module):
 
 class DSparkModel(DFlashModel):
     """``DFlashModel`` + optional ``markov_head`` and ``confidence_head``; ``alignment`` says which block row
-    drafts first. ``confidence_temperatures`` (per draft position, a buffer saved in the checkpoint config) hold
+    drafts first. ``confidence_temperatures`` (per draft position, saved in the checkpoint config) hold
     the calibration of the confidence head (1 = uncalibrated); ``draft_temperatures`` (the same, ours) that of the
     draft distributions a tree ranks its nodes by: DeepSpec's L1 loss is no proper scoring rule, and its
     Markov-corrected rows come out overconfident (``calibrate.py``). Those are fitted to the target's greedy tokens;
@@ -198,8 +198,10 @@ class DSparkModel(DFlashModel):
         self.confidence_with_markov = bool(confidence_head and confidence_with_markov)
         self.confidence_head = (ConfidenceHead(H + (markov_rank if self.confidence_with_markov else 0))
                                 if confidence_head else None)
-        self.register_buffer("confidence_temperatures", torch.ones(self.num_drafts), persistent=False)
-        self.register_buffer("draft_temperatures", torch.ones(self.num_drafts), persistent=False)
+        # float32 on the CPU, not buffers: module.to(bfloat16) rounded them (1.37 -> 1.3672), and each read of a
+        # GPU copy waited for the device
+        self.confidence_temperatures = torch.ones(self.num_drafts)
+        self.draft_temperatures = torch.ones(self.num_drafts)
         self.sampled_draft_temperatures: torch.Tensor | None = None
 
     def ranking_temperatures(self, temperature: float) -> torch.Tensor:
