@@ -20,7 +20,7 @@ if not __package__ and (Path(__file__).resolve().parents[1] / "graft_block").is_
 
 import torch  # noqa: E402
 
-from graft_block.errors import run_command  # noqa: E402
+from graft_block.errors import ConfigError, run_command  # noqa: E402
 from graft_block.eval import run_block  # noqa: E402
 from graft_block.eval.presets import SUITES  # noqa: E402
 from graft_block.eval.prompts import encode_turn, prompt_records  # noqa: E402
@@ -43,28 +43,8 @@ def arms(names: list[str], checkpoint: str) -> dict[str, dict]:
         elif n in CONFIGS:
             out[f"dflash_{n}"] = {"drafter": {"type": "dflash", "checkpoint": checkpoint, **CONFIGS[n]}}
         else:
-            raise SystemExit(f"unknown arm {n!r}; choose from {', '.join([*CONFIGS, 'pld'])}")
+            raise ConfigError(f"unknown arm {n!r}; choose from {', '.join([*CONFIGS, 'pld'])}")
     return out
-
-
-class _State:
-    """The slice of DecodeState a drafter's propose() reads (for the teacher-forced replay)."""
-
-    def __init__(self, tokens):
-        self.tokens = tokens
-
-    @property
-    def cache_len(self):
-        return len(self.tokens) - 1
-
-    @property
-    def root_token(self):
-        return self.tokens[-1]
-
-    def section(self, name):
-        from contextlib import nullcontext
-
-        return nullcontext()
 
 
 @torch.inference_mode()
@@ -73,7 +53,9 @@ def greedy_tau_simulation(target, model, prompt_ids: list[int], output: list[int
     so one target forward over prompt + AR output gives the features every round would see; each config then
     replays its own rounds (draft from the context before the root, accept the longest tree path that matches
     the greedy continuation, advance)."""
+    from graft_block.decoder import DecodeState
     from graft_block.drafters.dflash import DFlashDrafter
+    from graft_block.sampling import SamplingConfig
 
     seq = list(prompt_ids) + list(output)
     P = len(prompt_ids)
@@ -86,7 +68,8 @@ def greedy_tau_simulation(target, model, prompt_ids: list[int], output: list[int
         s, rounds, committed = P, 0, 0  # root of the first round = first generated token, at position P
         while s < len(seq) - 1:
             d._extend(feats[d.ctx_len:s], d.ctx_len)
-            tree = d.propose(_State(seq[: s + 1]))
+            # the decoder's own state type, so every field a drafter reads exists (a hand-made slice once lacked one)
+            tree = d.propose(DecodeState(target, SamplingConfig(), None, seq[: s + 1], P))
             children = {(int(tree.parents[i]), int(tree.tokens[i])): i for i in range(1, tree.size)}
             cur, pos = 0, s
             while pos + 1 < len(seq) and (cur, seq[pos + 1]) in children:
@@ -103,14 +86,17 @@ def simulate(rep: dict, target, checkpoint: str, sim: list[str]) -> dict:
     from graft_block import Drafter
 
     sets = rep["args"]["prompts"].split(",") if rep["args"]["prompts"] else SUITES[rep["suite"]]["prompts"]
+    ar = [r for r in rep["records"] if r["method"] == "ar" and r["temperature"] == 0 and r["turn"] == 0]
+    if not ar:  # a run at T > 0 only: nothing to replay (and no mean of no rounds)
+        print("  sim: no greedy AR output in this run to replay (add --temperature 0)", file=sys.stderr)
+        return {}
     prompts = {p["id"]: p for p in prompt_records(sets, rep["limit"], True)[0]}
     model = Drafter.from_config({"type": "dflash", "checkpoint": checkpoint}, target=target).model
     rows = []
-    for r in rep["records"]:
-        if r["method"] == "ar" and r["temperature"] == 0 and r["turn"] == 0:
-            ids = encode_turn(target, [], prompts[r["prompt_id"]]["turns"][0]).tolist()
-            rows.append({"set": r["set"], **greedy_tau_simulation(target, model, ids, r["tokens"],
-                                                                  {n: CONFIGS[n] for n in sim})})
+    for r in ar:
+        ids = encode_turn(target, [], prompts[r["prompt_id"]]["turns"][0]).tolist()
+        rows.append({"set": r["set"], **greedy_tau_simulation(target, model, ids, r["tokens"],
+                                                              {n: CONFIGS[n] for n in sim})})
     out = {}
     for n in sim:
         out[n] = {"tau": statistics.mean(r[n] for r in rows)}
@@ -127,15 +113,20 @@ def main(argv=None):
                     help="greedy tau by teacher-forced replay of the AR output (no timing); '' = skip")
     args, rest = ap.parse_known_args(argv)
     table = arms(args.arms.split(","), args.drafter)
+    sim = [s for s in args.sim.split(",") if s]
+    if set(sim) - set(CONFIGS):  # before the timed run, not after it
+        raise ConfigError(f"--sim {args.sim!r}: unknown config(s) {', '.join(sorted(set(sim) - set(CONFIGS)))}; "
+                          f"choose from {', '.join(CONFIGS)}")
     from graft_block.eval.presets import resolve_bundled
 
     rep, target = run_block.run_arms(table, ["--first-turn-only", "--max-new-tokens", "128", "--limit", "5",
                                              "--out", "runs/bench_dflash"], rest)
     if target is None:
         return rep
-    sim = [s for s in args.sim.split(",") if s]
     if sim and rep.get("records"):
         rep["greedy_tau_simulated"] = simulate(rep, target, resolve_bundled(args.drafter, "bench_dflash"), sim)
+        if not rep["greedy_tau_simulated"]:
+            return rep
         for n, v in rep["greedy_tau_simulated"].items():
             print(f"  sim {n:9s} " + " ".join(f"{k} {x:.3f}" for k, x in v.items()))
         out = Path(rep["args"]["out"]) / "greedy_tau_simulated.json"

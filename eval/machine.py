@@ -1,8 +1,9 @@
 """Is anything else competing for this machine? Load samples before, during and after timing, and the environment.
 
 Three signals, each from a window between two ``snapshot()`` calls (Linux /proc; elsewhere they read None):
-- others_cores:  CPU time the whole machine spent busy minus this process's own CPU time (its finished children's,
-                 e.g. the llama.cpp peers, included), per wall second (another job using the cores we time on);
+- others_cores:  CPU time the machine's CPUs (those this process may run on, where its affinity is narrower) spent
+                 busy minus this process's own CPU time (its finished children's, e.g. the llama.cpp peers,
+                 included), per wall second (another job using the cores we time on);
 - runq_share:    seconds our threads were runnable but waited for a CPU, per wall second (/proc/self/task/*/schedstat:
                  more runnable threads than cores);
 - steal_cores:   time the hypervisor gave our vCPUs to someone else, per wall second.
@@ -27,17 +28,36 @@ STEAL_CORES = 0.10
 MIN_WINDOW_S = 0.3  # shorter windows are too coarse for /proc/stat's 10 ms ticks: pooled, not judged alone
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+PROC_STAT = "/proc/stat"
+
+
+def usable_cpus() -> set[int] | None:
+    """The CPUs this process (and the children it starts) may run on; None where the OS does not say."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
 
 
 def _proc_stat() -> tuple[float, float] | tuple[None, None]:
-    """(busy seconds, steal seconds) of all CPUs since boot."""
+    """(busy seconds, steal seconds) since boot of the CPUs this process may run on (all of them, the first line,
+    when its affinity is not narrower): a job pinned to other cores (taskset, a cpuset) competes for nothing."""
+    mine = usable_cpus()
     try:
-        with open("/proc/stat") as fh:
-            f = [int(x) for x in fh.readline().split()[1:]]
-    except (OSError, ValueError):
+        with open(PROC_STAT) as fh:
+            lines = [line.split() for line in fh if line.startswith("cpu")]
+        rows = [lines[0][1:]]
+        per_cpu = {int(f[0][3:]): f[1:] for f in lines[1:]}
+        if mine and set(per_cpu) - mine and mine <= set(per_cpu):
+            rows = [per_cpu[c] for c in sorted(mine)]
+        busy = steal = 0
+        for row in rows:
+            user, nice, system, _idle, _iowait, irq, softirq, st = ([int(x) for x in row] + [0] * 8)[:8]
+            busy += user + nice + system + irq + softirq
+            steal += st
+    except (OSError, ValueError, IndexError):
         return None, None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (f + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
+    return busy / _TICK, steal / _TICK
 
 
 def _runq_wait() -> float | None:
@@ -200,6 +220,9 @@ def own_peak_rss_mb() -> float | None:
 def environment() -> dict:
     import transformers
 
+    cpus = usable_cpus()
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            # the CPUs the run could use (taskset, a cpuset), which cpu_count (the machine's) does not say
+            "usable_cpus": None if cpus is None else len(cpus), "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "loadavg": loadavg()}

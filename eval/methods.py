@@ -31,16 +31,16 @@ class Method:
 _WARM_MATRIX: dict = {}
 
 
-def warm_matrix(target, k: int = 8, rounds: int = 5):
-    """One adjacency-matrix warm-up per run (ShareGPT calibration prompts); each method gets its own copy so
-    no method learns from another method's verifications of the same prompt."""
+def warm_matrix(target, k: int = 8, rounds: int = 5, new_tokens: int = 64):
+    """One adjacency-matrix warm-up per run and setting (ShareGPT calibration prompts); each method gets its own
+    copy so no method learns from another method's verifications of the same prompt."""
     from graft_block.adjacency import AdjacencyMatrix
 
-    key = (id(target), k, rounds)
+    key = (id(target), k, rounds, new_tokens)
     if key not in _WARM_MATRIX:
         m = AdjacencyMatrix(target.vocab_size, k, "int32", target.device)
         if rounds and target.tokenizer is not None:
-            m.warmup(target, rounds=rounds)
+            m.warmup(target, rounds=rounds, new_tokens=new_tokens)
         _WARM_MATRIX[key] = m
     return copy.deepcopy(_WARM_MATRIX[key])
 
@@ -90,8 +90,9 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
         return Method(name, llamacpp_runner(target, spec["llamacpp"]), config=spec)
     dcfg = spec.get("drafter")
     if isinstance(dcfg, dict) and dcfg.get("type") in ("recycling", "pld_matrix") and "matrix" not in dcfg \
-            and dcfg.get("warmup_rounds", 5) == 5:
-        dcfg = {**dcfg, "matrix": warm_matrix(target), "warmup_rounds": 0}
+            and dcfg.get("warmup_rounds", 5) == 5:  # the run's shared warm-up, with the drafter's own k and tokens
+        warm = warm_matrix(target, dcfg.get("k", 8), 5, dcfg.get("warmup_tokens", 64))
+        dcfg = {**dcfg, "matrix": warm, "warmup_rounds": 0}
     drafter = Drafter.from_config(dcfg, target=target) if dcfg else None
     graft = None
     if spec.get("graft"):

@@ -2,6 +2,7 @@
 chimeric shares."""
 from __future__ import annotations
 
+from math import nan
 from pathlib import Path
 
 
@@ -25,7 +26,9 @@ def plots(out: Path, rows: list[dict]) -> list[str]:
         for (m, t), rs in sorted(by.items()):
             rs = sorted(rs, key=lambda r: r["budget"])
             axes[0].plot([r["budget"] for r in rs], [r["tau"] for r in rs], marker="o", label=f"{m} T={t:g}")
-            axes[1].plot([r["budget"] for r in rs], [r["speedup"] or 0 for r in rs], marker="o", label=f"{m} T={t:g}")
+            # no AR pair at this temperature: a gap, not a plotted speedup of 0
+            axes[1].plot([r["budget"] for r in rs], [nan if r["speedup"] is None else r["speedup"] for r in rs],
+                         marker="o", label=f"{m} T={t:g}")
         for ax, yl in zip(axes, ("tau (tokens / round)", "speedup vs AR (aggregate)")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("budget (tree nodes)")
@@ -41,8 +44,8 @@ def plots(out: Path, rows: list[dict]) -> list[str]:
         for r in hist_rows:
             h = r["accept_hist"]
             tot = sum(h.values())
-            ks = sorted(h)
-            ax.plot(ks, [h[k] / tot for k in ks], marker=".",
+            ks = range(max(h) + 1)  # every count up to the largest, so a count no round had plots 0, not a bridge
+            ax.plot(ks, [h.get(k, 0) / tot for k in ks], marker=".",
                     label=f"{r['method']} T={r['temperature']:g} b={r['budget']}")
         ax.set_xlabel("accepted draft tokens per round")
         ax.set_ylabel("share of rounds")
@@ -69,7 +72,9 @@ def plots(out: Path, rows: list[dict]) -> list[str]:
     chim = [r for r in rows if r["chimeric_share"] is not None]
     if chim:
         fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.bar([f"{r['method']}\nb={r['budget']}" for r in chim], [r["chimeric_share"] for r in chim])
+        # one bar per row: equal labels (a method at two temperatures) would stack on one category
+        ax.bar([f"{r['method']}\nT={r['temperature']:g} b={r['budget']}" for r in chim],
+               [r["chimeric_share"] for r in chim])
         ax.set_ylabel("chimeric share of drafted nodes")
         fig.tight_layout()
         fig.savefig(out / "chimeric.png", dpi=110)

@@ -36,7 +36,7 @@ def problem(source: str, node: ast.FunctionDef) -> str | None:
     if not doc or not 40 <= len(doc.strip()) <= 800:
         return None
     first = node.body[0]
-    lines = source.splitlines()
+    lines = source.split("\n")  # the parser's line numbers count newlines only; splitlines also splits at \f, \v
     # the signature runs from the ``def`` (not a decorator) to the line before the docstring
     head = lines[node.lineno - 1:first.lineno - 1]
     body = lines[first.lineno - 1:first.end_lineno]
@@ -49,16 +49,17 @@ def problem(source: str, node: ast.FunctionDef) -> str | None:
 
 def problems_under(root: str | Path | None = None) -> list[dict]:
     """Every usable public top-level function of the Python sources under ``root`` (this Python's standard
-    library by default; tests, private modules and ``__init__`` files, and evaluation-set packages skipped), as
-    {"id": "module:function", "source": problem text}, in path order."""
+    library by default; tests, private modules and ``__init__`` files, and evaluation-set packages at any depth
+    skipped), as {"id": "module:function", "source": problem text}, in path order."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise ConfigError(f"source folder {root} does not exist: pass --root folders of .py files")
     out = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
+        # an evaluation set's package is skipped wherever it sits under the root (a venv, a checkout's src/)
         if (SKIP_DIRS.intersection(rel.parts[:-1]) or rel.name.startswith(("test_", "_"))
-                or rel.parts[0].lower().startswith(EVAL_PACKAGES)):
+                or any(part.lower().startswith(EVAL_PACKAGES) for part in rel.parts)):
             continue
         try:
             source = path.read_text(encoding="utf-8")

@@ -44,7 +44,7 @@ if HAVE_TRITON:
 
 
 def use_triton(table: torch.Tensor, force: bool = False) -> bool:
-    if not HAVE_TRITON:
+    if not HAVE_TRITON or not isinstance(table, torch.Tensor):  # a rows function has no device: the torch path
         return False
     if force:
         return table.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
@@ -54,6 +54,9 @@ def use_triton(table: torch.Tensor, force: bool = False) -> bool:
 def gather_template_fused(root_token: int, template, table: torch.Tensor, force: bool = False) -> torch.Tensor:
     """``gather_template`` in one kernel launch; falls back to the torch reference without Triton."""
     if not use_triton(table, force):
+        return gather_template(root_token, template, table)
+    if table.dim() != 2 or not 0 <= int(root_token) < table.shape[0]:
+        # the kernel would read outside the table (a crash or garbage rows): the reference names the problem
         return gather_template(root_token, template, table)
     ct = compile_template(template)
     n = ct.size + 1

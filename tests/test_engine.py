@@ -95,6 +95,24 @@ def test_nucleus_is_hfs_top_p_without_the_sort():
     assert checked > 400
 
 
+def test_target_probs_are_hf_generates_sampling_law():
+    """``target_probs`` is the law HF ``generate(do_sample=True)`` samples from: its own processor list (the
+    warpers, their order and their k / p) applied to the same logits. The 3-token law tests cannot see top-k
+    keeping one token too many (a tail of the tiny vocabulary) nor top-p applied before top-k; this can."""
+    from transformers import GenerationConfig
+
+    from graft_block.sampling import target_probs
+
+    model = tiny_target("llama", vocab_size=8, hidden_size=32, num_layers=1, heads=2, kv_heads=1, seed=4).model
+    logits = torch.randn(64, 96, generator=torch.Generator().manual_seed(9)) * 2.5
+    for t, k, p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (0.8, 0, 0.9), (0.6, 3, 0.6), (1.3, 20, 0.5), (2.0, 40, 0.8)]:
+        gen_cfg = GenerationConfig(do_sample=True, temperature=t, top_k=k, top_p=p)
+        ref = torch.softmax(model._get_logits_processor(gen_cfg, device="cpu")(None, logits.clone()), -1)
+        got = target_probs(logits, SamplingConfig(t, k, p))
+        assert torch.equal(got > 0, ref > 0), (t, k, p)  # the same support, token for token
+        assert torch.allclose(got, ref, atol=1e-6), (t, k, p)
+
+
 def test_greedy_tokens_follow_torchs_argmax_rule():
     """The greedy pick (numpy's argmax on CPU float32) is torch's: the first of tied maxima, NaN as largest, any
     shape and stride, float32 and not; a wrong rule (the last of tied maxima) would fail here."""

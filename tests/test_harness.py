@@ -304,3 +304,20 @@ def test_jsonl_lines_split_only_at_newlines(tmp_path):
     f.write_bytes(("\r\n".join(lines) + "\r\n").encode("utf-8"))
     recs = read_jsonl(f)
     assert [r["id"] for r in recs] == ["mine/a", "mine/b"] and recs[0]["turns"] == [text]
+
+
+def test_shared_warm_matrix_has_the_drafters_own_k_and_tokens(monkeypatch):
+    """The run's shared adjacency warm-up stood in for any recycling drafter's own: at k = 8 and 64 tokens whatever
+    the config said, so a k = 4 arm with a warm-up read a k = 8 matrix (ranks up to 7) and its warmup_tokens did
+    nothing."""
+    from graft_block.adjacency import AdjacencyMatrix
+    from graft_block.eval import methods
+
+    seen = []
+    monkeypatch.setattr(AdjacencyMatrix, "warmup", lambda self, target, prompts=None, rounds=5, new_tokens=64:
+                        seen.append((self.k, rounds, new_tokens)) or rounds)
+    t = tiny_target("llama")
+    t.tokenizer = object()  # only tested for None before the (patched) warm-up
+    m = methods.make_method("rec", {"drafter": {"type": "recycling", "budget": 8, "k": 4, "warmup_tokens": 32}},
+                            t, None)
+    assert m.name == "rec" and seen == [(4, 5, 32)]

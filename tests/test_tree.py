@@ -1,6 +1,7 @@
 """Model-free tree invariants, masks, positions, merge and the walk (including its sampling exactness)."""
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -113,6 +114,19 @@ def test_validate_budget_and_root():
         validate(t, budget=2)
     with pytest.raises(TreeError, match="root token"):
         validate(t, root_token=4)
+
+
+def test_validate_rejects_what_make_tree_cannot_build():
+    """A drafter may build ``Tree`` directly: validate is then the only guard of the positions (depths), the
+    topological order (a node its own parent) and the embedding rows (a token id == the vocabulary size)."""
+    t = chain(3, [1, 2, 4])
+    with pytest.raises(TreeError, match="depths"):
+        validate(replace(t, depths=torch.tensor([0, 1, 1, 2])))  # node 2 verified at its parent's position
+    with pytest.raises(TreeError, match="topolog"):
+        validate(replace(t, parents=torch.tensor([-1, 0, 2, 2])))  # node 2 its own parent
+    with pytest.raises(TreeError, match="outside the target vocabulary"):
+        validate(t, vocab_size=4)  # id 4 is one past the last row
+    assert validate(t, vocab_size=5) is t
 
 
 def test_walk_follows_target_choices():
