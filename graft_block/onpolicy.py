@@ -102,8 +102,8 @@ def load_prompts(target, path: str | Path, max_prompt_tokens: int) -> list[tuple
         if fp != fingerprint(target) or cap != max_prompt_tokens:
             raise ConfigError(f"{path} holds prompts tokenised for target {fp} with max_prompt_tokens={cap}, not "
                               f"{fingerprint(target)} / {max_prompt_tokens}: rewrite it with --save-prompts")
-        s = z["starts"]
-        return [(int(i), z["ids"][s[k]:s[k + 1]].tolist()) for k, i in enumerate(z["index"])]
+        s, ids = z["starts"], z["ids"]  # z["ids"] inflates the whole compressed array on every read: once here
+        return [(int(i), ids[s[k]:s[k + 1]].tolist()) for k, i in enumerate(z["index"])]
 
 
 def file_prompts(target, path: str | Path, max_prompt_tokens: int) -> list[tuple[int, list[int]]]:

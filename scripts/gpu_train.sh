@@ -12,14 +12,19 @@
 # STEPS; MINUTES only stops early). On CUDA each step's forwards run under bfloat16 autocast (the target's weights
 # stay fp32; GRAFT_BLOCK_TRAIN_AUTOCAST= turns it off); a run that fails before its first checkpoint under autocast
 # reruns once without it, so an untried autocast path cannot cost a lease its training. GRAFT_BLOCK_DEVICE=cpu
-# with small sizes is the smoke run (tests/test_gpu_check.py). Through the device tool: see scripts/gpu_generate.sh
-# for what must travel.
+# with small sizes is the smoke run (tests/test_gpu_check.py). Through the device tool: scripts/device_session.sh's
+# "train" and "pairs" steps (scripts/device_prepare.sh lays out what must travel).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_train.sh OUT_DIR INIT [MINUTES] [DATA]}
 INIT=${2:?usage: gpu_train.sh OUT_DIR INIT [MINUTES] [DATA]}
 MINUTES=${3:-4}
 DATA=${4:-drafters/data/smollm2-sharegpt}
+# paths relative to the caller's folder; INIT and DATA that are not there stay relative to the repo root
+abs() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
+OUT=$(abs "$OUT")
+if [ -e "$INIT" ]; then INIT=$(abs "$INIT"); fi
+if [ -e "$DATA" ]; then DATA=$(abs "$DATA"); fi
+cd "$(dirname "$0")/.."
 DEVICE=${GRAFT_BLOCK_DEVICE:-cuda}
 PY=${PYTHON:-python3}
 CONFIG=${GRAFT_BLOCK_TRAIN_CONFIG:-'{"num_anchors": 24, "gamma": 2}'}
