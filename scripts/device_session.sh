@@ -88,14 +88,7 @@ fi
 LOGS=$W/logs
 rm -rf "$LOGS"; mkdir -p "$LOGS"
 say() { echo "[session] $*"; echo "[session] $*" >> "$LOGS/session.log"; }
-if ! "$PY" - "$DEVICE" > "$LOGS/device.log" 2>&1 <<'PYEOF'
-import sys, torch
-dev = sys.argv[1]
-if dev.startswith("cuda") and not torch.cuda.is_available():
-    sys.exit(f"device_session.sh: no CUDA device visible to torch {torch.__version__}; GRAFT_BLOCK_DEVICE=cpu runs "
-             "the steps on the CPU")
-print("device:", torch.cuda.get_device_name(dev) if dev.startswith("cuda") else "cpu", "| torch", torch.__version__)
-PYEOF
+if ! "$PY" scripts/device_visible.py "$DEVICE" device_session.sh > "$LOGS/device.log" 2>&1
 then
     cat "$LOGS/device.log" >&2
     exit 6

@@ -16,14 +16,7 @@ DEVICE=${GRAFT_BLOCK_DEVICE:-cuda}
 if [ "$DEVICE" = cpu ]; then DTYPE=${GRAFT_BLOCK_DTYPE:-float32}; else DTYPE=${GRAFT_BLOCK_DTYPE:-bfloat16}; fi
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-"$PY" - "$DEVICE" <<'PYEOF'
-import sys, torch
-dev = sys.argv[1]
-if dev.startswith("cuda") and not torch.cuda.is_available():
-    sys.exit(f"gpu_check: no CUDA device visible to torch {torch.__version__} (a CPU-only build?); "
-             "GRAFT_BLOCK_DEVICE=cpu runs the same steps on the CPU")
-print("device:", torch.cuda.get_device_name(dev) if dev.startswith("cuda") else "cpu", "| torch", torch.__version__)
-PYEOF
+"$PY" scripts/device_visible.py "$DEVICE" gpu_check
 # 1. lossless on the device: greedy identity on random planted trees (4 families), the lean forward against HF's,
 #    sampled exactness (chi-square), KV compaction
 GRAFT_BLOCK_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -p no:cacheprovider \

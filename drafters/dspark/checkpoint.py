@@ -99,6 +99,7 @@ class UncalibratedWarning(UserWarning):
 
 
 _WARNED: set[str] = set()  # folders already warned about in this process
+CALIBRATE = "python -m graft_block.drafters.dspark.calibrate"  # the command that fits a folder's temperatures
 
 
 def warn_if_uncalibrated(folder: str | Path) -> None:
@@ -111,8 +112,6 @@ def warn_if_uncalibrated(folder: str | Path) -> None:
     if note is None or (isinstance(note, dict) and note.get("needed") is False) or str(folder) in _WARNED:
         return
     _WARNED.add(str(folder))
-    from .training import CALIBRATE
-
     fields = note if isinstance(note, dict) else {}
     why = fields.get("why") or f"its config.json's 'calibration' entry is {note!r}"
     run = str(fields.get("run") or f"{CALIBRATE} <this folder> --data <its training data> --holdout <its --holdout>")

@@ -21,7 +21,7 @@ from graft_block.errors import ConfigError
 
 from ..dflash import training as D
 from ..dflash.checkpoint import check_compatible
-from .checkpoint import load_checkpoint
+from .checkpoint import CALIBRATE, load_checkpoint
 from .model import DSparkModel, EmbeddingMarkovHead, from_dflash
 
 TRAIN_DEFAULTS = {"markov_rank": 64, "markov_head_type": "vanilla", "confidence_head": True, "confidence_weight": 1.0,
@@ -101,7 +101,6 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
 
 
 CALIBRATED = ("confidence_temperatures", "draft_temperatures", "sampled_draft_temperatures")  # calibrate.py's fits
-CALIBRATE = "python -m graft_block.drafters.dspark.calibrate"
 
 
 def reset_calibration(model: DSparkModel) -> list[str]:
