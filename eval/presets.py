@@ -16,6 +16,7 @@ bundled drafter is missing is skipped with a message.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 from graft_block.errors import ConfigError, MethodUnavailable
 
@@ -212,11 +213,17 @@ METHOD_KEYS = ("drafter", "graft", "schedule", "hf", "llamacpp", "default_budget
 
 
 def check_spec(name: str, spec: dict) -> None:
-    """ConfigError for a method key nobody reads (a misspelt "graft" ran the method without Graft) or a default
-    budget that is no int >= 1 (1.5 was truncated to 1, "8" failed deep in int())."""
+    """ConfigError for a method key nobody reads (a misspelt "graft" ran the method without Graft), a default
+    budget that is no int >= 1 (1.5 was truncated to 1, "8" failed deep in int()), or a drafter of no usable type."""
     unknown = sorted(set(spec) - set(METHOD_KEYS))
     if unknown:
         raise ConfigError(f"method {name!r} has unknown keys {unknown}; a method takes {', '.join(METHOD_KEYS)}")
+    drafter = spec.get("drafter")
+    # else Drafter.from_config refuses it only after the target loaded (and "" or 0 ran as AR, being falsy)
+    if drafter is not None and (not isinstance(drafter, (dict, str, Path)) or drafter == ""):
+        raise ConfigError(f"method {name!r}: drafter must be a drafter config (a mapping with 'type'), a bundled "
+                          f"drafter's name, a checkpoint folder or a config file, or left out for none; got "
+                          f"{drafter!r}")
     default = spec.get("default_budget", 10)
     if isinstance(default, bool) or not isinstance(default, int) or default < 1:
         raise ConfigError(f"method {name!r}: default_budget must be an int >= 1 (its budget without --budget), "

@@ -143,8 +143,7 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
     kind = kind_name(sampling, samples)
     fp = fingerprint(target)
     manifest_path = folder / MANIFEST
-    source = source or (f"ShareGPT {split} split (graft_block.data.sharegpt('{split}')), first turn, chat template; "
-                        "prompt_index = position in that split")
+    source = source or sharegpt_source(split)
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {
         "target": str(target.name), "target_fingerprint": fp, "vocab_size": target.vocab_size,
         "generator_version": GENERATOR_VERSION, "max_prompt_tokens": max_prompt_tokens, "max_new": max_new,
@@ -240,6 +239,12 @@ def next_index(folder: str | Path, kind: str) -> int:
     return max([e["end"] for e in shards if e["kind"] == kind], default=0)
 
 
+def sharegpt_source(split: str) -> str:
+    """The manifest ``source`` of a folder answering ShareGPT's ``split`` (the held-out ranges apply to it)."""
+    return (f"ShareGPT {split} split (graft_block.data.sharegpt('{split}')), first turn, chat template; "
+            "prompt_index = position in that split")
+
+
 def drop_reserved(src: Path, dst: Path, entry: dict, ranges, log=print) -> dict:
     """Copy shard ``src`` to ``dst`` without the answers to reserved (held-out) prompts; returns its new entry."""
     z = dict(np.load(src))
@@ -251,11 +256,12 @@ def drop_reserved(src: Path, dst: Path, entry: dict, ranges, log=print) -> dict:
             "dropped_reserved": int((~keep).sum())}
 
 
-def merge(src: str | Path, dst: str | Path, log=print) -> dict:
+def merge(src: str | Path, dst: str | Path, log=print, answer_reserved: bool = False) -> dict:
     """Add the shards of dataset ``src`` (e.g. one made on a GPU machine) to ``dst``: same target, settings,
     generator and prompt list (split and source); a shard whose prompt indices overlap a shard of the same kind in
-    ``dst`` is refused, and answers to ``dst``'s reserved (held-out) prompts are dropped, so a merge never leaks the
-    held-out set into training."""
+    ``dst`` is refused, and answers to ``dst``'s reserved (held-out) prompts and, for ShareGPT prompts, the built-in
+    held-out set's (``RESERVED_PROMPTS``; ``answer_reserved`` keeps only these, as in ``generate``) are dropped, so a
+    merge never leaks the held-out set into training."""
     import shutil
 
     src, dst = Path(src), Path(dst)
@@ -273,13 +279,20 @@ def merge(src: str | Path, dst: str | Path, log=print) -> dict:
         if a.get(key, default) != b.get(key, default):
             raise ConfigError(f"cannot merge {src} into {dst}: its prompt {key} differs ({a.get(key, default)!r} "
                               f"vs {b.get(key, default)!r}); a folder answers one prompt list")
-    keep_out = b.get("reserved", [])
+    split = b.get("split", "train")
+    # as in generate: the built-in held-out ranges index ShareGPT's prompts (a manifest without source predates files)
+    sharegpt = b.get("source") in (None, sharegpt_source(split))
+    held = [list(r) for r in RESERVED_PROMPTS.get(split, ())] if sharegpt and not answer_reserved else []
+    keep_out = [*b.get("reserved", []), *held]
     for e in a["shards"]:
         clash = [f["file"] for f in b["shards"] if f["kind"] == e["kind"] and f["first"] < e["end"] and e["first"] < f["end"]]
         if clash:
             raise ConfigError(f"cannot merge {e['file']}: its prompt indices overlap {clash[0]} in {dst}")
         if any(a0 < e["end"] and e["first"] < b0 for a0, b0 in keep_out):
             e = drop_reserved(src / e["file"], dst / e["file"], e, keep_out, log)
+            if any(a0 < e["end"] and e["first"] < b0 for a0, b0 in held):
+                log(f"{e['file']}: the held-out set's prompts {held} ({split} split) are left out; "
+                    "answer_reserved=True (--answer-reserved) keeps them (only to build that set, never training)")
         else:
             shutil.copy2(src / e["file"], dst / e["file"])
         b["shards"].append(e)
@@ -362,7 +375,8 @@ def main(argv=None):
                          "graft_block.code_prompts) instead of ShareGPT; prompt_index = record position")
     ap.add_argument("--answer-reserved", action="store_true",
                     help="answer the held-out set's reserved ShareGPT prompts too (only to build that set, in a "
-                         "folder of its own; a folder's own reserved ranges still hold)")
+                         "folder of its own; a folder's own reserved ranges still hold); with --merge: keep their "
+                         "answers")
     ap.add_argument("--save-prompts", default=None, metavar="NPZ",
                     help="only write the tokenised ShareGPT train prompts to this file (for a machine without it)")
     args = ap.parse_args(argv)
@@ -385,7 +399,7 @@ def main(argv=None):
     if args.prompt_file is not None and not Path(args.prompt_file).is_file():
         ap.error(f"--prompt-file {args.prompt_file} does not exist (write one with python -m graft_block.code_prompts)")
     if args.merge:
-        merge(args.merge, args.out)
+        merge(args.merge, args.out, answer_reserved=args.answer_reserved)
         print(json.dumps(totals(args.out), indent=1))
         return
     from .target import load_target

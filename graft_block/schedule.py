@@ -10,6 +10,7 @@ rounds. None of it reads this round's target choices, so decoding stays exactly 
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Mapping
 
 from graft_block.tree import Tree, TreeError
 from graft_block.tree.schedule import (affine_fit, calibration_keys, conditional_survival, convex_cost_curve,
@@ -96,11 +97,11 @@ class ConfidenceSchedule:
         self._counts: dict[tuple[int, bool, int], list[float]] = {}
         self._pending = None  # (the verified subtree, its nodes' keys and predicted conditionals)
         try:
-            envelope = isinstance(cost, dict) and stop == "first_drop"
+            envelope = isinstance(cost, Mapping) and stop == "first_drop"  # any mapping curve, not dict alone
             self.cost = cost_function(convex_cost_curve(cost) if envelope else cost)
         except TreeError as exc:
             raise ConfigError(f"schedule cost: {exc}") from None
-        self.curve = cost if isinstance(cost, dict) else None
+        self.curve = cost if isinstance(cost, Mapping) else None
         self.min_nodes, self.stop = min_nodes, stop
         self.reset_stats()
 

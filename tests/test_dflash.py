@@ -532,6 +532,13 @@ def test_denoise_steps_lossless(tiny_qwen3):
     assert SpeculativeDecoder(tiny_qwen3, d).generate(PROMPT, max_new_tokens=24).tokens == ref
 
 
+def test_denoise_steps_refuses_a_bool(tiny_qwen3):
+    """``denoise_steps: true`` passed the int check (bool is an int) and ran as one pass, silently."""
+    for bad in (True, False, 0, 1.5):
+        with pytest.raises(ConfigError, match=f"denoise_steps must be an int >= 1.*got {bad!r}"):
+            _drafter(tiny_qwen3, denoise_steps=bad)
+
+
 # ---- the trained default on SmolLM2 -----------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_default_lossless(smollm2):

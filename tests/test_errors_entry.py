@@ -164,7 +164,8 @@ def _bench_files(tmp_path):
     (tmp_path / "noexec" / "bin" / "llama-speculative-simple").write_text("")  # not executable
     for name, text in (("shadow", "name: ar\ndrafter: {type: pld, budget: 3}\n"),
                        ("typo", "name: m\ndrafter: {type: pld}\ngrafts: {mode: graft}\n"),
-                       ("half", 'name: m\ndrafter: {type: pld, budget: "{budget}"}\ndefault_budget: 1.5\n')):
+                       ("half", 'name: m\ndrafter: {type: pld, budget: "{budget}"}\ndefault_budget: 1.5\n'),
+                       ("five", "name: m\ndrafter: 5\n"), ("blank", 'name: m\ndrafter: ""\n')):
         (tmp_path / f"{name}.yaml").write_text(text)
 
 
@@ -178,6 +179,8 @@ def _bench_files(tmp_path):
     (["--config", "{tmp}/shadow.yaml"], "a --config method is called 'ar', the name of our AR loop"),
     (["--config", "{tmp}/typo.yaml", "--methods", "m"], r"method 'm' has unknown keys \['grafts'\]"),
     (["--config", "{tmp}/half.yaml", "--methods", "m"], "default_budget must be an int >= 1.*got 1.5"),
+    (["--config", "{tmp}/five.yaml", "--methods", "m"], "method 'm': drafter must be a drafter config.*got 5"),
+    (["--config", "{tmp}/blank.yaml", "--methods", "m"], "method 'm': drafter must be a drafter config.*got ''"),
     (["--time-limit", "nan"], "--time-limit must be > 0 seconds, got nan"),
     (["--out", "{tmp}/afile"], "{tmp}/afile is a file, not a folder"),
     (["--out", "{tmp}/afile/run"], "{tmp}/afile is a file, not a folder"),
@@ -188,6 +191,7 @@ def _bench_files(tmp_path):
 def test_bench_refuses_what_would_run_wrong_before_the_model_loads(bad, words, tmp_path, refusal):
     """Each ran on without a word: a repeated method shared one turn-2 history (and record key) with its twin, a
     --config 'ar' replaced the baseline of every ratio, 'grafts' ran without Graft, default_budget 1.5 ran at 1,
+    'drafter: 5' was refused only after the target loaded and 'drafter: ""' ran as AR,
     an empty --methods/--temperature/--prompts fell back to the suite's, --time-limit nan never fired; --out on a file
     was a FileExistsError, and a --llamacpp folder without the binary a skip after the model loaded (the refusal
     says why: no such path, sources not built, a binary that is not executable)."""

@@ -214,6 +214,26 @@ def test_generation_leaves_out_the_heldout_prompts_in_a_folder_without_them(tmp_
     assert len(OP.read(tmp_path / "file")) == 10  # a prompt file's indices are its own, not ShareGPT's
 
 
+def test_merge_leaves_out_the_builtin_heldout_prompts(tmp_path, target):
+    """merge dropped only the destination's own ``reserved`` ranges: a ShareGPT folder answered with
+    ``answer_reserved`` (or by an older generator) merged its held-out answers (8576-8703) into training data.
+    Now merge leaves the built-in range out too (and says so), like generate; ``answer_reserved`` keeps them, and a
+    prompt file's indices are its own."""
+    g = torch.Generator().manual_seed(2)
+    near = [(i, torch.randint(4, 96, (4,), generator=g).tolist()) for i in range(8570, 8580)]
+    kw = dict(chunk=10, max_new=2, prompts=near, log=lambda *_: None)
+    OP.generate(target, tmp_path / "held", 8570, 10, answer_reserved=True, **kw)
+    logs = []
+    man = OP.merge(tmp_path / "held", tmp_path / "train", log=logs.append)
+    assert [r["prompt_index"] for r in OP.read(tmp_path / "train")] == list(range(8570, 8576))
+    assert man["shards"][0]["dropped_reserved"] == 4 and any("8576, 8704" in s for s in logs), logs
+    OP.merge(tmp_path / "held", tmp_path / "copy", log=lambda *_: None, answer_reserved=True)
+    assert [r["prompt_index"] for r in OP.read(tmp_path / "copy")] == list(range(8570, 8580))
+    OP.generate(target, tmp_path / "file", 8570, 10, source="a prompt file", **kw)
+    OP.merge(tmp_path / "file", tmp_path / "file-copy", log=lambda *_: None)
+    assert len(OP.read(tmp_path / "file-copy")) == 10
+
+
 def test_committed_data_reserves_the_heldout_prompts():
     if not (HELDOUT / OP.MANIFEST).exists():
         pytest.skip("the on-policy datasets are not committed")

@@ -3,6 +3,7 @@ curve), the calibration of confidences (offline, and online from earlier rounds)
 the exact law of decoding with a schedule (with a peeking schedule as the negative control the test must
 reject)."""
 import math
+import re
 from collections import Counter
 
 import pytest
@@ -101,6 +102,20 @@ def test_a_measured_curve_is_read_raw_for_best_and_through_its_envelope_for_firs
     slopes = [(b - a) / (m - n) for a, b, n, m in zip(env, env[1:], sizes, sizes[1:])]
     assert all(s2 >= s1 - 1e-12 for s1, s2 in zip(slopes, slopes[1:])), slopes
     assert env[0] == 17.4 and env[-1] == 31.1  # the ends are measured points
+
+
+def test_any_mapping_curve_gets_the_envelope_and_odd_digit_keys_are_refused():
+    """A curve that was a Mapping but not a dict (a read-only view) skipped first_drop's convex envelope and stopped
+    at the raw stair; a key like "²" passed str.isdigit() and int() raised a bare ValueError naming nothing."""
+    from types import MappingProxyType
+
+    curve = MappingProxyType({"median_s": MappingProxyType({"1": 1.0, "2": 1.0, "3": 2.0, "10": 2.0})})
+    tree = chain(0, [1, 2, 3, 4, 5], scores=torch.log(torch.full((5,), 0.9)).cumsum(0))
+    assert ConfidenceSchedule(curve, stop="first_drop").apply(tree).size == 6  # as for the same dict curve
+    for key in ("²", "+-5"):
+        with pytest.raises(ConfigError, match=f"verify-cost curve entry {re.escape(repr(key))}.*integers >= 1"):
+            ConfidenceSchedule({"median_s": {"1": 1.0, key: 2.0}})
+    assert curve_cost({"median_s": {" +2 ": 1.0, 4: 2.0}}, 3) == pytest.approx(1.5)  # signed, spaced keys still read
 
 
 def test_min_nodes_is_kept_and_never_more_than_the_tree():

@@ -65,8 +65,11 @@ def _curve_size(key) -> int | None:
         return int(key)
     if isinstance(key, numbers.Real):
         return int(key) if float(key).is_integer() else None
-    if isinstance(key, str) and key.strip().lstrip("+-").isdigit():
-        return int(key)
+    if isinstance(key, str):
+        text = key.strip()
+        # isdecimal, not isdigit: "²" is a digit that int() refuses; one sign at most ("+-5" too)
+        if text[1:].isdecimal() if text[:1] in "+-" else text.isdecimal():
+            return int(text)
     return None
 
 

@@ -101,8 +101,10 @@ class DFlashDrafter(Drafter):
         if proposal == "chain" and self.budget > drafts:
             raise ConfigError(f"a chain proposal has at most {drafts} nodes (the block's drafting rows), "
                               f"budget is {self.budget}; use proposal='ddtree' for larger budgets")
-        if not isinstance(denoise_steps, int) or denoise_steps < 1:
-            raise ConfigError(f"denoise_steps must be an int >= 1, got {denoise_steps!r}")
+        # a bool is an int to isinstance: True would run as 1 step
+        if isinstance(denoise_steps, bool) or not isinstance(denoise_steps, int) or denoise_steps < 1:
+            raise ConfigError(f"denoise_steps must be an int >= 1 (a number of passes, not true/false), "
+                              f"got {denoise_steps!r}")
         self.denoise_steps = denoise_steps
         if isinstance(marginal_topk, bool) or not isinstance(marginal_topk, int) or marginal_topk < 1:
             raise ConfigError(f"marginal_topk (candidates kept per block position; a tree takes at least its budget) "
