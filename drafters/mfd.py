@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graft_block.drafter import read_weights, register, reject_unknown_options, resolve_checkpoint, shared_checkpoint
+from graft_block.drafter import (is_count, read_weights, register, reject_unknown_options, resolve_checkpoint,
+                                 shared_checkpoint)
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree
 from graft_block.tree.ddtree import topk_logprobs
@@ -237,7 +238,7 @@ class MFDDrafter(D.DFlashDrafter):
         from .dspark.checkpoint import load_checkpoint as load_dspark
         from .dspark.checkpoint import warn_if_uncalibrated
 
-        if not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1:
+        if not is_count(candidates, 1):
             raise ConfigError(f"markov_candidates must be an int >= 1 (children ranked among each mode's C likeliest "
                               f"backbone tokens per depth), got {candidates!r}")
         if self.score != "best_mode":

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from graft_block.adjacency import AdjacencyMatrix
-from graft_block.drafter import Drafter, check_budget, register
+from graft_block.drafter import Drafter, check_budget, is_count, register
 from graft_block.errors import ConfigError
 from graft_block.tree import SOURCE_RETRIEVED, Tree, TreeError, chain, merge
 from graft_block.kernels import expand as expand_template
@@ -32,7 +32,7 @@ def build_template(template, budget: int, depth: int, width: int, fill: bool, k:
     if template is None:
         template = "tr80" if budget == 80 else "asymmetric"
     for name, v in (("depth", depth), ("width", width)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not is_count(v, 1):
             raise ConfigError(f"template {name} must be an int >= 1, got {v!r}")
     if k is not None:  # a rank >= k has no matrix column: such paths would only leave their slots empty
         width = min(width, k)
@@ -62,10 +62,10 @@ class RecyclingDrafter(Drafter):
                  fill: bool = True, warmup_prompts=None):
         self.budget = check_budget(budget)
         for name, v in (("warmup_rounds", warmup_rounds), ("warmup_tokens", warmup_tokens)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if not is_count(v):
                 raise ConfigError(f"{name} must be an int >= 0 (warm-up prompts, and tokens generated on each), "
                                   f"got {v!r}")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        if not is_count(k, 1):
             raise ConfigError(f"k (matrix successors per row) must be an int >= 1, got {k!r}")
         self.k, self.dtype = k, dtype
         self.warmup_rounds, self.warmup_tokens = warmup_rounds, warmup_tokens
@@ -134,13 +134,12 @@ class PLDMatrixDrafter(RecyclingDrafter):
     def __init__(self, target=None, budget: int = 60, pld_tokens: int | None = None, max_ngram: int = 3,
                  min_ngram: int = 1, **kw):
         super().__init__(target=target, budget=budget, **kw)
-        if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and not isinstance(max_ngram, bool)
-                and not isinstance(min_ngram, bool) and 1 <= min_ngram <= max_ngram):
+        if not (is_count(min_ngram, 1) and is_count(max_ngram, min_ngram)):
             raise ConfigError(f"pld_matrix needs ints 1 <= min_ngram <= max_ngram (n-gram lengths to look up), got "
                               f"min_ngram={min_ngram!r}, max_ngram={max_ngram!r}")
         if pld_tokens is None:
             pld_tokens = min(PLD_TOKENS, self.budget)
-        elif isinstance(pld_tokens, bool) or not isinstance(pld_tokens, int) or not 0 <= pld_tokens <= self.budget:
+        elif not is_count(pld_tokens) or pld_tokens > self.budget:
             raise ConfigError(f"pld_tokens (the lookup chain's longest length) must be an int in 0..{self.budget} "
                               f"(the budget; 0 = no lookup), got {pld_tokens!r}: set it in that range, or leave it "
                               f"out for min({PLD_TOKENS}, budget)")

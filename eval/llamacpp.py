@@ -78,13 +78,16 @@ def find_binary(path: str | os.PathLike | None = None, name: str = BINARY) -> Pa
     root = path or _build_override or os.environ.get(ENV)
     if not root:
         return None
-    root = Path(root).expanduser()
-    if root.is_file():  # the binary itself (or another of the build's binaries): its folder
-        root = root.parent
-    for d in (root, root / "bin", root / "build" / "bin"):
+    for d in _build_dirs(Path(root).expanduser()):
         if (d / name).is_file() and os.access(d / name, os.X_OK):
             return d / name
     return None
+
+
+def _build_dirs(root: Path) -> tuple[Path, Path, Path]:
+    """Where ``find_binary`` looks under ``root``: it, its bin and build/bin (a file given: its folder's)."""
+    root = root.parent if root.is_file() else root  # the binary itself (or another of the build's binaries)
+    return root, root / "bin", root / "build" / "bin"
 
 
 def missing_build(where: str | os.PathLike | None) -> str:
@@ -95,8 +98,9 @@ def missing_build(where: str | os.PathLike | None) -> str:
     head = f"no {BINARY} under {root}"
     if not root.exists():
         return f"{head}: that path does not exist ({BUILD_HINT})"
-    root = root.parent if root.is_file() else root
-    for d in (root, root / "bin", root / "build" / "bin"):
+    dirs = _build_dirs(root)
+    root = dirs[0]
+    for d in dirs:
         if (d / BINARY).is_file():
             return f"{head}: {d / BINARY} is not executable (chmod +x it, or rebuild with scripts/build_llamacpp.sh)"
     if (root / "CMakeLists.txt").is_file() or (root / "build" / "CMakeCache.txt").is_file():
@@ -152,8 +156,13 @@ def checkpoint_files(folder: Path) -> list[Path]:
 def checkpoint_digest(folder: Path) -> str:
     """sha256 over the names and bytes of ``checkpoint_files(folder)``: a retrained checkpoint changes it even when
     its files keep an older mtime (a copy, a checkout, an unpacked archive)."""
+    return _files_digest(sorted(checkpoint_files(folder), key=lambda f: (f.parent.name, f.name)))
+
+
+def _files_digest(files) -> str:
+    """sha256 over each file's ``folder/name`` and bytes, in the order given."""
     h = hashlib.sha256()
-    for f in sorted(checkpoint_files(folder), key=lambda f: (f.parent.name, f.name)):
+    for f in files:
         h.update(f"{f.parent.name}/{f.name}\0".encode())
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -172,10 +181,7 @@ def export_code_files() -> list[Path]:
 
 
 def export_code_digest() -> str:
-    h = hashlib.sha256()
-    for f in export_code_files():
-        h.update(f"{f.parent.name}/{f.name}\0".encode() + f.read_bytes())
-    return h.hexdigest()
+    return _files_digest(export_code_files())
 
 
 def _file_identity(path: Path) -> dict:

@@ -43,9 +43,12 @@ class ProxyHook:
 
     def __call__(self, verified, state=None) -> None:
         if verified.tree.size > 1:
-            t = 1.0 if self.temperature is None else self.temperature
-            law = round_law(getattr(state, "sampling", None)) if self.temperature is None else None
-            self.rows.append(proxy_shares(verified.tree, verified.logits, self.eps, self.delta, t, law))
+            if self.temperature is None:  # the round's own law
+                shares = proxy_shares(verified.tree, verified.logits, self.eps, self.delta,
+                                      law=round_law(getattr(state, "sampling", None)))
+            else:
+                shares = proxy_shares(verified.tree, verified.logits, self.eps, self.delta, self.temperature)
+            self.rows.append(shares)
 
     def summary(self) -> dict:
         return {group: mean_rows(self.rows, group) for group in GROUPS}

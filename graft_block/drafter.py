@@ -422,7 +422,12 @@ def option_error(kind: str, cfg: dict, exc: Exception) -> ConfigError | None:
                        f"{' '.join(str(exc).split())}); give the option a value of its type (e.g. 1, not '1')")
 
 
+def is_count(value, minimum: int = 0) -> bool:
+    """An int of at least ``minimum``, never a bool (``isinstance(True, int)`` holds: True would pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def check_budget(budget) -> int:
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+    if not is_count(budget, 1):
         raise ConfigError(f"budget must be an int >= 1 (non-root tree nodes per round), got {budget!r}")
     return budget

@@ -136,8 +136,7 @@ def generate(target, folder: str | Path, first: int = 0, count: int = 256, chunk
     if split not in ANSWER_SPLITS:
         raise ConfigError(f"split {split!r}: answer 'train' prompts (training data) or 'calibration' prompts "
                           "(held-out data); the 'eval' slice is the benchmark's")
-    # prompt indices of another source (a prompt file) are not ShareGPT's: the held-out ranges do not apply
-    held = () if answer_reserved or source is not None else RESERVED_PROMPTS.get(split, ())
+    held = held_out_ranges(split, source, answer_reserved)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     kind = kind_name(sampling, samples)
@@ -245,6 +244,15 @@ def sharegpt_source(split: str) -> str:
             "prompt_index = position in that split")
 
 
+def held_out_ranges(split: str, source: str | None, answer_reserved: bool = False) -> list[list[int]]:
+    """The built-in held-out ranges (``RESERVED_PROMPTS``) that apply to prompts of ``source`` (None: ShareGPT's, as
+    in a manifest that predates prompt files): none for another source (a prompt file's indices are not ShareGPT's)
+    or with ``answer_reserved``."""
+    if answer_reserved or source not in (None, sharegpt_source(split)):
+        return []
+    return [list(r) for r in RESERVED_PROMPTS.get(split, ())]
+
+
 def drop_reserved(src: Path, dst: Path, entry: dict, ranges, log=print) -> dict:
     """Copy shard ``src`` to ``dst`` without the answers to reserved (held-out) prompts; returns its new entry."""
     z = dict(np.load(src))
@@ -280,9 +288,7 @@ def merge(src: str | Path, dst: str | Path, log=print, answer_reserved: bool = F
             raise ConfigError(f"cannot merge {src} into {dst}: its prompt {key} differs ({a.get(key, default)!r} "
                               f"vs {b.get(key, default)!r}); a folder answers one prompt list")
     split = b.get("split", "train")
-    # as in generate: the built-in held-out ranges index ShareGPT's prompts (a manifest without source predates files)
-    sharegpt = b.get("source") in (None, sharegpt_source(split))
-    held = [list(r) for r in RESERVED_PROMPTS.get(split, ())] if sharegpt and not answer_reserved else []
+    held = held_out_ranges(split, b.get("source"), answer_reserved)
     keep_out = [*b.get("reserved", []), *held]
     for e in a["shards"]:
         clash = [f["file"] for f in b["shards"] if f["kind"] == e["kind"] and f["first"] < e["end"] and e["first"] < f["end"]]

@@ -20,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-STEPS=${STEPS:-lossless gen train}
+. scripts/device_steps.sh
 LIMIT=$(( 64 * 1024 * 1024 ))
 MARGIN=$(( 1024 * 1024 ))   # for files the tree gains before the calls
 CK=drafters/checkpoints
@@ -42,12 +42,9 @@ case ${1:-layout} in
   *) echo "usage: [STEPS=...] bash scripts/device_prepare.sh [layout|restore]" >&2; exit 2 ;;
 esac
 
-for step in $STEPS; do case $step in lossless|gen|train|pairs|headroom) ;;
-    *) echo "device_prepare.sh: unknown step '$step' in STEPS (lossless gen train pairs headroom)" >&2; exit 2 ;;
-esac; done
-CKPTS=${GRAFT_BLOCK_DEVICE_CKPTS-$(for s in $STEPS; do case $s in
-    train|pairs) basename "${INIT:-dflash-smollm2}" ;; headroom) echo dflash-smollm2 dspark-smollm2 ;; esac; done \
-    | tr ' ' '\n' | sort -u | tr '\n' ' ')}
+check_steps device_prepare.sh
+CKPTS=${GRAFT_BLOCK_DEVICE_CKPTS-$(for s in $STEPS; do for c in $(step_ckpts "$s"); do basename "$c"; done; done \
+    | sort -u | tr '\n' ' ')}
 TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT
 mkdir -p "$TMP/pay/checkpoints"
 for name in $CKPTS; do

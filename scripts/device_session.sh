@@ -39,10 +39,8 @@ W=${WORK:-$HOME/graft-device}
 S=$W/stash
 PY=${PYTHON:-python3}
 DEVICE=${GRAFT_BLOCK_DEVICE:-cuda}
-STEPS=${STEPS:-lossless gen train}
-for step in $STEPS; do case $step in lossless|gen|train|pairs|headroom) ;;
-    *) echo "device_session.sh: unknown step '$step' in STEPS (lossless gen train pairs headroom)" >&2; exit 2 ;;
-esac; done
+. scripts/device_steps.sh || exit 3
+check_steps device_session.sh
 mkdir -p "$S" "$OUT" || exit 3
 
 # 1. stash this call's part; go on only once every part is here
@@ -98,8 +96,7 @@ if [ -d "$PAY/checkpoints" ]; then  # the tree travelled without drafters/checkp
 fi
 INIT=${INIT:-drafters/checkpoints/dflash-smollm2}
 for step in $STEPS; do
-    case $step in train|pairs) need=$INIT ;; headroom) need="drafters/checkpoints/dflash-smollm2 drafters/checkpoints/dspark-smollm2" ;; *) need= ;; esac
-    for c in $need; do
+    for c in $(step_ckpts "$step"); do
         [ -f "$c/config.json" ] || { echo "device_session.sh: step $step needs the checkpoint $c, which did not" \
             "travel: lay the payload out with the same STEPS (scripts/device_prepare.sh) and resend it" >&2; exit 8; }
     done
@@ -175,7 +172,6 @@ for step in $STEPS; do
         --budget 16,64 --contexts 200 --headroom --overhead-ms "${OVERHEAD_MS:-2.5}" --out "$LOGS/headroom.json" \
         > "$LOGS/headroom.log" 2>&1
     ran headroom $?; grep -A7 "Per-round" "$LOGS/headroom.log" ;;
-  *) say "unknown step $step (lossless gen train pairs headroom)"; FAIL=1 ;;
   esac
   say "$step done at $(( $(date +%s) - T0 )) s"; pack
 done

@@ -33,7 +33,8 @@ def test_tiny_targets_follow_the_test_device(monkeypatch):
     assert tiny_target("llama", engine="hf").model.device.type == "meta"
 
 
-@pytest.mark.parametrize("name", ["gpu_generate.sh", "gpu_train.sh", "device_prepare.sh", "device_session.sh"])
+@pytest.mark.parametrize("name", [
+    "gpu_generate.sh", "gpu_train.sh", "device_prepare.sh", "device_session.sh", "device_steps.sh"])
 def test_device_scripts_parse(name):
     assert subprocess.run(["bash", "-n", str(SCRIPT.with_name(name))]).returncode == 0
 
@@ -215,7 +216,7 @@ def test_device_session_keeps_its_deadline_and_returns_what_finished(tmp_path):
     stub = tmp_path / "python3"
     stub.write_text(f"""#!/usr/bin/env bash
 case "$1" in
-  -) cat > /dev/null; echo "device: stub" ;;
+  scripts/device_visible.py) echo "device: stub" ;;
   -c) case "$2" in *tarfile*) exec {sys.executable} "$@" ;; *) echo stub ;; esac ;;
   scripts/device_pack.py) exec {sys.executable} "$@" ;;
   -m) case "$2" in

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from graft_block.drafter import checkpoint_type, read_config_json, read_weights, resolve_checkpoint
+from graft_block.drafter import checkpoint_type, is_count, read_config_json, read_weights, resolve_checkpoint
 from graft_block.errors import ConfigError
 
 from .model import DFlashModel, build_target_layer_ids
@@ -62,7 +62,7 @@ def rope_parameters(raw: dict) -> dict:
 def config_int(value, key: str, where: str, minimum: int = 1) -> int:
     """A config.json integer as written, or a ConfigError: ``int()`` would take "4" or 4.7 for 4 here, while the
     same folder passed whole to ``Drafter.from_config`` hands its keys to options that refuse them."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_count(value, minimum):
         quoted = " (a string: write the number without quotes)" if isinstance(value, str) else ""
         raise ConfigError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}{quoted}")
     return value
@@ -269,7 +269,7 @@ def draw_model(target, num_layers: int = 2, block_size: int = 16, target_layer_i
     """``new_model`` drawing from the global CPU generator as it stands (``new_dspark_model`` draws its heads next,
     inside the same ``seeded_init``)."""
     for key, value in (("num_layers", num_layers), ("num_features", num_features)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_count(value, 1):
             raise ConfigError(f"{key} must be an int >= 1 (a drafter has at least one decoder layer and reads at least "
                               f"one target feature layer), got {value!r}")
     tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config

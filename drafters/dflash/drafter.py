@@ -18,7 +18,8 @@ from collections import deque
 
 import torch
 
-from graft_block.drafter import Drafter, check_budget, register, reject_unknown_options, shared_checkpoint
+from graft_block.drafter import (Drafter, check_budget, is_count, register, reject_unknown_options,
+                                 shared_checkpoint)
 from graft_block.engine import drafter_kernel, keep_layout
 from graft_block.errors import ConfigError
 from graft_block.skinny import SkinnyWeight, draft_half
@@ -102,11 +103,11 @@ class DFlashDrafter(Drafter):
             raise ConfigError(f"a chain proposal has at most {drafts} nodes (the block's drafting rows), "
                               f"budget is {self.budget}; use proposal='ddtree' for larger budgets")
         # a bool is an int to isinstance: True would run as 1 step
-        if isinstance(denoise_steps, bool) or not isinstance(denoise_steps, int) or denoise_steps < 1:
+        if not is_count(denoise_steps, 1):
             raise ConfigError(f"denoise_steps must be an int >= 1 (a number of passes, not true/false), "
                               f"got {denoise_steps!r}")
         self.denoise_steps = denoise_steps
-        if isinstance(marginal_topk, bool) or not isinstance(marginal_topk, int) or marginal_topk < 1:
+        if not is_count(marginal_topk, 1):
             raise ConfigError(f"marginal_topk (candidates kept per block position; a tree takes at least its budget) "
                               f"must be an int >= 1, got {marginal_topk!r}")
         self.marginal_topk = marginal_topk

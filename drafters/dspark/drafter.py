@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graft_block.drafter import register, reject_unknown_options, shared_checkpoint
+from graft_block.drafter import is_count, register, reject_unknown_options, shared_checkpoint
 from graft_block.engine import inference_linear
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree, path_products
@@ -66,11 +66,11 @@ class DSparkDrafter(DFlashDrafter):
                  markov_candidates: int = 64, checkpoint: str | None = None):
         super().__init__(target, model, proposal=proposal, budget=budget, block_size=block_size,
                          marginal_topk=marginal_topk, checkpoint=checkpoint)
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        if not is_count(prefetch):
             raise ConfigError(f"prefetch (later siblings whose children share a node's Markov product) must be an int "
                               f">= 0, got {prefetch!r}")
         self.prefetch = prefetch
-        if not isinstance(markov_candidates, int) or isinstance(markov_candidates, bool) or markov_candidates < 0:
+        if not is_count(markov_candidates):
             raise ConfigError(f"markov_candidates must be an int >= 0 (0 = rank children over the whole draft "
                               f"vocabulary), got {markov_candidates!r}")
         self.markov_candidates = markov_candidates
