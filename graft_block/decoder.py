@@ -264,11 +264,13 @@ class SpeculativeDecoder:
                 with timer.section("tree"):
                     if self.graft is not None:
                         tree = self.graft.apply(tree, state)
+                    # the context window (and a sliding one) cut deeper or later nodes; before the schedule, so that
+                    # its expected tokens and recalibration see the tree that is verified
+                    tree = target.fit(tree)
                     if self.schedule is not None:
                         tree = self.schedule.apply(tree, state, self.drafter)
                     if self.check_trees:
                         validate(tree, budget=self.budget, root_token=state.root_token, vocab_size=target.vocab_size)
-                    tree = target.fit(tree)  # the context window (and a sliding one) cut deeper or later nodes
                 with timer.section("verify"):
                     logits, feats = target.verify(tree)
                     choices = choose(logits, sampling, generator)

@@ -87,7 +87,8 @@ def reserved(folder: str | Path | None) -> list[list[int]]:
 
 def save_prompts(target, path: str | Path, max_prompt_tokens: int = 320) -> int:
     """Write the tokenised ShareGPT train prompts (those that fit) to ``path`` (.npz): a machine without the
-    ShareGPT wheel (a GPU box) generates from this file. Returns how many prompts it holds."""
+    ShareGPT wheel (a GPU box) generates from this file. Returns how many prompts it holds. The held-out prompts
+    stay in it: ``generate`` leaves them out unless ``answer_reserved``, which the box needs to rebuild that set."""
     pool = train_prompts(target, max_prompt_tokens)
     flat, starts = packed([np.asarray(ids) for _, ids in pool], np.int32)
     np.savez_compressed(path, index=np.array([i for i, _ in pool], dtype=np.int32), starts=starts, ids=flat,
@@ -291,7 +292,8 @@ def merge(src: str | Path, dst: str | Path, log=print, answer_reserved: bool = F
     held = held_out_ranges(split, b.get("source"), answer_reserved)
     keep_out = [*b.get("reserved", []), *held]
     for e in a["shards"]:
-        clash = [f["file"] for f in b["shards"] if f["kind"] == e["kind"] and f["first"] < e["end"] and e["first"] < f["end"]]
+        clash = [f["file"] for f in b["shards"]
+                 if f["kind"] == e["kind"] and f["first"] < e["end"] and e["first"] < f["end"]]
         if clash:
             raise ConfigError(f"cannot merge {e['file']}: its prompt indices overlap {clash[0]} in {dst}")
         if any(a0 < e["end"] and e["first"] < b0 for a0, b0 in keep_out):

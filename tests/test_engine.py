@@ -134,7 +134,8 @@ def test_greedy_tokens_follow_torchs_argmax_rule():
 
 def test_ar_loop_matches_hf_greedy(tiny_llama):
     prompt = [1, 2, 3]
-    assert SpeculativeDecoder(tiny_llama).generate(prompt, max_new_tokens=40).tokens == hf_greedy(tiny_llama, prompt, 40)
+    out = SpeculativeDecoder(tiny_llama).generate(prompt, max_new_tokens=40).tokens
+    assert out == hf_greedy(tiny_llama, prompt, 40)
 
 
 @pytest.mark.parametrize("engine", ["lean", "hf"])
@@ -183,8 +184,8 @@ def test_stream_receives_every_token(tiny_llama):
 def test_stats_are_consistent(tiny_llama):
     prompt = [4, 4, 2]
     ref = hf_greedy(tiny_llama, prompt, 50)
-    res = SpeculativeDecoder(tiny_llama, Drafter.from_config({"type": "planted", "reference": ref, "budget": 8})).generate(
-        prompt, max_new_tokens=50)
+    planted = Drafter.from_config({"type": "planted", "reference": ref, "budget": 8})
+    res = SpeculativeDecoder(tiny_llama, planted).generate(prompt, max_new_tokens=50)
     s = res.stats
     assert sum(s.accept_hist.values()) == s.rounds
     assert s.committed_in_rounds + s.dropped == sum((k + 1) * v for k, v in s.accept_hist.items())
@@ -241,8 +242,8 @@ def test_eos_stops_and_matches_hf():
     target.model.generation_config.eos_token_id = eos
     try:
         ref = hf_greedy(target, prompt, 30)
-        res = SpeculativeDecoder(target, Drafter.from_config({"type": "planted", "reference": free, "budget": 6})).generate(
-            prompt, max_new_tokens=30)
+        planted = Drafter.from_config({"type": "planted", "reference": free, "budget": 6})
+        res = SpeculativeDecoder(target, planted).generate(prompt, max_new_tokens=30)
         assert res.tokens == ref and res.tokens[-1] == eos
     finally:
         target.model.generation_config.eos_token_id = None
@@ -501,3 +502,23 @@ def test_sliding_window_target_on_hfs_forward_decodes_like_hf_inside_its_window(
     drafter = Drafter.from_config({"type": "planted", "reference": longer, "budget": 4, "max_depth": 3, "seed": 3})
     res = SpeculativeDecoder(target, drafter).generate(prompt, max_new_tokens=70)
     assert res.tokens == longer and res.stats.tau > 1.0
+
+
+def test_a_schedule_sees_the_tree_cut_to_the_context_window():
+    """Near the window's end the decoder cuts a tree before the schedule reads it, so the schedule's kept nodes are
+    the nodes verified and every round's outcome feeds its recalibration (a cut after the schedule counted nodes
+    never verified and skipped those rounds)."""
+    from graft_block.schedule import ConfidenceSchedule
+    from graft_block.target import Target
+
+    target = Target(_dynamic_rope_llama(32), None, engine="lean")
+    prompt = [(3 * j + 1) % 128 for j in range(18)]
+    ref = hf_greedy(target, prompt, 14)
+    sched = ConfidenceSchedule(lambda n: 1.0)  # a flat cost: every node is worth verifying
+    res = SpeculativeDecoder(target, _ReferenceChain(prompt, ref), schedule=sched).generate(prompt,
+                                                                                            max_new_tokens=14)
+    assert res.tokens == ref
+    s = sched.summary()
+    assert s["rounds"] == res.stats.rounds >= 2
+    assert round(s["mean_nodes_kept"] * s["rounds"]) == res.stats.tree_nodes  # kept = verified
+    assert sum(p for p, _ in sched._counts.values()) > 0 and s["mean_realised_tokens"] <= s["mean_nodes_kept"] + 1
