@@ -75,7 +75,8 @@ class RecyclingDrafter(Drafter):
         if matrix is not None and not isinstance(matrix, AdjacencyMatrix):
             raise ConfigError(f"matrix must be an AdjacencyMatrix or a saved matrix path, got {type(matrix).__name__}")
         if matrix is not None and matrix.k < self.k:
-            raise ConfigError(f"shared matrix has k={matrix.k} < drafter k={self.k}: build the matrix with k >= {self.k}")
+            raise ConfigError(f"shared matrix has k={matrix.k} < drafter k={self.k}: "
+                              f"build the matrix with k >= {self.k}")
         self.matrix = matrix
         self.template_name = template if isinstance(template, str) or template is None else "custom"
         # the matrix this drafter reads has matrix.k columns (self.k when it builds its own)

@@ -22,15 +22,16 @@ block recipe").
 
 DSpark from the DFlash backbone (DeepSpec's loss, 64 anchors per sequence drawn without replacement; see
 drafters/checkpoints/dspark-smollm2/TRAINING.md), then its confidence calibration:
-    python -m graft_block.drafters.train --type dspark --data onpolicy-greedy-a --init drafters/checkpoints/dflash-smollm2 \
+    python -m graft_block.drafters.train --type dspark --data onpolicy-greedy-a \\
+        --init drafters/checkpoints/dflash-smollm2 \\
         --config '{"num_anchors": 64, "markov_rank": 64}' --steps 440 --warmup 0.1 --lr 2e-4 --batch-size 2 --holdout 32
     python -m graft_block.drafters.dspark.calibrate OUT --data onpolicy-greedy-a --holdout 32
 Training leaves a DSpark folder uncalibrated (a continued one's temperatures reset to 1; its config.json's
 "calibration" entry says so) until calibrate runs.
 
 Example (the bundled default, on 2 CPU cores; see drafters/checkpoints/dflash-smollm2/TRAINING.md):
-    python -m graft_block.drafters.train --generate --data smollm2-sharegpt --num-prompts 4000 --max-new 160 --gen-batch 48 \\
-        --gen-minutes 13
+    python -m graft_block.drafters.train --generate --data smollm2-sharegpt --num-prompts 4000 --max-new 160 \\
+        --gen-batch 48 --gen-minutes 13
     python -m graft_block.drafters.train --generate --teacher-forced --data smollm2-sharegpt-tf --num-prompts 3000 \\
         --max-len 384 --gen-batch 8 --gen-minutes 6.7
     python -m graft_block.drafters.train --type dflash --data smollm2-sharegpt,smollm2-sharegpt-tf --init target \\

@@ -5,11 +5,11 @@
     python eval/bench_mfd.py --k-sweep runs/mfd-sweep/k2/ckpt runs/mfd-sweep/k8/ckpt --base @dflash-smollm2 \\
         --futures-rounds 20 --temperature 1 --time-limit 1320
 
-Arms (per budget B): ``ddtree_bB`` = the K=1 control (``dflash-smollm2``, mfd-smollm2's frozen backbone, loaded as
-one zero mode vector: DFlash + DDTree node for node) and ``mfd_bB`` = the K=4 checkpoint with the best-mode mixed DDTree. Optional:
-``--k-sweep CKPT ...`` adds MFD checkpoints trained with other K at the largest budget, ``--base`` adds DDTree from
-the DFlash default they were all initialised from. A list of arms over ``run_block`` (the one measurement core;
-every other option is run_block's). Chimeric shares (``graft_block.chimeric``): the one-pass proxy (b) on every
+Arms (per budget B): ``ddtree_bB`` = the K=1 control (``dflash-smollm2``, mfd-smollm2's frozen backbone, loaded as one
+zero mode vector: DFlash + DDTree node for node) and ``mfd_bB`` = the K=4 checkpoint with the best-mode mixed DDTree.
+Optional: ``--k-sweep CKPT ...`` adds MFD checkpoints trained with other K at the largest budget, ``--base`` adds
+DDTree from the DFlash default they were all initialised from. A list of arms over ``run_block`` (the one measurement
+core; every other option is run_block's). Chimeric shares (``graft_block.chimeric``): the one-pass proxy (b) on every
 round of every arm (its time is taken out of the arm's decode time), and the sampled-futures reference (a) on
 ``--futures-rounds`` recorded rounds per arm at the largest budget (``--futures`` target samples at each round's
 sampling settings, T = 1 for greedy rounds, + the greedy one), computed after the timed run.

@@ -4,7 +4,8 @@
     graft-block train ...       = python -m graft_block.drafters.train ...
     graft-block calibrate ...   = python -m graft_block.calibrate ...
     graft-block physics ...     = python -m graft_block.eval.physics ...   (bandwidth, peak, linear layers, verify)
-    graft-block export ...      = python -m graft_block.drafters.export ...   (a drafter to llama.cpp GGUF or vLLM speculators)
+    graft-block export ...      = python -m graft_block.drafters.export ...
+                                  (a drafter to llama.cpp GGUF or vLLM speculators)
     graft-block expect ...      = python -m graft_block.eval.expected_tau ...   (trees' exact expected tau, paired)
 """
 from __future__ import annotations

@@ -359,8 +359,8 @@ def main(argv=None) -> None:
     ap.add_argument("--answer-tokens", type=int, default=96, help="with --prompts: greedy answer length")
     ap.add_argument("--walk", action="store_true",
                     help="with --prompts, greedy: score every position of each answer instead of --cuts random ones, "
-                         "and give the tau of decoding's own walk over them (= the decoded tau of those turns; --cuts and "
-                         "--contexts do not apply)")
+                         "and give the tau of decoding's own walk over them (= the decoded tau of those turns; "
+                         "--cuts and --contexts do not apply)")
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")

@@ -232,11 +232,12 @@ def measure_physics(target, sizes=None, curve: dict | None = None, cache: bool =
             "engine": measure.engine_label(target), "gemm": getattr(lean, "kernel_label", kernel),
             "layers": "C" if getattr(lean, "fused", None) is not None else "torch",
             "skinny_tile": _skinny_tile(lean),
-            "gemm_times": getattr(lean, "gemm_times", None), "bandwidth_gbs": bw, "copy_mb": copy_mb, "peak_gflops": peak,
-            "peak_n": peak_n, "linear": {"count": len(weights), "params": sum(w.numel() for w, _ in weights),
-                                         "bytes": nbytes, "streamed_bytes": streamed,
-                                         "packing": getattr(lean, "exact_quant", None) or None,
-                                         "mem_floor_ms": 1e3 * mem_floor},
+            "gemm_times": getattr(lean, "gemm_times", None), "bandwidth_gbs": bw, "copy_mb": copy_mb,
+            "peak_gflops": peak, "peak_n": peak_n,
+            "linear": {"count": len(weights), "params": sum(w.numel() for w, _ in weights),
+                       "bytes": nbytes, "streamed_bytes": streamed,
+                       "packing": getattr(lean, "exact_quant", None) or None,
+                       "mem_floor_ms": 1e3 * mem_floor},
             "rows": rows, "non_gemm_share": non_gemm, "eager_non_gemm_share": eager_non_gemm,
             "eager_engine": measure.engine_label(hf) if eager else None, "verify_source": curve.get("source", "given"),
             "verify_context": curve.get("key", {}).get("context", context), "busy": load["busy"], "load": load,
@@ -287,20 +288,22 @@ def format_report(p: dict) -> str:
     if p.get("skinny_tile"):
         lines.append(f"- skinny tile on this CPU: {p['skinny_tile']}")
     if p.get("layers") == "C":
-        lines.append("- decoder layers: C (graft_block/skinny.py, every layer of a forward in one call); 'linear layers "
-                     "alone' below times one product per Python call, so it can exceed a whole verify")
+        lines.append("- decoder layers: C (graft_block/skinny.py, every layer of a forward in one call); "
+                     "'linear layers alone' below times one product per Python call, so it can exceed a whole verify")
     if p["non_gemm_share"] is not None:
         r1 = p["rows"][[r["n"] for r in p["rows"]].index(1)]
         lines.append(f"- non-GEMM share of a decode step: {100 * p['non_gemm_share']:.0f}% (verify(1) "
-                     f"{_ms(r1.get('paired_ms') or r1['verify_ms'])} ms, linear layers alone {_ms(r1['linear_ms'])} ms)"
+                     f"{_ms(r1.get('paired_ms') or r1['verify_ms'])} ms, "
+                     f"linear layers alone {_ms(r1['linear_ms'])} ms)"
                      + ("" if p.get("eager_non_gemm_share") is None else
-                        f"; {100 * p['eager_non_gemm_share']:.0f}% on {p['eager_engine']} ({_ms(r1['eager_ms'])} ms), both "
-                        "from the interleaved timing"))
+                        f"; {100 * p['eager_non_gemm_share']:.0f}% on {p['eager_engine']} "
+                        f"({_ms(r1['eager_ms'])} ms), both from the interleaved timing"))
     stale = " (an earlier run: --fresh-cost times it now)" if p["verify_source"].startswith("cached") else ""
     lines += [f"- verify: {p['verify_context']}-token cache, {p['verify_source']}{stale}", "",
-              f"| rows | linear ms ({p.get('gemm') or 'torch'}) | GFLOP | GFLOP/s | % of peak | floor ms | verify ms | verify(n)/verify(1) "
-              "| linear share of verify |" + (f" interleaved: {p['engine']} ms | {p['eager_engine']} ms | engine gain "
-                                              "(median of paired block ratios) |" if p.get("eager_engine") else ""),
+              f"| rows | linear ms ({p.get('gemm') or 'torch'}) | GFLOP | GFLOP/s | % of peak | floor ms | verify ms "
+              "| verify(n)/verify(1) | linear share of verify |"
+              + (f" interleaved: {p['engine']} ms | {p['eager_engine']} ms | engine gain "
+                 "(median of paired block ratios) |" if p.get("eager_engine") else ""),
               "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if p.get("eager_engine") else "")]
     for r in p["rows"]:
         extra = "" if not p.get("eager_engine") else (

@@ -168,7 +168,8 @@ class LeanForward:
         for lyr in base.layers:
             a, mlp = lyr.self_attn, lyr.mlp
             self.layers.append(dict(
-                ln1=lyr.input_layernorm.weight, ln2=lyr.post_attention_layernorm.weight, eps=lyr.input_layernorm.variance_epsilon,
+                ln1=lyr.input_layernorm.weight, ln2=lyr.post_attention_layernorm.weight,
+                eps=lyr.input_layernorm.variance_epsilon,
                 qkv=None, gu=None, parts={"qkv": (a.q_proj, a.k_proj, a.v_proj), "gu": (mlp.gate_proj, mlp.up_proj)},
                 qkv_b=_bias(a.q_proj, a.k_proj, a.v_proj),
                 o=a.o_proj.weight, o_b=a.o_proj.bias,

@@ -21,7 +21,8 @@ from .errors import ConfigError
 
 CHECKPOINTS = (0, 1, 5)
 SIGNALS = ("mass", "best")
-# Uncalibrated placeholders (log-probabilities); run ``graft_block.calibrate`` to replace them for a drafter/target pair.
+# Uncalibrated placeholders (log-probabilities); run ``graft_block.calibrate`` to replace them for a
+# drafter/target pair.
 DEFAULT_THRESHOLDS = {"mass": {0: math.log(0.5), 1: math.log(0.35), 5: math.log(0.15)},
                       "best": {0: math.log(0.4), 1: math.log(0.25), 5: math.log(0.1)}}
 
@@ -66,7 +67,8 @@ def normalize_thresholds(thresholds, checkpoints: Sequence[int], kind: str) -> d
         elif c in DEFAULT_THRESHOLDS[kind]:
             out[c] = DEFAULT_THRESHOLDS[kind][c]
         else:
-            raise ConfigError(f"no threshold for checkpoint depth {c}: pass thresholds={{{c}: <log-prob>}} or calibrate")
+            raise ConfigError(f"no threshold for checkpoint depth {c}: "
+                              f"pass thresholds={{{c}: <log-prob>}} or calibrate")
     return out
 
 

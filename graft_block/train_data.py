@@ -339,7 +339,8 @@ def load_records(name_or_path: str | Path, feature_layers: Sequence[int] | None 
         folder = data_root() / str(name_or_path)
     meta_path = folder / "meta.json"
     if not meta_path.exists():
-        raise ConfigError(f"no training data at {folder}: generate it first (python -m graft_block.drafters.train --generate)")
+        raise ConfigError(f"no training data at {folder}: "
+                          "generate it first (python -m graft_block.drafters.train --generate)")
     meta = json.loads(meta_path.read_text())
     cached = list(meta["feature_layers"])
     H = int(meta["hidden_size"])
@@ -393,8 +394,9 @@ def collate(recs, device) -> dict:
         feats[i, :n] = r["feats"].float()
         top_ids[i, :n] = r["top_ids"].long()
         top_logp[i, :n] = r["top_logp"].float()
-    return {"ids": ids.to(device), "labels": labels.to(device), "feats": feats.to(device), "top_ids": top_ids.to(device),
-            "top_logp": top_logp.to(device), "lengths": torch.tensor([len(r["ids"]) for r in recs], device=device),
+    return {"ids": ids.to(device), "labels": labels.to(device), "feats": feats.to(device),
+            "top_ids": top_ids.to(device), "top_logp": top_logp.to(device),
+            "lengths": torch.tensor([len(r["ids"]) for r in recs], device=device),
             "prompt_len": torch.tensor([r["prompt_len"] for r in recs], device=device)}
 
 

@@ -238,7 +238,8 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     klass = drafter_class(drafter_type)
     if not isinstance(klass, TrainableDrafter):
         missing = [h for h in ("training_model", "training_loss", "save_trained") if not hasattr(klass, h)]
-        raise ConfigError(f"drafter {drafter_type!r} does not implement {', '.join(missing)}; it cannot be trained here")
+        raise ConfigError(f"drafter {drafter_type!r} does not implement {', '.join(missing)}; "
+                          "it cannot be trained here")
     rank, world = _dist()
     amp = autocast_context(target.device, autocast)
     cfg = dict(cfg or {})

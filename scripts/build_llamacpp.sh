@@ -95,17 +95,23 @@ else
     (cd "$SRC" && cmake --build build -j"$JOBS" --target $missing)
 fi
 # llama-cli is only defined when the server is built (LLAMA_BUILD_SERVER=ON); build it when the target exists
-if [ ! -x "$BUILD/bin/llama-cli" ] && (cd "$SRC" && cmake --build build --target help 2>/dev/null | grep -q ' llama-cli$'); then
+if [ ! -x "$BUILD/bin/llama-cli" ] \
+        && (cd "$SRC" && cmake --build build --target help 2>/dev/null | grep -q ' llama-cli$'); then
     (cd "$SRC" && cmake --build build -j"$JOBS" --target llama-cli) || say "llama-cli did not build (not needed)"
 fi
 
 # ---- 4. the target as an F32 GGUF -----------------------------------------------------------------------------
-GGUF=$(cd "$REPO" && "$PY" -c "import sys; from graft_block.eval.llamacpp import target_gguf; print(target_gguf(sys.argv[1]))" "$TARGET")
+GGUF=$(cd "$REPO" && "$PY" -c \
+    "import sys; from graft_block.eval.llamacpp import target_gguf; print(target_gguf(sys.argv[1]))" "$TARGET")
 if [ -s "$GGUF" ]; then
     say "target GGUF present: $GGUF"
 else
-    "$PY" -c "import sentencepiece" 2>/dev/null || { say "installing sentencepiece into $("$PY" -c 'import sys; print(sys.prefix)')"; "$PY" -m pip install -q --disable-pip-version-check sentencepiece; }
-    FOLDER=$(cd "$REPO" && "$PY" -c "import sys; from graft_block.eval.llamacpp import target_folder; print(target_folder(sys.argv[1]))" "$TARGET")
+    "$PY" -c "import sentencepiece" 2>/dev/null || {
+        say "installing sentencepiece into $("$PY" -c 'import sys; print(sys.prefix)')"
+        "$PY" -m pip install -q --disable-pip-version-check sentencepiece
+    }
+    FOLDER=$(cd "$REPO" && "$PY" -c \
+        "import sys; from graft_block.eval.llamacpp import target_folder; print(target_folder(sys.argv[1]))" "$TARGET")
     say "converting $FOLDER -> $GGUF (F32)"
     mkdir -p "$(dirname "$GGUF")"
     PYTHONPATH="$SRC/gguf-py${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$SRC/convert_hf_to_gguf.py" "$FOLDER" \

@@ -49,7 +49,9 @@ TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT
 mkdir -p "$TMP/pay/checkpoints"
 for name in $CKPTS; do
     src=$CK/$name; [ -d "$src" ] || src=$ASIDE/$name
-    [ -f "$src/config.json" ] || { echo "device_prepare.sh: checkpoint $name is neither in $CK nor in $ASIDE" >&2; exit 1; }
+    [ -f "$src/config.json" ] || {
+        echo "device_prepare.sh: checkpoint $name is neither in $CK nor in $ASIDE" >&2; exit 1
+    }
     mkdir -p "$TMP/pay/checkpoints/$name"
     cp "$src"/*.json "$src"/*.safetensors "$TMP/pay/checkpoints/$name/"
 done

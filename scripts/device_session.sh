@@ -136,7 +136,9 @@ for step in $STEPS; do
     GRAFT_BLOCK_CHECK_QUICK=0 timeout "$(cap 120)" bash scripts/gpu_check.sh "$LOGS/check" > "$LOGS/check.log" 2>&1
     ran lossless $?; tail -2 "$LOGS/check/lossless.log" 2>/dev/null || tail -3 "$LOGS/check.log" ;;
   gen)
-    if [ "$(left)" -lt 120 ]; then say "gen skipped: $(left) s left, under its 90 s of loads + 30 s of answers"; continue; fi
+    if [ "$(left)" -lt 120 ]; then
+        say "gen skipped: $(left) s left, under its 90 s of loads + 30 s of answers"; continue
+    fi
     t=$(cap "$(secs "${GEN_MINUTES:-2}" 90)")
     GRAFT_BLOCK_PROMPTS=$PAY/prompts.npz timeout "$t" bash scripts/gpu_generate.sh "$W/gen" \
         "$(mins "${GEN_MINUTES:-2}" "$t" 90)" > "$LOGS/gen.log" 2>&1
@@ -149,15 +151,21 @@ for step in $STEPS; do
         say "gen wrote no shard: $DATA stays the data"
     fi ;;
   train)
-    if [ "$(left)" -lt 180 ]; then say "train skipped: $(left) s left, under its 150 s of loads + 30 s of training"; continue; fi
+    if [ "$(left)" -lt 180 ]; then
+        say "train skipped: $(left) s left, under its 150 s of loads + 30 s of training"; continue
+    fi
     t=$(cap "$(secs "${TRAIN_MINUTES:-3}" 150)")
     timeout "$t" bash scripts/gpu_train.sh "$W/train" "$INIT" "$(mins "${TRAIN_MINUTES:-3}" "$t" 150)" "$DATA" \
         > "$LOGS/train.log" 2>&1
     ran train $?; grep "\[eval\]\|time limit\|Error" "$LOGS/train.log" | tail -12 ;;
   pairs)
-    MFD='"num_anchors": 16, "mode_init_scale": 0.6, "mix_loss": "wta", "ce_weight": 0.1, "l1_weight": 0.9, "soft_weight": 0.0, "gamma": 4.0, "unique_anchors": true'
-    for arm in "mfd-k4|mfd|t0.7-p0.8-k20-x4|{\"num_modes\": 4, $MFD}" "mfd-k1|mfd|t0.7-p0.8-k20-x4|{\"num_modes\": 1, $MFD}" \
-               'dspark|dspark|greedy|{"num_anchors": 64, "markov_rank": 64, "markov_head_type": "rnn", "markov_basis": "embedding", "markov_first_draft": false, "confidence_label": "greedy"}' \
+    MFD='"num_anchors": 16, "mode_init_scale": 0.6, "mix_loss": "wta", "ce_weight": 0.1, "l1_weight": 0.9, '
+    MFD+='"soft_weight": 0.0, "gamma": 4.0, "unique_anchors": true'
+    DSPARK='{"num_anchors": 64, "markov_rank": 64, "markov_head_type": "rnn", "markov_basis": "embedding", '
+    DSPARK+='"markov_first_draft": false, "confidence_label": "greedy"}'
+    for arm in "mfd-k4|mfd|t0.7-p0.8-k20-x4|{\"num_modes\": 4, $MFD}" \
+               "mfd-k1|mfd|t0.7-p0.8-k20-x4|{\"num_modes\": 1, $MFD}" \
+               "dspark|dspark|greedy|$DSPARK" \
                'dspark-control|dspark|greedy|{"num_anchors": 64, "markov_rank": 0, "confidence_head": false}'; do
         IFS='|' read -r name type kinds config <<< "$arm"
         if [ "$(left)" -lt 140 ]; then say "$name skipped: $(left) s left, under 110 s of loads + 30 s"; continue; fi

@@ -24,7 +24,11 @@ GRAFT_BLOCK_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -p no:cacheprovider \
 # 2. the quick suite on the embedded target (every method token-identical to AR is part of its table); it needs the
 #    bundled checkpoints, so GRAFT_BLOCK_CHECK_QUICK=0 stops after step 1 where they did not travel
 [ "${GRAFT_BLOCK_CHECK_QUICK:-1}" = 0 ] && { echo "gpu_check: lossless only; log in $OUT"; exit 0; }
-if [ "$DEVICE" = cpu ]; then LIMIT=(--limit 1 --max-new-tokens 8 --methods ar,pld --budget 4 --no-physics); else LIMIT=(); fi
+if [ "$DEVICE" = cpu ]; then
+    LIMIT=(--limit 1 --max-new-tokens 8 --methods ar,pld --budget 4 --no-physics)
+else
+    LIMIT=()
+fi
 "$PY" -m graft_block.eval.run_block --device "$DEVICE" --dtype "$DTYPE" --suite quick --out "$OUT/quick" \
     --no-plots --no-progress --time-limit 360 "${LIMIT[@]}" 2>&1 | tee "$OUT/quick.log"
 echo "gpu_check: done; figures in $OUT"

@@ -26,6 +26,6 @@ python -m graft_block.drafters.train --generate --from-onpolicy drafters/data/sm
 #    f00595c, see drafters/checkpoints/mfd-smollm2/TRAINING.md) this rebuilds the committed MFD pair
 for K in $KS; do
     python -m graft_block.drafters.train --type mfd --data $DATA --threads 2 --init $INIT \
-        --config "{\"num_modes\": $K, \"num_anchors\": 8, \"mode_init_scale\": 0.6, \"gamma\": 7}" --steps $STEPS --lr $LR \
-        --batch-size 4 --holdout 16 --eval-every 40 --seed 0 --out $OUT/k$K/ckpt --run $OUT/k$K
+        --config "{\"num_modes\": $K, \"num_anchors\": 8, \"mode_init_scale\": 0.6, \"gamma\": 7}" \
+        --steps $STEPS --lr $LR --batch-size 4 --holdout 16 --eval-every 40 --seed 0 --out $OUT/k$K/ckpt --run $OUT/k$K
 done

@@ -543,9 +543,10 @@ def test_denoise_steps_refuses_a_bool(tiny_qwen3):
 @pytest.mark.slow
 def test_smollm2_default_lossless(smollm2):
     """The bundled checkpoint on the real target: chain and DDTree outputs equal HF greedy token for token, with
-    drafts accepted (every DDTree generation; the chain on the code prompt). One HF reference per prompt serves both proposals: a code prompt
-    (long accepted runs) and one that stops on EOS inside a block. The T=1 law is checked on a tiny target
-    (``test_sampling_matches_target_distribution``): the real one adds nothing to that check but minutes."""
+    drafts accepted (every DDTree generation; the chain on the code prompt). One HF reference per prompt serves both
+    proposals: a code prompt (long accepted runs) and one that stops on EOS inside a block. The T=1 law is checked on
+    a tiny target (``test_sampling_matches_target_distribution``): the real one adds nothing to that check but
+    minutes."""
     from graft_block.drafter import bundled_checkpoint
 
     folder = bundled_checkpoint("dflash-smollm2")
@@ -598,10 +599,12 @@ def test_a_target_that_opts_in_shares_loaded_checkpoints(tiny_llama, tmp_path):
     save_checkpoint(first.model, tmp_path)
     cfg = {"type": "dflash", "checkpoint": str(tmp_path)}
     try:
-        apart = [Drafter.from_config({**cfg, "proposal": p, "budget": 3}, target=tiny_llama) for p in ("chain", "ddtree")]
+        apart = [Drafter.from_config({**cfg, "proposal": p, "budget": 3}, target=tiny_llama)
+                 for p in ("chain", "ddtree")]
         assert apart[0].model is not apart[1].model
         tiny_llama.share_drafter_checkpoints = True
-        shared = [Drafter.from_config({**cfg, "proposal": p, "budget": 3}, target=tiny_llama) for p in ("chain", "ddtree")]
+        shared = [Drafter.from_config({**cfg, "proposal": p, "budget": 3}, target=tiny_llama)
+                  for p in ("chain", "ddtree")]
         assert shared[0].model is shared[1].model and shared[0].proposal != shared[1].proposal
     finally:
         tiny_llama.share_drafter_checkpoints = False

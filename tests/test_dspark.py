@@ -151,7 +151,8 @@ def test_first_draft_off_drafts_the_backbone_row_then_the_corrected_ones(one_thr
     with pytest.raises(ConfigError, match="markov_first_draft"):
         S.load_checkpoint(tmp_path / "ck")
     tree_d = _drafter(target, proposal="ddtree", budget=12, markov_first_draft=False)
-    assert SpeculativeDecoder(target, tree_d).generate(PROMPT, max_new_tokens=32).tokens == hf_greedy(target, PROMPT, 32)
+    assert (SpeculativeDecoder(target, tree_d).generate(PROMPT, max_new_tokens=32).tokens
+            == hf_greedy(target, PROMPT, 32))
 
 
 def test_candidate_children_match_the_whole_vocabulary_ranking(one_thread):

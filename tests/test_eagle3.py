@@ -605,7 +605,8 @@ def test_sampling_matches_target_distribution():
     e = exact.reshape(-1) * N
     o = counts.reshape(-1)
     big = e >= 5  # pool sparse cells so the chi-square approximation holds
-    stat = float((((o[big] - e[big]) ** 2) / e[big]).sum() + (o[~big].sum() - e[~big].sum()) ** 2 / max(e[~big].sum(), 1e-9))
+    stat = float((((o[big] - e[big]) ** 2) / e[big]).sum()
+                 + (o[~big].sum() - e[~big].sum()) ** 2 / max(e[~big].sum(), 1e-9))
     dof = int(big.sum())  # (cells + pooled cell) - 1
     pval = float(chi2.sf(stat, dof))
     tv = 0.5 * float((o / N - exact.reshape(-1)).abs().sum())
@@ -651,7 +652,8 @@ def test_greedy_identity_smollm2_trained(smollm2):
 def test_continuing_a_checkpoint_in_place_keeps_its_tree_defaults(tiny_llama, tmp_path):
     t = tiny_llama
     counts = torch.ones(t.vocab_size, dtype=torch.long)
-    model = Eagle3Drafter.training_model(t, {"draft_vocab_size": 32, "token_counts": counts, "feature_layers": (2, 2, 1)})
+    model = Eagle3Drafter.training_model(t, {"draft_vocab_size": 32, "token_counts": counts,
+                                             "feature_layers": (2, 2, 1)})
     Eagle3Drafter.save_trained(model, tmp_path, {"budget": 7, "depth": 4, "top_k": 4})
     Eagle3Drafter.save_trained(model, tmp_path, {})  # a resumed run whose cfg names no tree shape
     assert json.loads((tmp_path / "config.json").read_text())["drafter_defaults"] == {"budget": 7, "depth": 4,

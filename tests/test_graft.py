@@ -14,8 +14,8 @@ from graft_block.tree import SOURCE_DRAFT, SOURCE_RETRIEVED, TreeError, accept_l
 from graft_block.tree.ddtree import ddtree, topk_logprobs
 from graft_block import kernels
 from graft_block.testing import hf_greedy
-from graft_block.tree.templates import (TR80_TEMPLATE, asymmetric_template, expand_template, extend_template, gather_template,
-                            level_sizes, validate_template)
+from graft_block.tree.templates import (TR80_TEMPLATE, asymmetric_template, expand_template, extend_template,
+                                        gather_template, level_sizes, validate_template)
 
 V = 64
 

@@ -1,6 +1,9 @@
 """Imports point one way: eval -> drafters -> graft_block (core) -> tree, with no cycle between modules, and
-tree/ stays model-free. Read from the source (AST), so lazy imports inside functions count too."""
+tree/ stays model-free. Read from the source (AST), so lazy imports inside functions count too. Every tracked
+.py and .sh line fits in 120 columns."""
 import ast
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -145,3 +148,28 @@ def test_checker_catches_an_upward_import_and_a_cycle(tmp_path, monkeypatch):
 @pytest.mark.parametrize("folder", list(FOLDERS))
 def test_every_folder_is_a_package(folder):
     assert (ROOT / folder / "__init__.py").exists()
+
+
+MAX_COLUMNS = 120
+
+
+def test_code_lines_fit_120_columns():
+    """No line of a tracked .py or .sh file is longer than 120 characters, except one that holds a URL."""
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("git is not available")
+    listed = subprocess.run([git, "-C", str(ROOT), "ls-files", "-z", "--", "*.py", "*.sh"],
+                            capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
+    files = [name for name in listed.stdout.split("\0") if name]
+    assert files, "git ls-files listed no .py or .sh file: is the pattern still right?"
+    long = []
+    for name in files:
+        path = ROOT / name
+        if not path.is_file():
+            continue  # tracked but deleted in this working tree
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").split("\n"), 1):
+            if len(line) > MAX_COLUMNS and "http://" not in line and "https://" not in line:
+                long.append(f"{name}:{number} ({len(line)} characters)")
+    assert not long, f"lines over {MAX_COLUMNS} characters:\n" + "\n".join(long)

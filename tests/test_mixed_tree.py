@@ -46,7 +46,8 @@ def test_k1_equals_ddtree_with_ties():
 def test_matches_brute_force(score, seed):
     M, L, K, V = 3, 3, 3, 6
     ids, lps = random_modes(M, L, K, V, seed)
-    w = torch.softmax(torch.randn(M, generator=torch.Generator().manual_seed(seed)), 0) if score == "mixture_gated" else None
+    w = (torch.softmax(torch.randn(M, generator=torch.Generator().manual_seed(seed)), 0)
+         if score == "mixture_gated" else None)
     for budget in (1, 5, 12, 25):
         tree = mixed_ddtree(9, ids, lps, budget, score=score, mode_weights=w)
         validate(tree, budget=budget, root_token=9)  # prefix-closed, unique siblings, topological, budget

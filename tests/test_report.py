@@ -133,7 +133,8 @@ def test_chimeric_share_is_pooled_over_rounds_like_tau():
     """Two short turns without chimeric nodes and one long turn full of them: the row's share of chimeric nodes
     per round is over all 120 rounds (as tau is), not the median turn's."""
     recs = [_chimeric_rec("ar", f"p{i}", None, 10) for i in range(3)]
-    recs += [_chimeric_rec("tree", "p0", 0.0, 10), _chimeric_rec("tree", "p1", 0.0, 10), _chimeric_rec("tree", "p2", 1.0, 100)]
+    recs += [_chimeric_rec("tree", "p0", 0.0, 10), _chimeric_rec("tree", "p1", 0.0, 10),
+             _chimeric_rec("tree", "p2", 1.0, 100)]
     for r in recs[:3]:
         del r["chimeric"], r["chimeric_share"]
     measure.pair_with(recs)

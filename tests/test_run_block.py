@@ -75,7 +75,8 @@ def test_top_k_and_top_p_reach_every_method(tiny_folder, tmp_path, capsys, monke
 def test_bad_options_fail_before_the_model_loads(tmp_path, monkeypatch):
     (tmp_path / "empty.json").write_text('[{"name": "x"}]')
     for bad, what in ((["--top-p", "0"], "top_p must be in"), (["--top-k", "-2"], "top_k must be"),
-                      (["--temperature", "0,-1"], "temperature must be"), (["--budget", "4,0"], "--budget must be >= 1"),
+                      (["--temperature", "0,-1"], "temperature must be"),
+                      (["--budget", "4,0"], "--budget must be >= 1"),
                       (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
                       (["--config", str(tmp_path / "none.json")], "does not exist"),
                       (["--config", str(tmp_path / "empty.json")], "'x' says nothing to run")):

@@ -1,5 +1,5 @@
-"""The shared training recipe: batched greedy and sampled data generation, the generic loop (loss goes down, resume), and a
-trained DFlash drafter that saves, loads and reproduces its logits."""
+"""The shared training recipe: batched greedy and sampled data generation, the generic loop (loss goes down, resume),
+and a trained DFlash drafter that saves, loads and reproduces its logits."""
 import json
 
 import pytest

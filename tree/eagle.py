@@ -248,7 +248,7 @@ def paths_in_order(tree: Tree) -> list[tuple]:
 
 
 __all__: Sequence[str] = (
-    "Candidates", "frontier_is_dead", "map_draft_ids", "top_children", "select_frontier", "next_tree_mask", "expand", "rerank",
-    "eagle_tree", "brute_force_eagle", "auto_weight", "pick_auto_size", "paths_in_order", "EAGLE_AUTO_SIZES",
+    "Candidates", "frontier_is_dead", "map_draft_ids", "top_children", "select_frontier", "next_tree_mask", "expand",
+    "rerank", "eagle_tree", "brute_force_eagle", "auto_weight", "pick_auto_size", "paths_in_order", "EAGLE_AUTO_SIZES",
     "EAGLE_AUTO_WEIGHTS",
 )

@@ -241,7 +241,8 @@ def validate(tree: Tree, budget: int | None = None, root_token: int | None = Non
     if n > 1:
         key = tree.parents[1:] * (hi + 1) + tree.tokens[1:]
         if key.unique().numel() != n - 1:
-            raise TreeError("duplicate sibling tokens: two children of one parent carry the same token (trie-merge them)")
+            raise TreeError("duplicate sibling tokens: two children of one parent carry the same token "
+                            "(trie-merge them)")
     return tree
 
 

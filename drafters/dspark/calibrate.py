@@ -137,7 +137,8 @@ def calibration_report(logits, accepted, valid, exists, temps) -> dict:
     raw, cal = torch.sigmoid(logits.double()), apply_temperatures(logits, temps)
     return {"ece_before": expected_calibration_error(raw, accepted, valid=valid),
             "ece_after": expected_calibration_error(cal, accepted, valid=valid),
-            "prefix_ece_before": prefix_ece(raw, accepted, exists), "prefix_ece_after": prefix_ece(cal, accepted, exists),
+            "prefix_ece_before": prefix_ece(raw, accepted, exists),
+            "prefix_ece_after": prefix_ece(cal, accepted, exists),
             "rows": int(logits.shape[0])}
 
 
@@ -211,7 +212,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     check_options(ap, args, (("--holdout", args.holdout >= 2, ">= 2 (half fits, half reports)"),
-                             ("--min-rows", args.min_rows >= 1, ">= 1"), ("--sampled-at", args.sampled_at >= 0, ">= 0")))
+                             ("--min-rows", args.min_rows >= 1, ">= 1"),
+                             ("--sampled-at", args.sampled_at >= 0, ">= 0")))
     if args.threads:
         torch.set_num_threads(args.threads)
     rep = calibrate(args.folder, args.data, args.holdout, write=not args.dry_run, min_rows=args.min_rows,

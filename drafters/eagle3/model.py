@@ -68,7 +68,8 @@ class Eagle3Config:
         top = d
         for flag in ("fc_norm", "norm_output"):
             if top.get(flag):
-                raise ConfigError(f"draft config sets {flag}=true, a speculators variant graft-block does not implement")
+                raise ConfigError(f"draft config sets {flag}=true, "
+                                  "a speculators variant graft-block does not implement")
         aux = top.get("eagle_aux_hidden_state_layer_ids")
         if aux is not None and speculators:  # vLLM's capture ids: the input of layer i (HF hidden_states[i])
             aux = [int(i) - 1 for i in aux]
