@@ -574,3 +574,168 @@ def test_explicit_template_with_ranks_past_the_matrix_k_is_refused():
         Graft(budget=10, matrix=m, templates={0: TR80_TEMPLATE})
     Graft(budget=10, matrix=m, templates={0: [[0], [1], [0, 1]]})  # ranks < k: fine
     Graft(budget=10, mode="prune", templates={0: TR80_TEMPLATE})  # no matrix: nothing to check against
+
+
+# ---- added from mutation testing -----------------------------------------------------------------------------------
+def test_fixed_split_rounds_and_allowances_never_exceed_the_budget():
+    m = random_matrix(0)
+    g = Graft(budget=7, matrix=m, mode="fixed", fixed_draft_fraction=0.4)
+    assert g.draft_allowance("fixed") == 3  # round(2.8), not the truncated 2
+    draft = random_ddtree(0, 7)
+    assert g.apply(draft).num_drafted >= 3
+    # allowances set above the reference budget are capped at the budget: the tree must not grow past it
+    big = Graft(budget=10, matrix=m, draft_allowances={0: 70, 1: 80, 5: 90}, thresholds=force_stage(0))
+    assert [big.draft_allowance(s) for s in (0, 1, 5)] == [10, 10, 10]
+    out = Graft(budget=10, mode="prune", draft_allowances={0: 70, 1: 80, 5: 90},
+                thresholds=force_stage(0)).apply(random_ddtree(1, 30))
+    validate(out, budget=10)
+
+
+def test_refill_fills_the_last_slot_retrieval_leaves_empty():
+    """Kept plus retrieved nodes come to exactly budget - 1: refill must still add one more draft node."""
+    m = AdjacencyMatrix(V, 8, torch.int64)
+    m.table[5] = torch.arange(40, 48)  # the root's row: 8 successors, whose own rows are unknown
+    # draft: root 5, chain 10 -> 11 -> 12 (none of them among the retrieved tokens)
+    draft = make_tree([5, 10, 11, 12], [-1, 0, 1, 2], [0.0, -0.1, -0.2, -0.3])
+    g = Graft(budget=9, matrix=m, thresholds=force_stage(0))  # allowance round(8 * 9 / 60) = 1
+    assert g.draft_allowance(0) == 1
+    out = g.apply(draft)
+    validate(out, budget=9)
+    # 1 kept draft node + 7 retrieved (the default template's depth-1 ranks; deeper rows unknown) = budget - 1
+    assert out.num_retrieved == 7 and out.size - 1 == 9 and out.num_drafted == 2
+
+
+def test_best_path_end_follows_the_highest_scoring_child():
+    tree = make_tree([1, 10, 11, 12, 13], [-1, 0, 0, 1, 1], [0.0, -0.1, -2.0, -0.9, -0.3])
+    assert best_path_end(tree) == 4
+    # frontier attachment continues that best chain: the retrieved nodes hang below node 13
+    m = random_matrix(3)
+    out = Graft(budget=6, matrix=m, mode="fixed", fixed_draft_fraction=1.0, attach="frontier").apply(tree)
+    assert set(out.tokens[out.parents == 4].tolist()) <= set(m.table[13].tolist())
+    assert int((out.parents == 4).sum()) > 0 and int((out.parents == 2).sum()) == 0
+
+
+def test_both_attach_with_full_frontier_share_puts_every_retrieved_node_under_the_frontier():
+    m = random_matrix(4)
+    draft = random_ddtree(2, 20)
+    g = Graft(budget=20, matrix=m, attach="both", frontier_share=1.0, thresholds=force_stage(1))
+    out = g.apply(draft)
+    validate(out, budget=20)
+    assert out.size - 1 == 20 and out.num_retrieved > 0
+    kept = draft.subset(top_nodes(draft, g.draft_allowance(1)))
+    front = out.tokens[: kept.size].tolist().index(int(kept.tokens[best_path_end(kept)]))
+    pars = out.parents.tolist()
+    for i in range(kept.size, out.size):
+        if int(out.sources[i]) == SOURCE_RETRIEVED:
+            c = i
+            while c > front:
+                c = pars[c]
+            assert c == front, i  # frontier_share=1.0: none of the free slots go to the root's retrieval
+
+
+def test_observe_updates_the_matrix_from_every_verified_node_not_only_the_accepted_path():
+    from types import SimpleNamespace
+
+    from graft_block.adjacency import slow_update_reference
+
+    m = random_matrix(5)
+    before = m.table.clone()
+    tree = make_tree([5, 1, 2, 3], [-1, 0, 0, 1], [0.0, -0.1, -0.2, -0.3])
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
+    verified = SimpleNamespace(tree=tree, logits=logits, path=torch.tensor([0, 1]), accepted=1)
+    g = Graft(budget=4, matrix=m)
+    g.apply(tree)
+    g.observe(verified)
+    assert torch.equal(m.table, slow_update_reference(before, tree.tokens, logits))  # rejected node 2, 3 too
+    assert g.stats["retrieved_nodes"] == 0 and g.stats["draft_nodes"] == 3
+
+
+def test_pruning_signal_counts_draft_nodes_only_and_top_nodes_use_path_min_scores():
+    from graft_block.pruning import ranked_nodes
+
+    # a retrieved node at depth 1 carries a template prior, not a draft probability: it must not add confidence
+    mixed = make_tree([1, 10, 11], [-1, 0, 0], [0.0, math.log(0.2), -0.01], [SOURCE_DRAFT, SOURCE_DRAFT,
+                                                                             SOURCE_RETRIEVED])
+    assert checkpoint_signal(mixed, 0, "mass") == pytest.approx(math.log(0.2))
+    assert checkpoint_signal(mixed, 0, "best") == pytest.approx(math.log(0.2))
+    # raw scores that rise along a path: ranking by path-min keeps the selection ancestor-closed
+    rising = make_tree([1, 10, 11, 12], [-1, 0, 0, 1], [0.0, -2.0, -1.0, -0.5])
+    assert top_nodes(rising, 1).tolist() == [0, 2]
+    assert top_nodes(rising, 2).tolist() == [0, 1, 2]
+    # ties (e.g. all-zero scores of a from_paths tree): index order, every prefix ancestor-closed
+    flat = make_tree([1] + list(range(10, 110)), [-1] + [max(0, i - 3) for i in range(1, 101)], [0.0] * 101)
+    assert ranked_nodes(flat).tolist() == list(range(101))
+
+
+def test_calibrate_thresholds_are_signal_quantiles_and_the_best_tok_s_wins(monkeypatch):
+    """With a stub decoder: threshold_d is the q-quantile of the recorded signals (a low q fires rarely), and the
+    grid point with the highest measured tok/s wins even when another has the higher tau."""
+    from types import SimpleNamespace
+
+    import graft_block.calibrate as cal_mod
+
+    recorded = {0: [-4.0, -3.0, -2.0, -1.0, float("-inf")], 1: [-8.0, -6.0, -4.0, -2.0, -1.0], 5: [float("-inf")]}
+    # per Graft built for a quantile pass (in grid order): (committed, decode seconds, rounds)
+    measured = iter([(10, 1.0, 10), (30, 1.0, 5), (20, 1.0, 2)])
+
+    class StubDecoder:
+        def __init__(self, target, drafter, graft):
+            self.graft, self.m = graft, None
+
+        def generate(self, prompt, max_new_tokens):
+            if self.graft.record_signals:
+                for c, v in recorded.items():
+                    self.graft.signal_log[c].extend(v)
+                return None
+            if self.m is None:
+                self.m = next(measured)
+            c, s, r = self.m
+            return SimpleNamespace(stats=SimpleNamespace(committed_in_rounds=c, decode_s=s, rounds=r))
+
+    monkeypatch.setattr(cal_mod, "SpeculativeDecoder", StubDecoder)
+    m = random_matrix(0)
+    out = calibrate(None, SimpleNamespace(budget=12), m, prompts=[[1, 2, 3]], n_prompts=1,
+                    quantiles=(0.0, 0.25, 0.75))
+    q25 = {c: float(torch.quantile(torch.tensor([v for v in vals if math.isfinite(v)]), 0.25))
+           for c, vals in recorded.items() if c != 5}
+    assert out["grid"][1]["thresholds"] == {"0": q25[0], "1": q25[1], "5": -math.inf}
+    assert out["grid"][1]["thresholds"]["0"] == pytest.approx(-3.25)  # the low end: a low q prunes rarely
+    assert out["grid"][0]["thresholds"] == {"0": -math.inf, "1": -math.inf, "5": -math.inf}
+    assert [r["tok_s"] for r in out["grid"]] == [10.0, 30.0, 20.0] and [r["tau"] for r in out["grid"]] == [1, 6, 10]
+    assert out["quantile"] == 0.25 and out["thresholds"] == out["grid"][1]["thresholds"]  # tok/s, not tau
+
+
+def test_tail_and_static_leave_a_fully_confident_tree_alone_and_say_so():
+    """A chain without scores (prompt lookup's: every marginal confidence is exactly 1) passes a tail threshold of
+    1.0 (confidence >= threshold keeps a node); a tree that needs no graft is counted as tail_none / static_none."""
+    m = random_matrix(8)
+    block = chain(3, [21, 22, 23])
+    g = Graft(budget=3, matrix=m, mode="tail", tail_threshold=1.0)
+    out = g.apply(block)
+    assert out.tokens.tolist() == block.tokens.tolist() and out.num_retrieved == 0
+    assert g._last["stage"] == "tail_none"
+    draft = random_ddtree(0, 12)
+    s = Graft(budget=12, matrix=m, mode="static", static_threshold=-math.inf)
+    assert s.apply(draft).tokens.tolist() == draft.tokens.tolist() and s._last["stage"] == "static_none"
+
+
+def test_retrieve_only_never_refills_with_draft_nodes():
+    m = AdjacencyMatrix(V, 8, torch.int64)
+    m.table[5] = torch.arange(40, 44).repeat(2)  # 4 distinct successors, their rows unknown
+    draft = random_ddtree(0, 10, root=5)
+    out = Graft(budget=10, matrix=m, mode="retrieve_only").apply(draft)
+    validate(out, budget=10, root_token=5)
+    assert out.num_drafted == 0 and sorted(out.tokens[1:].tolist()) == [40, 41, 42, 43]
+
+
+def test_saved_calibration_for_other_checkpoints_is_not_applied():
+    from types import SimpleNamespace
+
+    from graft_block.pruning import DEFAULT_THRESHOLDS
+
+    drafter = SimpleNamespace(budget=12, graft_calibration={"signal": "mass", "checkpoints": [0, 1, 5],
+                                                            "thresholds": {"0": -0.1, "1": -0.2, "5": -0.3}})
+    g = Graft.from_config({"checkpoints": [0, 1]}, matrix=random_matrix(0), drafter=drafter)
+    assert g.checkpoints == (0, 1)
+    assert g.thresholds == {0: DEFAULT_THRESHOLDS["mass"][0], 1: DEFAULT_THRESHOLDS["mass"][1]}
+    assert Graft.from_config({}, matrix=random_matrix(0), drafter=drafter).thresholds == {0: -0.1, 1: -0.2, 5: -0.3}

@@ -185,3 +185,46 @@ def test_matrix_given_or_loaded_on_another_device_moves_to_the_targets(tmp_path)
     assert d.ensure_matrix(elsewhere).device.type == "meta"
     g = Graft.from_config({"mode": "fixed", "budget": 8}, matrix=full_matrix(vocab=64), target=elsewhere)
     assert g.matrix.device.type == "meta"
+
+
+# ---- added from mutation testing -----------------------------------------------------------------------------------
+def test_prompt_lookup_prefers_the_longest_ngram_and_its_first_occurrence():
+    from graft_block.drafters.pld import PromptLookupDrafter, prompt_lookup
+
+    t = torch.tensor([3, 0, 1, 2, 3, 4, 5, 1, 2, 3, 6, 7, 1, 2, 3])
+    # trailing 3-gram [1, 2, 3] first occurs at 1: what followed it there (not after its later copy at 7, and not
+    # after the first [3] at 0, which the 1-gram would pick), num_tokens long
+    assert prompt_lookup(t, 3).tolist() == [4, 5, 1]
+    assert prompt_lookup(t, 1).tolist() == [4]
+    assert prompt_lookup(t, 3, max_ngram=1).tolist() == [0, 1, 2]
+    # only the 1-gram matches: min_ngram=1 is searched too
+    assert prompt_lookup(torch.tensor([5, 8, 9, 6, 5]), 3).tolist() == [8, 9, 6]
+    assert prompt_lookup(torch.tensor([5, 8, 9, 6, 5]), 3, min_ngram=2).tolist() == []
+    # the continuation stops at the end of the context
+    assert prompt_lookup(torch.tensor([1, 2, 1]), 5).tolist() == [2, 1]
+    tree = PromptLookupDrafter(budget=4).propose(_State(t.tolist()))
+    validate(tree, budget=4, root_token=3)
+    assert tree.tokens[1:].tolist() == [4, 5, 1, 2] and tree.parents[1:].tolist() == [0, 1, 2, 3]
+
+
+def test_warmup_runs_once_and_never_over_a_matrix_that_already_learnt(monkeypatch):
+    """ensure_matrix runs at every prefill: warming up again would overwrite what the matrix learnt (the hot start)
+    and spend the warm-up's decode time on every prompt."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    def fake_warmup(self, target, prompts=None, rounds=5, new_tokens=64):
+        calls.append(rounds)
+        self.updates += 1
+        return rounds
+
+    monkeypatch.setattr(AdjacencyMatrix, "warmup", fake_warmup)
+    target = SimpleNamespace(vocab_size=64, device=torch.device("cpu"))
+    d = RecyclingDrafter(budget=10, warmup_rounds=2)
+    m = d.ensure_matrix(target)
+    assert d.ensure_matrix(target) is m and calls == [2]
+    d.prefill(_State([1], target=target))
+    assert calls == [2]
+    RecyclingDrafter(target=target, budget=10, warmup_rounds=2, matrix=full_matrix())  # learnt: no warm-up
+    assert calls == [2]

@@ -323,3 +323,25 @@ def test_conditional_ddtree_never_proposes_minus_inf_children():
     leafy = lambda d, p, _: [([5, 6], [-0.1, -2.5], 0.9)] if d == 1 else [([], [], 0.9)]  # noqa: E731
     tree, acc = conditional_ddtree(0, leafy, 5, 3)
     assert tree.tokens.tolist() == [0, 5, 6] and len(acc) == 3
+
+
+def test_merge_ors_the_mode_bits_of_a_duplicate_and_continues_the_attach_score():
+    base = make_tree([9, 1, 2], [-1, 0, 1], [0.0, -0.5, -1.0], modes=[0, 1, 1])
+    extra = make_tree([9, 1, 3], [-1, 0, 0], [0.0, -0.2, -0.7], modes=[0, 2, 2])
+    m = merge(base, extra)
+    validate(m)
+    assert m.tokens.tolist() == [9, 1, 2, 3]
+    assert m.modes.tolist() == [0, 3, 1, 2]  # node 1 proposed by both modes: its bits are OR-ed
+    # with the budget already full, a later duplicate is still identified (and OR-ed), only new nodes are dropped
+    full = merge(base, make_tree([9, 3, 1], [-1, 0, 0], [0.0, -0.1, -0.2], modes=[0, 2, 2]), budget=2)
+    assert full.tokens.tolist() == [9, 1, 2] and full.modes.tolist() == [0, 3, 1]
+    # attached under node 2, an extra node's score continues node 2's path score
+    under = merge(base, make_tree([2, 5], [-1, 0], [0.0, -0.25], SOURCE_RETRIEVED), attach=2)
+    assert under.parents.tolist()[-1] == 2 and float(under.scores[-1]) == pytest.approx(-1.25)
+
+
+def test_from_paths_keeps_each_nodes_own_cumulative_score():
+    t = from_paths(9, [[1, 2], [1, 3], [4]], path_scores=[[-0.1, -0.5], [-0.7, -0.9], [-2.0]])
+    assert t.tokens.tolist() == [9, 1, 2, 3, 4]
+    # the shared node keeps its first insertion's score; every node its own depth's, not the path's last
+    assert t.scores.tolist() == pytest.approx([0.0, -0.1, -0.5, -0.9, -2.0])
