@@ -264,3 +264,70 @@ def test_sampled_report_futures_reach_the_trees_depth(tiny_llama):
     tree = from_paths(ref[0], [ref[1:5]])  # the root is the first new token, the chain the next four
     got = sampled_report(tiny_llama, [(prompt + ref[:1], tree)], n=0, length=2)["draft"]
     assert got["n"] == 4 and got["coherent"] == 1.0
+
+
+def test_chimeric_path_flag_needs_every_unsupported_step_on_the_path_valid_elsewhere():
+    """A supported step under an off-support node is unreachable, and its path is not chimeric: the off-support
+    step above it is valid nowhere, whatever its own step says."""
+    tree = make_tree([0, 5, 6, 7], [-1, 0, 0, 1])  # 7 hangs under 5
+    probs = torch.full((4, 10), 1e-9)
+    probs[0, 5], probs[0, 6] = 0.05, 0.95
+    probs[1, 7] = 1.0  # after 5 the target says 7: node 7's own step is supported
+    probs[2, 1] = 1.0
+    probs[3, 1] = 1.0
+    labels, flags = label_proxy(tree, probs.log(), eps=0.1, delta=0.1)
+    assert labels[1:] == ["off_support", "coherent", "unreachable"]
+    assert flags == [False, False, False, False]
+    assert proxy_shares(tree, probs.log(), eps=0.1)["draft"]["chimeric_path_n"] == 0
+
+
+def test_proxy_temperature_reshapes_the_law():
+    """label_proxy's ``temperature`` (ProxyHook(temperature=...)): token 5 has P 0.05 at T=1 (supported at
+    eps=0.01) but 0.05^2 / (0.05^2 + 0.95^2) ~ 0.003 at T=0.5 (off-support)."""
+    tree = make_tree([0, 5, 6], [-1, 0, 0])
+    probs = torch.full((3, 10), 1e-9)
+    probs[0, 5], probs[0, 6] = 0.05, 0.95
+    probs[1, 1] = probs[2, 1] = 1.0
+    logits = probs.log()
+    assert label_proxy(tree, logits)[0][1:] == ["coherent", "coherent"]
+    assert label_proxy(tree, logits, temperature=0.5)[0][1:] == ["off_support", "coherent"]
+    assert label_proxy(tree, logits, temperature=2.0)[0][1:] == ["coherent", "coherent"]
+
+
+def test_mean_rows_averages_over_rounds_that_have_the_groups_nodes():
+    """A round without retrieved nodes does not dilute the retrieved shares (and its draft nodes still count)."""
+    from graft_block.tree.chimeric import mean_rows
+
+    drafted = from_paths(0, [A[:2]])  # 2 coherent draft nodes
+    extra = with_sources(from_paths(0, [[A[0], 77]]), SOURCE_RETRIEVED)  # 1 off-support retrieved node
+    rows = [sampled_shares(drafted, [A, B]), sampled_shares(merge(drafted, extra), [A, B])]
+    got = mean_rows(rows, "retrieved")
+    assert got["rounds"] == 1 and got["n"] == 1 and got["off_support"] == 1.0 and got["off_support_n"] == 1
+    got = mean_rows(rows, "draft")
+    assert got["rounds"] == 2 and got["n"] == 4 and got["coherent"] == 1.0
+    assert mean_rows([rows[0]], "retrieved") == {"rounds": 0, "n": 0}
+
+
+def test_sample_futures_last_row_is_the_greedy_continuation_of_the_context(tiny_llama):
+    """With n sampled rows the extra row is the target's own greedy continuation, not argmax after a sample."""
+    from graft_block.testing import hf_greedy
+
+    prompt = [1, 5, 9, 17, 33]
+    ref = hf_greedy(tiny_llama, prompt, 6)
+    g = torch.Generator().manual_seed(0)
+    futs = sample_futures(tiny_llama, prompt, n=4, length=6, generator=g)
+    assert len(futs) == 5 and futs[-1] == ref
+    assert any(f != ref for f in futs[:4])  # T=1 samples leave the greedy path
+
+
+def test_futures_recorder_counts_every_from_first():
+    """Rounds first, first + every, ... are recorded (count of them), each with the context before the round's
+    accepted tokens and bonus; round 0 of a new generation restarts the count."""
+    from types import SimpleNamespace
+
+    tree = make_tree([3, 4], [-1, 0])
+    rec = futures_recorder(count=2, every=2, first=1)
+    for r in range(7):
+        tokens = list(range(10 + r))
+        rec(SimpleNamespace(tree=tree, accepted=1), SimpleNamespace(round=r + 1, tokens=tokens, sampling=None))
+    assert [len(c) for c, _, _ in rec.records] == [9, 11]  # rounds 1 and 3: 11 and 13 tokens, 2 committed

@@ -1211,3 +1211,26 @@ def test_sample_from_anchor_sets_the_block_alignment(tmp_path, where, anchor, al
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="sample_from_anchor"):
         S.load_checkpoint(folder)
+
+
+def test_conditional_acceptance_estimates_divide_by_one_minus_q_top():
+    """The other children's estimates divide by 1 - q(top), the mass outside the top child, which includes the
+    tokens beyond the K drafted ones (here 0.2), not by the drafted siblings' mass alone."""
+    lp = [math.log(0.5), math.log(0.2), math.log(0.1)]  # 0.2 of the mass is outside the top-3
+    tree, acc = conditional_ddtree(7, lambda d, p, _: [([10 * d + 1, 10 * d + 2, 10 * d + 3], lp, 0.8)], 3, 1)
+    assert tree.tokens.tolist() == [7, 11, 12, 13]
+    assert acc == pytest.approx([1.0, 0.8, 0.2 * 0.2 / 0.5, 0.2 * 0.1 / 0.5])
+
+
+def test_candidate_logprobs_temper_the_markov_bias_like_the_backbone():
+    """At T > 0 a node's children follow softmax((U_d + bias) / T): the bias is tempered like the backbone logits
+    (passed already divided by T), so with no outside mass the candidates' law is the exact one."""
+    from graft_block.drafters.dspark.drafter import candidate_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    base, bias = torch.randn(2, 6, generator=g) * 3
+    none = torch.tensor([-math.inf])
+    for T in (0.5, 1.0, 2.0):
+        got = candidate_logprobs(base / T, bias, none, T, 1.0)
+        assert torch.allclose(got, torch.log_softmax((base + bias) / T, -1), atol=1e-5), T
+    assert torch.allclose(candidate_logprobs(base, bias, none, 0.0, 1.0), torch.log_softmax(base + bias, -1), atol=1e-5)

@@ -188,3 +188,23 @@ def test_frontier_is_dead_counts_ties_as_ahead():
     assert not frontier_is_dead(scores, torch.tensor([-1.0]), 2)
     assert frontier_is_dead([-1.0, -2.0, -2.0], torch.tensor([-2.0]), 3)  # the best few as a list: the same rule
     assert not frontier_is_dead([-1.0, -2.0, -2.0], torch.tensor([-1.5]), 3)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_budget_stop_drafts_until_the_first_dead_frontier(seed):
+    """The budget stop drafts exactly the levels before the first frontier that no descendant of can enter the top
+    ``budget`` of all candidates recorded so far (frontier_is_dead over the whole pool, not a truncated one)."""
+    from graft_block.tree.eagle import frontier_is_dead
+
+    base = make_oracle(6, 2.5)
+    oracle = lambda path: torch.round(base(path + (seed,)) * 2) / 2  # noqa: E731
+    for budget in (2, 3, 5, 8):
+        full, _ = _expansion(oracle, 6, 3)
+        _, cut_levels = _expansion(oracle, 6, 3, budget)
+        want = 0
+        for level in range(1, 7):
+            pool = full.scores[full.depths <= level]
+            if frontier_is_dead(pool, full.frontiers[level - 1], budget):
+                break
+            want = level
+        assert len(cut_levels) == want, (seed, budget, cut_levels, want)

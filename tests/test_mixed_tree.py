@@ -237,3 +237,35 @@ def test_mixed_tree_equals_ddtree_when_float32_would_overflow():
     ref, mixed = ddtree(9, ids, lps, 60), mixed_ddtree(9, ids[None], lps[None], 60)
     assert bool(torch.isfinite(mixed.scores).all()), mixed.scores.tolist()
     assert torch.equal(mixed.tokens, ref.tokens) and torch.equal(mixed.parents, ref.parents)
+
+
+def test_conditional_mixed_modes_are_every_mode_that_proposes_the_node():
+    """Tree.modes of the conditional tree is the OR of the modes whose entry for the node was popped: with
+    parent-independent distributions it equals mixed_ddtree's proposing modes (no ties here), including a mode that
+    shadows another one slightly lower."""
+    from graft_block.tree.mixed import conditional_mixed_ddtree
+
+    ids, lps = random_modes(3, 4, 4, 9, seed=3)
+    shadow = lps.clone()
+    shadow[1], ids_s = lps[0] - 1e-3 * torch.arange(1, 5).view(4, 1), ids.clone()
+    ids_s[1] = ids[0]
+    for i, lp in ((ids, lps), (ids_s, shadow)):
+        expand = lambda m, d, tok, i=i, lp=lp: (i[m, d - 1].tolist(), lp[m, d - 1].tolist())  # noqa: E731
+        for budget in (3, 9, 20):
+            got, ref = conditional_mixed_ddtree(0, expand, budget, 4, 3), mixed_ddtree(0, i, lp, budget)
+            g, r = tree_paths(got), tree_paths(ref)
+            assert {p: int(got.modes[n]) for p, n in g.items()} == {p: int(ref.modes[n]) for p, n in r.items()}
+            assert budget < 20 or any(bin(m).count("1") > 1 for m in ref.modes.tolist()[1:])  # several modes
+
+
+def test_mixture_gated_normalises_mode_weights():
+    """mode_weights need only a positive sum: they are normalised, so scores are the mixture's prefix log-probs
+    (<= 0), the same as with the normalised weights."""
+    ids, lps = random_modes(2, 3, 3, 5, 4)
+    raw = mixed_ddtree(0, ids, lps, 12, score="mixture_gated", mode_weights=[3.0, 1.0])
+    unit = mixed_ddtree(0, ids, lps, 12, score="mixture_gated", mode_weights=[0.75, 0.25])
+    assert tree_paths(raw) == tree_paths(unit) and torch.allclose(raw.scores, unit.scores)
+    for path, node in tree_paths(raw).items():
+        want = math.log(0.75 * math.exp(path_score(path, ids[:1], lps[:1])) +
+                        0.25 * math.exp(path_score(path, ids[1:], lps[1:])))
+        assert float(raw.scores[node]) == pytest.approx(want, abs=1e-5) and want <= 0
