@@ -1234,3 +1234,35 @@ def test_candidate_logprobs_temper_the_markov_bias_like_the_backbone():
         got = candidate_logprobs(base / T, bias, none, T, 1.0)
         assert torch.allclose(got, torch.log_softmax((base + bias) / T, -1), atol=1e-5), T
     assert torch.allclose(candidate_logprobs(base, bias, none, 0.0, 1.0), torch.log_softmax(base + bias, -1), atol=1e-5)
+
+
+def test_node_survival_calibrates_each_depth_with_its_own_confidence_temperature(one_thread):
+    """confidence_temperatures differ per draft position: a parent's top child at depth d gets
+    sigmoid(logit(c) / T_{d-1}), c its uncalibrated confidence (read off a twin whose temperatures are all 1), and
+    its other children (1 - that) q(x) / (1 - q(top)). Caught: T_0 used at every depth."""
+    target = tiny_target("llama")
+    d = _drafter(target, proposal="ddtree", budget=16, confidence_head=True, markov_candidates=0)
+    st = prefilled_state(target, PROMPT, d)
+    n = d.model.num_drafts
+    d.model.confidence_temperatures = torch.ones(n)
+    raw_tree = d.propose(st)
+    raw = d.node_survival(raw_tree)
+    temps = torch.tensor([1.0, 2.0, 0.5, 3.0, 0.7, 1.5, 0.4][:n])
+    d.model.confidence_temperatures = temps
+    tree = d.propose(st)
+    surv = d.node_survival(tree)
+    assert torch.equal(tree.tokens, raw_tree.tokens) and torch.equal(tree.parents, raw_tree.parents)
+    par, depth = tree.parents.tolist(), tree.depths.tolist()
+    raw_acc = [1.0] + [float(raw[i] / raw[par[i]]) for i in range(1, tree.size)]
+    acc = [1.0] + [float(surv[i] / surv[par[i]]) for i in range(1, tree.size)]
+    top: dict[int, int] = {}
+    for i in range(1, tree.size):  # nodes in pop order: a parent's first child is its top child
+        top.setdefault(par[i], i)
+    checked_deep = 0
+    for i in range(1, tree.size):
+        c = raw_acc[top[par[i]]]
+        cal = torch.sigmoid(torch.logit(torch.tensor(c, dtype=torch.float64)) / float(temps[depth[i] - 1])).item()
+        want = cal if top[par[i]] == i else raw_acc[i] * (1.0 - cal) / (1.0 - c)
+        assert acc[i] == pytest.approx(want, rel=1e-4, abs=1e-7), (i, depth[i])
+        checked_deep += depth[i] > 1
+    assert checked_deep >= 3 and max(depth) >= 3

@@ -385,3 +385,55 @@ def test_draft_vocab_model_is_lossless_and_proposes_in_vocab(tiny_llama):
     assert SpeculativeDecoder(tiny_llama, d).generate(PROMPT, max_new_tokens=24).tokens == ref
     ids, _ = d.last_block_logprobs
     assert ids.shape[0] == 2 and 2 <= ids.shape[1] <= 5 and set(ids.flatten().tolist()) <= set(vocab.tolist())
+
+
+def _markov_mfd_with_depth_temperatures(tmp_path, temps, first_draft=True):
+    """A K=3 MFD sharing a DSpark head whose draft temperatures differ per depth (written into the folder's config,
+    as calibrate.py does), its drafter and a greedy state after prefill."""
+    target = tiny_target("llama", vocab_size=32, hidden_size=32, num_layers=2)
+    folder = tmp_path / "dspark"
+    model = _mfd_sharing_a_markov_head(target, folder, block_size=len(temps) + 1, mask_token_id=31,
+                                       target_layer_ids=[0, 1], markov_first_draft=first_draft)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["dflash_config"]["draft_temperatures"] = list(temps)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    d = M.MFDDrafter(target, model, budget=14, markov=str(folder))  # markov_candidates 64 >= V: exact children
+    return target, folder, d, prefilled_state(target, [5, 17, 2, 29, 12], d)
+
+
+@pytest.mark.parametrize("first_draft", [True, False])
+def test_a_shared_markov_head_gives_each_mode_its_own_corrected_children_at_each_depth(tmp_path, first_draft):
+    """The tree of MFD + a shared DSpark head equals the conditional mixed tree built from an independent expander:
+    mode m's children at depth d under a node of token t are the top-k of log_softmax((U_{m,d} + W2 W1[t]) / T_d),
+    with the head's own per-depth draft temperatures T_d (here all different) and, when the head skips the first
+    draft, no bias at depth 1. Tokens, parents, mode bits and scores match. Caught: every mode given mode 0's
+    children, a cache key without the depth (the Markov correction lost below depth 1) and T_0 used at every
+    depth."""
+    from graft_block.drafters.dspark.checkpoint import load_checkpoint as load_dspark
+    from graft_block.tree.mixed import conditional_mixed_ddtree
+
+    temps = [1.0, 2.0, 0.5, 1.5]
+    target, folder, d, st = _markov_mfd_with_depth_temperatures(tmp_path, temps, first_draft)
+    dm = load_dspark(folder)
+    assert dm.draft_temperatures.tolist() == temps and dm.markov_first_draft == first_draft
+    with torch.inference_mode():
+        tree = d.propose(st)
+        hidden = d.mode_hidden(st)
+        K, L = hidden.shape[0], len(temps)
+        z = d.row_logits(hidden, 0, L).float()  # [K, L, V]: mode m's backbone logits per depth
+        prev = torch.arange(32).expand(L, -1)  # the head's own bias per depth (none at depth 1 if it skips it)
+        bias = dm.markov_project(dm.markov_latents(prev, draft_index=torch.arange(L)[:, None].expand(L, 32)))
+        bias = bias.float()  # [depth - 1, prev token, V]
+    k = max(d.marginal_topk, d.budget)
+
+    def expand(m, depth, token):
+        row = z[m, depth - 1] + bias[depth - 1, token]
+        vals, ids = torch.log_softmax(row / temps[depth - 1], -1).topk(k)
+        return ids.tolist(), vals.tolist()
+
+    ref = conditional_mixed_ddtree(st.root_token, expand, d.budget, L, K)
+    validate(tree, budget=d.budget, root_token=st.root_token)
+    assert tree.tokens.tolist() == ref.tokens.tolist() and tree.parents.tolist() == ref.parents.tolist()
+    assert tree.modes.tolist() == ref.modes.tolist()
+    assert torch.allclose(tree.scores.double(), ref.scores.double(), atol=1e-4)
+    assert int(tree.depths.max()) >= 3 and len(set(tree.modes[1:].tolist())) > 1  # deep, and modes disagree

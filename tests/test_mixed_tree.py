@@ -269,3 +269,30 @@ def test_mixture_gated_normalises_mode_weights():
         want = math.log(0.75 * math.exp(path_score(path, ids[:1], lps[:1])) +
                         0.25 * math.exp(path_score(path, ids[1:], lps[1:])))
         assert float(raw.scores[node]) == pytest.approx(want, abs=1e-5) and want <= 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_conditional_mixed_modes_follow_the_floor_rule_with_ties_at_the_budget(seed):
+    """Exact ties at the budget boundary: ``Tree.modes`` is every mode whose own path score is at least the weakest
+    node's, as ``mixed_ddtree`` (``proposing_modes``) sets it, not only the mode whose entry happened to fill the
+    budget. Dyadic log-probs (sums exact in floating point, 0 included) make ties everywhere."""
+    from graft_block.tree.mixed import conditional_mixed_ddtree, proposing_modes
+
+    lp = [math.log(.6), math.log(.4)]
+    tied = conditional_mixed_ddtree(0, lambda m, d, t: ([1, 2], lp), 3, 2, 2)
+    ref = mixed_ddtree(0, torch.tensor([[[1, 2], [1, 2]]] * 2), torch.tensor([[lp, lp]] * 2), 3)
+    assert tied.tokens.tolist() == ref.tokens.tolist() and tied.modes.tolist() == ref.modes.tolist() == [3] * 4
+    g = torch.Generator().manual_seed(seed)
+    M, L, K, V = 3, 3, 3, 4
+    lps = (-0.5 * torch.randint(0, 4, (M, L, K), generator=g).double()).sort(-1, descending=True).values
+    ids = torch.stack([torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(L)]) for _ in range(M)])
+    expand = lambda m, d, tok: (ids[m, d - 1].tolist(), lps[m, d - 1].tolist())  # noqa: E731
+    for budget in range(1, 16):
+        tree = conditional_mixed_ddtree(0, expand, budget, L, M)
+        validate(tree, budget=budget, root_token=0)
+        rule = proposing_modes(tree.tokens.tolist(), tree.parents.tolist(), ids.tolist(), lps.tolist())
+        assert tree.modes.tolist() == rule, budget
+        mixed = mixed_ddtree(0, ids, lps, budget)
+        if tree_paths(mixed) == tree_paths(tree):  # the same nodes (ties may pick others): the same bits
+            assert sorted(zip(tree_paths(tree), tree.modes[list(tree_paths(tree).values())].tolist())) == \
+                sorted(zip(tree_paths(mixed), mixed.modes[list(tree_paths(mixed).values())].tolist()))

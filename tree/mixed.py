@@ -146,19 +146,27 @@ def conditional_mixed_ddtree(root_token: int, expand, budget: int, max_depth: in
             if len(kids[(m, 0)][0]) and _proposable(kids[(m, 0)][1][0])]  # -inf: not proposed (as in the heap above)
     heapq.heapify(heap)  # (-score, pop-order tiebreak, mode, parent node, depth, rank)
     seq = modes
-    while heap and len(tokens) - 1 < budget:
+    floor = None  # once the tree is full: its weakest node's score; entries tied with it only add their mode's bit
+    while heap:
+        if floor is None and len(tokens) - 1 >= budget:
+            floor, inner = min(scores[1:]), set(parents)
+        if floor is not None and -heap[0][0] < floor:
+            break
         neg, _, m, parent, depth, rank = heapq.heappop(heap)
         s = -neg
         ids, lps = kids[(m, parent)]
         tok = int(ids[rank])
-        node = _trie_node(child, tokens, parents, scores, parent, tok, s)
+        node = _trie_node(child, tokens, parents, scores, parent, tok, s) if floor is None else \
+            child.get((parent, tok))
         if node == len(bits):
             bits.append(0)
-        bits[node] |= 1 << m
+        if node is not None:
+            bits[node] |= 1 << m
         if rank + 1 < len(ids) and _proposable(s - lps[rank] + lps[rank + 1]):  # mode m's next sibling
             heapq.heappush(heap, (-(s - lps[rank] + lps[rank + 1]), seq, m, parent, depth, rank + 1))
             seq += 1
-        if depth < max_depth and len(tokens) - 1 < budget:  # mode m's first child (never under the last node)
+        # mode m's first child: never under the last node, nor, once full, under a node without children in the tree
+        if node is not None and depth < max_depth and (len(tokens) - 1 < budget if floor is None else node in inner):
             if (m, node) not in kids:
                 kids[(m, node)] = expand(m, depth + 1, tok)
             k_ids, k_lps = kids[(m, node)]
