@@ -522,3 +522,44 @@ def test_a_schedule_sees_the_tree_cut_to_the_context_window():
     assert s["rounds"] == res.stats.rounds >= 2
     assert round(s["mean_nodes_kept"] * s["rounds"]) == res.stats.tree_nodes  # kept = verified
     assert sum(p for p, _ in sched._counts.values()) > 0 and s["mean_realised_tokens"] <= s["mean_nodes_kept"] + 1
+
+
+class _TwoBranches:
+    """Proposes the same two 2-deep branches every round (4 nodes, depth 2); its prompt pass takes ``prefill_s``
+    on the given clock."""
+
+    budget, feature_layers = 4, ()
+
+    def __init__(self, clock=None, prefill_s=0.0):
+        self.clock, self.prefill_s = clock, prefill_s
+
+    def prefill(self, state):
+        if self.clock is not None:
+            self.clock[0] += self.prefill_s
+
+    def commit(self, state, verified):
+        pass
+
+    def propose(self, state):
+        return from_paths(state.root_token, [[1, 2], [3, 4]])
+
+
+def test_stats_count_the_verified_trees_nodes_and_depth_and_keep_prefill_out_of_decode(monkeypatch):
+    """mean_tree_nodes counts the non-root nodes verified per round and depth_hist the deepest node's depth; a
+    slow prompt pass (fake clock: 1000 s) is prefill_s, never decode_s, so it never enters tok/s or a speedup."""
+    import types
+    import graft_block.decoder as decoder_module
+
+    now = [0.0]
+
+    def perf_counter():
+        now[0] += 1e-6
+        return now[0]
+
+    monkeypatch.setattr(decoder_module, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    s = SpeculativeDecoder(tiny_target("llama"), _TwoBranches(now, 1000.0)).generate(
+        [5, 6, 7], max_new_tokens=10).stats
+    assert s.rounds >= 2 and dict(s.depth_hist) == {2: s.rounds}
+    assert s.to_dict()["mean_tree_nodes"] == pytest.approx(4.0)
+    assert s.prefill_s >= 1000.0 and s.decode_s < 1.0
+    assert s.to_dict()["decode_tok_s"] == pytest.approx(s.committed_in_rounds / s.decode_s)

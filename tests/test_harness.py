@@ -321,3 +321,125 @@ def test_shared_warm_matrix_has_the_drafters_own_k_and_tokens(monkeypatch):
     m = methods.make_method("rec", {"drafter": {"type": "recycling", "budget": 8, "k": 4, "warmup_tokens": 32}},
                             t, None)
     assert m.name == "rec" and seen == [(4, 5, 32)]
+
+
+# ---- added by mutation testing: the interval, the per-prompt spread, the guard's windows ---------------------
+def test_speedup_interval_is_paired_and_reads_the_5th_and_95th_percentiles():
+    """Paired: a method at exactly half of AR's seconds on every prompt, whatever AR's rate on the prompt, has the
+    interval (2, 2) (resampling method and AR apart would mix fast and slow prompts). Percentiles: with 20 pairs,
+    one 10x faster, the count k of picks of the fast pair is Binomial(20, 1/20): P(k <= 2) = 0.925 and
+    P(k <= 3) = 0.984, so the 95th percentile is k = 3 (a 10/90 interval would read k = 2) and the 5th is k = 0."""
+    recs = []
+    for i in range(8):
+        recs += [_rec("ar", f"p{i}", 100, 1.0 * (i + 1)), _rec("m", f"p{i}", 100, 0.5 * (i + 1))]
+    pairs = [(recs[2 * i + 1], recs[2 * i]) for i in range(8)]
+    assert measure.speedup_interval(pairs) == pytest.approx((2.0, 2.0))
+    pairs = [(_rec("m", f"p{i}", 100, 0.1 if i == 0 else 1.0), _rec("ar", f"p{i}", 100, 1.0)) for i in range(20)]
+    lo, hi = measure.speedup_interval(pairs, level=0.9, reps=1000, seed=0)
+    assert lo == pytest.approx(1.0) and hi == pytest.approx(20 / (20 - 0.9 * 3))
+
+
+def test_per_prompt_iqr_is_the_inclusive_quartiles_and_the_interval_starts_at_min_n():
+    recs = [_rec("ar", f"p{i}", 100, 1.0) for i in range(5)]
+    recs += [_rec("m", f"p{i}", 100, 1.0 / s) for i, s in enumerate((1.0, 2.0, 3.0, 4.0, 5.0))]
+    measure.pair_with(recs)
+    m = next(r for r in report.summarize(recs) if r["method"] == "m")
+    assert m["speedup_median"] == pytest.approx(3.0) and m["speedup_iqr"] == pytest.approx((2.0, 4.0))
+    assert m["n"] == report.MIN_N and m["speedup_ci"] is not None  # n = MIN_N is enough for an interval
+
+
+def test_a_method_that_ties_ar_exactly_is_neither_faster_nor_slower():
+    """An interval whose lower end is exactly 1.0 does not show the method faster than AR."""
+    recs = []
+    for i in range(6):
+        recs += [_rec("ar", f"p{i}", 100, 1.0 + 0.1 * i), _rec("same", f"p{i}", 100, 1.0 + 0.1 * i)]
+    measure.pair_with(recs)
+    rows = report.summarize(recs)
+    assert next(r for r in rows if r["method"] == "same")["speedup_ci"] == pytest.approx((1.0, 1.0))
+    note = report.spread_notes(rows)[0]
+    assert "faster than AR: none" in note and "slower: none" in note and "not separable from AR: same" in note
+
+
+def test_group_rows_give_each_category_its_own_total_over_total_speedup():
+    recs = [_rec("ar", "p0", 100, 1.0), _rec("ar", "p1", 100, 1.0), _rec("ar", "p2", 100, 2.0),
+            _rec("m", "p0", 100, 0.5), _rec("m", "p1", 100, 1.0), _rec("m", "p2", 100, 0.5)]
+    for r in recs:
+        r["category"] = "code" if r["prompt_id"] == "p2" else "chat"
+        r["rounds"] = 50 if r["method"] == "m" else 100
+    g = {(x["method"], x["group"]): x for x in report.group_rows(recs)}
+    assert g[("m", "chat")]["speedup"] == pytest.approx((200 / 1.5) / (200 / 2.0)) and g[("m", "chat")]["n"] == 2
+    assert g[("m", "code")]["speedup"] == pytest.approx(4.0) and g[("m", "code")]["tau"] == pytest.approx(2.0)
+    assert g[("ar", "code")]["speedup"] == pytest.approx(1.0)
+
+
+def test_the_window_does_not_count_our_own_cpu_as_a_competitor():
+    """Busy CPU time on the machine minus our own: a process using 2 cores alone for 1 s is a quiet machine."""
+    a = {"wall": 0.0, "own_cpu": 0.0, "busy": 100.0, "steal": 0.0, "runq": 0.0}
+    b = {"wall": 1.0, "own_cpu": 2.0, "busy": 102.05, "steal": 0.0, "runq": 0.01}
+    w = machine.window(a, b)
+    assert w["others_cores"] == pytest.approx(0.05) and w["busy"] is False
+    assert machine.window(a, {**b, "busy": 102.5})["busy"] is True  # half a core of someone else's
+    w = machine.judge({"wall_s": 1.0, "own_cpu_s": 1.0, "others_cpu_s": 0.0, "runq_s": 0.12, "steal_s": 0.0})
+    assert w["busy"] is True and len(w["reasons"]) == 1  # waiting 12% of the time for a CPU
+
+
+def test_load_guard_is_busy_when_any_phase_was_busy():
+    guard = machine.LoadGuard()
+    quiet = machine.judge({"wall_s": 1.0, "own_cpu_s": 1.0, "others_cpu_s": 0.0, "runq_s": 0.0, "steal_s": 0.0})
+    loud = machine.judge({"wall_s": 1.0, "own_cpu_s": 1.0, "others_cpu_s": 0.9, "runq_s": 0.0, "steal_s": 0.0})
+    guard.before_w, guard.after_w = quiet, loud
+    rep = guard.report([quiet])
+    assert rep["busy"] is True and rep["reasons"] and rep["reasons"][0].startswith("after: ")
+    guard.after_w = quiet
+    assert guard.report([quiet])["busy"] is False
+
+
+def test_cost_curve_drops_the_warm_up_round_and_takes_medians(monkeypatch):
+    """Round 0 (the first call of every shape) is never in the sample, and one slow round moves a median, not
+    a mean."""
+    calls = {}
+
+    def timed(target, tree):
+        k = calls[tree.size] = calls.get(tree.size, 0) + 1
+        return {1: 1.0, 2: 0.010, 3: 0.010, 4: 0.013}[k] * tree.size  # warm-up 1 s, then one slow round
+
+    monkeypatch.setattr(measure, "timed_verify", timed)
+    monkeypatch.setattr(machine, "judge", lambda w, e=0.0: {**w, "busy": False, "reasons": []})
+    curve = measure.verify_cost_curve(tiny_target("llama"), sizes=(1, 2), context=16, reps=3, cache=False)
+    assert curve["raw_median_s"] == pytest.approx({"1": 0.010, "2": 0.020})
+
+
+def test_neighbours_whose_intervals_overlap_are_named():
+    rows = [{"method": "ar", "temperature": 0.0, "n": 8, "speedup": 1.0, "speedup_ci": None},
+            {"method": "a", "temperature": 0.0, "n": 8, "speedup": 1.8, "speedup_ci": (1.5, 2.0)},
+            {"method": "b", "temperature": 0.0, "n": 8, "speedup": 1.4, "speedup_ci": (1.2, 1.6)},
+            {"method": "c", "temperature": 0.0, "n": 8, "speedup": 1.1, "speedup_ci": (1.05, 1.15)}]
+    note = report.spread_notes(rows)[0]
+    assert "faster than AR: a, b, c" in note and "neighbours whose 90% intervals overlap: a ~ b" in note
+    assert "b ~ c" not in note
+    rows[3] = {**rows[3], "n": 3, "speedup_ci": None}  # the smallest n decides: one method on 3 prompt-turns
+    assert "n = 3 prompt-turns per method is too small" in report.spread_notes(rows)[0]
+
+
+def test_pooled_tau_and_the_budget_at_half_a_stair():
+    """tau is emitted tokens over rounds pooled over the prompt-turns (not a mean of per-turn taus); below_stairs
+    considers b' = b / 2 itself; --budget auto's drafting cost per round is every phase but the verify and the
+    overhead."""
+    recs = [_rec("ar", "p0", 10, 1.0, 10), _rec("ar", "p1", 90, 1.0, 90),
+            _rec("m", "p0", 10, 1.0, 10), _rec("m", "p1", 90, 1.0, 30)]
+    measure.pair_with(recs)
+    assert next(r for r in report.summarize(recs) if r["method"] == "m")["tau"] == pytest.approx(100 / 40)
+    curve = {"median_s": {"1": 1.0, "5": 1.0, "9": 2.0}}
+    assert measure.below_stairs(curve, (8,)) == [4, 8]
+
+    class Pilot:
+        def __init__(self, b):
+            pass
+
+        def run(self, ids, n, temperature, seed):
+            return {"tau": 1.5, "rounds": 10, "mean_tree_nodes": 4.0,
+                    "phase_s": {"draft": 0.01, "tree": 0.005, "commit": 0.005, "verify": 0.2, "overhead": 0.05}}
+
+    auto = measure.auto_budget(Pilot, {"median_s": {"1": 0.01, "64": 0.01}}, [1, 2], candidates=(4,))
+    assert auto["pilot"][4]["draft_ms"] == pytest.approx(2.0)
+    assert auto["pilot"][4]["est_speedup"] == pytest.approx(1.5 * 0.01 / (0.01 + 0.002))

@@ -160,3 +160,62 @@ def test_hf_generate_differing_from_our_ar_is_a_note_not_the_lossless_alarm():
     alarm, note = report.lossless_alarm(rows, "bfloat16")
     assert alarm is None and "tree: differs from AR in bfloat16 (batch-variant kernels) on p#0" in note
     assert "tree" in report.lossless_alarm(rows, "float32")[0]
+
+
+def test_verdict_bars_the_close_band_on_both_sides_and_a_range_includes_its_ends():
+    """Within 2% of the bar on either side is too close to call; 2% or more above holds, below does not; a range
+    claim ("27-33%") holds at its ends, and a ratio claim divides the method's metric by the baseline's."""
+    def verdict(graft_speedup, share=0.3):
+        rows = [{"method": "eagle3_graft", "temperature": 0.0, "speedup": graft_speedup},
+                {"method": "eagle3", "temperature": 0.0, "speedup": 2.0},
+                {"method": "dflash_ddtree64", "temperature": 0.0, "chimeric_share": share}]
+        v = {x["claim"]: x for x in report.paper_verdicts(rows)}
+        return v["Graft faster than EAGLE3 dense"], v["DDTree chimeric share at 64 nodes in 27-33%"]
+
+    above, _ = verdict(2.03)  # 1.015: within 2% above
+    below, _ = verdict(1.97)  # 0.985: within 2% below
+    assert above["close"] is True and above["holds"] is False and above["here"] == pytest.approx(1.015)
+    assert below["close"] is True and below["holds"] is False
+    clear, _ = verdict(2.1)
+    assert clear["close"] is False and clear["holds"] is True and clear["here"] == pytest.approx(1.05)
+    short, _ = verdict(1.9)
+    assert short["close"] is False and short["holds"] is False
+    for share in (0.27, 0.33):
+        assert verdict(2.1, share)[1]["holds"] is True and verdict(2.1, share)[1]["here"] == share
+    assert verdict(2.1, 0.34)[1]["holds"] is False
+
+
+def test_time_split_and_overhead_share_are_over_all_phases():
+    recs = [_rec("ar", {0: 10}), _rec("tree", {0: 4, 1: 6})]
+    recs[1]["phase_s"] = {"draft": 0.2, "tree": 0.1, "verify": 0.5, "commit": 0.1, "overhead": 0.1}
+    rows = {r["method"]: r for r in report.summarize(recs)}
+    split = rows["tree"]["time_split"]
+    assert split == pytest.approx({"draft": 0.2, "tree": 0.1, "verify": 0.5, "commit": 0.1, "overhead": 0.1})
+    assert rows["tree"]["overhead_share"] == pytest.approx(0.1)
+
+
+def test_the_lossless_check_is_at_t0_only_and_needs_a_baseline_to_fail():
+    """At T > 0 a method's tokens differ from AR's by design: no mismatch, no alarm. A record without an AR
+    partner is not a mismatch either."""
+    recs = []
+    for temp in (0.0, 0.7):
+        for m, toks in (("ar", [1, 2]), ("tree", [1, 2] if temp == 0 else [1, 3])):
+            recs.append({"method": m, "prompt_id": "p", "turn": 0, "temperature": temp, "budget": None,
+                         "tokens": toks, "decode_tokens": 2, "decode_s": 1.0, "rounds": 2})
+    recs.append({**recs[1], "prompt_id": "alone"})
+    measure.pair_with(recs)
+    assert "matches_ar" not in recs[3] and recs[1]["matches_ar"] is True
+    rows = report.summarize(recs)
+    assert all(r["mismatches"] == [] for r in rows)
+    assert report.lossless_alarm(rows) == (None, None)
+
+
+def test_speedup_vs_hf_generate_is_the_method_over_the_peer():
+    recs = []
+    for m, secs in (("ar", 1.0), ("hf", 2.0), ("tree", 0.5)):
+        recs.append({"method": m, "prompt_id": "p", "turn": 0, "temperature": 0.0, "budget": None, "tokens": [1],
+                     "decode_tokens": 100, "decode_s": secs, "rounds": 50, **({"hf_peer": True} if m == "hf" else {})})
+    measure.pair_with(recs)
+    rows = {r["method"]: r for r in report.summarize(recs)}
+    assert rows["tree"]["speedup_vs_hf"] == pytest.approx(4.0) and rows["tree"]["speedup"] == pytest.approx(2.0)
+    assert rows["ar"]["speedup_vs_hf"] == pytest.approx(2.0)
