@@ -1266,3 +1266,89 @@ def test_node_survival_calibrates_each_depth_with_its_own_confidence_temperature
         assert acc[i] == pytest.approx(want, rel=1e-4, abs=1e-7), (i, depth[i])
         checked_deep += depth[i] > 1
     assert checked_deep >= 3 and max(depth) >= 3
+
+
+@pytest.mark.parametrize("label", ["tv", "greedy"])
+def test_confidence_loss_is_the_row_weighted_bce_against_its_configured_label(one_thread, label):
+    """DSpark's loss = the recipe's + confidence_weight * sum_j w_j BCE(conf_j, label_j) / sum_j w_j, the label
+    1 - TV (``"tv"``) or argmax acceptance (``"greedy"``); and DeepSpec's recipe weights 0.1 CE + 0.9 L1."""
+    target = tiny_target("llama")
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 5, "num_anchors": 8,
+           "markov_rank": 4, "confidence_label": label, "confidence_weight": 2.0}
+    model = S.DSparkDrafter.training_model(target, cfg, "random")
+    assert (model.train_opts["ce_weight"], model.train_opts["l1_weight"]) == (0.1, 0.9)
+    batch = _batch(target, model)
+    batch["generator"] = torch.Generator().manual_seed(3)
+    loss, m = S.DSparkDrafter.training_loss(model, target, batch)
+    batch["generator"] = torch.Generator().manual_seed(3)
+    base, _, rows = D.recipe_loss(model, target, batch,
+                                  lambda h, prev, j, ok: S.training.draft_logits(model, target, h, prev, j, valid=ok))
+    conf = model.confidence_logits(rows["hidden"], rows["prev"])
+    assert float(conf.abs().min()) > 0 and not torch.equal(rows["accept"], rows["correct"])  # the labels differ
+    y = rows["accept"] if label == "tv" else rows["correct"]
+    bce = F.binary_cross_entropy_with_logits(conf, y, reduction="none")
+    assert rows["w"].unique().numel() > 1  # rows weigh differently: a plain mean would not match
+    assert torch.allclose(loss, base + 2.0 * (rows["w"] * bce).sum() / rows["wsum"], rtol=1e-5, atol=1e-6)
+
+
+def test_acceptance_table_drops_every_position_after_a_rejection(one_thread, monkeypatch):
+    """Sequential calibration fits position k on chains that reached it: a draft 0 that always misses leaves no
+    valid row at any later position, however often the later drafts would have been right."""
+    from graft_block.drafters.dspark.calibrate import acceptance_table
+    import graft_block.drafters.dflash.training as DT
+
+    target = tiny_target("llama")
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 5, "markov_rank": 4}
+    model = S.DSparkDrafter.training_model(target, cfg, "random")
+    b = _batch(target, model)
+    recs = [{"ids": b["ids"][i], "feats": b["feats"][i], "top_ids": b["top_ids"][i], "top_logp": b["top_logp"][i],
+             "prompt_len": 6} for i in range(3)]
+    V = target.model.get_output_embeddings().weight.shape[0]
+    model.markov_head.markov_w2.weight.data.zero_()
+    orig = model.logits
+
+    def planted(h, w, b=None, restricted=False):  # draft 0 names a wrong token, every later draft the right one
+        lab = model._labels.clone()
+        lab[:, 0] = (lab[:, 0] + 1) % V
+        return orig(h, w, b) * 0 + F.one_hot(lab, V).float() * 50
+
+    model.logits = planted
+    real = DT.make_blocks
+
+    def with_labels(m, batch, *a, **k):
+        blk = real(m, batch, *a, **k)
+        m._labels = blk["labels"][blk["anchor_ok"]]
+        return blk
+
+    monkeypatch.setattr(DT, "make_blocks", with_labels)
+    _, acc, valid, exists = acceptance_table(model, target, recs, anchors=8)
+    assert not acc[:, 0].any() and torch.equal(acc[:, 1:], exists[:, 1:]) and bool(acc[:, 1:].any())
+    assert torch.equal(valid[:, 0], exists[:, 0]) and not valid[:, 1:].any()
+
+
+def test_draft_nll_table_files_each_row_under_its_own_draft_position(one_thread):
+    """Every (anchor, position) row whose token is a candidate counts at its own position: with the whole
+    vocabulary as candidates, position j holds one row per anchor whose label anchor + j + 1 is in the sequence,
+    and its NLL at T = 1 is the corrected draft's CE there."""
+    from graft_block.drafters.dspark.calibrate import draft_nll_table
+
+    target = tiny_target("llama")
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 5, "markov_rank": 4}
+    model = S.DSparkDrafter.training_model(target, cfg, "random")
+    with torch.no_grad():
+        model.markov_head.markov_w2.weight.normal_()
+    b = _batch(target, model)  # 3 sequences of 24 tokens, prompts of 6: anchors 6..22
+    recs = [{"ids": b["ids"][i], "feats": b["feats"][i], "top_ids": b["top_ids"][i], "top_logp": b["top_logp"][i],
+             "prompt_len": 6} for i in range(3)]
+    nll, rows = draft_nll_table(model, target, recs, candidates=128, grid=(1.0, 2.0))
+    assert rows.tolist() == [3.0 * (17 - j) for j in range(4)]
+    model.train_opts = {"num_anchors": 64, "unique_anchors": True}
+    batch = {**b, "generator": torch.Generator().manual_seed(0)}
+    blk = D.make_blocks(model, batch, 64, unique=True)
+    ok = blk["valid"]
+    with torch.no_grad():
+        z = S.training.draft_logits(model, target, D.draft_rows(model, target, batch, blk), blk["prev"],
+                                    blk["draft_index"], valid=ok)
+    ce = F.cross_entropy(z.float(), blk["labels"][ok], reduction="none").double()
+    want = torch.zeros(4, dtype=torch.float64).index_add_(0, blk["draft_index"][ok], ce)
+    assert torch.allclose(nll[:, 0], want, rtol=1e-4)

@@ -710,3 +710,34 @@ def test_absent_rms_norm_eps_takes_the_references_default(tmp_path, tiny_llama, 
     assert loaded.cfg.rms_norm_eps == 1e-6
     norms = [m for m in loaded.modules() if type(m).__name__ == "RMSNorm"]
     assert norms and all(m.eps == 1e-6 for m in norms)
+
+
+def test_ttt_step_k_at_index_t_is_scored_on_token_t_plus_2_plus_k(monkeypatch):
+    """ttt_loss's alignment: step k's output at index t is scored against the target's distribution of token
+    t + 2 + k (cached at row t + 1 + k), and counts iff that token is trained. A stand-in unroll that names
+    exactly that token at every index scores (nearly) zero loss and full accuracy."""
+    from types import SimpleNamespace
+
+    import graft_block.drafters.eagle3.training as ET
+
+    T, V, steps = 8, 16, 3
+    ids = torch.arange(T).view(1, T)
+    top_ids = torch.arange(1, T + 1).view(1, T, 1) % V  # row j: the target's next token j + 1, certain
+    top_logp = torch.zeros(1, T, 1)
+    loss_mask = ids >= 3  # a prompt of 3 tokens
+
+    def unroll(head, emb_fn, ids, feats, steps, start):
+        outs = []
+        for k in range(steps):
+            t = torch.arange(start, T)
+            out = torch.nn.functional.one_hot((t + 2 + k) % V, V).float().view(1, -1, V) * 50
+            outs.append(out)
+        return outs
+
+    monkeypatch.setattr(ET, "ttt_forward", unroll)
+    head = SimpleNamespace(t2d=torch.ones(V, dtype=torch.bool), d2t=torch.zeros(V, dtype=torch.long),
+                           logits=lambda h: h)
+    loss, m = ET.ttt_loss(head, None, ids, torch.zeros(1, T, 3), top_ids, top_logp, loss_mask, steps=steps)
+    assert float(loss) < 1e-6
+    assert m["rows"] == 5.0  # step 0: indices 0..5 predict tokens 2..7, of which 3..7 are trained
+    assert [m[f"acc_{k}"] for k in range(steps)] == [1.0] * steps

@@ -437,3 +437,31 @@ def test_a_shared_markov_head_gives_each_mode_its_own_corrected_children_at_each
     assert tree.modes.tolist() == ref.modes.tolist()
     assert torch.allclose(tree.scores.double(), ref.scores.double(), atol=1e-4)
     assert int(tree.depths.max()) >= 3 and len(set(tree.modes[1:].tolist())) > 1  # deep, and modes disagree
+
+
+def test_mixture_wta_and_balance_losses_against_the_best_modes_block_nll(tiny_qwen3):
+    """With a flat gate (pi = 1/K): hard WTA (eps 0) trains the best mode's block NLL plus 0.1 * the gate's CE
+    (log K); the mixture -log sum_k pi_k exp(-L_k) lies above the best mode's NLL; the anti-collapse term adds
+    balance * KL(usage || uniform) = balance * (log K - usage entropy) >= 0."""
+    import math
+
+    cfg = {"num_layers": 2, "block_size": 6, "target_layer_ids": [0, 2], "num_anchors": 5, "num_modes": 4}
+    model = M.training_model(tiny_qwen3, cfg, "target")
+    with torch.no_grad():
+        model.mode_gate.weight.zero_()
+    batch = _batch(tiny_qwen3, model.feature_layers)
+    base = dict(model.train_opts)
+
+    def run(**opts):
+        model.train_opts = {**base, **opts}
+        with torch.no_grad():
+            return M.training_loss(model, tiny_qwen3, {**batch, "generator": torch.Generator().manual_seed(1)})
+
+    wta, m = run(mix_loss="wta", wta_eps=0.0, balance=0.0)
+    assert float(wta) == pytest.approx(m["block_nll"] + 0.1 * math.log(4), rel=1e-5)
+    relaxed, _ = run(mix_loss="wta", wta_eps=0.3, balance=0.0)
+    assert float(relaxed) > float(wta)  # the losing modes' share only adds
+    mix, mm = run(mix_loss="mixture", balance=0.0)
+    assert mm["block_nll"] < float(mix)
+    bal, mb = run(mix_loss="mixture", balance=0.5)
+    assert 0 < float(bal - mix) == pytest.approx(0.5 * (math.log(4) - mb["usage_entropy"]), rel=1e-4)

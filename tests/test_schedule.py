@@ -608,3 +608,25 @@ def test_make_method_builds_the_schedule_on_the_run_curve(one_thread):
     tree = make_tree([3, 4, 5], [-1, 0, 1], [0.0, 0.0, 0.0])
     assert schedule_tree(tree, torch.ones(3), lambda k: 0.01 * k)[1]["kept"] == 0
     assert schedule_tree(tree, torch.ones(3), lambda k: 0.01 * k, overhead=0.005)[1]["kept"] == 2
+
+
+def test_each_position_is_fitted_on_the_rows_that_reached_it(one_thread):
+    """Position k's temperature fits only the chains that accepted every earlier draft: rows that stopped before
+    k (still scored teacher-forced, here always wrong) must not flatten it."""
+    n = 200
+    first = torch.arange(n) % 2 == 0  # half the chains accept draft 0
+    logits = torch.stack([torch.zeros(n), torch.ones(n)], 1).double()
+    accepted = torch.stack([first, first], 1)  # draft 1 is right exactly on the chains that reached it
+    valid = torch.stack([torch.ones(n, dtype=torch.bool), first], 1)
+    temps = calibrate_temperatures(logits, accepted, valid)
+    assert float(temps[1]) < 1.0  # all reached rows accepted at logit 1: sharpen (flattening would fit all rows)
+
+
+def test_ece_bins_are_tenths_and_gaps_do_not_cancel_across_bins():
+    """Bin b holds probabilities in [b/10, (b+1)/10) (1.0 in the last); ECE sums each bin's |sum(p - y)| / n."""
+    ece = expected_calibration_error(torch.tensor([0.05, 0.15]), torch.tensor([0.0, 1.0]))
+    assert ece == pytest.approx((0.05 + 0.85) / 2)  # two bins, not one (|0.2 - 1| / 2)
+    ece = expected_calibration_error(torch.tensor([0.3, 0.7, 1.0]), torch.tensor([1.0, 0.0, 1.0]))
+    assert ece == pytest.approx((0.7 + 0.7 + 0.0) / 3)  # over- and under-confidence add up
+    # prefix ECE reads the survival product: 0.5 * 0.5 = 0.25 against a realised prefix of 1
+    assert prefix_ece(torch.tensor([[0.5, 0.5]]), torch.tensor([[True, True]])) == pytest.approx((0.5 + 0.75) / 2)

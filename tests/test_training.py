@@ -480,3 +480,80 @@ def test_continuing_a_calibrated_dspark_folder_resets_its_temperatures_and_says_
     assert Drafter.from_config(str(tmp_path / "ck"), target=tiny).model.confidence_temperatures.tolist() == [1.0] * 3
     calibrate(tmp_path / "ck", str(data), holdout=4, target=tiny, min_rows=1, sampled_at=0.0)
     assert "calibration" not in json.loads((tmp_path / "ck" / "config.json").read_text())
+
+
+def test_row_weights_start_at_one_for_the_first_draft():
+    """Row j weighs exp(-j/gamma) from j = 0: MFD's mixture and WTA read the weighted block NLL unnormalised, so a
+    constant factor (rows indexed from 1) changes what they train."""
+    w = D.row_weights(4, 2.0, "cpu")
+    assert torch.allclose(w, torch.exp(-torch.arange(4.0) / 2.0)) and float(w[0]) == 1.0
+
+
+def test_target_l1_counts_the_draft_mass_outside_the_targets_top_k():
+    """L1(q, p) over the whole vocabulary: |q - p| over the target's top-k plus q's mass on every other token."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(draft_vocab=None)
+    batch = {"top_ids": torch.tensor([[[0, 1]]]), "top_logp": torch.log(torch.tensor([[[0.5, 0.5]]]))}
+    q = torch.tensor([[0.25, 0.25, 0.5]])
+    l1, overlap = D.target_l1(q, model, batch, torch.tensor([0]), with_overlap=True)
+    assert float(l1[0]) == pytest.approx(1.0)  # 0.25 + 0.25 on the top-k, 0.5 elsewhere (2 TV)
+    assert float(overlap[0]) == pytest.approx(0.5)
+
+
+def test_block_metrics_count_leading_rows_only():
+    """tau_tf counts the rows before the first miss, tau_exp = 1 + sum_k prod_{j<=k} (1 - TV_j): a row after a
+    rejection adds nothing, however good."""
+    valid = torch.ones(1, 1, 3, dtype=torch.bool)
+    ok = torch.ones(1, 1, dtype=torch.bool)
+    m = D.block_metrics(torch.tensor([True, False, True]), valid, ok, torch.tensor([0.5, 0.5, 0.5]))
+    assert m["accept_len"] == pytest.approx(1.0) and m["tau_tf"] == pytest.approx(2.0)
+    assert m["tau_exp"] == pytest.approx(1.0 + 0.5 + 0.25 + 0.125)
+    assert m["acc"] == pytest.approx(2 / 3) and m["acc_k1"] == pytest.approx(1.0)
+
+
+def test_each_labels_target_distribution_is_read_from_the_row_before_it(tiny, data):
+    """The cached top-k at data row t is the target's distribution of token t + 1: a block's label at anchor + j + 1
+    reads row anchor + j (on greedy target data its top-1 is the label itself)."""
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 4}
+    model = D.training_model(tiny, cfg, "random")
+    recs, _ = TD.load_records(data, feature_layers=model.feature_layers)
+    batch = TD.collate(recs[:4], tiny.device)
+    batch["generator"] = torch.Generator().manual_seed(0)
+    blk = D.make_blocks(model, batch)
+    k = batch["top_ids"].shape[-1]
+    top1 = batch["top_ids"].reshape(-1, k)[blk["src"]][..., 0]
+    valid = blk["valid"]
+    assert int(valid.sum()) > 20 and torch.equal(top1[valid], blk["labels"][valid])
+    # a label row is trained iff its anchor is and its token (anchor + j + 1) lies inside the sequence
+    lab_pos = blk["anchors"].unsqueeze(-1) + torch.arange(1, valid.shape[-1] + 1)
+    inside = lab_pos < batch["lengths"].view(-1, 1, 1)
+    assert bool((~inside & blk["anchor_ok"].unsqueeze(-1)).any())  # some blocks run past the end
+    assert torch.equal(valid, inside & blk["anchor_ok"].unsqueeze(-1))
+
+
+def test_soft_weight_is_the_share_of_the_soft_ce():
+    """CE = (1 - soft_weight) * hard CE + soft_weight * CE against the target's renormalised top-k."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(draft_vocab=None)
+    q = torch.tensor([[0.5, 0.25, 0.25]])
+    batch = {"top_ids": torch.tensor([[[0, 2]]]), "top_logp": torch.log(torch.tensor([[[0.6, 0.15]]]))}
+    loss, hard = D.row_losses(model, q.log(), torch.tensor([1]), batch, torch.tensor([0]), 0.25)
+    soft = -(0.8 * torch.log(torch.tensor(0.5)) + 0.2 * torch.log(torch.tensor(0.25)))  # top-k renormalised
+    assert float(hard[0]) == pytest.approx(-torch.log(torch.tensor(0.25)).item(), rel=1e-5)
+    assert float(loss[0]) == pytest.approx(0.75 * float(hard[0]) + 0.25 * float(soft), rel=1e-5)
+
+
+def test_unique_anchors_cover_a_short_span_and_never_repeat_in_a_long_one():
+    """Unique anchors (DeepSpec's packing): a sequence with fewer valid positions than n gets each of them once,
+    the rest marked invalid; a longer one gets n distinct response positions a with a + 1 in the sequence."""
+    plen, lengths = torch.tensor([2, 3]), torch.tensor([6, 20])  # valid anchors 2..4 and 3..18
+    for seed in range(5):
+        a, ok = D.sample_anchors(plen, lengths, 8, torch.Generator().manual_seed(seed), unique=True)
+        assert a.shape == ok.shape == (2, 8)
+        assert int(ok[0].sum()) == 3 and sorted(a[0][ok[0]].tolist()) == [2, 3, 4]
+        long = a[1][ok[1]]
+        assert bool(ok[1].all()) and long.unique().numel() == 8 and int(long.min()) >= 3 and int(long.max()) <= 18
+        a, ok = D.sample_anchors(plen, lengths, 8, torch.Generator().manual_seed(seed))  # with replacement
+        assert bool(ok.all()) and bool(((a >= plen.view(-1, 1)) & (a <= lengths.view(-1, 1) - 2)).all())
