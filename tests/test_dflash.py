@@ -787,3 +787,51 @@ def test_neutral_reference_settings_still_load(tmp_path, tiny_qwen3):
                "dflash_config": {**DFLASH_KEYS, "input_embedding_scale": 1.0, "output_multiplier": 1}}
     d = Drafter.from_config(str(_zlab_folder(tmp_path / "b", tiny_qwen3, extra=neutral)), target=tiny_qwen3)
     assert torch.equal(_block_logits(d, tiny_qwen3), _block_logits(plain, tiny_qwen3))
+
+
+def test_chain_scores_are_the_cumulative_log_probs_of_its_drafts(tiny_qwen3):
+    """A chain's nodes are rows 1.. top-1 drafts in order, and their scores the running sum of those rows' top-1
+    log-probs (a path's log-probability), not each row's own."""
+    d = _drafter(tiny_qwen3, proposal="chain", budget=5)
+    st = prefilled_state(tiny_qwen3, PROMPT, d)
+    with torch.no_grad():
+        tree = d.propose(st)
+    ids, lps = d.last_block_logprobs
+    assert tree.tokens[1:].tolist() == ids[:5, 0].tolist()
+    assert torch.allclose(tree.scores[1:], torch.cumsum(lps[:5, 0].double(), 0).float(), atol=1e-5)
+    assert bool((tree.scores[1:] <= 0).all()) and bool((tree.scores[2:] <= tree.scores[1:-1] + 1e-6).all())
+
+
+def test_ddtree_proposal_is_the_ddtree_of_the_rows_log_probs(tiny_qwen3):
+    """The DDTree ranks prefixes by summed log-probs (each row normalised), not raw logits: the proposal is the
+    ddtree of the kept top-k log-probs, node scores included."""
+    from graft_block.tree.ddtree import ddtree
+
+    budget = 6
+    d = _drafter(tiny_qwen3, proposal="ddtree", budget=budget)
+    st = prefilled_state(tiny_qwen3, PROMPT, d)
+    with torch.no_grad():
+        tree = d.propose(st)
+        logits = d.block_logits(st, rows=budget)
+    ids, lps = d.last_block_logprobs
+    want = torch.log_softmax(logits.double(), -1).topk(lps.shape[1], -1).values
+    assert torch.allclose(lps.double(), want, atol=1e-4)
+    ref = ddtree(st.root_token, ids[:, :budget], lps[:, :budget], budget)
+    assert torch.equal(tree.tokens, ref.tokens) and torch.equal(tree.parents, ref.parents)
+    assert torch.allclose(tree.scores, ref.scores, atol=1e-5)
+
+
+def test_a_loaded_checkpoint_saves_back_its_rope_theta_and_norm_eps(tmp_path, tiny_qwen3):
+    """Load a z-lab folder with a non-default theta (1e6) and eps (1e-5), save it, reload: the config keeps both
+    and the reloaded drafter's logits equal the original's."""
+    folder = _zlab_folder(tmp_path / "z", tiny_qwen3, extra={"rms_norm_eps": 1e-5})
+    model = D.load_checkpoint(folder)
+    assert model.config.rms_norm_eps == 1e-5
+    D.save_checkpoint(model, tmp_path / "ck", dtype=torch.float32, extra={"type": "dflash"})
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert cfg["rope_theta"] == 1000000.0 and cfg["rms_norm_eps"] == 1e-5
+    again = D.load_checkpoint(tmp_path / "ck")
+    assert again.config.rope_parameters["rope_theta"] == 1000000.0 and again.config.rms_norm_eps == 1e-5
+    d1 = Drafter.from_config({"type": "dflash", "checkpoint": str(folder)}, target=tiny_qwen3)
+    d2 = Drafter.from_config({"type": "dflash", "checkpoint": str(tmp_path / "ck")}, target=tiny_qwen3)
+    assert torch.allclose(_block_logits(d1, tiny_qwen3), _block_logits(d2, tiny_qwen3), atol=1e-4)

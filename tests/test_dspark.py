@@ -1352,3 +1352,35 @@ def test_draft_nll_table_files_each_row_under_its_own_draft_position(one_thread)
     ce = F.cross_entropy(z.float(), blk["labels"][ok], reduction="none").double()
     want = torch.zeros(4, dtype=torch.float64).index_add_(0, blk["draft_index"][ok], ce)
     assert torch.allclose(nll[:, 0], want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["embed_tokens.weight", "lm_head.weight"])
+def test_a_native_folders_misshaped_frozen_copy_is_refused(tmp_path, name):
+    """DeepSpec's frozen embed_tokens / lm_head copies are dropped, but only after their shape is checked: a copy
+    that is not vocab_size x hidden_size means the folder was made for another target."""
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_target("qwen3")
+    folder, _ = _dspark_folder(tmp_path / "n", target, "native")
+    t = load_file(str(folder / "model.safetensors"))
+    t[name] = t[name][:-1].clone()
+    save_file(t, str(folder / "model.safetensors"))
+    with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
+        Drafter.from_config(str(folder), target=target)
+
+
+def test_a_schedule_sized_deepspec_draft_runs_only_the_rows_its_nodes_reach(tiny_qwen3):
+    """DeepSpec alignment (the anchor row drafts, offset 0): ``state.draft_nodes`` = 3 runs a block of 3 rows, not
+    the 4 z-lab's alignment needs; the tree equals the one a budget-3, block-3 drafter proposes."""
+    from graft_block.drafters.dspark.drafter import DSparkDrafter
+
+    d = _drafter(tiny_qwen3, proposal="chain", budget=6, alignment="deepspec")
+    assert d.offset == 0
+    st = prefilled_state(tiny_qwen3, PROMPT, d)
+    st.draft_nodes = 3
+    assert d.round_size(st) == (3, 3)
+    with torch.no_grad():
+        sized = d.propose(st)
+        ref_d = DSparkDrafter(tiny_qwen3, d.model, proposal="chain", budget=3, block_size=3)
+        ref = ref_d.propose(prefilled_state(tiny_qwen3, PROMPT, ref_d))
+    assert torch.equal(sized.tokens, ref.tokens) and torch.equal(sized.parents, ref.parents)

@@ -741,3 +741,15 @@ def test_ttt_step_k_at_index_t_is_scored_on_token_t_plus_2_plus_k(monkeypatch):
     assert float(loss) < 1e-6
     assert m["rows"] == 5.0  # step 0: indices 0..5 predict tokens 2..7, of which 3..7 are trained
     assert [m[f"acc_{k}"] for k in range(steps)] == [1.0] * steps
+
+
+def test_a_d2t_mapping_two_draft_ids_onto_one_target_id_is_refused(tmp_path, tiny_llama):
+    """A corrupt d2t whose draft id 1 lands on draft id 0's target id (t2d unchanged, so the t2d check alone would
+    pass) is refused when loaded, not drafted with."""
+    def dup(sd):
+        d2t = sd["d2t"].clone()
+        d2t[1] = d2t[0] - 1
+        sd["d2t"] = d2t
+    _write(tmp_path, make_head(tiny_llama), dup)
+    with pytest.raises(ConfigError, match="same target id"):
+        load_head(tmp_path, tiny_llama)

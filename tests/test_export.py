@@ -525,3 +525,17 @@ def test_cli(tmp_path, tiny_tok, capsys):
                      "--target", str(tiny_tok)]) == 2
     with pytest.raises(SystemExit):
         cli.main(["export", str(folder), "--to", "onnx", "--out", str(tmp_path / "o")])
+
+
+def test_rope_theta_given_as_rope_parameters_is_exported(tmp_path, tiny_tok):
+    """A transformers-5 config carries its theta in rope_parameters (no top-level rope_theta): both exports write
+    that theta, not the 1e4 default."""
+    folder = tiny_dflash(tmp_path / "r")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["rope_theta"]
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 7000.0}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    kv, _ = read_gguf(ex.export(folder, "llama.cpp", tmp_path / "r.gguf", target=tiny_tok).path)
+    assert kv["dflash.rope.freq_base"] == 7000.0
+    out = json.loads((ex.export(folder, "speculators", tmp_path / "r-spec").path / "config.json").read_text())
+    assert out["transformer_layer_config"]["rope_theta"] == 7000.0
