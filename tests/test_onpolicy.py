@@ -469,3 +469,66 @@ def test_a_feature_cache_is_resumed_only_over_the_same_sequences(tmp_path, targe
         OP.training_cache(target, tmp_path / "ds", "x", **cache)
     assert sorted(r["ids"].tolist() for r in TD.load_records(tmp_path / "cache")[0]) == \
         sorted(r["ids"].tolist() for r in OP.read(tmp_path / "ds") if r["prompt_index"] < 6)
+
+
+def test_merge_refuses_a_shard_that_starts_before_and_overlaps_one_of_the_same_kind(tmp_path, target):
+    """Mutation test: an incoming shard [2, 6) overlaps [4, 8) though its first index lies before it; a sampled
+    shard over the same indices is another kind and merges."""
+    kw = dict(chunk=4, max_new=4, prompts=prompts(), log=lambda *_: None)
+    OP.generate(target, tmp_path / "main", 4, 4, **kw)
+    OP.generate(target, tmp_path / "gpu", 2, 4, **kw)
+    with pytest.raises(ConfigError, match="overlap"):
+        OP.merge(tmp_path / "gpu", tmp_path / "main", log=lambda *_: None)
+    OP.generate(target, tmp_path / "sampled", 4, 4, sampling=SamplingConfig(1.0, top_k=8), **kw)
+    man = OP.merge(tmp_path / "sampled", tmp_path / "main", log=lambda *_: None)
+    assert sorted((e["kind"], e["first"], e["end"]) for e in man["shards"]) == [
+        ("greedy", 4, 8), ("t1-p1-k8-x1", 4, 8)]
+
+
+def test_merge_drops_a_reserved_range_that_starts_before_the_shard(tmp_path, target):
+    """Mutation test: the destination reserves [2, 6); an incoming shard [4, 8) loses its answers to 4 and 5."""
+    kw = dict(chunk=4, max_new=4, prompts=prompts(), log=lambda *_: None)
+    OP.generate(target, tmp_path / "main", 0, 4, reserve=[[2, 6]], **kw)
+    OP.generate(target, tmp_path / "gpu", 4, 4, **kw)
+    OP.merge(tmp_path / "gpu", tmp_path / "main", log=lambda *_: None)
+    assert [r["prompt_index"] for r in OP.read(tmp_path / "main")] == [0, 1, 6, 7]
+
+
+def test_next_index_follows_the_shards_of_the_asked_kind_only(tmp_path, target):
+    """Mutation test: a folder with greedy [0, 4) and sampled [0, 8) extends greedy from 4, sampled from 8."""
+    kw = dict(chunk=4, max_new=3, prompts=prompts(), log=lambda *_: None)
+    OP.generate(target, tmp_path, 0, 4, **kw)
+    OP.generate(target, tmp_path, 0, 8, sampling=SamplingConfig(1.0, top_k=8), **kw)
+    assert OP.next_index(tmp_path, "greedy") == 4
+    assert OP.next_index(tmp_path, "t1-p1-k8-x1") == 8
+    assert OP.next_index(tmp_path / "none", "greedy") == 0
+
+
+def test_an_extended_folder_keeps_the_reserved_ranges_it_was_made_with(tmp_path, target):
+    """Mutation test: a folder made with reserve [4, 6) and extended without it still leaves 4 and 5 out."""
+    kw = dict(chunk=4, max_new=3, prompts=prompts(), log=lambda *_: None)
+    OP.generate(target, tmp_path, 0, 4, reserve=[[4, 6]], **kw)
+    man = OP.generate(target, tmp_path, 4, 4, **kw)
+    assert man["reserved"] == [[4, 6]]
+    assert [r["prompt_index"] for r in OP.read(tmp_path)] == [0, 1, 2, 3, 6, 7]
+
+
+def test_saved_prompts_load_back_whole_and_only_under_the_same_cap(tmp_path, target, monkeypatch):
+    """Mutation test: ``save_prompts`` -> ``load_prompts`` gives every (index, ids) pair back whole, and a file
+    written under another max_prompt_tokens is refused."""
+    pool = [(0, [5, 6, 7]), (2, [8]), (5, [9, 10, 11, 12])]
+    monkeypatch.setattr(OP, "train_prompts", lambda target, cap: pool)
+    assert OP.save_prompts(target, tmp_path / "p.npz", 6) == 3
+    assert OP.load_prompts(target, tmp_path / "p.npz", 6) == pool
+    with pytest.raises(ConfigError, match="max_prompt_tokens=6"):
+        OP.load_prompts(target, tmp_path / "p.npz", 7)
+
+
+def test_merge_refuses_a_dataset_made_under_another_prompt_cap(tmp_path, target):
+    """Mutation test: max_prompt_tokens sets which prompts a folder answers, so folders made under two caps do
+    not merge."""
+    kw = dict(chunk=4, max_new=3, prompts=prompts(), log=lambda *_: None)
+    OP.generate(target, tmp_path / "main", 0, 4, **kw)
+    OP.generate(target, tmp_path / "gpu", 4, 4, max_prompt_tokens=6, **kw)
+    with pytest.raises(ConfigError, match="max_prompt_tokens differs"):
+        OP.merge(tmp_path / "gpu", tmp_path / "main", log=lambda *_: None)

@@ -144,3 +144,53 @@ def test_teacher_forced_data_leaves_out_the_reserved_heldout_prompts(target, mon
                            log=logs.append)
     assert sorted(user_token(r) for r in TD.load_records(tmp_path)[0]) == [4, 7]  # "a" and "d"
     assert any("left out 128 prompts" in s for s in logs), logs
+
+
+def test_a_prompt_of_exactly_max_prompt_tokens_is_kept_and_a_longer_one_is_not(target):
+    """Mutation test: first_turn_ids keeps a first turn of max_prompt_tokens ids, drops one more, keeps positions."""
+    recs = [{"turns": [[5] * n]} for n in (4, 5, 3)]
+    assert TD.first_turn_ids(target, recs, 4) == [(0, [5] * 4), (2, [5] * 3)]
+
+
+def test_held_out_ranges_are_half_open():
+    """Mutation test: a range [first, end) holds first and not end."""
+    assert [i for i in range(2, 9) if TD.is_reserved(i, [[3, 5], [7, 8]])] == [3, 4, 7]
+    got = TD.leave_out_reserved([(i, str(i)) for i in range(2, 9)], [[3, 5], [7, 8]], log=lambda *_: None)
+    assert got == [(2, "2"), (5, "5"), (6, "6"), (8, "8")]
+
+
+def test_a_teacher_forced_reply_of_exactly_the_minimum_fits(target, monkeypatch, tmp_path):
+    """Mutation test: a max_len that leaves exactly TF_MIN_REPLY reply tokens after the 28-token prompt keeps it."""
+    fake_sharegpt(monkeypatch, ["a"])
+    monkeypatch.setattr(target, "tokenizer", HeaderChat(), raising=False)
+    TD.teacher_forced_data(target, "tf", num_convs=1, max_len=28 + TD.TF_MIN_REPLY, layers=[1], topk=2,
+                           folder=tmp_path, log=lambda *_: None)
+    recs = TD.load_records(tmp_path)[0]
+    assert [(len(r["ids"]), r["prompt_len"]) for r in recs] == [(28 + TD.TF_MIN_REPLY, 28)]
+
+
+def test_generated_data_with_an_empty_reserve_answers_the_heldout_prompts(target, monkeypatch, tmp_path):
+    """Mutation test: ``reserve=()`` (building the held-out set) waives the built-in range."""
+    fake_sharegpt(monkeypatch, reserved_split({0, 8576, 8579}))
+    TD.generate_data(target, "r", num_prompts=8580, max_prompt_tokens=8, max_new=2, layers=[1], topk=2,
+                     folder=tmp_path, log=lambda *_: None, reserve=())
+    got = sorted(r["ids"][: r["prompt_len"]].tolist() for r in TD.load_records(tmp_path)[0])
+    assert got == [[4, 5, 6], [30, 5, 6], [33, 5, 6]]
+
+
+def test_answer_top_ids_row_t_is_the_distribution_of_token_t_plus_1(target):
+    """Mutation test: in a greedy answer the soft labels' row t ranks the next token ids[t + 1] first, from the
+    prompt's last row on; the prompt's other rows stay empty."""
+    recs = TD.answer_batch(target.model, prompt_ids(3), 5, set(), [1], 3)
+    for r in recs:
+        p, ids = r["prompt_len"], r["ids"].tolist()
+        assert r["top_ids"][p - 1: len(ids) - 1, 0].tolist() == ids[p:]
+        assert not r["top_logp"][: p - 1].any() and not r["top_logp"][-1].any()
+
+
+def test_a_feature_cache_of_another_source_is_not_extended(target, tmp_path):
+    """Mutation test: a cache built from one source refuses sequences of another under the same folder."""
+    seqs = [(p + [7, 8], len(p)) for p in prompt_ids(2)]
+    TD.forward_cache(target, seqs, tmp_path, "source a", layers=[1], topk=2, log=lambda *_: None)
+    with pytest.raises(ConfigError, match="holds other data"):
+        TD.forward_cache(target, seqs, tmp_path, "source b", layers=[1], topk=2, log=lambda *_: None)
