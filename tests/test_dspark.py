@@ -1017,17 +1017,38 @@ def test_calibration_reports_on_held_out_sequences_that_share_nothing_with_its_f
                     sampled_at=0)
 
 
-def test_acceptance_table_counts_a_position_only_after_accepted_ones(one_thread, monkeypatch):
-    """The calibration table: accepted = the Markov-corrected argmax equals the target's token; position k is
-    valid only when every earlier draft was accepted; a planted perfect head is accepted everywhere."""
-    from graft_block.drafters.dspark.calibrate import acceptance_table, calibration_report
-
+def _calibration_records():
+    """A tiny target, a random DSpark training model on it and three of its teacher-forced records."""
     target = tiny_target("llama")
     cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 5, "markov_rank": 4}
     model = S.DSparkDrafter.training_model(target, cfg, "random")
     b = _batch(target, model)
     recs = [{"ids": b["ids"][i], "feats": b["feats"][i], "top_ids": b["top_ids"][i], "top_logp": b["top_logp"][i],
              "prompt_len": 6} for i in range(3)]
+    return target, model, recs
+
+
+def _record_block_labels(monkeypatch):
+    """Make the training blocks also store their valid anchors' labels on the model (``m._labels``), so that a
+    test's planted logits can name the right (or a wrong) token at every draft position."""
+    import graft_block.drafters.dflash.training as DT
+
+    real = DT.make_blocks
+
+    def with_labels(m, batch, *a, **k):
+        blk = real(m, batch, *a, **k)
+        m._labels = blk["labels"][blk["anchor_ok"]]
+        return blk
+
+    monkeypatch.setattr(DT, "make_blocks", with_labels)
+
+
+def test_acceptance_table_counts_a_position_only_after_accepted_ones(one_thread, monkeypatch):
+    """The calibration table: accepted = the Markov-corrected argmax equals the target's token; position k is
+    valid only when every earlier draft was accepted; a planted perfect head is accepted everywhere."""
+    from graft_block.drafters.dspark.calibrate import acceptance_table, calibration_report
+
+    target, model, recs = _calibration_records()
     logits, acc, valid, exists = acceptance_table(model, target, recs, anchors=8)
     assert logits.shape == acc.shape == valid.shape == (24, 4)
     assert torch.equal(valid[:, 0], exists[:, 0])
@@ -1040,16 +1061,7 @@ def test_acceptance_table_counts_a_position_only_after_accepted_ones(one_thread,
     orig = model.logits
     model.logits = lambda h, w, b=None, restricted=False: orig(h, w, b) * 0 + F.one_hot(
         model._labels, W.shape[0]).float() * 50
-    import graft_block.drafters.dflash.training as DT
-
-    real = DT.make_blocks
-
-    def with_labels(m, batch, *a, **k):
-        blk = real(m, batch, *a, **k)
-        m._labels = blk["labels"][blk["anchor_ok"]]
-        return blk
-
-    monkeypatch.setattr(DT, "make_blocks", with_labels)
+    _record_block_labels(monkeypatch)
     _, acc2, valid2, exists2 = acceptance_table(model, target, recs, anchors=8)
     assert torch.equal(acc2, exists2) and torch.equal(valid2, exists2)
 
@@ -1295,14 +1307,8 @@ def test_acceptance_table_drops_every_position_after_a_rejection(one_thread, mon
     """Sequential calibration fits position k on chains that reached it: a draft 0 that always misses leaves no
     valid row at any later position, however often the later drafts would have been right."""
     from graft_block.drafters.dspark.calibrate import acceptance_table
-    import graft_block.drafters.dflash.training as DT
 
-    target = tiny_target("llama")
-    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 127, "block_size": 5, "markov_rank": 4}
-    model = S.DSparkDrafter.training_model(target, cfg, "random")
-    b = _batch(target, model)
-    recs = [{"ids": b["ids"][i], "feats": b["feats"][i], "top_ids": b["top_ids"][i], "top_logp": b["top_logp"][i],
-             "prompt_len": 6} for i in range(3)]
+    target, model, recs = _calibration_records()
     V = target.model.get_output_embeddings().weight.shape[0]
     model.markov_head.markov_w2.weight.data.zero_()
     orig = model.logits
@@ -1313,14 +1319,7 @@ def test_acceptance_table_drops_every_position_after_a_rejection(one_thread, mon
         return orig(h, w, b) * 0 + F.one_hot(lab, V).float() * 50
 
     model.logits = planted
-    real = DT.make_blocks
-
-    def with_labels(m, batch, *a, **k):
-        blk = real(m, batch, *a, **k)
-        m._labels = blk["labels"][blk["anchor_ok"]]
-        return blk
-
-    monkeypatch.setattr(DT, "make_blocks", with_labels)
+    _record_block_labels(monkeypatch)
     _, acc, valid, exists = acceptance_table(model, target, recs, anchors=8)
     assert not acc[:, 0].any() and torch.equal(acc[:, 1:], exists[:, 1:]) and bool(acc[:, 1:].any())
     assert torch.equal(valid[:, 0], exists[:, 0]) and not valid[:, 1:].any()
