@@ -12,7 +12,8 @@ DDTree from the DFlash default they were all initialised from. A list of arms ov
 core; every other option is run_block's). Chimeric shares (``graft_block.chimeric``): the one-pass proxy (b) on every
 round of every arm (its time is taken out of the arm's decode time), and the sampled-futures reference (a) on
 ``--futures-rounds`` recorded rounds per arm at the largest budget (``--futures`` target samples at each round's
-sampling settings, T = 1 for greedy rounds, + the greedy one), computed after the timed run.
+sampling settings, T = 1 for greedy rounds, + the greedy one, + ``--beams`` top beams at T = 0), computed after the
+timed run.
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def main(argv=None):
     ap.add_argument("--futures", type=int, default=64, help="N sampled target futures per recorded round")
     ap.add_argument("--futures-rounds", type=int, default=20, help="rounds per arm for protocol (a); 0 = skip")
     ap.add_argument("--futures-per-prompt", type=int, default=4, help="protocol (a): rounds recorded per prompt")
+    ap.add_argument("--beams", type=int, default=4, help="protocol (a): the target's top beams added at T = 0")
     args, rest = ap.parse_known_args(argv)
     table, recorders = arms(args)
     rep, target = run_block.run_arms(table, ["--first-turn-only", "--max-new-tokens", "128", "--limit", "5",
@@ -86,13 +88,13 @@ def main(argv=None):
         target.set_feature_layers(())
         sampled = {}
         print(f"\nprotocol (a): {args.futures} sampled futures + the greedy one per recorded round, drawn at the "
-              "round's own temperature / top-k / top-p (T = 1 for greedy rounds)")
+              f"round's own temperature / top-k / top-p (T = 1 for greedy rounds, beside the {args.beams} top beams)")
         print("| arm | rounds | chimeric (a) | coherent (a) | off-support (a) |\n|---|---|---|---|---|")
         for name, rec in recorders.items():
             recs = spread(rec.records, args.futures_rounds)
             if not recs:
                 continue
-            sampled[name] = sampled_report(target, recs, n=args.futures, seed=0)
+            sampled[name] = sampled_report(target, recs, n=args.futures, seed=0, beams=args.beams)
             d = sampled[name]["draft"]
             print(f"| {name} | {len(recs)} | {d.get('chimeric', float('nan')):.3f} | "
                   f"{d.get('coherent', float('nan')):.3f} | {d.get('off_support', float('nan')):.3f} |")

@@ -128,6 +128,33 @@ def sample_futures(target, context_ids, n: int = 64, length: int = 15, sampler=N
     return result.tolist()
 
 
+@torch.inference_mode()
+def beam_futures(target, context_ids, k: int = 4, length: int = 15) -> list[list[int]]:
+    """The ``k`` beams of a beam search of width ``k`` over the target's log-probs after ``context_ids`` (last = the
+    tree root), ``length`` tokens each, best first: protocol (a)'s futures for greedy rounds beside the sampled
+    ones (mfd.md 3.2: "for T=0 also add top-k beams"). Uses its own KV cache: the decoder's cache is untouched."""
+    if k < 1 or length < 1:
+        raise TreeError(f"need k >= 1 beams and length >= 1, got k={k}, length={length}")
+    model = target.model
+    ids = torch.as_tensor(context_ids, dtype=torch.long).to(target.device).view(1, -1)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    score = torch.zeros(1, device=target.device)
+    seqs = torch.empty(1, 0, dtype=torch.long, device=target.device)
+    for step in range(length):
+        total = (score[:, None] + torch.log_softmax(logits.float(), -1)).view(-1)
+        score, flat = total.topk(min(k, total.numel()))
+        beam, tok = flat // logits.shape[-1], flat % logits.shape[-1]
+        seqs = torch.cat([seqs[beam], tok[:, None]], 1)
+        if step + 1 < length:
+            if step == 0:
+                cache.batch_repeat_interleave(len(beam))  # one prefill row, then one row per beam
+            else:
+                cache.reorder_cache(beam)
+            logits = model(input_ids=tok.view(-1, 1), cache=cache, use_cache=True).logits[:, -1]
+    return seqs.tolist()
+
+
 def round_sampler(sampling: SamplingConfig | None):
     """The futures' law for a round decoded under ``sampling`` (mfd.md 3.2: "sampling settings as in the
     evaluation"): the decoder's own rule (temperature, top-k, top-p) at T > 0; at T = 0, or when the round's
@@ -138,10 +165,11 @@ def round_sampler(sampling: SamplingConfig | None):
 
 
 def sampled_report(target, records, n: int = 64, length: int = 15, sampler=None, seed: int = 0,
-                   greedy: bool = True) -> dict:
+                   greedy: bool = True, beams: int = 4) -> dict:
     """Protocol (a) over recorded rounds ((context, tree) or (context, tree, SamplingConfig)): per-round shares
     averaged over rounds, per source group. Futures follow ``sampler`` if given, else each round's own law
-    (``round_sampler``); they are ``length`` tokens long, or as deep as the round's tree where it is deeper."""
+    (``round_sampler``); they are ``length`` tokens long, or as deep as the round's tree where it is deeper. A greedy
+    round (or one of unknown settings) also counts the target's ``beams`` top beams (``beam_futures``; 0: none)."""
     g = torch.Generator(device=target.device).manual_seed(seed)
     rows = []
     for context, tree, *sampling in records:
@@ -149,5 +177,7 @@ def sampled_report(target, records, n: int = 64, length: int = 15, sampler=None,
         # a node deeper than every future would be labelled off-support whatever the target says there
         depth = max(length, int(tree.depths.max()))
         futs = sample_futures(target, context, n, depth, law, generator=g, greedy=greedy)
+        if beams and (not sampling or sampling[0] is None or sampling[0].greedy):
+            futs += beam_futures(target, context, beams, depth)
         rows.append(sampled_shares(tree, futs))
     return {group: mean_rows(rows, group) for group in GROUPS}

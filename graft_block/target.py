@@ -35,6 +35,21 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
+def window_plan(config) -> tuple[int | None, tuple[str, ...] | None, int | None]:
+    """(window, window_types, sliding_window) of a model's sliding-window attention layers (see ``Target``): all
+    None without such layers; ``window`` for full and sliding layers of one window; else ``sliding_window``."""
+    layers = DynamicCache(config=config).layers
+    sliding = [bool(getattr(lay, "is_sliding", False)) for lay in layers]
+    windows = {int(lay.sliding_window) for lay, s in zip(layers, sliding) if s}
+    if not windows:
+        return None, None, None
+    types = getattr(config.get_text_config(decoder=True), "layer_types", None)
+    kinds = set(types) if types is not None else ({"sliding_attention"} if all(sliding) else {"unknown"})
+    if len(windows) == 1 and kinds <= {"full_attention", "sliding_attention"}:
+        return windows.pop(), (tuple(sorted(kinds)) if len(kinds) > 1 else None), None
+    return None, None, min(windows)
+
+
 class Target:
     """A frozen causal LM with one KV cache (batch 1).
 
@@ -75,10 +90,12 @@ class Target:
         # release_hf: HF's mmapped weights leave memory layer by layer as the lean engine packs its own copy, when
         # its C layers run every forward (``release_hf_weights``)
         self.lean = LeanForward(model, compile=compile, gemm=gemm, release_hf=release_hf) if engine == "lean" else None
-        # the smallest window of HF's sliding-window cache layers (None: none): they keep only its last rows
-        self.sliding_window = None if engine == "lean" else min(
-            (int(lay.sliding_window) for lay in DynamicCache(config=model.config).layers
-             if getattr(lay, "is_sliding", False)), default=None)
+        # Sliding-window layers (HF forward only): ``window`` when a full cache and the ancestor mask cut to the window
+        # verify trees at any length (``window_types``: the layer types keyed in a per-type mask, or None where one
+        # mask serves every layer); else ``sliding_window``, where HF's layers keep only the window's last rows and
+        # trees are cut to fit it (layer types other than full and sliding attention, e.g. chunked)
+        plan = (None, None, None) if engine == "lean" else window_plan(model.config)
+        self.window, self.window_types, self.sliding_window = plan
         self.engine = engine
         self.compiled = bool(compile and engine == "lean")
 
@@ -201,7 +218,11 @@ class Target:
         if self.lean is not None:
             self.lean.reset()
         else:
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = self._new_cache()
+
+    def _new_cache(self) -> DynamicCache:
+        # a windowed mask needs every row kept: HF's sliding layers would drop rows a tree's rejected nodes displace
+        return DynamicCache() if self.window is not None else DynamicCache(config=self.model.config)
 
     def cached_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values cached for one layer, [kv_heads, len, head_dim] each, whichever engine runs."""
@@ -240,7 +261,7 @@ class Target:
             self.lean.k = self.lean.v = None
             self.lean.len = 0
         else:
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = self._new_cache()
         try:
             yield self
         finally:
@@ -267,8 +288,9 @@ class Target:
     @torch.no_grad()
     def fit(self, tree: Tree) -> Tree:
         """The part of ``tree`` this target can verify after its cache: the nodes at positions inside the context
-        window (deeper ones could only give tokens the length limit drops), and on a sliding-window cache the first
-        nodes that keep the window (a subtree: nodes come parents first), one node a round past it. Positions
+        window (deeper ones could only give tokens the length limit drops), and where HF's sliding layers keep only
+        their window's rows (``sliding_window``: layer types the windowed mask does not cover) the first nodes that
+        keep the window (a subtree: nodes come parents first), one node a round past it. Positions
         decide, never the target's choices, so the cut is lossless."""
         start = self.cache_len
         if start + tree.size > self.max_positions:  # depth < size: otherwise every node fits
@@ -306,6 +328,10 @@ class Target:
         pos = position_ids(tree, start, self.device)
         # A single root node is one plain decoding step: the default causal mask is the same and cheaper.
         mask = None if tree.size == 1 else attention_mask(tree, start, self.dtype, self.device)
+        if mask is not None and self.window is not None:
+            near = attention_mask(tree, start, self.dtype, self.device, window=self.window)
+            mask = near if self.window_types is None else {t: near if t == "sliding_attention" else mask
+                                                           for t in self.window_types}
         if self.lean is not None:
             return self._lean_forward(ids[0], pos[0], mask)
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache, use_cache=True)

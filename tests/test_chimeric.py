@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from graft_block.tree import SOURCE_RETRIEVED, from_paths, make_tree, merge, with_sources
-from graft_block.chimeric import futures_recorder, proxy_hook, sample_futures, sampled_report, temperature_sampler
+from graft_block.tree import SOURCE_RETRIEVED, TreeError, from_paths, make_tree, merge, with_sources
+from graft_block.chimeric import (beam_futures, futures_recorder, proxy_hook, sample_futures, sampled_report,
+                                  temperature_sampler)
 from graft_block.tree.chimeric import label_proxy, label_sampled, proxy_shares, sampled_shares
 from graft_block.tree.ddtree import ddtree
 from graft_block.tree.mixed import mixed_ddtree, tree_paths
@@ -331,3 +332,38 @@ def test_futures_recorder_counts_every_from_first():
         tokens = list(range(10 + r))
         rec(SimpleNamespace(tree=tree, accepted=1), SimpleNamespace(round=r + 1, tokens=tokens, sampling=None))
     assert [len(c) for c, _, _ in rec.records] == [9, 11]  # rounds 1 and 3: 11 and 13 tokens, 2 committed
+
+
+def test_beam_futures_are_a_width_k_beam_search_over_the_targets_log_probs(tiny_llama):
+    """Protocol (a)'s T = 0 beams (mfd.md 3.2): each step keeps the k best extensions of the k beams by summed
+    log-prob, as a cache-free recomputation finds them, best first; one beam is the greedy continuation."""
+    from graft_block.testing import hf_greedy
+
+    prompt = [1, 5, 9, 17, 33]
+    beams, scores = [[]], [0.0]
+    for _ in range(3):
+        cand = []
+        for b, sc in zip(beams, scores):
+            logp = torch.log_softmax(tiny_llama.model(input_ids=torch.tensor([prompt + b])).logits[0, -1], -1)
+            cand += [(sc + float(logp[v]), b + [v]) for v in range(logp.numel())]
+        cand.sort(key=lambda c: -c[0])
+        scores, beams = [c[0] for c in cand[:3]], [c[1] for c in cand[:3]]
+    assert beam_futures(tiny_llama, prompt, k=3, length=3) == beams
+    assert beam_futures(tiny_llama, prompt, k=1, length=4) == [hf_greedy(tiny_llama, prompt, 4)]
+    with pytest.raises(TreeError, match="k >= 1 beams"):
+        beam_futures(tiny_llama, prompt, k=0)
+
+
+def test_sampled_report_adds_the_top_beams_to_greedy_rounds_only(tiny_llama):
+    """At T = 0 the second beam's path is a future of the round: coherent with beams, not wholly without them (the
+    greedy future alone differs from it somewhere); a sampled round (T = 1, top-k 1) takes no beams."""
+    from graft_block.sampling import SamplingConfig
+
+    prompt = [1, 5, 9, 17, 33]
+    second = beam_futures(tiny_llama, prompt, k=2, length=2)[1]
+    tree = from_paths(prompt[-1], [second])
+    greedy_round = [(prompt, tree, SamplingConfig(0.0, 0, 1.0))]
+    assert sampled_report(tiny_llama, greedy_round, n=0, length=2, beams=2)["draft"]["coherent"] == 1.0
+    assert sampled_report(tiny_llama, greedy_round, n=0, length=2, beams=0)["draft"]["coherent"] < 1.0
+    sampled_round = [(prompt, tree, SamplingConfig(1.0, 1, 1.0))]
+    assert sampled_report(tiny_llama, sampled_round, n=4, length=2, beams=2)["draft"]["coherent"] < 1.0

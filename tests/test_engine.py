@@ -460,44 +460,87 @@ def test_trees_reaching_past_the_context_window_are_cut_to_it(engine):
     assert logits.shape[0] == 4 and target.cache_len == 32
 
 
-def _sliding_window_mistral(window: int):
-    """A tiny Mistral with a sliding window: the lean engine refuses it, so it runs HF's forward."""
-    from transformers import AutoModelForCausalLM, MistralConfig
+def _sliding_window_model(kind: str, window: int):
+    """A tiny HF model with sliding-window layers (the lean engine refuses them, so it runs HF's forward):
+    "mistral" every layer sliding; "qwen2" / "gemma3" sliding and full layers mixed (a mask per layer type);
+    "llama4" chunked layers (trees cut to the first chunk)."""
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, Llama4TextConfig, MistralConfig,
+                              Qwen2Config)
 
-    cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                        initializer_range=0.3, sliding_window=window)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=None,
+                  eos_token_id=None, pad_token_id=None, initializer_range=0.3)
+    mixed = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    cfg = {"mistral": lambda: MistralConfig(**common, sliding_window=window),
+           "qwen2": lambda: Qwen2Config(**common, use_sliding_window=True, sliding_window=window, layer_types=mixed),
+           "gemma3": lambda: Gemma3TextConfig(**common, head_dim=16, sliding_window=window, layer_types=mixed),
+           "llama4": lambda: Llama4TextConfig(**{**common, "num_hidden_layers": 2}, head_dim=16,
+                                              intermediate_size_mlp=128, num_local_experts=1,
+                                              attention_chunk_size=window)}[kind]()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
 
 
-def test_sliding_window_target_on_hfs_forward_decodes_like_hf_inside_its_window():
-    """HF's sliding-window cache layers count their tokens apart from the rows they hold: compaction must drop the
-    rejected nodes from that count too, or the next verify's cache length (its positions and mask) is off. A tree
-    that would push rows out of the window is a ConfigError naming the window, not a wrong cache."""
-    from graft_block.errors import ConfigError
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3"])
+def test_sliding_window_targets_verify_whole_trees_past_their_window(kind):
+    """Past a sliding window a tree still verifies whole: the cache keeps every row and the sliding layers see the
+    ancestor mask cut to their window (the full layers of a mixed model the whole of it). Every node's logits are
+    HF's own for its path, then decoding with a drafter is HF's greedy with far more than a token a round."""
     from graft_block.target import Target
-    from graft_block.tree import chain
+    from graft_block.tree import make_tree
 
-    target = Target(_sliding_window_mistral(48), None)
-    assert target.engine == "hf"
+    model = _sliding_window_model(kind, 8)
+    target = Target(model, None)
+    assert target.engine == "hf" and target.window == 8 and target.sliding_window is None
+    ids = torch.randint(0, 128, (21,), generator=torch.Generator().manual_seed(1))
+    target.prefill(ids[:-1])  # 20 cached, the root's token next: every node sits past the window
+    tokens, parents = [int(ids[-1]), 5, 9, 7, 11, 3], [-1, 0, 0, 1, 1, 3]
+    logits, _ = target.verify(make_tree(tokens, parents))
+    for i in range(len(tokens)):
+        path, j = [], i
+        while j > 0:
+            path.insert(0, tokens[j])
+            j = parents[j]
+        seq = torch.cat([ids, torch.tensor(path, dtype=torch.long)]).view(1, -1)
+        assert torch.allclose(logits[i], model(input_ids=seq, use_cache=False).logits[0, -1], atol=1e-4), (kind, i)
     prompt = [3, 1, 4, 1, 5]
-    ref = hf_greedy(target, prompt, 40)  # 45 tokens: inside the window of 48
-    drafter = Drafter.from_config({"type": "planted", "reference": ref, "budget": 2, "max_depth": 2, "seed": 3})
+    ref = hf_greedy(target, prompt, 40)  # 45 tokens: five windows
+    drafter = Drafter.from_config({"type": "planted", "reference": ref, "budget": 4, "max_depth": 3, "seed": 3})
     res = SpeculativeDecoder(target, drafter).generate(prompt, max_new_tokens=40)
     assert res.tokens == ref
     accepted = sum(k * c for k, c in res.stats.accept_hist.items())
     assert 0 < accepted < res.stats.tree_nodes  # drafts accepted, and rejected nodes compacted away
+    # whole trees every round (a cut to the window would verify one node a round past token 8, tau near 1)
+    assert res.stats.tree_nodes > 2 * res.stats.rounds and res.stats.tau > 1.5
     assert target.cache_len == len(prompt) + 40 + res.stats.dropped - 1  # every committed token but the last bonus
+
+
+def test_chunked_attention_target_cuts_trees_to_its_first_chunk():
+    """Layer types the windowed mask does not cover (Llama 4's chunked attention) keep HF's own cache layers, which
+    count their tokens apart from the rows they hold: compaction must drop the rejected nodes from that count too.
+    A tree that would cross the chunk is a ConfigError naming it; a decoder cuts its trees to fit, one node a
+    round past it, and still gives HF's greedy tokens."""
+    from graft_block.errors import ConfigError
+    from graft_block.target import Target
+    from graft_block.tree import chain
+
+    target = Target(_sliding_window_model("llama4", 48), None)
+    assert target.engine == "hf" and target.window is None and target.sliding_window == 48
+    prompt = [3, 1, 4, 1, 5]
+    ref = hf_greedy(target, prompt, 40)  # 45 tokens: inside the first chunk of 48
+    drafter = Drafter.from_config({"type": "planted", "reference": ref, "budget": 2, "max_depth": 2, "seed": 3})
+    res = SpeculativeDecoder(target, drafter).generate(prompt, max_new_tokens=40)
+    assert res.tokens == ref
+    accepted = sum(k * c for k, c in res.stats.accept_hist.items())
+    assert 0 < accepted < res.stats.tree_nodes
+    assert target.cache_len == len(prompt) + 40 + res.stats.dropped - 1
     target.prefill(torch.tensor(prompt + ref[:40]))  # 45 cached
     with pytest.raises(ConfigError, match="sliding window of 48: verify at most 2 nodes"):
         target.verify(chain(ref[39], [1, 2, 3]))  # 45 + 4 rows: the oldest would leave the window
     assert target.cache_len == 45
-    # with a drafter past the window: trees cut to fit, then one node a round, and still HF's greedy tokens
     longer = hf_greedy(target, prompt, 70)
     drafter = Drafter.from_config({"type": "planted", "reference": longer, "budget": 4, "max_depth": 3, "seed": 3})
     res = SpeculativeDecoder(target, drafter).generate(prompt, max_new_tokens=70)

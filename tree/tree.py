@@ -260,8 +260,11 @@ def ancestor_mask(tree: Tree) -> torch.Tensor:
     return mask
 
 
-def attention_mask(tree: Tree, cache_len: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+def attention_mask(tree: Tree, cache_len: int, dtype: torch.dtype, device=None,
+                   window: int | None = None) -> torch.Tensor:
     """Additive float mask [1, 1, n, cache_len + n]: the whole cached prefix and each node's ancestors are visible.
+    With ``window`` (a sliding-window layer's), only those less than ``window`` positions behind the node: cached
+    row i sits at position i, node j at ``cache_len + depth[j]``.
 
     Additive (0 / finfo.min) on purpose: a bool mask is silently wrong under eager attention.
     """
@@ -270,6 +273,10 @@ def attention_mask(tree: Tree, cache_len: int, dtype: torch.dtype, device=None) 
     mask[:, :cache_len] = 0
     anc = ancestor_mask(tree).to(device)
     mask[:, cache_len:].masked_fill_(anc, 0)
+    if window is not None:
+        query = (cache_len + tree.depths).to(device)
+        key = torch.cat([torch.arange(cache_len, device=device), query])
+        mask.masked_fill_(query[:, None] - key[None, :] >= window, torch.finfo(dtype).min)
     return mask.view(1, 1, n, cache_len + n)
 
 
