@@ -37,13 +37,20 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
 
 def window_plan(config) -> tuple[int | None, tuple[str, ...] | None, int | None]:
     """(window, window_types, sliding_window) of a model's sliding-window attention layers (see ``Target``): all
-    None without such layers; ``window`` for full and sliding layers of one window; else ``sliding_window``."""
-    layers = DynamicCache(config=config).layers
+    None without such layers; ``window`` for full and sliding layers of one window; else ``sliding_window``. A
+    ConfigError for recurrent layers (Mamba, gated delta rule, short convolutions)."""
+    cache = DynamicCache(config=config)
+    types = getattr(config.get_text_config(decoder=True), "layer_types", None)
+    recurrent = sorted({t for t, lin in zip(types or ["recurrent"] * len(cache.layers), cache.is_linear) if lin})
+    if recurrent:
+        raise ConfigError(f"the target's {'/'.join(recurrent)} layers carry a recurrent state, which would keep a "
+                          "tree's rejected nodes (only attention caches can drop them): tree verification needs an "
+                          "attention-only target")
+    layers = cache.layers
     sliding = [bool(getattr(lay, "is_sliding", False)) for lay in layers]
     windows = {int(lay.sliding_window) for lay, s in zip(layers, sliding) if s}
     if not windows:
         return None, None, None
-    types = getattr(config.get_text_config(decoder=True), "layer_types", None)
     kinds = set(types) if types is not None else ({"sliding_attention"} if all(sliding) else {"unknown"})
     if len(windows) == 1 and kinds <= {"full_attention", "sliding_attention"}:
         return windows.pop(), (tuple(sorted(kinds)) if len(kinds) > 1 else None), None

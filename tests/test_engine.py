@@ -547,6 +547,26 @@ def test_chunked_attention_target_cuts_trees_to_its_first_chunk():
     assert res.tokens == longer and res.stats.tau > 1.0
 
 
+@pytest.mark.parametrize("kind", ["mamba", "lfm2"])
+def test_a_target_with_recurrent_layers_is_refused_naming_them(kind):
+    """A recurrent state (Mamba's scan, LFM2's short convolution) would keep a tree's rejected nodes, and a sibling
+    would read its brother as its past: silently wrong logits (Qwen3-Next's gated delta rule read 0.06 off on a
+    tiny model). Such a target is refused when wrapped, naming its layer types."""
+    import transformers
+
+    from graft_block.errors import ConfigError
+    from graft_block.target import Target
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2)
+    cfg = (transformers.MambaConfig(**common, state_size=8, intermediate_size=128) if kind == "mamba" else
+           transformers.Lfm2Config(**common, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                   layer_types=["conv", "full_attention"]))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with pytest.raises(ConfigError, match=("linear_attention" if kind == "mamba" else "conv") + " layers carry a "
+                       "recurrent state.*attention-only target"):
+        Target(model, None)
+
+
 def test_a_schedule_sees_the_tree_cut_to_the_context_window():
     """Near the window's end the decoder cuts a tree before the schedule reads it, so the schedule's kept nodes are
     the nodes verified and every round's outcome feeds its recalibration (a cut after the schedule counted nodes
