@@ -3,6 +3,7 @@ KV compaction. Device and dtype follow the model; nothing here is CPU- or model-
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import logging
 import numbers
@@ -35,18 +36,29 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-def window_plan(config) -> tuple[int | None, tuple[str, ...] | None, int | None]:
-    """(window, window_types, sliding_window) of a model's sliding-window attention layers (see ``Target``): all
-    None without such layers; ``window`` for full and sliding layers of one window; else ``sliding_window``. A
-    ConfigError for recurrent layers (Mamba, gated delta rule, short convolutions)."""
+def tree_support_reason(model) -> str | None:
+    """Why the HF forward of ``model`` cannot verify a tree (None: it can): a recurrent state keeps every node it
+    reads, rejected or not, and ALiBi biases come from the attention mask's row count, not from positions, so
+    siblings cannot share one."""
+    config = model.config
     cache = DynamicCache(config=config)
     types = getattr(config.get_text_config(decoder=True), "layer_types", None)
     recurrent = sorted({t for t, lin in zip(types or ["recurrent"] * len(cache.layers), cache.is_linear) if lin})
     if recurrent:
-        raise ConfigError(f"the target's {'/'.join(recurrent)} layers carry a recurrent state, which would keep a "
-                          "tree's rejected nodes (only attention caches can drop them): tree verification needs an "
-                          "attention-only target")
-    layers = cache.layers
+        return (f"the target's {'/'.join(recurrent)} layers carry a recurrent state, which would keep a tree's "
+                "rejected nodes (only attention caches can drop them)")
+    alibi = getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False)
+    if alibi or "position_ids" not in inspect.signature(model.forward).parameters:
+        return (f"the target ({config.model_type}) places tokens by ALiBi biases drawn from its attention mask, not by "
+                "position ids, so a tree's siblings cannot share a position")
+    return None
+
+
+def window_plan(config) -> tuple[int | None, tuple[str, ...] | None, int | None]:
+    """(window, window_types, sliding_window) of a model's sliding-window attention layers (see ``Target``): all
+    None without such layers; ``window`` for full and sliding layers of one window; else ``sliding_window``."""
+    types = getattr(config.get_text_config(decoder=True), "layer_types", None)
+    layers = DynamicCache(config=config).layers
     sliding = [bool(getattr(lay, "is_sliding", False)) for lay in layers]
     windows = {int(lay.sliding_window) for lay, s in zip(layers, sliding) if s}
     if not windows:
@@ -101,6 +113,9 @@ class Target:
         # verify trees at any length (``window_types``: the layer types keyed in a per-type mask, or None where one
         # mask serves every layer); else ``sliding_window``, where HF's layers keep only the window's last rows and
         # trees are cut to fit it (layer types other than full and sliding attention, e.g. chunked)
+        if engine == "hf" and (why := tree_support_reason(model)) is not None:
+            raise ConfigError(f"{why}: tree verification needs an attention-only target with position ids "
+                              "(rotary or learned)")
         plan = (None, None, None) if engine == "lean" else window_plan(model.config)
         self.window, self.window_types, self.sliding_window = plan
         self.engine = engine

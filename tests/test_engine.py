@@ -547,24 +547,92 @@ def test_chunked_attention_target_cuts_trees_to_its_first_chunk():
     assert res.tokens == longer and res.stats.tau > 1.0
 
 
-@pytest.mark.parametrize("kind", ["mamba", "lfm2"])
-def test_a_target_with_recurrent_layers_is_refused_naming_them(kind):
+@pytest.mark.parametrize("kind", ["mamba", "lfm2", "bloom"])
+def test_a_target_that_cannot_verify_trees_is_refused_naming_why(kind):
     """A recurrent state (Mamba's scan, LFM2's short convolution) would keep a tree's rejected nodes, and a sibling
     would read its brother as its past: silently wrong logits (Qwen3-Next's gated delta rule read 0.06 off on a
-    tiny model). Such a target is refused when wrapped, naming its layer types."""
+    tiny model). ALiBi (BLOOM) takes positions from the mask's row count, so siblings cannot share one. Such a
+    target is refused when wrapped, naming why."""
     import transformers
 
     from graft_block.errors import ConfigError
     from graft_block.target import Target
 
-    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2)
-    cfg = (transformers.MambaConfig(**common, state_size=8, intermediate_size=128) if kind == "mamba" else
-           transformers.Lfm2Config(**common, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                   layer_types=["conv", "full_attention"]))
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with pytest.raises(ConfigError, match=("linear_attention" if kind == "mamba" else "conv") + " layers carry a "
-                       "recurrent state.*attention-only target"):
+    common = dict(vocab_size=128, hidden_size=64)
+    cfg, why = {"mamba": (lambda: transformers.MambaConfig(**common, num_hidden_layers=2, state_size=8,
+                                                           intermediate_size=128), "linear_attention layers carry a "),
+                "lfm2": (lambda: transformers.Lfm2Config(**common, num_hidden_layers=2, intermediate_size=128,
+                                                         num_attention_heads=4, num_key_value_heads=2,
+                                                         layer_types=["conv", "full_attention"]),
+                         "conv layers carry a "),
+                "bloom": (lambda: transformers.BloomConfig(**common, n_layer=2, n_head=4), "bloom.*ALiBi")}[kind]
+    model = transformers.AutoModelForCausalLM.from_config(cfg(), dtype=torch.float32)
+    with pytest.raises(ConfigError, match=why + ".*tree verification needs an attention-only target"):
         Target(model, None)
+
+
+HF_ARCHITECTURES = {  # tiny configs: model_type -> (config keys, attention implementation)
+    "gpt2": ({"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256}, "sdpa"),
+    "gpt_neox": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+                  "rotary_pct": 0.25}, "sdpa"),
+    "opt": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 128,
+             "word_embed_proj_dim": 64}, "sdpa"),
+    "falcon": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_kv_heads": 2,
+                "new_decoder_architecture": True}, "sdpa"),
+    "phi": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}, "sdpa"),
+    "phi3": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 128, "pad_token_id": 0}, "sdpa"),
+    "gemma2": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "intermediate_size": 128, "head_dim": 16, "sliding_window": 8}, "eager"),
+    "olmo2": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}, "sdpa"),
+    "stablelm": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                  "intermediate_size": 128}, "sdpa"),
+    "starcoder2": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "intermediate_size": 128, "sliding_window": None}, "sdpa"),
+    "cohere": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}, "sdpa"),
+    "granite": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128},
+                "sdpa"),
+    "deepseek_v3": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+                     "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                     "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                     "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1}, "sdpa"),
+    "glm4": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 128, "head_dim": 16, "pad_token_id": 0}, "sdpa"),
+    "gpt_oss": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "intermediate_size": 64, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                 "sliding_window": 8}, "eager"),
+    "qwen3_moe": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "intermediate_size": 128, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4,
+                   "num_experts_per_tok": 2}, "sdpa"),
+    "mixtral": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "intermediate_size": 128, "num_local_experts": 4, "sliding_window": 8}, "sdpa"),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(HF_ARCHITECTURES))
+def test_every_tree_node_gets_the_models_own_logits_for_its_path_across_hf_architectures(arch):
+    """Real targets run HF's forward where the lean engine does not reach: learned and partial rotary positions,
+    MLA, mixtures of experts, attention sinks, soft-capping, sliding windows (the cache here is past them). Each
+    node of a two-branch tree verified after 20 cached tokens gets the logits of the model's own forward over its
+    path, so a transformers release that drops the 4-D mask or the position ids fails here."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from graft_block.target import Target
+    from graft_block.tree import make_tree
+
+    keys, attn = HF_ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, vocab_size=128, **keys),
+                                             attn_implementation=attn, dtype=torch.float32).eval()
+    target = Target(model, None)
+    assert target.engine == "hf"
+    ids = torch.randint(1, 128, (21,), generator=torch.Generator().manual_seed(1))
+    target.prefill(ids[:-1])
+    paths = [[], [5], [9], [5, 7], [9, 11]]
+    logits, _ = target.verify(make_tree([int(ids[-1]), 5, 9, 7, 11], [-1, 0, 0, 1, 2]))
+    for i, path in enumerate(paths):
+        seq = torch.cat([ids, torch.tensor(path, dtype=torch.long)]).view(1, -1)
+        assert torch.allclose(logits[i], model(input_ids=seq, use_cache=False).logits[0, -1], atol=1e-4), (arch, i)
 
 
 def test_a_schedule_sees_the_tree_cut_to_the_context_window():
