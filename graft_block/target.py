@@ -38,8 +38,8 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
 
 def tree_support_reason(model) -> str | None:
     """Why the HF forward of ``model`` cannot verify a tree (None: it can): a recurrent state keeps every node it
-    reads, rejected or not, and ALiBi biases come from the attention mask's row count, not from positions, so
-    siblings cannot share one."""
+    reads, rejected or not; a forward without position ids counts positions itself, and ALiBi biases come from the
+    attention mask's row count, so siblings cannot share a position."""
     config = model.config
     cache = DynamicCache(config=config)
     types = getattr(config.get_text_config(decoder=True), "layer_types", None)
@@ -47,10 +47,12 @@ def tree_support_reason(model) -> str | None:
     if recurrent:
         return (f"the target's {'/'.join(recurrent)} layers carry a recurrent state, which would keep a tree's "
                 "rejected nodes (only attention caches can drop them)")
-    alibi = getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False)
-    if alibi or "position_ids" not in inspect.signature(model.forward).parameters:
+    if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):
         return (f"the target ({config.model_type}) places tokens by ALiBi biases drawn from its attention mask, not by "
                 "position ids, so a tree's siblings cannot share a position")
+    if "position_ids" not in inspect.signature(model.forward).parameters:  # BLOOM, BART's decoder, ...
+        return (f"the target ({config.model_type}) takes no position ids (it counts positions itself, or draws ALiBi "
+                "biases from its attention mask), so a tree's siblings cannot share a position")
     return None
 
 
@@ -109,13 +111,13 @@ class Target:
         # release_hf: HF's mmapped weights leave memory layer by layer as the lean engine packs its own copy, when
         # its C layers run every forward (``release_hf_weights``)
         self.lean = LeanForward(model, compile=compile, gemm=gemm, release_hf=release_hf) if engine == "lean" else None
+        if engine == "hf" and (why := tree_support_reason(model)) is not None:
+            raise ConfigError(f"{why}: tree verification needs an attention-only target with position ids "
+                              "(rotary or learned)")
         # Sliding-window layers (HF forward only): ``window`` when a full cache and the ancestor mask cut to the window
         # verify trees at any length (``window_types``: the layer types keyed in a per-type mask, or None where one
         # mask serves every layer); else ``sliding_window``, where HF's layers keep only the window's last rows and
         # trees are cut to fit it (layer types other than full and sliding attention, e.g. chunked)
-        if engine == "hf" and (why := tree_support_reason(model)) is not None:
-            raise ConfigError(f"{why}: tree verification needs an attention-only target with position ids "
-                              "(rotary or learned)")
         plan = (None, None, None) if engine == "lean" else window_plan(model.config)
         self.window, self.window_types, self.sliding_window = plan
         self.engine = engine

@@ -547,12 +547,13 @@ def test_chunked_attention_target_cuts_trees_to_its_first_chunk():
     assert res.tokens == longer and res.stats.tau > 1.0
 
 
-@pytest.mark.parametrize("kind", ["mamba", "lfm2", "bloom"])
+@pytest.mark.parametrize("kind", ["mamba", "lfm2", "bloom", "falcon", "bart"])
 def test_a_target_that_cannot_verify_trees_is_refused_naming_why(kind):
     """A recurrent state (Mamba's scan, LFM2's short convolution) would keep a tree's rejected nodes, and a sibling
     would read its brother as its past: silently wrong logits (Qwen3-Next's gated delta rule read 0.06 off on a
-    tiny model). ALiBi (BLOOM) takes positions from the mask's row count, so siblings cannot share one. Such a
-    target is refused when wrapped, naming why."""
+    tiny model). ALiBi (BLOOM, Falcon's option) takes positions from the mask's row count, and a forward without
+    position ids (BART's decoder) counts them itself, so siblings cannot share one. Such a target is refused when
+    wrapped, naming why."""
     import transformers
 
     from graft_block.errors import ConfigError
@@ -565,7 +566,13 @@ def test_a_target_that_cannot_verify_trees_is_refused_naming_why(kind):
                                                          num_attention_heads=4, num_key_value_heads=2,
                                                          layer_types=["conv", "full_attention"]),
                          "conv layers carry a "),
-                "bloom": (lambda: transformers.BloomConfig(**common, n_layer=2, n_head=4), "bloom.*ALiBi")}[kind]
+                "bloom": (lambda: transformers.BloomConfig(**common, n_layer=2, n_head=4), "bloom. takes no position"),
+                "falcon": (lambda: transformers.FalconConfig(**common, num_hidden_layers=2, num_attention_heads=4,
+                                                             alibi=True), "falcon. places tokens by ALiBi"),
+                "bart": (lambda: transformers.BartConfig(**common, d_model=64, decoder_layers=1, encoder_layers=1,
+                                                         decoder_attention_heads=4, encoder_attention_heads=4,
+                                                         decoder_ffn_dim=64, encoder_ffn_dim=64),
+                         "bart. takes no position ids")}[kind]
     model = transformers.AutoModelForCausalLM.from_config(cfg(), dtype=torch.float32)
     with pytest.raises(ConfigError, match=why + ".*tree verification needs an attention-only target"):
         Target(model, None)
