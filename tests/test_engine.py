@@ -462,10 +462,11 @@ def test_trees_reaching_past_the_context_window_are_cut_to_it(engine):
 
 def _sliding_window_model(kind: str, window: int):
     """A tiny HF model with sliding-window layers (the lean engine refuses them, so it runs HF's forward):
-    "mistral" every layer sliding; "qwen2" / "gemma3" sliding and full layers mixed (a mask per layer type);
+    "mistral" every layer sliding; "qwen2" / "gemma3" / "gemma4" (whose last two layers reuse earlier layers'
+    keys) sliding and full layers mixed (a mask per layer type);
     "llama4" chunked layers (trees cut to the first chunk)."""
-    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, Llama4TextConfig, MistralConfig,
-                              Qwen2Config)
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, Gemma4TextConfig, Llama4TextConfig,
+                              MistralConfig, Qwen2Config)
 
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=None,
@@ -474,6 +475,9 @@ def _sliding_window_model(kind: str, window: int):
     cfg = {"mistral": lambda: MistralConfig(**common, sliding_window=window),
            "qwen2": lambda: Qwen2Config(**common, use_sliding_window=True, sliding_window=window, layer_types=mixed),
            "gemma3": lambda: Gemma3TextConfig(**common, head_dim=16, sliding_window=window, layer_types=mixed),
+           "gemma4": lambda: Gemma4TextConfig(**common, head_dim=16, global_head_dim=16, sliding_window=window,
+                                              layer_types=mixed, vocab_size_per_layer_input=128,
+                                              hidden_size_per_layer_input=8, num_kv_shared_layers=2),
            "llama4": lambda: Llama4TextConfig(**{**common, "num_hidden_layers": 2}, head_dim=16,
                                               intermediate_size_mlp=128, num_local_experts=1,
                                               attention_chunk_size=window)}[kind]()
@@ -484,7 +488,7 @@ def _sliding_window_model(kind: str, window: int):
     return model
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3", "gemma4"])
 def test_sliding_window_targets_verify_whole_trees_past_their_window(kind):
     """Past a sliding window a tree still verifies whole: the cache keeps every row and the sliding layers see the
     ancestor mask cut to their window (the full layers of a mixed model the whole of it). Every node's logits are
