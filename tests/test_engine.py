@@ -302,6 +302,32 @@ def test_sampling_distribution_matches_plain_sampling(cfg):
     assert chi_square_test(counts, warmer)[2] < 1e-3, f"{cfg}: the law at 1.25 T is not told apart"
 
 
+def test_sampling_past_a_sliding_window_matches_plain_sampling():
+    """The exact-law test on a mixed sliding-window target (Qwen2, window 3, HF's forward) whose 5-token prompt
+    already fills the window: every tree is verified through the windowed mask on a full cache, and the first 3
+    new tokens follow the target's own law (its forward with HF's sliding masks, enumerated), chi-square at
+    p > 1e-3, with drafted nodes accepted."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from graft_block.target import Target
+
+    cfg = Qwen2Config(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, use_sliding_window=True, sliding_window=3, initializer_range=0.3,
+                      layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(4)
+    target = Target(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval(),
+                    None)
+    assert target.window == 3
+    law, prompt = SamplingConfig(temperature=1.0), [1, 5, 3, 2, 6]
+    exact = exact_sequence_probs(target, prompt, 3, law)
+    n = 400
+    counts, accepted = _spec_counts(target, prompt, _planted_law_drafter(exact), law, n)
+    stat, dof, p = chi_square_test(counts, exact)
+    assert p > 1e-3, f"speculative sampling differs from the target (chi2={stat:.1f}, dof={dof}, p={p:.2g})"
+    assert accepted > n // 10
+
+
 def test_sampling_law_test_rejects_a_biased_acceptance_rule(monkeypatch):
     """Power of the end-to-end law test: a verifier that, at ~30% of the tree's nodes with children, swaps the
     target's sampled choice for its first drafted child (accepting drafts too often) is rejected, p < 1e-3, at
