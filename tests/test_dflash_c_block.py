@@ -7,6 +7,7 @@ from graft_block import skinny
 from graft_block.decoder import SpeculativeDecoder
 from graft_block.drafter import Drafter
 from graft_block.drafters import dflash as D
+from graft_block.drafters.dflash import c_block
 from graft_block.drafters import mfd as M
 from graft_block.errors import ConfigError
 from graft_block.testing import hf_greedy, prefilled_state, tiny_target
@@ -140,27 +141,50 @@ def test_benchmark_mode_frees_the_torch_layer_weights(fused, tmp_path):
 
 
 def test_c_packs_follow_weight_changes(fused):
-    """A model whose weights change in place after a drafter packed them (training, then drafting again) is
-    repacked for the next drafter built on it, so the C forward keeps matching the torch one; and the C layers
-    refuse a forward that would run past their cache or with a mask of the wrong shape."""
+    """A model whose weights change in place after a drafter packed them (training, then drafting again), its
+    layers' or its features' projection (fc), is repacked for the next drafter built on it, so the C forward keeps
+    matching the torch one; and the C layers refuse a forward that would run past their cache or with a mask of
+    the wrong shape."""
     c, t = _pair(fused, proposal="ddtree", budget=4)
-    with torch.no_grad():
-        for p in c.model.layers.parameters():
-            p.mul_(1.5)
-    c2, t2 = D.DFlashDrafter(fused, c.model, proposal="ddtree", budget=4), D.DFlashDrafter(fused, c.model,
-                                                                                        proposal="ddtree", budget=4)
-    t2.c_context = None
     prompt = torch.randint(3, 128, (30,), generator=torch.Generator().manual_seed(8)).tolist()
-    st = prefilled_state(fused, prompt, c2)
-    t2.prefill(st)
-    ids = torch.full((8,), c2.model.mask_token_id)
-    ids[0] = st.root_token
-    with torch.inference_mode():
-        hc, ht = c2.block_hidden(st, ids), t2.block_hidden(st, ids)
-    assert torch.allclose(hc, ht, atol=1e-4, rtol=1e-4), (hc - ht).abs().max()
+    fc = c.model.fc.weight
+    for change in ("layers", "fc"):
+        with torch.no_grad():
+            if change == "layers":
+                for p in c.model.layers.parameters():
+                    p.mul_(1.5)
+            else:  # not a uniform scale: the hidden norm after fc would undo that
+                fc.add_(0.5 * torch.randn(fc.shape, generator=torch.Generator().manual_seed(1)))
+        c2, t2 = (D.DFlashDrafter(fused, c.model, proposal="ddtree", budget=4) for _ in range(2))
+        t2.c_context = None
+        st = prefilled_state(fused, prompt, c2)
+        t2.prefill(st)
+        ids = torch.full((8,), c2.model.mask_token_id)
+        ids[0] = st.root_token
+        with torch.inference_mode():
+            hc, ht = c2.block_hidden(st, ids), t2.block_hidden(st, ids)
+        assert torch.allclose(hc, ht, atol=1e-4, rtol=1e-4), (change, (hc - ht).abs().max())
     layers, cache = c2.c_context.layers, c2.c_context.cache
     x, cs = torch.zeros(2, 64), torch.zeros(2, 16)
     with pytest.raises(ValueError, match="do not fit a cache"):
         layers.run(x, cs, cs, cache.k, cache.v, cache.v.shape[2] - 1, None, {})
     with pytest.raises(ValueError, match="mask must be a contiguous"):
         layers.run(x, cs, cs, cache.k, cache.v, 3, torch.zeros(2, 4), {})
+
+
+def test_c_block_runs_only_a_silu_mlp_and_leaves_its_inputs_alone(fused):
+    """The C layers compute SwiGLU with SiLU: a drafter whose MLP uses another activation drafts in torch, and
+    says why. The C forward updates its own copy of the block's embeddings, never the caller's."""
+    c, _ = _pair(fused, proposal="ddtree", budget=4)
+    assert c_block.why_not(c.model, fused) is None
+    prompt = torch.randint(3, 128, (20,), generator=torch.Generator().manual_seed(9)).tolist()
+    prefilled_state(fused, prompt, c)
+    embeds = torch.randn(8, 64, generator=torch.Generator().manual_seed(10))
+    before = embeds.clone()
+    with torch.inference_mode():
+        c.c_context.forward(embeds, torch.arange(8) + c.ctx_len, None, c.ctx_len)
+    assert torch.equal(embeds, before)
+    gelu = D.new_model(fused, num_layers=1, block_size=8, target_layer_ids=[0, 2], seed=3)
+    gelu.config.hidden_act = "gelu"
+    assert "SwiGLU with SiLU, and this drafter's MLP uses gelu" in c_block.why_not(gelu, fused)
+    assert D.DFlashDrafter(fused, gelu, proposal="ddtree", budget=4).c_context is None

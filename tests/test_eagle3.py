@@ -753,3 +753,23 @@ def test_a_d2t_mapping_two_draft_ids_onto_one_target_id_is_refused(tmp_path, tin
     _write(tmp_path, make_head(tiny_llama), dup)
     with pytest.raises(ConfigError, match="same target id"):
         load_head(tmp_path, tiny_llama)
+
+
+def test_c_layer_leaves_its_inputs_alone_and_names_a_wrong_feature_width():
+    """The head's C layer updates its own copy of the fused features, never the caller's (a drafter reuses them),
+    and features of the wrong width get the torch head's message naming the expected channels, not a product
+    over the wrong number of inputs."""
+    from graft_block import skinny
+
+    if not skinny.available() or os.environ.get("GRAFT_BLOCK_TEST_DEVICE", "cpu") != "cpu":
+        pytest.skip(f"the C layers do not run here: {skinny.why_not()}")
+    t = tiny_target("qwen3", engine="lean", gemm="skinny")
+    dr = Eagle3Drafter(t, head=make_head(t, seed=8), budget=4, depth=2, top_k=2)
+    assert dr.c_layer is not None
+    g = torch.Generator().manual_seed(8)
+    emb, feats = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
+    before = feats.clone()
+    out = dr.c_layer.forward(emb, feats, 0, 0)
+    assert torch.equal(feats, before) and not torch.equal(out, feats)
+    with pytest.raises(ConfigError, match="EAGLE-3 fc expects 192 feature channels"):
+        dr.c_layer.fuse(torch.randn(2, 128))

@@ -714,3 +714,165 @@ def test_a_partial_rotary_embedding_is_refused_not_run_on_half_a_table():
         cos = torch.ones(3, width)
         with pytest.raises(ValueError, match=f"cos and sin must be float32 \\[3, {hd}\\]"):
             t.lean.fused.run(x, cos, cos, t.lean.k, t.lean.v, 0, None, {})
+
+
+def _rope_tables(positions, hd):
+    inv = 1.0 / 10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = torch.tensor(positions, dtype=torch.float64)[:, None] * inv
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos(), ang.sin()
+
+
+def _reference_layers(layers, x, emb, cos, sin, ks, vs, mask, dims):
+    """One forward of ``layers`` (float64 dicts of c_layer's keys) on x [n, H] after the cached keys ks / values vs
+    (per layer [rows, kv_heads, hd], appended to): a Llama / Qwen3 / EAGLE-3 decoder layer written out in torch."""
+    nh, nkv, hd, eps, qk_eps, scaling = dims
+    n, start = x.shape[0], ks[0].shape[0]
+
+    def norm(t, w, e):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + e) * w
+
+    def rope(t):  # [n, heads, hd]
+        half = hd // 2
+        rot = torch.cat([-t[..., half:], t[..., :half]], -1)
+        return t * cos[:, None] + rot * sin[:, None]
+
+    def lin(t, w, key):
+        y = t @ w[key].T
+        return y if w[key + "_b"] is None else y + w[key + "_b"]
+
+    if mask is None:
+        mask = torch.full((n, start + n), float("-inf"), dtype=torch.float64)
+        for r in range(n):
+            mask[r, : start + r + 1] = 0.0
+    for li, w in enumerate(layers):
+        if w.get("hn") is not None:
+            h = torch.cat([norm(emb, w["ln1"], eps), norm(x, w["hn"], eps)], -1)
+            if w.get("norm_residual"):
+                x = norm(x, w["hn"], eps)
+        else:
+            h = norm(x, w["ln1"], eps)
+        q, k, v = lin(h, w, "qkv").split([nh * hd, nkv * hd, nkv * hd], -1)
+        q, k, v = q.view(n, nh, hd), k.view(n, nkv, hd), v.view(n, nkv, hd)
+        if w.get("q_norm") is not None:
+            q, k = norm(q, w["q_norm"], qk_eps), norm(k, w["k_norm"], qk_eps)
+        q, k = rope(q), rope(k)
+        ks[li], vs[li] = torch.cat([ks[li], k]), torch.cat([vs[li], v])
+        kk, vv = ks[li].repeat_interleave(nh // nkv, 1), vs[li].repeat_interleave(nh // nkv, 1)  # [L, nh, hd]
+        scores = torch.einsum("nhd,lhd->hnl", q, kk) * scaling + mask
+        att = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), vv).reshape(n, nh * hd)
+        x = x + lin(att, w, "o")
+        g, u = lin(norm(x, w["ln2"], eps), w, "gu").chunk(2, -1)
+        x = x + lin(F.silu(g) * u, w, "d")
+    return x
+
+
+@pytest.mark.parametrize("case", ["mixed-packs", "eagle3", "eagle3-norm-residual"])
+def test_c_decoder_layers_equal_a_torch_reference_layer(case):
+    """The C decoder layers against the layer written out in torch, on weights the tiny targets never have:
+    random norm weights (ln1 / ln2 / q_norm / k_norm / EAGLE-3's hidden_norm, each where it belongs), a bias on
+    every product, norm epsilons large enough to matter, an MLP width off the vector width (the SiLU tail), scores
+    past exp's range (softmax must shift by the max), products of different packings in one layer (float32,
+    float16, Q4_1, Q8_0), a causal prefill and then rows at a later start under a finite additive mask: the
+    outputs, and the K/V the cache holds, agree to float32 rounding."""
+    from graft_block import skinny
+    from graft_block.testing import gguf_quantised
+
+    if not (ON_CPU and skinny.available()):
+        pytest.skip(f"the skinny kernel does not run here: {skinny.why_not()}")
+    g = torch.Generator().manual_seed(11)
+    H, nh, nkv, hd = 32, 4, 2, 16
+    inter = 64 if case == "mixed-packs" else 40  # Q4 / Q8 packs need widths of whole 32-input runs
+    eps, qk_eps = 0.05, 0.2
+    scaling = 8.0 if case == "mixed-packs" else hd ** -0.5  # q/k-normed heads: scores up to ~100 and more
+    hn = case.startswith("eagle3")
+    qkv_in = 2 * H if hn else H
+
+    def rand(*shape, scale=0.3):
+        return torch.randn(*shape, generator=g) * scale
+
+    ref, packed = [], []
+    for _ in range(1 if hn else 2):
+        w = dict(ln1=torch.rand(H, generator=g) + 0.5, ln2=torch.rand(H, generator=g) + 0.5,
+                 qkv=rand((nh + 2 * nkv) * hd, qkv_in), qkv_b=rand((nh + 2 * nkv) * hd),
+                 o=rand(H, nh * hd).half().float(), o_b=rand(H), gu=rand(2 * inter, H), gu_b=rand(2 * inter),
+                 d=rand(H, inter), d_b=rand(H))
+        if hn:
+            w.update(hn=torch.rand(H, generator=g) + 0.5, norm_residual=case.endswith("residual"))
+        else:
+            w.update(q_norm=torch.rand(hd, generator=g) + 0.5, k_norm=torch.rand(hd, generator=g) + 0.5)
+        if case == "mixed-packs":
+            w["gu"], w["d"] = gguf_quantised(w["gu"], 4), gguf_quantised(w["d"], 8)
+        p = dict(w, qkv=skinny.SkinnyWeight(w["qkv"], half=False), o=skinny.SkinnyWeight(w["o"]),
+                 gu=skinny.SkinnyWeight(w["gu"], quant=True), d=skinny.SkinnyWeight(w["d"], quant=True))
+        if case == "mixed-packs" and skinny._lib.half_weights() and skinny._lib.quant_weights():
+            assert [p[k].prec for k in ("qkv", "o", "gu", "d")] == [skinny.F32, skinny.F16, skinny.Q4, skinny.Q8]
+        packed.append(p)
+        ref.append({k: v.double() if isinstance(v, torch.Tensor) else v for k, v in w.items()})
+    layers = skinny.DecoderLayers(packed, H, nh, nkv, hd, inter, eps, qk_eps, scaling)
+    cache = skinny.LayerCache(len(packed), nkv, hd)
+    cache.reserve(19, 0)
+    ks = [torch.zeros(0, nkv, hd, dtype=torch.float64) for _ in packed]
+    vs = [torch.zeros(0, nkv, hd, dtype=torch.float64) for _ in packed]
+    mask = torch.randn(6, 19, generator=g)  # finite additive values, and hidden keys; past one vector of keys
+    mask[0, 2] = mask[1, 15] = mask[2, 0] = mask[3, 17] = float("-inf")
+    for start, positions, m in ((0, list(range(13)), None), (13, [13, 14, 14, 15, 15, 16], mask)):
+        n = len(positions)
+        x, emb = torch.randn(n, H, generator=g), torch.randn(n, H, generator=g)
+        cos, sin = _rope_tables(positions, hd)
+        want = _reference_layers(ref, x.double(), emb.double(), cos, sin, ks, vs,
+                                 None if m is None else m.double(), (nh, nkv, hd, eps, qk_eps, scaling))
+        got = x.clone()
+        layers.run(got, cos.float(), sin.float(), cache.k, cache.v, start, m, {}, emb=emb if hn else None)
+        assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4), (case, start, (got - want).abs().max())
+        kc, vc = cache.rows(start + n)  # [layers, kv_heads, rows, hd]
+        for li in range(len(packed)):
+            assert torch.allclose(kc[li].transpose(0, 1).double(), ks[li], atol=1e-4, rtol=1e-4), (case, li)
+            assert torch.allclose(vc[li].transpose(0, 1).double(), vs[li], atol=1e-4, rtol=1e-4), (case, li)
+
+
+def test_c_decoder_layers_refuse_inputs_they_would_read_past():
+    """``DecoderLayers.run`` checks what the C code would otherwise read or write past the end of: an EAGLE-3 layer
+    without its embeddings, a key cache whose rows are not whole blocks or shorter than the value cache's; rows that
+    exactly fill the cache are taken."""
+    from graft_block import skinny
+
+    if not (ON_CPU and skinny.available()):
+        pytest.skip(f"the skinny kernel does not run here: {skinny.why_not()}")
+    g = torch.Generator().manual_seed(12)
+    H, nh, nkv, hd, inter = 32, 2, 1, 16, 32
+    w = dict(ln1=torch.ones(H), ln2=torch.ones(H), hn=torch.ones(H),
+             qkv=skinny.SkinnyWeight(torch.randn((nh + 2 * nkv) * hd, 2 * H, generator=g)),
+             o=skinny.SkinnyWeight(torch.randn(H, nh * hd, generator=g)),
+             gu=skinny.SkinnyWeight(torch.randn(2 * inter, H, generator=g)),
+             d=skinny.SkinnyWeight(torch.randn(H, inter, generator=g)))
+    layers = skinny.DecoderLayers([w], H, nh, nkv, hd, inter, 1e-5, 1e-5, hd ** -0.5)
+    cache = skinny.LayerCache(1, nkv, hd)
+    cache.reserve(4, 0)
+    cap = cache.v.shape[2]
+    x, cs = torch.randn(2, H, generator=g), torch.ones(2, hd)
+    with pytest.raises(ValueError, match="an EAGLE-3 layer \\(hn\\) needs float32 emb"):
+        layers.run(x.clone(), cs, cs, cache.k, cache.v, 0, None, {})
+    with pytest.raises(ValueError, match="an EAGLE-3 layer \\(hn\\) needs float32 emb"):
+        layers.run(x.clone(), cs, cs, cache.k, cache.v, 0, None, {}, emb=torch.randn(3, H))
+    for k in (cache.k[..., : cap - 1], cache.k[..., : cap - skinny.CAP_MULTIPLE]):
+        with pytest.raises(ValueError, match="each transposed key row must hold the value cache's rows"):
+            layers.run(x.clone(), cs, cs, k, cache.v, 0, None, {}, emb=x.clone())
+    last = x.clone()
+    layers.run(last, cs, cs, cache.k, cache.v, cap - 2, None, {}, emb=x.clone())  # the cache's last two rows
+    assert last.isfinite().all() and not torch.equal(last, x)
+
+
+def test_layer_cache_keeps_its_rows_when_it_grows():
+    """A drafter's C-layer cache grows by reallocating: the rows it keeps come back unchanged, keys and values."""
+    from graft_block import skinny
+
+    cache = skinny.LayerCache(2, 2, 16)
+    cache.reserve(10, 0)
+    g = torch.Generator().manual_seed(13)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    k, v = (t.clone() for t in cache.rows(10))
+    cache.reserve(cache.v.shape[2] + 1, 10)
+    assert cache.v.shape[2] > 256 and cache.k.shape[3] >= cache.v.shape[2]
+    assert torch.equal(cache.rows(10)[0], k) and torch.equal(cache.rows(10)[1], v)

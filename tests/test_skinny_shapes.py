@@ -70,3 +70,69 @@ def test_bf16_inputs_round_as_the_vector_conversion_does_in_the_tail_too():
     y = skinny.linear(x, pw)
     assert torch.equal(y[:2], x[:2].bfloat16().float())
     assert y[2, 35].isnan() and y[3, 36].isnan(), (y[2, 35], y[3, 36])
+
+
+def test_bf16_products_at_input_widths_the_amx_tiles_do_not_take():
+    """The AMX tiles step over 16 input pairs at a time: a width of 24 or 40 pairs (8 past a multiple of 16) must
+    run the vector code and still give the product of the bfloat16-rounded inputs and weights, at 1 to 17 rows and
+    at output counts off the 32-output blocks; 16 and 32 pairs (the tiles, where the CPU has them) too."""
+    skinny = _skinny()
+    if not skinny._lib.bf16_weights():
+        pytest.skip("bfloat16 products need an AVX512-BF16 CPU")
+    g = torch.Generator().manual_seed(2)
+    for out, n_in in [(37, 48), (37, 80), (70, 32), (33, 64)]:
+        w = torch.randn(out, n_in, generator=g)
+        pw = skinny.SkinnyWeight(w, half="bf16")
+        x = torch.randn(17, n_in, generator=g)
+        xb, wb = x.bfloat16().double(), w.bfloat16().double()
+        bound = 1e-6 * n_in * (xb.abs() @ wb.abs().T).max()
+        for n in (1, 5, 16, 17):
+            err = (skinny.linear(x[:n], pw).double() - xb[:n] @ wb.T).abs().max()
+            assert err <= bound, (out, n_in, n, err)
+
+
+def test_the_quant_argument_overrides_the_exact_quant_switch(monkeypatch):
+    """``quant=True`` packs an exactly Q4_1 / Q8_0 weight in that form whatever GRAFT_BLOCK_EXACT_QUANT says (and
+    keeps the float32 products bit for bit), ``quant=False`` keeps the float32 pack with the switch on."""
+    skinny = _skinny()
+    if not skinny._lib.quant_weights():
+        pytest.skip("no skinny kernel with quantised loads here")
+    from graft_block.testing import gguf_quantised
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 64, generator=g)
+    for bits, prec in ((4, skinny.Q4), (8, skinny.Q8)):
+        w = gguf_quantised(torch.randn(40, 64, generator=g), bits)
+        full = skinny.linear(x, skinny.SkinnyWeight(w, half=False))
+        monkeypatch.setenv(skinny.QUANT_ENV, "0")
+        q = skinny.SkinnyWeight(w, quant=True)
+        assert q.prec == prec and torch.equal(skinny.linear(x, q), full)
+        monkeypatch.setenv(skinny.QUANT_ENV, "1")
+        assert skinny.SkinnyWeight(w, quant=False).prec == skinny.F32
+        assert skinny.SkinnyWeight(w).prec == prec
+
+
+def test_what_the_kernel_cannot_take_is_refused_by_name(monkeypatch):
+    """Rows of another dtype, row ids off either end of the weight, an unknown tile name, and model sizes the C
+    layers cannot run are refused with a message, not run on reinterpreted memory; a key cache row holds every
+    cache row in whole blocks."""
+    skinny = _skinny()
+    pw = skinny.SkinnyWeight(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="float32 CPU rows of 8"):
+        skinny.linear(torch.randn(2, 8, dtype=torch.float64), pw)
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match="row ids must lie in 0..3"):
+            pw.rows(torch.tensor([0, bad]))
+    monkeypatch.setenv("GRAFT_BLOCK_SKINNY", "avx1024")
+    with pytest.raises(RuntimeError, match="GRAFT_BLOCK_SKINNY='avx1024': not one of avx512, avx2, generic"):
+        skinny.variant()
+    monkeypatch.delenv("GRAFT_BLOCK_SKINNY")
+    vw = skinny.VARIANTS[skinny.variant()][0]
+    assert skinny.layers_unsupported(64, 4, 2, 16) is None
+    assert "must be multiples of the vector width" in skinny.layers_unsupported(64, 4, 2, 16 + vw // 2)
+    assert "must be multiples of the vector width" in skinny.layers_unsupported(64 + vw // 2, 4, 2, 16)
+    assert "odd or above 256" in skinny.layers_unsupported(64, 4, 2, 256 + vw)
+    assert "do not split into 3 key/value groups" in skinny.layers_unsupported(64, 4, 3, 16)
+    for cap in (1, 63, 64, 65, 100, 1000, 1024):
+        rows = skinny.key_cache_shape(2, 3, 16, cap)[3]
+        assert rows >= cap and rows % skinny.CAP_MULTIPLE == 0, (cap, rows)
