@@ -116,6 +116,9 @@ def test_paired_standard_error_counts_answers_not_their_cuts():
     sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / 11)
     assert loose["se"] == pytest.approx(sd / math.sqrt(12)) and loose["answers"] == 12
     assert "(3 answers)" in format_table(summary_rows(res, groups=groups))
+    plain = format_table(summary_rows(res)).splitlines()  # every context its own answer: no count of answers
+    assert plain[2:] == ["| ref | 0 | 4.0 | 2.250 | - | 12 |",
+                         f"| new | 0 | 4.0 | 2.383 | +0.133 +- {sd / math.sqrt(12):.3f} | 12 |"]
 
 
 def test_expect_refuses_what_depends_on_earlier_rounds():
@@ -132,6 +135,8 @@ def test_expect_refuses_what_depends_on_earlier_rounds():
     assert drafter("s", {**tree, "schedule": {"cost": "curve"}}, 3, schedule_ok=True).budget == 3
     with pytest.raises(ConfigError, match="prices the schedule's default cut"):
         tree_spec("s", {**tree, "schedule": {"cost": "curve", "stop": "first_drop"}}, 3, schedule_ok=True)
+    with pytest.raises(ConfigError, match="prices the schedule's default cut"):
+        tree_spec("s", {**tree, "schedule": {"cost": "curve", "min_nodes": 2}}, 3, schedule_ok=True)
     with pytest.raises(ConfigError, match="has a graft"):  # a graft's tree is not the drafter's: never priced
         tree_spec("g", {**tree, "graft": {"mode": "prune"}}, None, schedule_ok=True)
     with pytest.raises(ConfigError, match="drafts no tree"):
@@ -142,7 +147,9 @@ def test_expect_refuses_what_depends_on_earlier_rounds():
     for bad, words in ((["--budget", "0"], "must be >= 1"), (["--budget", "4,x"], "comma-separated ints"),
                        (["--contexts", "0"], "--contexts must be"), (["--temperature", "hot"], "--temperature"),
                        (["--overhead-ms", "-1"], "--overhead-ms must be"), (["--cuts", "0"], "--cuts must be"),
-                       (["--answer-tokens", "4"], "--answer-tokens >= 5"), (["--top-p", "0"], "top_p must be in")):
+                       (["--answer-tokens", "4"], "--answer-tokens >= 5"), (["--top-p", "0"], "top_p must be in"),
+                       (["--walk"], "--walk needs --prompts"),
+                       (["--walk", "--prompts", "none.jsonl", "--temperature", "1"], "--walk needs .*--temperature 0")):
         with pytest.raises(ConfigError, match=words):  # before any model loads
             main(bad)
 
@@ -218,6 +225,7 @@ def test_headroom_prices_fixed_sizes_the_schedules_cut_and_the_best_size_per_con
     one = headroom([cut_values(fork, [1.0, 0.0, 0.0, 1.0], torch.tensor([1.0, 0.1, 0.05, 0.9]), cost, 0.0)], cost, 0.0)
     assert one["fixed"][1]["tau"] == 1.0 and one["cut"] == pytest.approx({"tau": 2.0, "nodes": 1.0,
                                                                            "speedup": 2.0 / cost(2)})
+    assert one["fixed"][2]["tau"] == 2.0  # a DDTree-2 holds the two likeliest nodes, 1 and 3 (not nodes 1 and 2)
     res = {"headroom": {"chain": {0.0: knows}}, "nodes": {"chain": 4.0}}
     row = format_headroom(res).splitlines()[-1]
     assert row.startswith("| chain | 0 | 4.0 | 3.000 / 2.143 | 4 / 3.000 / 2.143 | 2.00 / 3.000 / 2.500 |")
@@ -276,3 +284,134 @@ def test_walk_over_every_position_is_the_decoded_tau(tmp_path, one_thread):
     assert walk["positions"] == len(ctxs) == 2 * 39 and walk["rounds"] == rounds
     assert walk["walk_tau"] == pytest.approx(tokens / rounds) and walk["walk_tau"] > 2  # drafts were accepted
     assert abs(walk["mean_tau"] - walk["walk_tau"]) > 0.05
+
+
+def test_contexts_are_cut_at_every_allowed_point_of_a_seeded_sample_of_answers(monkeypatch):
+    """On answers of exactly ``min_answer`` (8) tokens after a 3-token prompt, a cut keeps one answer token or more
+    before it and four or more after, and the points between are all drawn; shorter answers are never cut; which
+    answers are cut is a seeded sample of the whole set, not the first ones of the file."""
+    import graft_block.eval.expected_tau as E
+
+    recs = [{"ids": torch.arange(100 * n, 100 * n + 3 + (8 if n % 3 else 7)), "prompt_len": 3} for n in range(60)]
+    monkeypatch.setattr(E, "read", lambda dataset: recs)
+    ctxs = sample_contexts("data", 40, seed=0)
+    assert len(ctxs) == 40 and {4, 5, 6} <= {len(c) for c in ctxs} <= {4, 5, 6, 7}
+    assert all(c[0] % 3 for c in ctxs)  # c[0] = 100 * n: answers of 8, never those of 7
+    picked = [{c[0] for c in sample_contexts("data", 5, seed=s)} for s in (1, 2)]
+    assert picked[0] != picked[1]
+
+
+def test_answer_contexts_take_every_point_of_an_answer_shorter_than_its_cuts(tmp_path, one_thread):
+    """An answer with room for fewer cuts than asked (8 points in a 12-token answer, 20 cuts asked) gives each of
+    its points once rather than failing."""
+    import json
+
+    from graft_block.eval.expected_tau import answer_contexts
+
+    target = tiny_target("qwen3")
+    prompt = [5, 17, 33, 2]
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"id": 0, "turns": [prompt]}) + "\n")
+    ctxs, _, answers = answer_contexts(target, [str(path)], 0, cuts=20, answer_tokens=12)
+    assert sorted(len(c) - len(prompt) for c in ctxs) == list(range(1, 9)) and answers == [0] * 8
+
+
+class Confident(Oracle):
+    """The oracle's tree with a confidence head that gives every node P(accepted) 0.1."""
+
+    def node_survival(self, tree):
+        return torch.full((tree.size,), 0.1, dtype=torch.float64)
+
+
+def test_expect_reads_each_methods_survival_where_its_schedule_would(one_thread):
+    """``--headroom`` prices a method's cut from where its schedule reads survival (``estimate_source``): the
+    drafter's head by default, path probabilities with ``survival: scores``; never the outcome. On the oracle's tree
+    (a greedy chain of 3, a wrong sibling at each depth, no path scores) that the target takes whole at T = 0 (4
+    tokens with the bonus): a head of 0.1 per node expects 1 + 0.2 + 0.1 + 0.05, flat path probabilities (siblings
+    halved) 1 + 1 + 0.5 + 0.25."""
+    from graft_block.eval.expected_tau import estimate_source
+
+    assert estimate_source({"drafter": {}}) == estimate_source({"schedule": {"cost": "curve"}}) == "drafter"
+    assert estimate_source({"schedule": {"cost": "curve", "survival": "scores"}}) == "scores"
+    target = tiny_target("qwen3")
+    g = torch.Generator().manual_seed(3)
+    contexts = [torch.randint(3, 120, (9,), generator=g).tolist() for _ in range(2)]
+    specs = {"head": {}, "scores": {"schedule": {"survival": "scores"}}}
+    res = evaluate(target, {"head": Confident(target), "scores": Confident(target)}, contexts, [SamplingConfig()],
+                   cuts=(lambda n: 1.0 + 0.1 * n, 0.0), estimates={m: estimate_source(s) for m, s in specs.items()})
+    assert res["values"]["head"][0.0] == [3.0, 3.0]
+    assert res["headroom"]["head"][0.0]["estimated_over_realised"] == pytest.approx(1.35 / 4)
+    assert res["headroom"]["scores"][0.0]["estimated_over_realised"] == pytest.approx(2.75 / 4)
+
+
+def test_a_cold_target_scores_trees_as_the_greedy_one_does(one_thread):
+    """At T -> 0 the target's law at each node is its greedy choice, so the expectation tends to the greedy count:
+    the oracle's 3 at T = 0.01 (each node's probability is read at its parent's row). Tree size counts drafted
+    nodes only (6 here: the root is not one)."""
+    target = tiny_target("qwen3")
+    g = torch.Generator().manual_seed(3)
+    contexts = [torch.randint(3, 120, (9,), generator=g).tolist() for _ in range(2)]
+    res = evaluate(target, {"oracle": Oracle(target)}, contexts, [SamplingConfig(), SamplingConfig(temperature=0.01)])
+    assert res["values"]["oracle"][0.0] == [3.0, 3.0]
+    assert res["values"]["oracle"][0.01] == pytest.approx([3.0, 3.0], abs=0.01)
+    assert res["nodes"]["oracle"] == 6.0
+
+
+def test_the_oracle_is_the_best_size_per_context_and_ties_go_to_the_smaller_tree():
+    """The oracle's rate is the best over every choice of a size per context (checked against all of them; on
+    these prefix tokens one Dinkelbach step is not enough). Where the verify cost is flat (over a stair of the
+    curve), sizes that earn the same tokens in the same time tie and the smaller tree is taken, by the best fixed
+    size and by the oracle's size per context alike."""
+    import itertools
+    import random
+
+    def values(prefixes):
+        return [{"prefix": p, "cut_tokens": 1.0, "cut_nodes": 0, "estimated": 1.0, "realised": p[-1]} for p in prefixes]
+
+    def cost(n):
+        return 1.0 + 0.5 * (n - 1)
+
+    h = headroom(values([[1.0, 2.0, 2.1], [1.0, 1.1, 2.1]]), cost, 0.0)
+    assert h["best_fixed"] == 2 and h["oracle"] == pytest.approx({"tau": 1.5, "nodes": 0.5, "speedup": 3 / 2.5})
+    rng = random.Random(0)
+    for _ in range(30):
+        prefixes = [[1.0] for _ in range(3)]
+        for p in prefixes:
+            for _ in range(rng.randint(1, 4)):
+                p.append(p[-1] + rng.choice([0.0, 0.1, 0.5, 0.9, 1.0]))
+        best = max(sum(p[n] for p, n in zip(prefixes, ns)) / sum(cost(1 + n) for n in ns)
+                   for ns in itertools.product(*[range(len(p)) for p in prefixes]))
+        assert headroom(values(prefixes), cost, 0.0)["oracle"]["speedup"] == pytest.approx(best)
+    flat = headroom(values([[1.0, 2.0, 2.0, 2.0, 2.0], [1.0] * 5]), lambda n: 1.0, 0.0)
+    assert flat["best_fixed"] == 1 and flat["fixed"][1]["speedup"] == flat["fixed"][4]["speedup"] == 1.5
+    # a verify cost in stairs (the root and one node cost what the root alone does): the first context's node
+    # earns nothing on its stair, so the oracle leaves it out there and takes the second context's 3
+    stairs = headroom(values([[1.0, 1.0, 1.0], [1.0, 1.0, 1.5, 2.5]]), lambda n: 1.0 if n <= 2 else 2.0, 0.0)
+    assert stairs["oracle"] == pytest.approx({"tau": 1.75, "nodes": 1.5, "speedup": 3.5 / 3})
+
+
+def test_suffix_decay_is_none_where_the_depth_before_is_barely_reached():
+    """A ratio of two rounding-sized numbers is no rate: below P = 1e-6 at depth k - 1 the decay at k is None."""
+    rows = decay_rows({"at_least": {"m": {0.0: [0.5, 1e-7, 0.0]}}})
+    assert rows == [{"method": "m", "temperature": 0.0, "suffix_decay": [0.5, pytest.approx(2e-7), None]}]
+
+
+def test_expect_takes_the_smallest_valid_settings_and_cuts_with_its_seed(monkeypatch):
+    """--cuts 1, --answer-tokens 5 and --overhead-ms 0 are valid (the refusals start below them), and --seed picks
+    the contexts; the run gets as far as cutting them."""
+    import types
+
+    import graft_block.eval.expected_tau as E
+
+    class Cut(Exception):
+        pass
+
+    def sample(dataset, count, seed=0, min_answer=8):
+        raise Cut(count, seed)
+
+    monkeypatch.setattr(E, "load_target", lambda *a, **k: None)
+    monkeypatch.setattr(E, "Drafter", types.SimpleNamespace(from_config=lambda cfg, target=None: None))
+    monkeypatch.setattr(E, "sample_contexts", sample)
+    with pytest.raises(Cut) as got:
+        E.main(["--cuts", "1", "--answer-tokens", "5", "--overhead-ms", "0", "--contexts", "2", "--seed", "3"])
+    assert got.value.args == (2, 3)

@@ -93,6 +93,7 @@ def test_command_line_of_every_preset(tmp_path):
     hot = L.command("b", "m", "p", 80, 2, ng, 0.6, 1, top_k=20, top_p=0.95)
     assert (_after(hot, "--top-k"), _after(hot, "--top-p"), _after(hot, "--temp")) == ("20", "0.95", "0.6")
     assert _after(hot, "--samplers") == "top_k;temperature;top_p"
+    assert float(_after(hot, "--min-p")) == 0.0  # llama.cpp's default min-p (0.05) would cut HF's law further
     assert _after(L.command("b", "m", "p", 1, 2, ar), "-n") == "0"
     with pytest.raises(ConfigError):
         L.command("b", "m", "p", 0, 2, ar)
@@ -389,6 +390,9 @@ def test_a_long_prompt_fits_llama_cpps_batch():
     ({"spec": "draft-dflash", "n_max": 7}, "needs 'draft'"),
     ({"spec": "ngram-mod", "n_max": -1}, "n_max must be a whole number"),
     ({"spec": "none", "timeout": 0}, "timeout must be seconds > 0"),
+    ({"spec": "none", "timeout": float("nan")}, "timeout must be seconds > 0"),
+    ({"spec": "ngram-mod", "n_max": True}, "n_max must be a whole number"),
+    ({"spec": "none", "args": ["--no-warmup", True]}, "args must be a list of command-line words"),
 ])
 def test_bad_llamacpp_settings_stop_before_the_run(cfg, why):
     """A preset's mistakes are ConfigErrors when the method is built, even where no build is configured (they used
@@ -412,6 +416,12 @@ def test_a_wrong_build_path_says_what_is_wrong(tmp_path, monkeypatch):
     (src / "CMakeLists.txt").write_text("")
     monkeypatch.setenv(L.ENV, str(src))
     with pytest.raises(MethodUnavailable, match="holds llama.cpp sources but llama-speculative-simple is not built"):
+        L.llamacpp_runner(_Target(None), {"spec": "none"})
+    configured = tmp_path / "configured"  # a build/ that cmake configured, its binaries not built yet
+    (configured / "build").mkdir(parents=True)
+    (configured / "build" / "CMakeCache.txt").write_text("")
+    monkeypatch.setenv(L.ENV, str(configured))
+    with pytest.raises(MethodUnavailable, match="llama-speculative-simple is not built"):
         L.llamacpp_runner(_Target(None), {"spec": "none"})
     binary.chmod(0o644)
     monkeypatch.setenv(L.ENV, str(build))
@@ -478,3 +488,212 @@ def test_the_hf_peers_child_is_stopped_at_its_timeout_and_must_print_a_record(tm
     monkeypatch.setenv("STUB_HANG", "1")
     with pytest.raises(RuntimeError, match="did not finish within 0.5 s"):
         run(torch.tensor([1, 2, 3]), 4, 0.0, 0)
+
+
+def _replay(monkeypatch):
+    """subprocess.run answering every call with the recorded call's output; each call's argv, timeout and prompt
+    file are kept."""
+    import subprocess
+
+    calls = []
+
+    def run(cmd, capture_output=False, timeout=None):
+        calls.append({"argv": cmd, "timeout": timeout,
+                      "prompt": Path(cmd[cmd.index("-f") + 1]).read_text(encoding="utf-8")})
+        return subprocess.CompletedProcess(cmd, 0, STDOUT.encode(), STDERR.encode())
+
+    monkeypatch.setattr(L.subprocess, "run", run)
+    return calls
+
+
+def _fake_model(tmp_path):
+    model = tmp_path / "target.gguf"
+    model.write_bytes(b"not a real gguf")
+    return str(model)
+
+
+def test_the_runner_passes_the_presets_args_the_runs_sampling_and_the_timeout(tmp_path, tokenizer, monkeypatch):
+    """What reaches llama.cpp from a preset and a run, checked on the call itself (``command`` alone was): the
+    preset's args (last: they win), the run's temperature / top-k / top-p / seed, a context with room for the
+    preset's longest draft, and the preset's timeout before the runner's."""
+    L.set_build(str(_fake_build(tmp_path)))
+    model = _fake_model(tmp_path)
+    calls = _replay(monkeypatch)
+    cfg = {"spec": "ngram-mod", "n_max": 100, "model": model, "args": ["-ub", 1], "timeout": 5}
+    rec = L.llamacpp_runner(_Target(tokenizer), cfg, threads=2, timeout=60)(META["prompt_ids"], 32, 0.7, 3, 20, 0.9)
+    argv = calls[-1]["argv"]
+    assert argv[-2:] == ["-ub", "1"] and calls[-1]["timeout"] == 5
+    assert [_after(argv, f) for f in ("--temp", "--top-k", "--top-p", "--seed")] == ["0.7", "20", "0.9", "3"]
+    assert _after(argv, "--spec-ngram-mod-n-max") == "100"
+    assert _after(argv, "-c") == "512"  # 177 prompt + 32 new + 100 drafted past the end: more than 256
+    assert rec["tokens"] == META["our_ar_tokens"]
+    L.llamacpp_runner(_Target(tokenizer), {"spec": "none", "model": model}, threads=2, timeout=60)(
+        META["prompt_ids"], 32, 0.0, 0)
+    assert calls[-1]["timeout"] == 60  # no preset timeout: the runner's
+    assert L.context_size(200, 40, 16) == 512  # a whole draft past the answer's end needs its room too
+
+
+def test_ngram_mod_settings_each_reach_their_own_flag():
+    """No preset runs ngram-mod (a --config can): its match length, minimum and maximum must not trade places, a
+    config that names only the spec gets fixed values (not whatever the build defaults to), and --list-methods
+    shows the maximum it runs."""
+    assert L.spec_args({"spec": "ngram-mod", "n_match": 12, "n_min": 2, "n_max": 20}) == [
+        "--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "12", "--spec-ngram-mod-n-min", "2",
+        "--spec-ngram-mod-n-max", "20"]
+    bare = L.spec_args({"spec": "ngram-mod"})
+    assert [_after(bare, f"--spec-ngram-mod-{k}") for k in ("n-match", "n-min", "n-max")] == ["24", "0", "16"]
+    assert L.describe({"spec": "ngram-mod"}) == f"llama.cpp ngram-mod up to {_after(bare, '--spec-ngram-mod-n-max')}"
+
+
+def test_a_draft_gguf_file_needs_no_bundled_drafter_and_must_exist(tmp_path, tokenizer, monkeypatch):
+    """``draft_gguf`` names a GGUF to run as it is (a drafter exported elsewhere): enough without ``draft``, and a
+    path that does not exist is the preset's error, not a skip."""
+    L.set_build(str(_fake_build(tmp_path)))
+    calls = _replay(monkeypatch)
+    mine = tmp_path / "mine-eagle3.gguf"
+    cfg = {"spec": "draft-eagle3", "draft_gguf": str(mine), "n_max": 4, "model": _fake_model(tmp_path)}
+    with pytest.raises(ConfigError, match="no draft GGUF at .*mine-eagle3.gguf") as got:
+        L.llamacpp_runner(_Target(tokenizer), cfg)
+    assert not isinstance(got.value, MethodUnavailable)
+    mine.write_bytes(b"gguf")
+    L.llamacpp_runner(_Target(tokenizer), cfg, threads=2)(META["prompt_ids"], 32, 0.0, 0)
+    argv = calls[-1]["argv"]
+    assert (_after(argv, "-md"), _after(argv, "--spec-type"), _after(argv, "--spec-draft-n-max")) == (
+        str(mine), "draft-eagle3", "4")
+
+
+def test_a_missing_target_gguf_is_a_skip_by_default_and_an_error_when_named(tmp_path, tokenizer, monkeypatch):
+    """The target's F32 GGUF not converted yet skips the method (like a missing build); a ``model`` path the preset
+    names that does not exist is the preset's mistake: a ConfigError, not a skip."""
+    L.set_build(str(_fake_build(tmp_path)))
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(MethodUnavailable, match="no target GGUF at .*smollm2-135m-f32.gguf"):
+        L.llamacpp_runner(_Target(tokenizer), {"spec": "none"})
+    with pytest.raises(ConfigError, match="no target GGUF at .*missing.gguf") as got:
+        L.llamacpp_runner(_Target(tokenizer), {"spec": "none", "model": str(tmp_path / "missing.gguf")})
+    assert not isinstance(got.value, MethodUnavailable)
+
+
+def test_a_gguf_that_adds_bos_gets_the_prompt_without_ours(tmp_path, tokenizer, monkeypatch):
+    """A GGUF whose metadata says llama.cpp prepends BOS (``tokenizer.ggml.add_bos_token``) gets our prompt without
+    its leading BOS, so that the model sees one BOS, not two; a prompt that does not start with BOS goes whole."""
+    import gguf
+
+    L.set_build(str(_fake_build(tmp_path)))
+    calls = _replay(monkeypatch)
+    model = tmp_path / "adds-bos.gguf"
+    w = gguf.GGUFWriter(str(model), "llama")
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ids, bos = META["prompt_ids"], tokenizer.decode([tokenizer.bos_token_id])
+    assert ids[0] == tokenizer.bos_token_id and META["prompt_text"].startswith(bos)
+    rec = L.llamacpp_runner(_Target(tokenizer), {"spec": "none", "model": str(model)}, threads=2)(ids, 32, 0.0, 0)
+    assert calls[-1]["prompt"] == META["prompt_text"][len(bos):] + "\n"
+    assert rec["prompt_parity"] and rec["tokens"] == META["our_ar_tokens"]  # 177 tokens with llama.cpp's BOS
+    assert L.prompt_text(tokenizer, ids[1:], adds_bos=True) == META["prompt_text"][len(bos):]
+
+
+def test_a_record_never_holds_more_than_was_asked_or_counted(tokenizer):
+    """A last round can accept past the limit (llama.cpp stops once it has more than n): the tokens are cut to
+    max_new_tokens, with or without a tokenizer. An appended EOS (never printed) is not one more decoded token:
+    decode_tokens stays within llama.cpp's count, so N / S and tau never count more than it decoded. A prompt
+    that llama.cpp tokenized to another length is flagged."""
+    rec = L.to_record(STDOUT, STDERR, META["prompt_text"], 20, tokenizer)
+    assert rec["tokens"] == META["our_ar_tokens"][:20] and rec["new_tokens"] == 20
+    assert L.to_record(STDOUT, STDERR, META["prompt_text"], 20)["new_tokens"] == 20
+    rec = L.to_record(STDOUT, STDERR, META["prompt_text"], 40, tokenizer)  # 32 of 40: an EOS stop
+    assert rec["tokens"] == META["our_ar_tokens"] + [tokenizer.eos_token_id]
+    assert rec["decode_tokens"] == 32 and rec["dropped"] == 0 and rec["tau"] == 1.0
+    assert L.to_record(STDOUT, STDERR, META["prompt_text"], 32, tokenizer, 176)["prompt_parity"] is False
+
+
+def test_a_crash_reports_its_cause_the_end_of_its_log_and_the_command():
+    """llama.cpp's cause often comes before a long teardown: the error lines from earlier in the log are kept
+    beside its last 8 lines, after the exit code and the whole command."""
+    log = "loading\nllama_model_load: error loading model: bad magic\n" + "".join(f"teardown {i}\n" for i in range(20))
+    exc = L.run_error(134, ["/b/llama-speculative-simple", "-m", "/m.gguf"], log)
+    assert isinstance(exc, RuntimeError) and not isinstance(exc, ConfigError)
+    lines = str(exc).splitlines()
+    assert lines[0] == "llama-speculative-simple exited with 134: /b/llama-speculative-simple -m /m.gguf"
+    assert lines[1:] == ["llama_model_load: error loading model: bad magic"] + [f"teardown {i}" for i in range(12, 20)]
+
+
+def test_a_cached_draft_gguf_follows_the_rest_of_its_key_and_is_never_served_half_written(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Beyond the checkpoint and the export code: a target GGUF converted again at the same path (its tokenizer is
+    copied), another gguf package and a bumped DRAFT_EXPORT_VERSION each export again, as does a GGUF deleted
+    beside its record. A failed export leaves no record, so the half-written file is not served even once the
+    inputs are back to the recorded ones; an export that did not write its file is a skip that says so."""
+    import importlib.metadata
+
+    import graft_block.drafter as D
+
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
+    ckpt = tmp_path / "mine"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"weights v1")
+    monkeypatch.setattr(D, "bundled_checkpoint", lambda name: ckpt if name == "mine" else None)
+    tok = L.target_gguf("smollm2-135m")
+    tok.parent.mkdir(parents=True)
+    tok.write_bytes(b"target gguf")
+    calls = []
+    monkeypatch.setitem(sys.modules, "graft_block.drafters.export", _fake_export(calls))
+    gg = L.draft_gguf("mine")
+    capsys.readouterr()
+
+    def rebuilt(why):
+        n = len(calls)
+        assert L.draft_gguf("mine") == gg and len(calls) == n + 1 and f"({why} changed)" in capsys.readouterr().err
+        assert L.draft_gguf("mine") == gg and len(calls) == n + 1  # recorded again: cached
+
+    tok.write_bytes(b"target gguf, converted again")
+    rebuilt("the tokenizer GGUF")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1-another")
+    rebuilt("the gguf package")
+    monkeypatch.setattr(L, "DRAFT_EXPORT_VERSION", L.DRAFT_EXPORT_VERSION + 1)
+    rebuilt("the export settings")
+    gg.unlink()
+    assert L.draft_gguf("mine") == gg and gg.is_file() and len(calls) == 5
+
+    def half(source, out, tokenizer_gguf=None):
+        Path(out).write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setitem(sys.modules, "graft_block.drafters.export", types.SimpleNamespace(export_llamacpp=half))
+    (ckpt / "model.safetensors").write_bytes(b"weights v2")
+    with pytest.raises(MethodUnavailable, match="OSError: disk full"):
+        L.draft_gguf("mine")
+    (ckpt / "model.safetensors").write_bytes(b"weights v1")  # the inputs of the last good export again
+    monkeypatch.setitem(sys.modules, "graft_block.drafters.export", _fake_export(calls))
+    assert L.draft_gguf("mine") == gg and len(calls) == 6 and gg.read_bytes() == b"gguf 6"
+    monkeypatch.setitem(sys.modules, "graft_block.drafters.export", types.SimpleNamespace(
+        export_llamacpp=lambda source, out, tokenizer_gguf=None: Path(out).with_name("elsewhere.gguf")))
+    (ckpt / "model.safetensors").write_bytes(b"weights v3")
+    with pytest.raises(MethodUnavailable, match="did not write .*elsewhere.gguf"):
+        L.draft_gguf("mine")
+
+
+def test_each_target_folder_gets_its_own_gguf(tmp_path, monkeypatch):
+    """Two HF folders of one name (a/model, b/model) must not share a converted GGUF; one folder however spelled
+    is one GGUF, and an embedded target's is named after it (scripts/build_llamacpp.sh writes it there)."""
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
+    a, b = L.target_gguf(str(tmp_path / "a" / "model")), L.target_gguf(str(tmp_path / "b" / "model"))
+    assert a != b and a.parent == b.parent == L.gguf_dir()
+    assert L.target_gguf(str(tmp_path / "a" / "x" / ".." / "model")) == a
+    assert L.target_gguf("smollm2-135m") == L.gguf_dir() / "smollm2-135m-f32.gguf"
+
+
+def test_the_checkpoint_digest_tells_which_file_holds_which_bytes(tmp_path):
+    """Bytes moved from one file to another (shards split at another tensor) make another checkpoint: the digest
+    is not of the files' bytes run together."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model-1.safetensors").write_bytes(b"AB")
+    (tmp_path / "model-2.safetensors").write_bytes(b"C")
+    one = L.checkpoint_digest(tmp_path)
+    (tmp_path / "model-1.safetensors").write_bytes(b"A")
+    (tmp_path / "model-2.safetensors").write_bytes(b"BC")
+    assert L.checkpoint_digest(tmp_path) != one
