@@ -103,9 +103,9 @@ def missing_build(where: str | os.PathLike | None) -> str:
     for d in dirs:
         if (d / BINARY).is_file():
             return f"{head}: {d / BINARY} is not executable (chmod +x it, or rebuild with scripts/build_llamacpp.sh)"
-    if (root / "CMakeLists.txt").is_file() or (root / "build" / "CMakeCache.txt").is_file():
-        return (f"{head}: it holds llama.cpp sources but {BINARY} is not built (scripts/build_llamacpp.sh builds it, "
-                "about 10 minutes on 2 cores)")
+    if any((d / f).is_file() for d in (root, root / "build") for f in ("CMakeLists.txt", "CMakeCache.txt")):
+        return (f"{head}: it holds llama.cpp sources or a configured build, but {BINARY} is not built "
+                "(scripts/build_llamacpp.sh builds it, about 10 minutes on 2 cores)")
     return f"{head}, {root}/bin or {root}/build/bin ({BUILD_HINT})"
 
 

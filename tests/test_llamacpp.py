@@ -415,14 +415,17 @@ def test_a_wrong_build_path_says_what_is_wrong(tmp_path, monkeypatch):
     (src / "build").mkdir(parents=True)
     (src / "CMakeLists.txt").write_text("")
     monkeypatch.setenv(L.ENV, str(src))
-    with pytest.raises(MethodUnavailable, match="holds llama.cpp sources but llama-speculative-simple is not built"):
+    with pytest.raises(MethodUnavailable, match="holds llama.cpp sources or a configured build, but "
+                       "llama-speculative-simple is not built"):
         L.llamacpp_runner(_Target(None), {"spec": "none"})
     configured = tmp_path / "configured"  # a build/ that cmake configured, its binaries not built yet
     (configured / "build").mkdir(parents=True)
     (configured / "build" / "CMakeCache.txt").write_text("")
-    monkeypatch.setenv(L.ENV, str(configured))
-    with pytest.raises(MethodUnavailable, match="llama-speculative-simple is not built"):
-        L.llamacpp_runner(_Target(None), {"spec": "none"})
+    # the sources above it, or the configured build folder itself (the docs allow DIR to be the build folder)
+    for where in (configured, configured / "build"):
+        monkeypatch.setenv(L.ENV, str(where))
+        with pytest.raises(MethodUnavailable, match="llama-speculative-simple is not built"):
+            L.llamacpp_runner(_Target(None), {"spec": "none"})
     binary.chmod(0o644)
     monkeypatch.setenv(L.ENV, str(build))
     with pytest.raises(MethodUnavailable, match="llama-speculative-simple is not executable"):
