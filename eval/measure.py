@@ -202,29 +202,38 @@ def below_stairs(curve: dict, budgets, drop: float = 0.05) -> list[int]:
     return sorted(out)
 
 
-def auto_budget(build, curve: dict, pilot_ids, candidates=(4, 8, 16, 32), max_new_tokens: int = 48,
+def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_tokens: int = 48,
                 after=None) -> dict:
     """Cost-aware budget: the b maximising tau(b) * cost(1) / (cost(1 + n(b)) + draft(b)), with tau, n(b) (the mean
     non-root nodes verified per round: b for a full tree, fewer where a schedule cuts it) and draft(b) (the seconds
-    per round spent outside the verify: drafting, tree building, commit) from one greedy pilot prompt per
-    candidate, and cost from the measured verify curve. The candidates gain the budgets just below the curve's
-    stairs (``below_stairs``). ``build(b)`` -> Method; ``after()`` runs after each pilot (the main job releases
-    the target's weight pages a drafter read)."""
+    per round spent outside the verify: drafting, tree building, commit) from greedy pilots of ``max_new_tokens``
+    on each prompt of ``pilots`` (a list of token-id prompts; rounds pooled over them), and cost from the measured
+    verify curve. The candidates gain the budgets just below the curve's stairs (``below_stairs``). ``build(b)`` ->
+    Method; ``after()`` runs after each candidate (the main job releases the target's weight pages a drafter
+    read)."""
+    if not pilots:
+        raise ConfigError("auto_budget needs at least one pilot prompt")
     rows = {}
     for b in below_stairs(curve, candidates):
-        r = build(b).run(pilot_ids, max_new_tokens, 0.0, 0)
+        method = build(b)
+        runs = [method.run(ids, max_new_tokens, 0.0, 0) for ids in pilots]
+        del method
         gc.collect()  # the pilot's drafter and its weight layouts sit in reference cycles: free them before the next
         if after is not None:
             after()
-        tau = r.get("tau") or 1.0
-        rounds = r.get("rounds") or 0
-        phases = r.get("phase_s") or {}
-        side = sum(v for k, v in phases.items() if k not in ("verify", "overhead")) / rounds if rounds else 0.0
-        nodes = 1 + (r.get("mean_tree_nodes") or b)  # what the verify sees: a scheduled tree is cut below b
+        rounds = sum(r.get("rounds") or 0 for r in runs)
+        if rounds:
+            tau = sum((r.get("tau") or 1.0) * (r.get("rounds") or 0) for r in runs) / rounds
+            side = sum(v for r in runs for k, v in (r.get("phase_s") or {}).items()
+                       if k not in ("verify", "overhead")) / rounds
+            # what the verify sees: a scheduled tree is cut below b
+            nodes = 1 + sum((r.get("mean_tree_nodes") or b) * (r.get("rounds") or 0) for r in runs) / rounds
+        else:
+            tau, side, nodes = 1.0, 0.0, 1 + b
         rows[b] = {"tau": tau, "draft_ms": 1e3 * side, "verify_nodes": nodes, "verify_ms": 1e3 * cost_at(curve, nodes),
                    "est_speedup": tau * cost_at(curve, 1) / (cost_at(curve, nodes) + side)}
     best = max(rows, key=lambda b: rows[b]["est_speedup"])
-    return {"best": best, "pilot": rows, "curve_busy": curve.get("busy", False)}
+    return {"best": best, "pilot": rows, "pilot_prompts": len(pilots), "curve_busy": curve.get("busy", False)}
 
 
 # ---- the interleaved loop -----------------------------------------------------------------------------------

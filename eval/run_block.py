@@ -89,6 +89,9 @@ def parse_args(argv=None, prog: str | None = None):
                     help="int, comma list (a sweep), 'auto' (cost-aware: pilot tau and drafting cost against the "
                          "measured verify-cost curve) or 'preset' (each method's default budget, --list-methods); "
                          f"default: the suite's ({_suite_defaults('budget')})")
+    ap.add_argument("--pilot-prompts", type=int, default=1,
+                    help="--budget auto: the prompts each candidate budget's pilot decodes (48 tokens each; the first "
+                         "N of the run's; default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="output folder (default runs/<suite>-<time>)")
     ap.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up generation per method (0 = none)")
@@ -172,6 +175,9 @@ def check_flags(args) -> None:
         raise ConfigError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {args.warmup_tokens}")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be >= 1 (leave it out for torch's choice), got {args.threads}")
+    if args.pilot_prompts < 1:
+        raise ConfigError(f"--pilot-prompts must be >= 1 (the prompts --budget auto's pilots decode), got "
+                          f"{args.pilot_prompts}")
     if args.time_limit is not None and not args.time_limit > 0:  # nan compared False: the limit never fired
         raise ConfigError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
     if args.out:
@@ -214,6 +220,10 @@ def plan(args, extra: dict, notes: bool = True) -> dict:
         if args.budget not in (None, "preset") and fixed:
             print(f"[budget] --budget {args.budget} does not change {', '.join(fixed)}: no '{{budget}}' in their "
                   "methods, whose sizes are fixed (--list-methods)", file=sys.stderr)
+        if args.pilot_prompts != 1 and budgets != ["auto"]:
+            print(f"[budget] --pilot-prompts {args.pilot_prompts} sizes --budget auto's pilots, and this run's budgets "
+                  f"are fixed ({args.budget if args.budget is not None else suite.get('budget')}): it changes "
+                  "nothing", file=sys.stderr)
         if (args.top_k or args.top_p < 1) and all(t == 0 for t in temps):
             print("[sampling] --top-k / --top-p filter sampling at T > 0, and every temperature of this run is 0 "
                   "(greedy): they change nothing (add e.g. --temperature 0,1)", file=sys.stderr)
@@ -221,7 +231,7 @@ def plan(args, extra: dict, notes: bool = True) -> dict:
             "set_info": set_info, "max_new": args.max_new_tokens or suite["max_new_tokens"], "temps": temps}
 
 
-def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named=None):
+def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named=None, pilot_prompts=1):
     """The runnable methods. A method that cannot run here (MethodUnavailable) is skipped with its reason; so is any
     method the suite added by default (a SmolLM2 drafter beside another ``--target``). Any other ConfigError of a
     method the user named (``named``: --methods, --config; None = all) stops the run naming it (a typo in its config,
@@ -238,9 +248,9 @@ def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named
         for b in (budgets if presets.takes_budget(spec) else [None]):
             try:
                 if b == "auto":
-                    pilot = encode_turn(target, [], prompts[0]["turns"][0])
+                    pilots = [encode_turn(target, [], p["turns"][0]) for p in prompts[:pilot_prompts]]
                     auto[name] = measure.auto_budget(lambda x: make_method(name, spec, target, x, curve=curve),
-                                                     curve, pilot, after=release)
+                                                     curve, pilots, after=release)
                     b = auto[name]["best"]
                 m = make_method(name, spec, target, b, chimeric=chimeric, curve=curve)
                 m.name = name if (b is None or len(budgets) == 1) else f"{name}@{b}"
@@ -320,7 +330,8 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     curve = measure.verify_cost_curve(target, fresh=not args.cached_cost)
     target.share_drafter_checkpoints = True  # methods only read their drafters' weights: one copy per checkpoint
     named = set(args.methods.split(",")) if args.methods is not None else set(extra)  # what the user asked for by name
-    runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric, named)
+    runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric, named,
+                                        args.pilot_prompts)
     too_long: list[dict] = []  # turns that outgrew the target's context, per method (run_interleaved's notes)
     trim_heap()
     if rank == 0:
@@ -385,7 +396,8 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     print(f"verify cost (nodes:median ms): {cc} [{curve['source']}]")
     for n, a in auto.items():
         est = {k: round(v["est_speedup"], 2) for k, v in a["pilot"].items()}
-        print(f"auto budget for {n}: {a['best']} (pilot est. speedup {json.dumps(est)})"
+        print(f"auto budget for {n}: {a['best']} (pilot est. speedup {json.dumps(est)}, "
+              f"{a['pilot_prompts']} prompt{'s' if a['pilot_prompts'] > 1 else ''})"
               + (" - cost curve measured on a busy machine" if a["curve_busy"] else ""))
     if phys is not None:
         print("\n" + physics.format_report(phys))

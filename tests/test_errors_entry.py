@@ -94,7 +94,8 @@ def test_build_methods_skips_only_unavailable_methods():
                                         (["--temperature", "0.7x"], "--temperature takes a number"),
                                         (["--threads", "-1"], "--threads must be >= 1"),
                                         (["--threads", "0"], "--threads must be >= 1"),
-                                        (["--time-limit", "0"], "--time-limit must be > 0")])
+                                        (["--time-limit", "0"], "--time-limit must be > 0"),
+                                        (["--pilot-prompts", "0"], "--pilot-prompts must be >= 1")])
 def test_bench_flags_fail_before_the_model_loads(bad, words, tmp_path):
     # a missing target folder: a check after the load would name the folder instead of the flag
     with pytest.raises(ConfigError, match=words):
@@ -185,7 +186,8 @@ def _bench_files(tmp_path):
     (["--out", "{tmp}/afile"], "{tmp}/afile is a file, not a folder"),
     (["--out", "{tmp}/afile/run"], "{tmp}/afile is a file, not a folder"),
     (["--llamacpp", "{tmp}/no-build"], "--llamacpp {tmp}/no-build: no llama-speculative-simple.*does not exist"),
-    (["--llamacpp", "{tmp}/unbuilt"], "--llamacpp {tmp}/unbuilt: .*llama.cpp sources but .* not built"),
+    (["--llamacpp", "{tmp}/unbuilt"],
+     "--llamacpp {tmp}/unbuilt: .*llama.cpp sources or a configured build, but .* not built"),
     (["--llamacpp", "{tmp}/noexec"], "--llamacpp {tmp}/noexec: .*bin/llama-speculative-simple is not executable"),
 ])
 def test_bench_refuses_what_would_run_wrong_before_the_model_loads(bad, words, tmp_path, refusal):

@@ -251,7 +251,7 @@ def test_budget_auto_also_tries_the_budget_below_each_stair():
         def run(self, ids, n, temperature, seed):
             return {"tau": 1.5, "rounds": 10, "mean_tree_nodes": float(seen[-1]), "phase_s": {"draft": 0.01}}
 
-    auto = measure.auto_budget(Pilot, curve, [1, 2, 3], candidates=(4, 8))
+    auto = measure.auto_budget(Pilot, curve, [[1, 2, 3]], candidates=(4, 8))
     assert seen == [4, 7, 8] and auto["best"] == 4  # equal tau: the cheapest verify wins
 
 
@@ -268,10 +268,36 @@ def test_budget_auto_charges_the_nodes_a_schedule_keeps():
         def run(self, ids, n, temperature, seed):
             return {**pilots[self.b], "rounds": 10, "phase_s": {"draft": 0.01, "verify": 0.2}}
 
-    auto = measure.auto_budget(Pilot, curve, [1, 2, 3], candidates=(4, 16))
+    auto = measure.auto_budget(Pilot, curve, [[1, 2, 3]], candidates=(4, 16))
     assert auto["pilot"][16]["verify_nodes"] == 4.0 and auto["pilot"][4]["verify_nodes"] == 5.0
     assert auto["best"] == 16
     assert auto["pilot"][16]["est_speedup"] == pytest.approx(1.8 * 0.020 / (0.021 + 0.001))
+
+
+def test_budget_auto_pools_the_rounds_of_every_pilot_prompt():
+    """--pilot-prompts N: each candidate budget decodes every pilot prompt; tau, the verified nodes and the side time
+    per round are pooled over all their rounds, so a short lucky prompt weighs its rounds, not a vote."""
+    seen = []
+    results = {(4, 0): {"tau": 3.0, "rounds": 5, "mean_tree_nodes": 4.0, "phase_s": {"draft": 0.05}},
+               (4, 1): {"tau": 1.0, "rounds": 15, "mean_tree_nodes": 2.0, "phase_s": {"draft": 0.15}}}
+
+    class Pilot:
+        def __init__(self, b):
+            self.b = b
+
+        def run(self, ids, n, temperature, seed):
+            seen.append((self.b, ids[0]))
+            return results[(self.b, ids[0])]
+
+    curve = {"median_s": {"1": 0.010, "64": 0.010}}
+    auto = measure.auto_budget(Pilot, curve, [[0, 9], [1, 9]], candidates=(4,))
+    assert seen == [(4, 0), (4, 1)] and auto["pilot_prompts"] == 2
+    row = auto["pilot"][4]
+    assert row["tau"] == pytest.approx((3.0 * 5 + 1.0 * 15) / 20)  # 1.5, where the two prompts' mean reads 2.0
+    assert row["verify_nodes"] == pytest.approx(1 + (4.0 * 5 + 2.0 * 15) / 20)
+    assert row["draft_ms"] == pytest.approx(1e3 * 0.20 / 20)
+    with pytest.raises(ConfigError, match="at least one pilot prompt"):
+        measure.auto_budget(Pilot, curve, [], candidates=(4,))
 
 
 def test_budget_auto_picks_from_the_measured_curve(tiny_folder, tmp_path, monkeypatch, capsys):
@@ -282,6 +308,7 @@ def test_budget_auto_picks_from_the_measured_curve(tiny_folder, tmp_path, monkey
                           "--max-new-tokens", "8", "--budget", "auto", "--no-progress", "--no-plots",
                           "--out", str(tmp_path / "run")])
     auto = rep["auto_budget"]["pld"]
+    assert auto["pilot_prompts"] == 1  # the default: the run's first prompt
     assert set(auto["pilot"]) == set(measure.below_stairs(rep["verify_cost_curve"], (4, 8, 16, 32)))
     assert {4, 8, 16, 32} <= set(auto["pilot"]) and auto["best"] in auto["pilot"]
     assert {r["budget"] for r in rep["records"] if r["method"] == "pld"} == {auto["best"]}
@@ -440,6 +467,6 @@ def test_pooled_tau_and_the_budget_at_half_a_stair():
             return {"tau": 1.5, "rounds": 10, "mean_tree_nodes": 4.0,
                     "phase_s": {"draft": 0.01, "tree": 0.005, "commit": 0.005, "verify": 0.2, "overhead": 0.05}}
 
-    auto = measure.auto_budget(Pilot, {"median_s": {"1": 0.01, "64": 0.01}}, [1, 2], candidates=(4,))
+    auto = measure.auto_budget(Pilot, {"median_s": {"1": 0.01, "64": 0.01}}, [[1, 2]], candidates=(4,))
     assert auto["pilot"][4]["draft_ms"] == pytest.approx(2.0)
     assert auto["pilot"][4]["est_speedup"] == pytest.approx(1.5 * 0.01 / (0.01 + 0.002))
