@@ -155,6 +155,8 @@ def headroom(values: list[dict], cost, overhead: float) -> dict:
         step = [max(range(s + 1), key=lambda n: (v["prefix"][n] - rate * secs(n), -n)) for v, s in zip(values, sizes)]
         got = sum(v["prefix"][n] for v, n in zip(values, step))
         if got / sum(secs(n) for n in step) <= rate * (1 + 1e-12):
+            if got / sum(secs(n) for n in step) >= rate * (1 - 1e-12):  # as good: the step's smaller trees at ties
+                picks, tok = step, got
             break
         picks, tok, rate = step, got, got / sum(secs(n) for n in step)
     oracle = {"tau": tok / n_ctx, "nodes": sum(picks) / n_ctx, "speedup": rate * ar}

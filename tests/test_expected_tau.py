@@ -384,6 +384,8 @@ def test_the_oracle_is_the_best_size_per_context_and_ties_go_to_the_smaller_tree
         assert headroom(values(prefixes), cost, 0.0)["oracle"]["speedup"] == pytest.approx(best)
     flat = headroom(values([[1.0, 2.0, 2.0, 2.0, 2.0], [1.0] * 5]), lambda n: 1.0, 0.0)
     assert flat["best_fixed"] == 1 and flat["fixed"][1]["speedup"] == flat["fixed"][4]["speedup"] == 1.5
+    # the oracle's smallest trees at the same rate: the second context's node earns nothing (it started from 1 each)
+    assert flat["oracle"] == pytest.approx({"tau": 1.5, "nodes": 0.5, "speedup": 1.5})
     # a verify cost in stairs (the root and one node cost what the root alone does): the first context's node
     # earns nothing on its stair, so the oracle leaves it out there and takes the second context's 3
     stairs = headroom(values([[1.0, 1.0, 1.0], [1.0, 1.0, 1.5, 2.5]]), lambda n: 1.0 if n <= 2 else 2.0, 0.0)

@@ -312,11 +312,9 @@ def _fake_export(calls):
     return types.SimpleNamespace(export_llamacpp=export_llamacpp)
 
 
-def test_a_cached_draft_gguf_is_rebuilt_when_what_it_was_made_from_changes(tmp_path, monkeypatch, capsys):
-    """The cache is keyed on the checkpoint's content (not its mtime: a copied or checked-out checkpoint keeps an
-    older one), the export code and the tokenizer GGUF; each rebuild says why on stderr."""
-    import os
-
+def _bundled_mine(tmp_path, monkeypatch):
+    """A checkpoint folder 'mine' (config.json, weights v1) that the drafter registry resolves as bundled, with the
+    GGUF cache under tmp_path."""
     import graft_block.drafter as D
 
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
@@ -325,6 +323,17 @@ def test_a_cached_draft_gguf_is_rebuilt_when_what_it_was_made_from_changes(tmp_p
     (ckpt / "config.json").write_text("{}")
     (ckpt / "model.safetensors").write_bytes(b"weights v1")
     monkeypatch.setattr(D, "bundled_checkpoint", lambda name: ckpt if name == "mine" else None)
+    return ckpt
+
+
+def test_a_cached_draft_gguf_is_rebuilt_when_what_it_was_made_from_changes(tmp_path, monkeypatch, capsys):
+    """The cache is keyed on the checkpoint's content (not its mtime: a copied or checked-out checkpoint keeps an
+    older one), the export code and the tokenizer GGUF; each rebuild says why on stderr."""
+    import os
+
+    import graft_block.drafter as D
+
+    ckpt = _bundled_mine(tmp_path, monkeypatch)
     calls = []
     monkeypatch.setitem(sys.modules, "graft_block.drafters.export", _fake_export(calls))
     gg = L.gguf_dir() / "mine.gguf"
@@ -632,14 +641,7 @@ def test_a_cached_draft_gguf_follows_the_rest_of_its_key_and_is_never_served_hal
     inputs are back to the recorded ones; an export that did not write its file is a skip that says so."""
     import importlib.metadata
 
-    import graft_block.drafter as D
-
-    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
-    ckpt = tmp_path / "mine"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text("{}")
-    (ckpt / "model.safetensors").write_bytes(b"weights v1")
-    monkeypatch.setattr(D, "bundled_checkpoint", lambda name: ckpt if name == "mine" else None)
+    ckpt = _bundled_mine(tmp_path, monkeypatch)
     tok = L.target_gguf("smollm2-135m")
     tok.parent.mkdir(parents=True)
     tok.write_bytes(b"target gguf")
