@@ -554,12 +554,25 @@ def load_weights(folder: Path, dtype: torch.dtype, attn_implementation: str = "s
     """The HF causal LM in ``folder`` with every weight from its files. ConfigError naming the folder, the cause and
     the fix for a folder that does not load (no or corrupt weight files, a config transformers cannot build), and for
     one whose files lack weights or hold them in other shapes, which HF would fill randomly with only a warning."""
-    try:
-        with _held_load_report() as report:
-            model, info = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+    def load(attn):
+        with _held_load_report() as held:
+            got = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, attn_implementation=attn, local_files_only=True,
                 output_loading_info=True, ignore_mismatched_sizes=True,  # mismatches come back in info, named below
             )
+        return (*got, held)
+
+    try:
+        try:
+            model, info, report = load(attn_implementation)
+        except ValueError as exc:
+            # the default meets an architecture without SDPA (Gemma 2, GPT-OSS, BLOOM): eager applies the same
+            # additive tree mask
+            if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(exc):
+                raise
+            print(f"[target] {folder}: transformers has no SDPA attention for this architecture; loading it with "
+                  "eager attention", file=sys.stderr)
+            model, info, report = load("eager")
     except (OSError, RuntimeError, SafetensorError) as exc:
         if isinstance(exc, RuntimeError) and "memory" in str(exc).lower():  # out of memory: not the folder's fault
             raise

@@ -129,6 +129,22 @@ def test_missing_target_folder(tmp_path):
         load_target(str(tmp_path / "nothing"))
 
 
+def test_a_target_folder_without_sdpa_attention_loads_with_eager_and_says_so(tmp_path, capsys):
+    """The default attention (SDPA) meets an architecture transformers runs only eagerly (Gemma 2 here): the folder
+    loads with eager attention, which applies the same additive tree mask, and stderr says so, rather than a
+    ConfigError blaming its config.json."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("gemma2", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=128, head_dim=16, sliding_window=8)
+    AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").save_pretrained(tmp_path / "gemma2")
+    target = load_target(str(tmp_path / "gemma2"))
+    assert target.engine == "hf" and target.config._attn_implementation == "eager" and target.window == 8
+    assert "no SDPA attention for this architecture; loading it with eager" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="does not load: ValueError.*sdpa_paged"):  # a choice of the user's stands
+        load_target(str(tmp_path / "gemma2"), attn_implementation="sdpa_paged")
+
+
 def test_unusable_device_or_dtype_fails_before_the_weights_load(monkeypatch):
     """A device this torch cannot use, or a dtype torch does not have, is named with the fix before anything is
     read (the embedded target's folder is never resolved: its first conversion loads every weight)."""
