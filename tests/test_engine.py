@@ -643,15 +643,31 @@ HF_ARCHITECTURES = {  # tiny configs: model_type -> (config keys, attention impl
                    "num_experts_per_tok": 2}, "sdpa"),
     "mixtral": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                  "intermediate_size": 128, "num_local_experts": 4, "sliding_window": 8}, "sdpa"),
+    "smollm3": ({"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "intermediate_size": 128, "no_rope_layer_interval": 2, "pad_token_id": 0}, "sdpa"),
+    "nemotron": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "intermediate_size": 128}, "sdpa"),
+    "exaone4": ({"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "intermediate_size": 128, "sliding_window": 8, "sliding_window_pattern": 2}, "sdpa"),
+    "ministral": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "intermediate_size": 128, "head_dim": 16, "sliding_window": 8, "rope_theta": 10000.0}, "sdpa"),
+    "olmo3": ({"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "intermediate_size": 128, "sliding_window": 8}, "sdpa"),
+    "seed_oss": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "intermediate_size": 128, "head_dim": 16}, "sdpa"),
+    "apertus": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "intermediate_size": 128}, "sdpa"),
+    "hunyuan_v1_dense": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "intermediate_size": 128, "head_dim": 16}, "sdpa"),
 }
 
 
 @pytest.mark.parametrize("arch", sorted(HF_ARCHITECTURES))
 def test_every_tree_node_gets_the_models_own_logits_for_its_path_across_hf_architectures(arch):
-    """Real targets run HF's forward where the lean engine does not reach: learned and partial rotary positions,
-    MLA, mixtures of experts, attention sinks, soft-capping, sliding windows (the cache here is past them). Each
-    node of a two-branch tree verified after 20 cached tokens gets the logits of the model's own forward over its
-    path, so a transformers release that drops the 4-D mask or the position ids fails here."""
+    """Real targets run HF's forward where the lean engine does not reach: learned, partial and skipped (NoPE)
+    rotary positions, MLA, mixtures of experts, attention sinks, soft-capping, sliding windows (the cache here is
+    past them). Each node of a two-branch tree verified after 20 cached tokens gets the logits of the model's own
+    forward over its path, so a transformers release that drops the 4-D mask or the position ids fails here."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from graft_block.target import Target
