@@ -2,6 +2,7 @@
 KV compaction. Device and dtype follow the model; nothing here is CPU- or model-specific."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import json
@@ -218,13 +219,7 @@ class Target:
             h.remove()
         self._hooks = []
         for i in sorted(set(indices)):
-            self._hooks.append(feature_module(self.model, i).register_forward_hook(self._make_hook(i)))
-
-    def _make_hook(self, index: int):
-        def hook(_module, _inputs, output):
-            self._captured[index] = output[0] if isinstance(output, tuple) else output
-
-        return hook
+            self._hooks.append(hook_feature(self.model, i, functools.partial(self._captured.__setitem__, i)))
 
     def discard_features(self) -> None:
         """Drop what the feature hooks captured in a forward that was not a prefill/verify (e.g. a warm-up)."""
@@ -432,14 +427,34 @@ def is_token_id(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def feature_module(model, index: int):
-    """The module whose output is HF ``hidden_states[index]`` (0 = embeddings; the last index is after the final
-    norm, as in HF). Shared by the adapter's hooks and the training data capture."""
+FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f")
+
+
+def hook_feature(model, index: int, keep):
+    """Register a hook handing ``keep`` the HF ``hidden_states[index]`` of every forward (0: the first layer's input,
+    position embeddings included where a model adds them; i: layer i-1's output; the last: after the final norm, as
+    in HF) and return its handle. Finds the layers and the final norm under the names HF's decoders use (Llama's
+    ``layers`` / ``norm``, GPT-2's ``h`` / ``ln_f``, OPT's and NeoX's ``final_layer_norm``, Phi's
+    ``final_layernorm``); shared by the adapter and the training data capture."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    n = len(base.layers)
+    layers = next((m for m in (getattr(base, a, None) for a in ("layers", "h", "blocks"))
+                   if isinstance(m, torch.nn.ModuleList)), None)
+    norm = next((m for m in (getattr(base, a, None) for a in FINAL_NORMS) if isinstance(m, torch.nn.Module)), None)
+    if layers is None or norm is None:
+        raise ConfigError(f"{type(base).__name__} has no decoder layer list (layers, h, blocks) or final norm "
+                          f"({', '.join(FINAL_NORMS)}) to read hidden states from: drafters that read the target's "
+                          "features cannot run on it")
+    n = len(layers)
     if not 0 <= index <= n:
         raise ConfigError(f"feature layer index {index} is outside 0..{n} for a {n}-layer target")
-    return base.embed_tokens if index == 0 else base.norm if index == n else base.layers[index - 1]
+
+    def after(_module, _inputs, out):
+        keep(out[0] if isinstance(out, tuple) else out)
+
+    if index == 0:
+        return layers[0].register_forward_pre_hook(
+            lambda _module, args, kwargs: keep(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    return (norm if index == n else layers[index - 1]).register_forward_hook(after)
 
 
 # ---- loading ---------------------------------------------------------------------------------------------

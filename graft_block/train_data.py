@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 
 from .errors import ConfigError
-from .target import default_feature_layers, feature_module
+from .target import default_feature_layers, hook_feature
 
 
 def data_root() -> Path:
@@ -119,11 +119,11 @@ def hooked_features(model, layers: Sequence[int]):
     captured: dict[int, torch.Tensor] = {}
 
     def keep(j):
-        def hook(_m, _i, out):
-            captured[j] = (out[0] if isinstance(out, tuple) else out).detach()
-        return hook
+        def store(hidden):
+            captured[j] = hidden.detach()
+        return store
 
-    hooks = [feature_module(model, i).register_forward_hook(keep(j)) for j, i in enumerate(layers)]
+    hooks = [hook_feature(model, i, keep(j)) for j, i in enumerate(layers)]
     try:
         yield captured
     finally:

@@ -667,7 +667,9 @@ def test_every_tree_node_gets_the_models_own_logits_for_its_path_across_hf_archi
     """Real targets run HF's forward where the lean engine does not reach: learned, partial and skipped (NoPE)
     rotary positions, MLA, mixtures of experts, attention sinks, soft-capping, sliding windows (the cache here is
     past them). Each node of a two-branch tree verified after 20 cached tokens gets the logits of the model's own
-    forward over its path, so a transformers release that drops the 4-D mask or the position ids fails here."""
+    forward over its path, so a transformers release that drops the 4-D mask or the position ids fails here, and
+    the features a drafter reads (hidden states 0, 1 and the last, found under each decoder's own names: GPT-2's
+    ``h`` / ``ln_f``, OPT's ``final_layer_norm``, ...) are HF's ``output_hidden_states`` for that path."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from graft_block.target import Target
@@ -679,13 +681,18 @@ def test_every_tree_node_gets_the_models_own_logits_for_its_path_across_hf_archi
                                              attn_implementation=attn, dtype=torch.float32).eval()
     target = Target(model, None)
     assert target.engine == "hf"
+    layers = [0, 1, target.num_layers]
+    target.set_feature_layers(layers)
     ids = torch.randint(1, 128, (21,), generator=torch.Generator().manual_seed(1))
     target.prefill(ids[:-1])
     paths = [[], [5], [9], [5, 7], [9, 11]]
-    logits, _ = target.verify(make_tree([int(ids[-1]), 5, 9, 7, 11], [-1, 0, 0, 1, 2]))
+    logits, feats = target.verify(make_tree([int(ids[-1]), 5, 9, 7, 11], [-1, 0, 0, 1, 2]))
     for i, path in enumerate(paths):
         seq = torch.cat([ids, torch.tensor(path, dtype=torch.long)]).view(1, -1)
-        assert torch.allclose(logits[i], model(input_ids=seq, use_cache=False).logits[0, -1], atol=1e-4), (arch, i)
+        out = model(input_ids=seq, use_cache=False, output_hidden_states=True)
+        assert torch.allclose(logits[i], out.logits[0, -1], atol=1e-4), (arch, i)
+        want = torch.cat([out.hidden_states[j][0, -1] for j in layers])
+        assert torch.allclose(feats[i], want, atol=1e-4), (arch, i, (feats[i] - want).abs().max())
 
 
 def test_a_schedule_sees_the_tree_cut_to_the_context_window():
