@@ -154,11 +154,12 @@ def headroom(values: list[dict], cost, overhead: float) -> dict:
     for _ in range(50):
         step = [max(range(s + 1), key=lambda n: (v["prefix"][n] - rate * secs(n), -n)) for v, s in zip(values, sizes)]
         got = sum(v["prefix"][n] for v, n in zip(values, step))
-        if got / sum(secs(n) for n in step) <= rate * (1 + 1e-12):
-            if got / sum(secs(n) for n in step) >= rate * (1 - 1e-12):  # as good: the step's smaller trees at ties
+        step_rate = got / sum(secs(n) for n in step)
+        if step_rate <= rate * (1 + 1e-12):
+            if step_rate >= rate * (1 - 1e-12):  # as good: the step's smaller trees at ties
                 picks, tok = step, got
             break
-        picks, tok, rate = step, got, got / sum(secs(n) for n in step)
+        picks, tok, rate = step, got, step_rate
     oracle = {"tau": tok / n_ctx, "nodes": sum(picks) / n_ctx, "speedup": rate * ar}
     return {"fixed": fixed, "best_fixed": best, "cut": cut, "oracle": oracle, "overhead_s": overhead,
             "estimated_over_realised": sum(v["estimated"] for v in values) / sum(v["realised"] for v in values)}

@@ -221,13 +221,14 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
         gc.collect()  # the pilot's drafter and its weight layouts sit in reference cycles: free them before the next
         if after is not None:
             after()
-        rounds = sum(r.get("rounds") or 0 for r in runs)
+        counts = [r.get("rounds") or 0 for r in runs]
+        rounds = sum(counts)
         if rounds:
-            tau = sum((r.get("tau") or 1.0) * (r.get("rounds") or 0) for r in runs) / rounds
+            tau = sum((r.get("tau") or 1.0) * c for r, c in zip(runs, counts)) / rounds
             side = sum(v for r in runs for k, v in (r.get("phase_s") or {}).items()
                        if k not in ("verify", "overhead")) / rounds
             # what the verify sees: a scheduled tree is cut below b
-            nodes = 1 + sum((r.get("mean_tree_nodes") or b) * (r.get("rounds") or 0) for r in runs) / rounds
+            nodes = 1 + sum((r.get("mean_tree_nodes") or b) * c for r, c in zip(runs, counts)) / rounds
         else:
             tau, side, nodes = 1.0, 0.0, 1 + b
         rows[b] = {"tau": tau, "draft_ms": 1e3 * side, "verify_nodes": nodes, "verify_ms": 1e3 * cost_at(curve, nodes),

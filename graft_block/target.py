@@ -20,7 +20,7 @@ import transformers
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from graft_block.tree import Tree, attention_mask, position_ids
+from graft_block.tree import Tree, attention_mask, position_ids, window_cut
 
 from . import cache_root
 from .engine import LeanForward, is_prefix, release_tensors, unsupported_reason
@@ -37,14 +37,18 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-def tree_support_reason(model) -> str | None:
-    """Why the HF forward of ``model`` cannot verify a tree (None: it can): a recurrent state keeps every node it
-    reads, rejected or not; a forward without position ids counts positions itself, and ALiBi biases come from the
-    attention mask's row count, so siblings cannot share a position."""
+def layer_types(config) -> list[str] | None:
+    """The decoder's ``layer_types`` (e.g. "full_attention", "sliding_attention", "linear_attention"), if given."""
+    return getattr(config.get_text_config(decoder=True), "layer_types", None)
+
+
+def tree_support_reason(model, cache: DynamicCache) -> str | None:
+    """Why the HF forward of ``model`` cannot verify a tree (None: it can), given ``DynamicCache(config=...)``: a
+    recurrent state keeps every node it reads, rejected or not; a forward without position ids counts positions
+    itself, and ALiBi biases come from the attention mask's row count, so siblings cannot share a position."""
     config = model.config
-    cache = DynamicCache(config=config)
-    types = getattr(config.get_text_config(decoder=True), "layer_types", None)
-    recurrent = sorted({t for t, lin in zip(types or ["recurrent"] * len(cache.layers), cache.is_linear) if lin})
+    types = layer_types(config) or ["recurrent"] * len(cache.layers)
+    recurrent = sorted({t for t, lin in zip(types, cache.is_linear) if lin})
     if recurrent:
         return (f"the target's {'/'.join(recurrent)} layers carry a recurrent state, which would keep a tree's "
                 "rejected nodes (only attention caches can drop them)")
@@ -57,15 +61,15 @@ def tree_support_reason(model) -> str | None:
     return None
 
 
-def window_plan(config) -> tuple[int | None, tuple[str, ...] | None, int | None]:
-    """(window, window_types, sliding_window) of a model's sliding-window attention layers (see ``Target``): all
-    None without such layers; ``window`` for full and sliding layers of one window; else ``sliding_window``."""
-    types = getattr(config.get_text_config(decoder=True), "layer_types", None)
-    layers = DynamicCache(config=config).layers
-    sliding = [bool(getattr(lay, "is_sliding", False)) for lay in layers]
-    windows = {int(lay.sliding_window) for lay, s in zip(layers, sliding) if s}
+def window_plan(config, cache: DynamicCache) -> tuple[int | None, tuple[str, ...] | None, int | None]:
+    """(window, window_types, sliding_window) of a model's sliding-window attention layers (see ``Target``), given
+    ``DynamicCache(config=config)``: all None without such layers; ``window`` for full and sliding layers of one
+    window; else ``sliding_window``."""
+    sliding = [bool(getattr(lay, "is_sliding", False)) for lay in cache.layers]
+    windows = {int(lay.sliding_window) for lay, s in zip(cache.layers, sliding) if s}
     if not windows:
         return None, None, None
+    types = layer_types(config)
     kinds = set(types) if types is not None else ({"sliding_attention"} if all(sliding) else {"unknown"})
     if len(windows) == 1 and kinds <= {"full_attention", "sliding_attention"}:
         return windows.pop(), (tuple(sorted(kinds)) if len(kinds) > 1 else None), None
@@ -112,15 +116,17 @@ class Target:
         # release_hf: HF's mmapped weights leave memory layer by layer as the lean engine packs its own copy, when
         # its C layers run every forward (``release_hf_weights``)
         self.lean = LeanForward(model, compile=compile, gemm=gemm, release_hf=release_hf) if engine == "lean" else None
-        if engine == "hf" and (why := tree_support_reason(model)) is not None:
-            raise ConfigError(f"{why}: tree verification needs an attention-only target with position ids "
-                              "(rotary or learned)")
         # Sliding-window layers (HF forward only): ``window`` when a full cache and the ancestor mask cut to the window
         # verify trees at any length (``window_types``: the layer types keyed in a per-type mask, or None where one
         # mask serves every layer); else ``sliding_window``, where HF's layers keep only the window's last rows and
         # trees are cut to fit it (layer types other than full and sliding attention, e.g. chunked)
-        plan = (None, None, None) if engine == "lean" else window_plan(model.config)
-        self.window, self.window_types, self.sliding_window = plan
+        self.window = self.window_types = self.sliding_window = None
+        if engine == "hf":
+            layers = DynamicCache(config=model.config)  # the cache HF would build: its layer kinds
+            if (why := tree_support_reason(model, layers)) is not None:
+                raise ConfigError(f"{why}: tree verification needs an attention-only target with position ids "
+                                  "(rotary or learned)")
+            self.window, self.window_types, self.sliding_window = window_plan(model.config, layers)
         self.engine = engine
         self.compiled = bool(compile and engine == "lean")
 
@@ -348,7 +354,7 @@ class Target:
         # A single root node is one plain decoding step: the default causal mask is the same and cheaper.
         mask = None if tree.size == 1 else attention_mask(tree, start, self.dtype, self.device)
         if mask is not None and self.window is not None:
-            near = attention_mask(tree, start, self.dtype, self.device, window=self.window)
+            near = window_cut(mask, tree, start, self.window)
             mask = near if self.window_types is None else {t: near if t == "sliding_attention" else mask
                                                            for t in self.window_types}
         if self.lean is not None:

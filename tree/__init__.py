@@ -21,5 +21,6 @@ from .tree import (  # noqa: F401
     root_only,
     validate,
     walk,
+    window_cut,
     with_sources,
 )

@@ -260,11 +260,8 @@ def ancestor_mask(tree: Tree) -> torch.Tensor:
     return mask
 
 
-def attention_mask(tree: Tree, cache_len: int, dtype: torch.dtype, device=None,
-                   window: int | None = None) -> torch.Tensor:
+def attention_mask(tree: Tree, cache_len: int, dtype: torch.dtype, device=None) -> torch.Tensor:
     """Additive float mask [1, 1, n, cache_len + n]: the whole cached prefix and each node's ancestors are visible.
-    With ``window`` (a sliding-window layer's), only those less than ``window`` positions behind the node: cached
-    row i sits at position i, node j at ``cache_len + depth[j]``.
 
     Additive (0 / finfo.min) on purpose: a bool mask is silently wrong under eager attention.
     """
@@ -273,11 +270,16 @@ def attention_mask(tree: Tree, cache_len: int, dtype: torch.dtype, device=None,
     mask[:, :cache_len] = 0
     anc = ancestor_mask(tree).to(device)
     mask[:, cache_len:].masked_fill_(anc, 0)
-    if window is not None:
-        query = (cache_len + tree.depths).to(device)
-        key = torch.cat([torch.arange(cache_len, device=device), query])
-        mask.masked_fill_(query[:, None] - key[None, :] >= window, torch.finfo(dtype).min)
     return mask.view(1, 1, n, cache_len + n)
+
+
+def window_cut(mask: torch.Tensor, tree: Tree, cache_len: int, window: int) -> torch.Tensor:
+    """A copy of ``attention_mask``'s ``mask`` for a sliding-window layer: of what it shows each node, only the keys
+    less than ``window`` positions behind it (cached row i sits at position i, node j at ``cache_len + depth[j]``)."""
+    query = (cache_len + tree.depths).to(mask.device)
+    key = torch.cat([torch.arange(cache_len, device=mask.device), query])
+    far = (query[:, None] - key[None, :] >= window).view(1, 1, *mask.shape[-2:])
+    return mask.masked_fill(far, torch.finfo(mask.dtype).min)
 
 
 def position_ids(tree: Tree, start: int, device=None) -> torch.Tensor:
