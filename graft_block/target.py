@@ -121,12 +121,18 @@ class Target:
         # mask serves every layer); else ``sliding_window``, where HF's layers keep only the window's last rows and
         # trees are cut to fit it (layer types other than full and sliding attention, e.g. chunked)
         self.window = self.window_types = self.sliding_window = None
+        # under ``window``, the sliding layers keep only the window's last rows between rounds (``_trim``): their
+        # indices, and how many of their oldest rows are gone (a full layer's memory for them otherwise)
+        self._sliding_rows: tuple[int, ...] = ()
+        self._dropped = 0
         if engine == "hf":
             layers = DynamicCache(config=model.config)  # the cache HF would build: its layer kinds
             if (why := tree_support_reason(model, layers)) is not None:
                 raise ConfigError(f"{why}: tree verification needs an attention-only target with position ids "
                                   "(rotary or learned)")
             self.window, self.window_types, self.sliding_window = window_plan(model.config, layers)
+            if self.window is not None:
+                self._sliding_rows = tuple(i for i, lay in enumerate(layers.layers) if getattr(lay, "is_sliding", 0))
         self.engine = engine
         self.compiled = bool(compile and engine == "lean")
 
@@ -169,7 +175,9 @@ class Target:
     def cache_len(self) -> int:
         if self.lean is not None:
             return self.lean.len
-        return 0 if self.cache is None else int(self.cache.get_seq_length())
+        if self.cache is None:
+            return 0
+        return int(self.cache.get_seq_length()) + (self._dropped if 0 in self._sliding_rows else 0)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -246,8 +254,23 @@ class Target:
             self.cache = self._new_cache()
 
     def _new_cache(self) -> DynamicCache:
-        # a windowed mask needs every row kept: HF's sliding layers would drop rows a tree's rejected nodes displace
+        # the windowed mask needs rows kept until a round is compacted: HF's sliding layers would drop rows that a
+        # tree's rejected nodes displace (``_trim`` drops the old rows once no future node can see them)
+        self._dropped = 0
         return DynamicCache() if self.window is not None else DynamicCache(config=self.model.config)
+
+    def _trim(self) -> None:
+        """Drop the sliding layers' rows that no later node can see: a node at position p sees keys after
+        p - window, and the next nodes sit at cache_len or later, so the last ``window - 1`` rows are all they read."""
+        if not self._sliding_rows:
+            return
+        drop = self.cache_len - self._dropped - (self.window - 1)
+        if drop <= 0:
+            return
+        for i in self._sliding_rows:
+            lay = self.cache.layers[i]
+            lay.keys, lay.values = lay.keys[..., drop:, :], lay.values[..., drop:, :]  # views: the next update copies
+        self._dropped += drop
 
     def cached_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values cached for one layer, [kv_heads, len, head_dim] each, whichever engine runs."""
@@ -274,13 +297,14 @@ class Target:
             logits, feats = self._lean_forward(ids[0], torch.arange(ids.shape[1], device=self.device), None, True)
             return logits[-1], feats
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self._trim()
         return out.logits[0, -1], self._take_features()
 
     @contextmanager
     def side_cache(self):
         """Inside the block the target decodes on a fresh cache, and afterwards the cache and the captured feature
         layers are what they were: for work in the middle of another decoding (a drafter's warm-up at prefill)."""
-        saved = (self.lean.k, self.lean.v, self.lean.len) if self.lean is not None else self.cache
+        saved = (self.lean.k, self.lean.v, self.lean.len) if self.lean is not None else (self.cache, self._dropped)
         layers = self.feature_layers
         if self.lean is not None:
             self.lean.k = self.lean.v = None
@@ -293,7 +317,7 @@ class Target:
             if self.lean is not None:
                 self.lean.k, self.lean.v, self.lean.len = saved
             else:
-                self.cache = saved
+                self.cache, self._dropped = saved
             self.set_feature_layers(layers)
 
     @torch.no_grad()
@@ -351,10 +375,12 @@ class Target:
             )
         ids = tree.tokens.to(self.device).view(1, -1)
         pos = position_ids(tree, start, self.device)
-        # A single root node is one plain decoding step: the default causal mask is the same and cheaper.
-        mask = None if tree.size == 1 else attention_mask(tree, start, self.dtype, self.device)
+        # A single root node is one plain decoding step: the default causal mask is the same and cheaper (not once
+        # the sliding layers hold fewer rows than the full ones: HF would size both masks alike).
+        plain = tree.size == 1 and not self._dropped
+        mask = None if plain else attention_mask(tree, start, self.dtype, self.device)
         if mask is not None and self.window is not None:
-            near = window_cut(mask, tree, start, self.window)
+            near = window_cut(mask, tree, start, self.window)[..., self._dropped :]  # keys the sliding layers hold
             mask = near if self.window_types is None else {t: near if t == "sliding_attention" else mask
                                                            for t in self.window_types}
         if self.lean is not None:
@@ -381,6 +407,7 @@ class Target:
             layer.values = v[..., : base + m, :]
             if hasattr(layer, "cumulative_length"):  # sliding layers count tokens apart from rows: the cache length
                 layer.cumulative_length -= n_new - m
+        self._trim()
 
     # ---- text helpers -----------------------------------------------------------------------------------
     def encode(self, prompt) -> torch.Tensor:

@@ -486,7 +486,7 @@ def test_trees_reaching_past_the_context_window_are_cut_to_it(engine):
     assert logits.shape[0] == 4 and target.cache_len == 32
 
 
-def _sliding_window_model(kind: str, window: int):
+def _sliding_window_model(kind: str, window: int, attn: str = "sdpa"):
     """A tiny HF model with sliding-window layers (the lean engine refuses them, so it runs HF's forward):
     "mistral" every layer sliding; "qwen2" / "gemma3" / "gemma4" (whose last two layers reuse earlier layers'
     keys) sliding and full layers mixed (a mask per layer type);
@@ -508,25 +508,35 @@ def _sliding_window_model(kind: str, window: int):
                                               intermediate_size_mlp=128, num_local_experts=1,
                                               attention_chunk_size=window)}[kind]()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])  # eager: HF's own masks, where we pass none, size both alike
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3", "gemma4"])
-def test_sliding_window_targets_verify_whole_trees_past_their_window(kind):
-    """Past a sliding window a tree still verifies whole: the cache keeps every row and the sliding layers see the
-    ancestor mask cut to their window (the full layers of a mixed model the whole of it). Every node's logits are
-    HF's own for its path, then decoding with a drafter is HF's greedy with far more than a token a round."""
+def test_sliding_window_targets_verify_whole_trees_past_their_window(kind, attn):
+    """Past a sliding window a tree still verifies whole: the sliding layers keep a tree's rows until it is
+    compacted, then only the window's last rows, and see the ancestor mask cut to their window (the full layers of a
+    mixed model the whole of it). Every node's logits are HF's own for its path, then decoding with a drafter is
+    HF's greedy with far more than a token a round, the sliding layers never holding more than the window."""
+    from transformers import DynamicCache
+
     from graft_block.target import Target
     from graft_block.tree import make_tree
 
-    model = _sliding_window_model(kind, 8)
+    model = _sliding_window_model(kind, 8, attn)
     target = Target(model, None)
     assert target.engine == "hf" and target.window == 8 and target.sliding_window is None
+    sliding = [bool(getattr(lay, "is_sliding", False)) for lay in DynamicCache(config=model.config).layers]
+
+    def rows_held():  # per cache layer (Gemma 4's KV-sharing layers have none of their own)
+        return [(sliding[i], lay.keys.shape[-2]) for i, lay in enumerate(target.cache.layers)]
+
     ids = torch.randint(0, 128, (21,), generator=torch.Generator().manual_seed(1))
     target.prefill(ids[:-1])  # 20 cached, the root's token next: every node sits past the window
+    assert rows_held() == [(s, 7 if s else 20) for s, _ in rows_held()] and target.cache_len == 20
     tokens, parents = [int(ids[-1]), 5, 9, 7, 11, 3], [-1, 0, 0, 1, 1, 3]
     logits, _ = target.verify(make_tree(tokens, parents))
     for i in range(len(tokens)):
@@ -536,6 +546,9 @@ def test_sliding_window_targets_verify_whole_trees_past_their_window(kind):
             j = parents[j]
         seq = torch.cat([ids, torch.tensor(path, dtype=torch.long)]).view(1, -1)
         assert torch.allclose(logits[i], model(input_ids=seq, use_cache=False).logits[0, -1], atol=1e-4), (kind, i)
+    target.prefill(ids[:-1])  # a plain step (a root-only tree) on the trimmed sliding layers too
+    logits, _ = target.verify(make_tree([int(ids[-1])], [-1]))
+    assert torch.allclose(logits[0], model(input_ids=ids.view(1, -1), use_cache=False).logits[0, -1], atol=1e-4)
     prompt = [3, 1, 4, 1, 5]
     ref = hf_greedy(target, prompt, 40)  # 45 tokens: five windows
     drafter = Drafter.from_config({"type": "planted", "reference": ref, "budget": 4, "max_depth": 3, "seed": 3})
@@ -546,6 +559,7 @@ def test_sliding_window_targets_verify_whole_trees_past_their_window(kind):
     # whole trees every round (a cut to the window would verify one node a round past token 8, tau near 1)
     assert res.stats.tree_nodes > 2 * res.stats.rounds and res.stats.tau > 1.5
     assert target.cache_len == len(prompt) + 40 + res.stats.dropped - 1  # every committed token but the last bonus
+    assert rows_held() == [(s, 7 if s else target.cache_len) for s, _ in rows_held()]
 
 
 def test_chunked_attention_target_cuts_trees_to_its_first_chunk():
