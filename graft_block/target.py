@@ -273,7 +273,8 @@ class Target:
         self._dropped += drop
 
     def cached_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values cached for one layer, [kv_heads, len, head_dim] each, whichever engine runs."""
+        """Keys and values cached for one layer, [kv_heads, len, head_dim] each, whichever engine runs (a sliding
+        layer under ``window``: its last ``window - 1`` rows between rounds)."""
         if self.lean is not None:
             return self.lean.kv(layer)
         lay = self.cache.layers[layer]

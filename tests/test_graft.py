@@ -416,6 +416,49 @@ def test_sampling_distribution_graft_and_recycling_match_the_target_law():
         assert chi_square_test(counts, colder)[2] < 1e-3, f"{name}: the law at 0.8 T is not rejected"
 
 
+@pytest.mark.parametrize("source", ["pld", "pld_matrix", "tail", "static", "fixed", "retrieve_only"])
+def test_sampling_distribution_of_every_other_tree_source_matches_the_target_law(source):
+    """The tree sources the test above leaves out, at T=1: prompt lookup (n-gram copies of the context), prompt
+    lookup with the matrix, and Graft's tail / static / fixed / retrieve-only modes over planted trees. The first
+    3 new tokens follow the target's exact law (chi-square p > 1e-3, 700 samples), with proposed nodes of that
+    source accepted, and the counts are told apart from the law at 0.8 T (the test has power)."""
+    from graft_block.drafters.planted import PlantedTreeDrafter
+    from graft_block.drafters.pld import PromptLookupDrafter
+    from graft_block.drafters.recycling import PLDMatrixDrafter
+    from graft_block.sampling import SamplingConfig
+    from graft_block.testing import chi_square_test, exact_sequence_probs, tiny_target
+
+    target = tiny_target("llama", vocab_size=20, seed=3)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # repeats: prompt lookup finds n-grams to copy
+    n = 700
+    exact = exact_sequence_probs(target, prompt, 3, SamplingConfig(temperature=1.0))
+    colder = exact_sequence_probs(target, prompt, 3, SamplingConfig(temperature=0.8))
+    m = AdjacencyMatrix(20, 8)
+    m.warmup(target, [prompt, [3, 1, 2]], rounds=2, new_tokens=16)
+    graft = None
+    if source == "pld":
+        drafter = PromptLookupDrafter(budget=6)
+    elif source == "pld_matrix":
+        drafter = PLDMatrixDrafter(budget=10, warmup_rounds=0, matrix=m)
+    else:  # thresholds that always fire, so that every round grafts
+        opts = {"tail": {"tail_threshold": 0.9}, "static": {"static_threshold": math.inf},
+                "fixed": {}, "retrieve_only": {}}[source]
+        graft = Graft(budget=10, matrix=m, mode=source, **opts)
+        drafter = PlantedTreeDrafter(budget=10, vocab_size=20, seed=1)
+    dec = SpeculativeDecoder(target, drafter, graft)
+    counts, accepted = Counter(), 0
+    for s in range(n):
+        res = dec.generate(prompt, max_new_tokens=3, temperature=1.0, seed=s)
+        counts[tuple(res.tokens)] += 1
+        accepted += res.stats.retrieved_accepted if graft is not None else sum(
+            k * c for k, c in res.stats.accept_hist.items())
+    # this source's nodes really were accepted (a random target rarely repeats the prompt's n-grams at T=1)
+    assert accepted > (20 if source == "pld" else n // 10), (source, accepted)
+    stat, dof, p = chi_square_test(counts, exact)
+    assert p > 1e-3, f"{source}: sampling differs from the target's law (chi2={stat:.1f}, dof={dof}, p={p:.2g})"
+    assert chi_square_test(counts, colder)[2] < 1e-3, f"{source}: the law at 0.8 T is not rejected"
+
+
 # ---- calibration -------------------------------------------------------------------------------------------------
 class _RandomTreeDrafter:
     """A DDTree from logits that are a deterministic function of the context (so decoding stays lossless)."""
