@@ -48,16 +48,17 @@ def warm_matrix(target, k: int = 8, rounds: int = 5, new_tokens: int = 64):
 def make_schedule(scfg, curve: dict | None):
     """A preset's ``"schedule": {"cost": "curve", "min_nodes": 0, "stop": "best", "survival": "drafter",
     "adapt": 8, "fit_cost": true, "size_draft": true}`` -> ConfidenceSchedule on the run's verify-cost curve
-    (``"cost"`` may also be a curve dict itself; ``"stop"``: "best" or "first_drop"; ``"survival"``: "drafter" or
+    (``"cost"`` may also be a curve dict itself; ``"stop"``: "best", "first_drop" or "threshold" (DeepSpec's cut,
+    at ``"threshold"``, default 0.5); ``"survival"``: "drafter" or
     "scores"; ``"adapt"``: the online recalibration's prior, 0 = off; ``"fit_cost"``: refit the curve to the call's
     rounds; ``"size_draft"``: size the next draft from the recent cuts)."""
     from graft_block.schedule import ConfidenceSchedule
 
     scfg = {"cost": "curve", **(scfg if isinstance(scfg, dict) else {})}
-    unknown = set(scfg) - {"cost", "min_nodes", "stop", "survival", "adapt", "fit_cost", "size_draft"}
+    unknown = set(scfg) - {"cost", "min_nodes", "stop", "survival", "adapt", "fit_cost", "size_draft", "threshold"}
     if unknown:
         raise ConfigError(f"unknown schedule keys {sorted(unknown)}; a schedule takes 'cost' ('curve'), "
-                          "'min_nodes', 'stop', 'survival', 'adapt', 'fit_cost' and 'size_draft'")
+                          "'min_nodes', 'stop', 'threshold', 'survival', 'adapt', 'fit_cost' and 'size_draft'")
     cost = scfg["cost"]
     if cost == "curve":
         if not curve:
@@ -69,7 +70,8 @@ def make_schedule(scfg, curve: dict | None):
                           f"{{'median_s': {{nodes: seconds}}}}, got {cost!r}")
     return ConfidenceSchedule(cost, min_nodes=scfg.get("min_nodes", 0), stop=scfg.get("stop", "best"),
                               survival=scfg.get("survival", "drafter"), adapt=scfg.get("adapt", 8.0),
-                              fit_cost=scfg.get("fit_cost", True), size_draft=scfg.get("size_draft", True))
+                              fit_cost=scfg.get("fit_cost", True), size_draft=scfg.get("size_draft", True),
+                              threshold=scfg.get("threshold", 0.5))
 
 
 def make_method(name: str, spec: dict, target, budget: int | None, chimeric: bool = False,

@@ -72,6 +72,10 @@ PRESETS: dict[str, dict] = {
     "dspark_sched": {"drafter": {**_DSPARK, **_ROWS, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
                      "schedule": {"cost": "curve"},
                      "about": "DSpark tree cut each round by its confidence head against the verify-cost curve"},
+    # DeepSpec's own decoder cut, a baseline for the cost-aware schedule: 0.3 read 1.22x AR on the paper suite's
+    # prompts (18 prompt-turns, 2026-12-07), 0.5 1.04x (docs/results.md)
+    "dspark_cut": {"drafter": {**_DSPARK, "proposal": "chain"}, "schedule": {"stop": "threshold", "threshold": 0.3},
+                   "about": "DSpark chain cut where its confidence first falls below 0.3 (DeepSpec's decoder)"},
     "dspark_graft": {"drafter": {**_DSPARK, **_ROWS, "proposal": "ddtree", "budget": "{budget}"},
                      "graft": {"mode": "graft"},
                      "default_budget": 16, "about": "DSpark Markov tree + Graft (prune -> retrieve -> splice)"},
@@ -119,8 +123,8 @@ QUICK = ["ar", "hf", "hf_pld", "pld", "recycling", "pld_matrix", "eagle3_graft",
          "dflash_graft", "mfd", "mfd_markov", "dspark_chain", "dspark_ddtree", "dspark_sched", "dspark_graft"]
 PAPER = ["ar", "pld", "eagle3", "eagle3_prune", "eagle3_fixed", "eagle3_graft", "dflash_chain", "dflash_tail",
          "dflash_ddtree", "dflash_ddtree64", "mfd", "mfd_k1_ddtree", "mfd_markov", "dspark_chain", "dspark_ddtree",
-         "dspark_sched", "dspark_ddtree64", "dflash_sched", "dflash_graft", "dspark_graft", "dspark_rnn_chain",
-         "dspark_rnn_ddtree"]
+         "dspark_sched", "dspark_cut", "dspark_ddtree64", "dflash_sched", "dflash_graft", "dspark_graft",
+         "dspark_rnn_chain", "dspark_rnn_ddtree"]
 
 # Per suite: prompt sets, prompts per set (the --limit default), new tokens, temperatures, methods.
 SUITES: dict[str, dict] = {

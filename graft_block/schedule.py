@@ -13,7 +13,7 @@ from collections import Counter, deque
 from collections.abc import Mapping
 
 from graft_block.tree import Tree, TreeError
-from graft_block.tree.schedule import (affine_fit, calibration_keys, conditional_survival, convex_cost_curve,
+from graft_block.tree.schedule import (STOPS, affine_fit, calibration_keys, conditional_survival, convex_cost_curve,
                                        cost_function, path_survival, rescaled_survival, schedule_tree,
                                        survival_from_scores)
 
@@ -45,7 +45,9 @@ class ConfidenceSchedule:
     (``{"median_s": {"1": s, ...}}``). ``min_nodes``: non-root nodes kept every round whatever the cost says.
     ``stop``: "best" (the node count of the highest expected tokens per second; the measured curve's stairs are
     real and it climbs them) or "first_drop" (DSpark's early stop; the curve is then read through its lower convex
-    envelope, on which the first drop is the best cut: ``tree/schedule.convex_cost_curve``). ``survival``: "drafter"
+    envelope, on which the first drop is the best cut: ``tree/schedule.convex_cost_curve``) or "threshold"
+    (DeepSpec's decoder cut, costs unread: the nodes whose estimated acceptance given their parent's, and every
+    ancestor's, reaches ``threshold``). ``survival``: "drafter"
     (its ``node_survival`` when it has one, else path probabilities) or "scores" (path probabilities always).
 
     ``adapt``: online recalibration, on by default (a prior of ``adapt`` pseudo-nodes per depth; 0 = off). Survivals
@@ -73,11 +75,14 @@ class ConfidenceSchedule:
     SIZE_WINDOW, SIZE_MARGIN = 16, 2
 
     def __init__(self, cost, min_nodes: int = 0, stop: str = "best", survival: str = "drafter",
-                 adapt: float = 8.0, fit_cost: bool = True, size_draft: bool = True):
+                 adapt: float = 8.0, fit_cost: bool = True, size_draft: bool = True, threshold: float = 0.5):
         if not isinstance(min_nodes, int) or isinstance(min_nodes, bool) or min_nodes < 0:
             raise ConfigError(f"schedule min_nodes must be an int >= 0 (non-root nodes always kept), got {min_nodes!r}")
-        if stop not in ("best", "first_drop"):
-            raise ConfigError(f"schedule stop must be 'best' or 'first_drop', got {stop!r}")
+        if stop not in STOPS:
+            raise ConfigError(f"schedule stop must be one of {', '.join(map(repr, STOPS))}, got {stop!r}")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+            raise ConfigError(f"schedule threshold must be a probability in [0, 1] (stop 'threshold' keeps the nodes "
+                              f"whose estimated acceptance given their parent's reaches it), got {threshold!r}")
         if survival not in ("drafter", "scores"):
             raise ConfigError(f"schedule survival must be 'drafter' (its confidence head where it has one) or "
                               f"'scores' (path probabilities), got {survival!r}")
@@ -102,7 +107,7 @@ class ConfidenceSchedule:
         except TreeError as exc:
             raise ConfigError(f"schedule cost: {exc}") from None
         self.curve = cost if isinstance(cost, Mapping) else None
-        self.min_nodes, self.stop = min_nodes, stop
+        self.min_nodes, self.stop, self.threshold = min_nodes, stop, float(threshold)
         self.reset_stats()
 
     @staticmethod
@@ -135,7 +140,7 @@ class ConfidenceSchedule:
                 self.stats["recalibrated_rounds"] += 1
             raw = offline.tolist()
             out, info = schedule_tree(tree, survival, self.fitted_cost(tree.size), self.min_nodes,
-                                      self.overhead(state), self.stop)
+                                      self.overhead(state), self.stop, self.threshold)
         except TreeError as exc:
             raise ConfigError(f"confidence schedule: {exc} (a drafter's node_survival must return one probability "
                               "per node of the tree it is given)") from None
@@ -205,7 +210,8 @@ class ConfidenceSchedule:
         the last round at EOS or max_new_tokens, as expected is: the emitted tau is after it); survival sources."""
         s = self.stats
         r = max(s["rounds"], 1)
-        return {"rounds": s["rounds"], "min_nodes": self.min_nodes, "stop": self.stop, "adapt": self.adapt,
+        return {"rounds": s["rounds"], "min_nodes": self.min_nodes, "stop": self.stop,
+                "threshold": self.threshold if self.stop == "threshold" else None, "adapt": self.adapt,
                 "fit_cost": self.fit_cost, "last_cost_fit": s.get("cost_fit"), "size_draft": self.size_draft,
                 "mean_draft_nodes": s["draft_nodes"] / r if self.size_draft else None,
                 "recalibrated_rounds": s["recalibrated_rounds"], "refit_rounds": s["refit_rounds"],
@@ -220,6 +226,7 @@ class ConfidenceSchedule:
                       "survival_source": Counter()}
 
     def describe(self) -> dict:
-        return {"min_nodes": self.min_nodes, "stop": self.stop, "survival": self.survival_from, "adapt": self.adapt,
+        return {"min_nodes": self.min_nodes, "stop": self.stop, "threshold": self.threshold,
+                "survival": self.survival_from, "adapt": self.adapt,
                 "fit_cost": self.fit_cost, "size_draft": self.size_draft,
                 "cost": "curve" if self.curve is not None else "callable"}

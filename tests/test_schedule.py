@@ -78,6 +78,33 @@ def test_first_drop_stops_at_a_stair_and_best_climbs_it():
         schedule_tree(tree, surv, curve, stop="first")
 
 
+def test_threshold_stop_keeps_the_nodes_whose_conditional_acceptance_reaches_it():
+    """DeepSpec's decoder cut: on a chain, every position up to the first whose estimated acceptance given the one
+    before falls below the threshold (whatever the cost and the later positions); on a tree, the nodes whose
+    conditional and every ancestor's reach it; ``min_nodes`` adds the likeliest others; a bad threshold is refused."""
+    cost = lambda m: 1.0  # noqa: E731 (free nodes: "best" would keep all)
+    line = chain(0, [1, 2, 3, 4])
+    path = torch.tensor([1.0, 0.9, 0.72, 0.144, 0.13])  # conditionals 0.9, 0.8, 0.2, 0.9
+    out, info = schedule_tree(line, path, cost, stop="threshold", threshold=0.5)
+    assert out.tokens.tolist() == [0, 1, 2] and info["kept"] == 2
+    assert info["expected_tokens"] == pytest.approx(1 + 0.9 + 0.72)
+    assert schedule_tree(line, path, cost, stop="threshold", threshold=0.19)[0].size == 5
+    assert schedule_tree(line, path, cost, stop="threshold", threshold=0.95)[0].size == 1
+    assert schedule_tree(line, path, cost, stop="threshold", threshold=0.95, min_nodes=1)[0].tokens.tolist() == [0, 1]
+    assert schedule_tree(line, path, cost)[0].size == 5
+    # root with children a (0.6) and b (0.3); a's child c (conditional 0.5), b's child d (conditional 1.0)
+    tree = make_tree([0, 1, 2, 3, 4], [-1, 0, 0, 1, 2])
+    out, _ = schedule_tree(tree, torch.tensor([1.0, 0.6, 0.3, 0.3, 0.3]), cost, stop="threshold", threshold=0.4)
+    assert out.tokens.tolist() == [0, 1, 3]  # d's own conditional is 1, but b's falls short
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="threshold must be a probability"):
+            schedule_tree(line, path, cost, stop="threshold", threshold=bad)
+        with pytest.raises(ConfigError, match="threshold must be a probability"):
+            ConfidenceSchedule(cost, stop="threshold", threshold=bad)
+    sched = ConfidenceSchedule({"median_s": {"1": 1.0, "8": 1.0}}, stop="threshold", threshold=0.5, adapt=0)
+    assert sched.apply(chain(0, [1, 2, 3, 4], scores=torch.log(path[1:]))).size == 3  # the same cut in the decoder
+
+
 def test_a_measured_curve_is_read_raw_for_best_and_through_its_envelope_for_first_drop():
     """The same stair handed to the decoder's schedule as a measured curve: "best" reads it as measured and keeps
     the whole chain; "first_drop" reads its convex envelope, on which the first drop is the global best."""
@@ -507,6 +534,24 @@ def test_schedule_keeps_the_exact_law(one_thread):
     cheat = SpeculativeDecoder(target, FullTreeDrafter(V, seed=1), schedule=PeekingSchedule(bad=last.index(max(last))))
     bad_counts, _ = _law_counts(cheat, prompt, n, length, 123)
     assert chi_square_test(bad_counts, exact)[2] < 1e-3
+
+
+def test_threshold_schedule_keeps_the_exact_law(one_thread):
+    """The exact-law test with DeepSpec's threshold cut (on the drafter's random survivals, recalibrated online):
+    trees were cut, drafted nodes accepted, and the first 3 tokens follow the target's law."""
+    V, length, n = 4, 3, 800
+    target = tiny_target("llama", vocab_size=V, hidden_size=32, num_layers=2)
+    prompt = [1, 3, 2]
+    exact = exact_sequence_probs(target, prompt, length, SamplingConfig(1.0))
+    sched = ConfidenceSchedule(lambda m: 1.0 + 0.25 * (m - 1), stop="threshold", threshold=0.3)
+    dec = SpeculativeDecoder(target, FullTreeDrafter(V, seed=1, head=True), schedule=sched)
+    counts, accepted = _law_counts(dec, prompt, n, length, 123)
+    s = sched.summary()
+    assert 1.0 <= s["mean_nodes_kept"] < s["mean_nodes_in"] and s["threshold"] == 0.3
+    assert accepted > n // 5
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
+    stat, dof, p = chi_square_test(counts, exact)
+    assert tv < null_tv_quantile(exact, n) and p > 1e-3, (tv, stat, dof, p)
 
 
 def test_graft_then_schedule_keeps_the_exact_law(one_thread):

@@ -185,8 +185,11 @@ def rescaled_survival(tree: Tree, conditional: list[float], factors: Mapping, ke
 
 
 # ---- the scheduler ------------------------------------------------------------------------------------------
+STOPS = ("best", "first_drop", "threshold")
+
+
 def schedule_tree(tree: Tree, survival: torch.Tensor, cost: CostLike, min_nodes: int = 0,
-                  overhead: float = 0.0, stop: str = "best") -> tuple[Tree, dict]:
+                  overhead: float = 0.0, stop: str = "best", threshold: float = 0.5) -> tuple[Tree, dict]:
     """Keep non-root nodes in decreasing survival (ties: lower index first); the objective of the first k is
     (1 + their survivals) / (overhead + cost(1 + k)). ``stop="best"``: the k of the highest objective (ties: the
     smaller k); ``stop="first_drop"``: DSpark's rule, the k before the first step where it does not rise. A measured
@@ -194,11 +197,16 @@ def schedule_tree(tree: Tree, survival: torch.Tensor, cost: CostLike, min_nodes:
     then 4-5, 6-8, 9-12), and the first drop stops at the first stair while the best k climbs it. Either way the
     kept set is a function of the tree and its survivals only, never of the target's choices. ``overhead``: seconds
     a round costs besides its verify (drafting, commit), which makes extra nodes relatively cheaper. ``min_nodes``
-    non-root nodes are kept regardless (capped at the tree's). Returns (the prefix-closed subtree, info)."""
+    non-root nodes are kept regardless (capped at the tree's). ``stop="threshold"``: DeepSpec's decoder cut, costs
+    unread: the nodes whose estimated acceptance given their parent's, and every ancestor's, is at least
+    ``threshold`` (on a chain: up to the first position below it), then ``min_nodes`` as above. Returns (the
+    prefix-closed subtree, info)."""
     if not isinstance(min_nodes, int) or isinstance(min_nodes, bool) or min_nodes < 0:
         raise TreeError(f"min_nodes must be an int >= 0 (non-root nodes always kept), got {min_nodes!r}")
-    if stop not in ("best", "first_drop"):
-        raise TreeError(f"stop must be 'best' or 'first_drop', got {stop!r}")
+    if stop not in STOPS:
+        raise TreeError(f"stop must be one of {', '.join(map(repr, STOPS))}, got {stop!r}")
+    if stop == "threshold" and not (isinstance(threshold, (int, float)) and 0.0 <= threshold <= 1.0):
+        raise TreeError(f"threshold must be a probability in [0, 1], got {threshold!r}")
     cost_of = cost_function(cost)
     surv = path_survival(tree, survival)
     # Stable sort on -survival: ties keep index order, and running-min survival makes parents precede children.
@@ -212,6 +220,17 @@ def schedule_tree(tree: Tree, survival: torch.Tensor, cost: CostLike, min_nodes:
                             "seconds > 0")
         return sec
 
+    if stop == "threshold":
+        pars = tree.parents.tolist()
+        passed = [True] + [False] * (len(vals) - 1)
+        for i in range(1, len(vals)):  # parents first; a node's conditional is its path survival over its parent's
+            passed[i] = passed[pars[i]] and vals[i] >= threshold * vals[pars[i]] and vals[i] > 0
+        floor = set(order[: min(min_nodes, len(order))])
+        keep = sorted(i for i in range(len(vals)) if passed[i] or i in floor)
+        out = tree.subset(torch.tensor(keep, dtype=torch.long)) if len(keep) < tree.size else tree
+        expected = 1.0 + sum(vals[i] for i in keep[1:])
+        return out, {"nodes_in": tree.size - 1, "kept": len(keep) - 1, "expected_tokens": expected,
+                     "objective": expected / seconds(len(keep)), "nodes": keep}
     expected, best = [1.0], [1.0 / seconds(1)]  # per k kept: expected tokens, objective
     for k, node in enumerate(order, start=1):
         expected.append(expected[-1] + vals[node])
