@@ -89,7 +89,8 @@ def engine_label(target) -> str:
 def cost_key(target, sizes, context: int, reps: int) -> dict:
     """Everything that changes a verify-cost curve: the cache is keyed by all of it."""
     cls = type(target)
-    engine = "".join(inspect.getsource(getattr(cls, f)) for f in ("prefill", "verify", "compact"))
+    engine = "".join(inspect.getsource(getattr(cls, f)) for f in ("prefill", "verify", "compact", "_trim")
+                     if hasattr(cls, f))
     lean = getattr(target, "lean", None)
     if lean is not None:  # the lean forward's own code changes the curve too, and so does the C kernel's
         engine += inspect.getsource(inspect.getmodule(type(lean))) + skinny.SOURCE

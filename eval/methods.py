@@ -49,9 +49,9 @@ def make_schedule(scfg, curve: dict | None):
     """A preset's ``"schedule": {"cost": "curve", "min_nodes": 0, "stop": "best", "survival": "drafter",
     "adapt": 8, "fit_cost": true, "size_draft": true}`` -> ConfidenceSchedule on the run's verify-cost curve
     (``"cost"`` may also be a curve dict itself; ``"stop"``: "best", "first_drop" or "threshold" (DeepSpec's cut,
-    at ``"threshold"``, default 0.5); ``"survival"``: "drafter" or
-    "scores"; ``"adapt"``: the online recalibration's prior, 0 = off; ``"fit_cost"``: refit the curve to the call's
-    rounds; ``"size_draft"``: size the next draft from the recent cuts)."""
+    at ``"threshold"``, default 0.5); ``"survival"``: "drafter" or "scores"; ``"adapt"``: the online
+    recalibration's prior, 0 = off; ``"fit_cost"``: refit the curve to the call's rounds; ``"size_draft"``: size
+    the next draft from the recent cuts)."""
     from graft_block.schedule import ConfidenceSchedule
 
     scfg = {"cost": "curve", **(scfg if isinstance(scfg, dict) else {})}

@@ -72,9 +72,11 @@ PRESETS: dict[str, dict] = {
     "dspark_sched": {"drafter": {**_DSPARK, **_ROWS, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
                      "schedule": {"cost": "curve"},
                      "about": "DSpark tree cut each round by its confidence head against the verify-cost curve"},
-    # DeepSpec's own decoder cut, a baseline for the cost-aware schedule: 0.3 read 1.22x AR on the paper suite's
-    # prompts (18 prompt-turns, 2026-12-07), 0.5 1.04x (docs/results.md)
-    "dspark_cut": {"drafter": {**_DSPARK, "proposal": "chain"}, "schedule": {"stop": "threshold", "threshold": 0.3},
+    # DeepSpec's own decoder cut, a baseline for the cost-aware schedule: the whole block drafted, the head's
+    # (offline-calibrated) confidences cut as they are, no online recalibration (docs/results.md: 0.3 and 0.5)
+    "dspark_cut": {"drafter": {**_DSPARK, "proposal": "chain"},
+                   "schedule": {"stop": "threshold", "threshold": 0.3, "adapt": 0, "size_draft": False,
+                                "fit_cost": False},
                    "about": "DSpark chain cut where its confidence first falls below 0.3 (DeepSpec's decoder)"},
     "dspark_graft": {"drafter": {**_DSPARK, **_ROWS, "proposal": "ddtree", "budget": "{budget}"},
                      "graft": {"mode": "graft"},

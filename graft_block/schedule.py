@@ -46,9 +46,9 @@ class ConfidenceSchedule:
     ``stop``: "best" (the node count of the highest expected tokens per second; the measured curve's stairs are
     real and it climbs them) or "first_drop" (DSpark's early stop; the curve is then read through its lower convex
     envelope, on which the first drop is the best cut: ``tree/schedule.convex_cost_curve``) or "threshold"
-    (DeepSpec's decoder cut, costs unread: the nodes whose estimated acceptance given their parent's, and every
-    ancestor's, reaches ``threshold``). ``survival``: "drafter"
-    (its ``node_survival`` when it has one, else path probabilities) or "scores" (path probabilities always).
+    (DeepSpec's decoder cut, the cost only reported: the nodes whose estimated acceptance given their parent's, and
+    every ancestor's, reaches ``threshold``; with ``adapt`` on, the recalibrated estimates). ``survival``:
+    "drafter" (its ``node_survival`` when it has one, else path probabilities) or "scores" (path probabilities).
 
     ``adapt``: online recalibration, on by default (a prior of ``adapt`` pseudo-nodes per depth; 0 = off). Survivals
     fitted offline miss on other prompts (DSpark's head on the paper suite's turns expected 1.94 tokens a round
@@ -226,7 +226,8 @@ class ConfidenceSchedule:
                       "survival_source": Counter()}
 
     def describe(self) -> dict:
-        return {"min_nodes": self.min_nodes, "stop": self.stop, "threshold": self.threshold,
-                "survival": self.survival_from, "adapt": self.adapt,
+        return {"min_nodes": self.min_nodes, "stop": self.stop,
+                "threshold": self.threshold if self.stop == "threshold" else None, "survival": self.survival_from,
+                "adapt": self.adapt,
                 "fit_cost": self.fit_cost, "size_draft": self.size_draft,
                 "cost": "curve" if self.curve is not None else "callable"}

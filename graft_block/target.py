@@ -116,15 +116,17 @@ class Target:
         # release_hf: HF's mmapped weights leave memory layer by layer as the lean engine packs its own copy, when
         # its C layers run every forward (``release_hf_weights``)
         self.lean = LeanForward(model, compile=compile, gemm=gemm, release_hf=release_hf) if engine == "lean" else None
-        # Sliding-window layers (HF forward only): ``window`` when a full cache and the ancestor mask cut to the window
-        # verify trees at any length (``window_types``: the layer types keyed in a per-type mask, or None where one
-        # mask serves every layer); else ``sliding_window``, where HF's layers keep only the window's last rows and
-        # trees are cut to fit it (layer types other than full and sliding attention, e.g. chunked)
+        # Sliding-window layers (HF forward only): ``window`` when plain cache layers (trimmed between rounds) and
+        # the ancestor mask cut to the window verify trees at any length (``window_types``: the layer types keyed in
+        # a per-type mask, or None where one mask serves every layer); else ``sliding_window``, where HF's layers
+        # keep only the window's last rows and trees are cut to fit it (layer types other than full and sliding
+        # attention, e.g. chunked)
         self.window = self.window_types = self.sliding_window = None
         # under ``window``, the sliding layers keep only the window's last rows between rounds (``_trim``): their
         # indices, and how many of their oldest rows are gone (a full layer's memory for them otherwise)
         self._sliding_rows: tuple[int, ...] = ()
         self._dropped = 0
+        self._first_sliding = False  # the cache's length is read from layer 0 (``get_seq_length``)
         if engine == "hf":
             layers = DynamicCache(config=model.config)  # the cache HF would build: its layer kinds
             if (why := tree_support_reason(model, layers)) is not None:
@@ -133,6 +135,7 @@ class Target:
             self.window, self.window_types, self.sliding_window = window_plan(model.config, layers)
             if self.window is not None:
                 self._sliding_rows = tuple(i for i, lay in enumerate(layers.layers) if getattr(lay, "is_sliding", 0))
+                self._first_sliding = 0 in self._sliding_rows
         self.engine = engine
         self.compiled = bool(compile and engine == "lean")
 
@@ -177,7 +180,7 @@ class Target:
             return self.lean.len
         if self.cache is None:
             return 0
-        return int(self.cache.get_seq_length()) + (self._dropped if 0 in self._sliding_rows else 0)
+        return int(self.cache.get_seq_length()) + (self._dropped if self._first_sliding else 0)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -254,8 +257,9 @@ class Target:
             self.cache = self._new_cache()
 
     def _new_cache(self) -> DynamicCache:
-        # the windowed mask needs rows kept until a round is compacted: HF's sliding layers would drop rows that a
-        # tree's rejected nodes displace (``_trim`` drops the old rows once no future node can see them)
+        """An empty cache (``_dropped`` restarts with it). The windowed mask needs rows kept until a round is
+        compacted: HF's sliding layers would drop rows a tree's rejected nodes displace (``_trim`` drops the old
+        rows once no later node can see them)."""
         self._dropped = 0
         return DynamicCache() if self.window is not None else DynamicCache(config=self.model.config)
 

@@ -489,7 +489,7 @@ def test_trees_reaching_past_the_context_window_are_cut_to_it(engine):
 def _sliding_window_model(kind: str, window: int, attn: str = "sdpa"):
     """A tiny HF model with sliding-window layers (the lean engine refuses them, so it runs HF's forward):
     "mistral" every layer sliding; "qwen2" / "gemma3" / "gemma4" (whose last two layers reuse earlier layers'
-    keys) sliding and full layers mixed (a mask per layer type);
+    keys) sliding and full layers mixed (a mask per layer type), "qwen2_full_first" with a full layer first;
     "llama4" chunked layers (trees cut to the first chunk)."""
     from transformers import (AutoModelForCausalLM, Gemma3TextConfig, Gemma4TextConfig, Llama4TextConfig,
                               MistralConfig, Qwen2Config)
@@ -500,6 +500,8 @@ def _sliding_window_model(kind: str, window: int, attn: str = "sdpa"):
     mixed = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
     cfg = {"mistral": lambda: MistralConfig(**common, sliding_window=window),
            "qwen2": lambda: Qwen2Config(**common, use_sliding_window=True, sliding_window=window, layer_types=mixed),
+           "qwen2_full_first": lambda: Qwen2Config(**common, use_sliding_window=True, sliding_window=window,
+                                                   layer_types=mixed[1:] + mixed[:1]),
            "gemma3": lambda: Gemma3TextConfig(**common, head_dim=16, sliding_window=window, layer_types=mixed),
            "gemma4": lambda: Gemma4TextConfig(**common, head_dim=16, global_head_dim=16, sliding_window=window,
                                               layer_types=mixed, vocab_size_per_layer_input=128,
@@ -515,7 +517,7 @@ def _sliding_window_model(kind: str, window: int, attn: str = "sdpa"):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])  # eager: HF's own masks, where we pass none, size both alike
-@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3", "gemma4"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen2_full_first", "gemma3", "gemma4"])
 def test_sliding_window_targets_verify_whole_trees_past_their_window(kind, attn):
     """Past a sliding window a tree still verifies whole: the sliding layers keep a tree's rows until it is
     compacted, then only the window's last rows, and see the ancestor mask cut to their window (the full layers of a
@@ -536,7 +538,11 @@ def test_sliding_window_targets_verify_whole_trees_past_their_window(kind, attn)
 
     ids = torch.randint(0, 128, (21,), generator=torch.Generator().manual_seed(1))
     target.prefill(ids[:-1])  # 20 cached, the root's token next: every node sits past the window
-    assert rows_held() == [(s, 7 if s else 20) for s, _ in rows_held()] and target.cache_len == 20
+    assert all(r == (7 if s else 20) for s, r in rows_held()) and target.cache_len == 20
+    with target.side_cache():  # a decoding beside this one drops rows of its own, and leaves these as they were
+        target.prefill(ids[:15])
+        assert target.cache_len == 15
+    assert all(r == (7 if s else 20) for s, r in rows_held()) and target.cache_len == 20
     tokens, parents = [int(ids[-1]), 5, 9, 7, 11, 3], [-1, 0, 0, 1, 1, 3]
     logits, _ = target.verify(make_tree(tokens, parents))
     for i in range(len(tokens)):
@@ -559,7 +565,7 @@ def test_sliding_window_targets_verify_whole_trees_past_their_window(kind, attn)
     # whole trees every round (a cut to the window would verify one node a round past token 8, tau near 1)
     assert res.stats.tree_nodes > 2 * res.stats.rounds and res.stats.tau > 1.5
     assert target.cache_len == len(prompt) + 40 + res.stats.dropped - 1  # every committed token but the last bonus
-    assert rows_held() == [(s, 7 if s else target.cache_len) for s, _ in rows_held()]
+    assert all(r == (7 if s else target.cache_len) for s, r in rows_held())
 
 
 def test_chunked_attention_target_cuts_trees_to_its_first_chunk():

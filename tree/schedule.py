@@ -197,15 +197,16 @@ def schedule_tree(tree: Tree, survival: torch.Tensor, cost: CostLike, min_nodes:
     then 4-5, 6-8, 9-12), and the first drop stops at the first stair while the best k climbs it. Either way the
     kept set is a function of the tree and its survivals only, never of the target's choices. ``overhead``: seconds
     a round costs besides its verify (drafting, commit), which makes extra nodes relatively cheaper. ``min_nodes``
-    non-root nodes are kept regardless (capped at the tree's). ``stop="threshold"``: DeepSpec's decoder cut, costs
-    unread: the nodes whose estimated acceptance given their parent's, and every ancestor's, is at least
-    ``threshold`` (on a chain: up to the first position below it), then ``min_nodes`` as above. Returns (the
-    prefix-closed subtree, info)."""
+    non-root nodes are kept regardless (capped at the tree's). ``stop="threshold"``: DeepSpec's decoder cut, the
+    cost only reported: the nodes whose path survival over their parent's, and every ancestor's, is at least
+    ``threshold`` (on a chain: up to the first position below it; a node of survival 0 never), then ``min_nodes``
+    as above. Returns (the prefix-closed subtree, info)."""
     if not isinstance(min_nodes, int) or isinstance(min_nodes, bool) or min_nodes < 0:
         raise TreeError(f"min_nodes must be an int >= 0 (non-root nodes always kept), got {min_nodes!r}")
     if stop not in STOPS:
         raise TreeError(f"stop must be one of {', '.join(map(repr, STOPS))}, got {stop!r}")
-    if stop == "threshold" and not (isinstance(threshold, (int, float)) and 0.0 <= threshold <= 1.0):
+    if stop == "threshold" and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                or not 0.0 <= threshold <= 1.0):
         raise TreeError(f"threshold must be a probability in [0, 1], got {threshold!r}")
     cost_of = cost_function(cost)
     surv = path_survival(tree, survival)
