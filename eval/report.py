@@ -35,6 +35,12 @@ def _tau(rs):
     return sum(r["decode_tokens"] for r in rs) / rounds if rounds else None
 
 
+def _tau_turn_mean(rs):
+    """The mean of each prompt-turn's own tau (DFlash's paper averages per response; ``_tau`` pools rounds)."""
+    taus = [r["decode_tokens"] / r["rounds"] for r in rs if r.get("rounds")]
+    return statistics.fmean(taus) if taus else None
+
+
 def _chimeric_share(rs):
     """The drafted nodes' chimeric share per round, over every round of ``rs`` (pooled like tau, so a short turn
     weighs what its rounds weigh); None when no record measured it."""
@@ -66,7 +72,7 @@ def suffix_decay(accept_hist: dict, depth_hist: dict | None = None) -> tuple[lis
 
 def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf", engine_peer: str = "llamacpp") -> list[dict]:
     """One row per (method, temperature, budget). Aggregates are sums over the same prompt-turns (tau = emitted
-    tokens / rounds, tok/s = tokens / seconds, speedup vs AR = ``measure.speedup``, chimeric share = its per-round
+    tokens / rounds, pooled; ``tau_turn_mean``: the turns' own taus averaged; tok/s = tokens / seconds, speedup vs AR = ``measure.speedup``, chimeric share = its per-round
     mean over all rounds); per-prompt spreads beside.
     ``speedup_vs_hf``: the same ratio against ``peer`` (HF ``generate``: what a transformers user gets);
     ``speedup_vs_llamacpp``: against ``engine_peer`` (llama.cpp's own AR), None when it did not run.
@@ -108,6 +114,7 @@ def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf", engin
         rows.append({
             "method": name, "temperature": temp, "budget": budget, "n": len(rs),
             "tau": _tau(rs) if any(r.get("rounds") for r in rs) else None,
+            "tau_turn_mean": _tau_turn_mean(rs),
             "tau_iqr": _iqr([r.get("tau") for r in rs]),
             "tok_s": rate(rs),
             "speedup": speedup([m for m, _ in pairs], [a for _, a in pairs]) if pairs else None,

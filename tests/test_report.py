@@ -143,6 +143,17 @@ def test_chimeric_share_is_pooled_over_rounds_like_tau():
     assert rows["ar"]["chimeric_share"] is None
 
 
+def test_tau_pools_rounds_and_the_turn_mean_averages_each_turns_own():
+    """A turn of 10 tokens in 5 rounds (tau 2) and one of 40 in 10 (tau 4): the row's tau pools them, 50 / 15,
+    while ``tau_turn_mean`` is DFlash's per-response average, 3."""
+    recs = [_chimeric_rec("ar", f"p{i}", None, 10) for i in range(2)]
+    recs += [{**_chimeric_rec("tree", "p0", 0.0, 5), "decode_tokens": 10},
+             {**_chimeric_rec("tree", "p1", 0.0, 10), "decode_tokens": 40}]
+    measure.pair_with(recs)
+    rows = {r["method"]: r for r in report.summarize(recs)}
+    assert rows["tree"]["tau"] == pytest.approx(50 / 15) and rows["tree"]["tau_turn_mean"] == pytest.approx(3.0)
+
+
 def test_hf_generate_differing_from_our_ar_is_a_note_not_the_lossless_alarm():
     """HF generate's greedy tokens against our AR's differ only by the engines' arithmetic: named in the note, while
     one of our methods differing from AR still raises the alarm."""
