@@ -72,8 +72,8 @@ def suffix_decay(accept_hist: dict, depth_hist: dict | None = None) -> tuple[lis
 
 def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf", engine_peer: str = "llamacpp") -> list[dict]:
     """One row per (method, temperature, budget). Aggregates are sums over the same prompt-turns (tau = emitted
-    tokens / rounds, pooled; ``tau_turn_mean``: the turns' own taus averaged; tok/s = tokens / seconds, speedup vs AR = ``measure.speedup``, chimeric share = its per-round
-    mean over all rounds); per-prompt spreads beside.
+    tokens / rounds, pooled; ``tau_turn_mean``: the turns' own taus averaged; tok/s = tokens / seconds, speedup
+    vs AR = ``measure.speedup``, chimeric share = its per-round mean over all rounds); per-prompt spreads beside.
     ``speedup_vs_hf``: the same ratio against ``peer`` (HF ``generate``: what a transformers user gets);
     ``speedup_vs_llamacpp``: against ``engine_peer`` (llama.cpp's own AR), None when it did not run.
     Records of another engine (``"engine": "llama.cpp"``) are checked for losslessness against that engine's AR
