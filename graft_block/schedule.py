@@ -13,9 +13,9 @@ from collections import Counter, deque
 from collections.abc import Mapping
 
 from graft_block.tree import Tree, TreeError
-from graft_block.tree.schedule import (STOPS, affine_fit, calibration_keys, conditional_survival, convex_cost_curve,
-                                       cost_function, path_survival, rescaled_survival, schedule_tree,
-                                       survival_from_scores)
+from graft_block.tree.schedule import (STOPS, affine_fit, calibration_keys, check_threshold, conditional_survival,
+                                       convex_cost_curve, cost_function, path_survival, rescaled_survival,
+                                       schedule_tree, survival_from_scores)
 
 from .errors import ConfigError
 
@@ -80,9 +80,10 @@ class ConfidenceSchedule:
             raise ConfigError(f"schedule min_nodes must be an int >= 0 (non-root nodes always kept), got {min_nodes!r}")
         if stop not in STOPS:
             raise ConfigError(f"schedule stop must be one of {', '.join(map(repr, STOPS))}, got {stop!r}")
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
-            raise ConfigError(f"schedule threshold must be a probability in [0, 1] (stop 'threshold' keeps the nodes "
-                              f"whose estimated acceptance given their parent's reaches it), got {threshold!r}")
+        try:
+            check_threshold(threshold)
+        except TreeError as exc:
+            raise ConfigError(f"schedule {exc}") from None
         if survival not in ("drafter", "scores"):
             raise ConfigError(f"schedule survival must be 'drafter' (its confidence head where it has one) or "
                               f"'scores' (path probabilities), got {survival!r}")

@@ -61,19 +61,21 @@ def tree_support_reason(model, cache: DynamicCache) -> str | None:
     return None
 
 
-def window_plan(config, cache: DynamicCache) -> tuple[int | None, tuple[str, ...] | None, int | None]:
-    """(window, window_types, sliding_window) of a model's sliding-window attention layers (see ``Target``), given
-    ``DynamicCache(config=config)``: all None without such layers; ``window`` for full and sliding layers of one
-    window; else ``sliding_window``."""
-    sliding = [bool(getattr(lay, "is_sliding", False)) for lay in cache.layers]
-    windows = {int(lay.sliding_window) for lay, s in zip(cache.layers, sliding) if s}
+def window_plan(config, cache: DynamicCache) -> tuple[int | None, bool, tuple[int, ...], int | None]:
+    """(window, mixed, sliding layer indices, sliding_window) of a model's sliding-window attention layers (see
+    ``Target``), given ``DynamicCache(config=config)``. Sliding layers of one window, beside full layers or not: the
+    window, whether full layers are there, the sliding layers' indices, None. Other kinds (chunked, several windows):
+    only ``sliding_window``, the smallest window. No sliding layers: (None, False, (), None)."""
+    sliding = tuple(i for i, lay in enumerate(cache.layers) if getattr(lay, "is_sliding", False))
+    windows = {int(cache.layers[i].sliding_window) for i in sliding}
     if not windows:
-        return None, None, None
+        return None, False, (), None
     types = layer_types(config)
-    kinds = set(types) if types is not None else ({"sliding_attention"} if all(sliding) else {"unknown"})
+    kinds = set(types) if types is not None else ({"sliding_attention"} if len(sliding) == len(cache.layers)
+                                                  else {"unknown"})
     if len(windows) == 1 and kinds <= {"full_attention", "sliding_attention"}:
-        return windows.pop(), (tuple(sorted(kinds)) if len(kinds) > 1 else None), None
-    return None, None, min(windows)
+        return windows.pop(), len(kinds) > 1, sliding, None
+    return None, False, (), min(windows)
 
 
 class Target:
@@ -117,25 +119,19 @@ class Target:
         # its C layers run every forward (``release_hf_weights``)
         self.lean = LeanForward(model, compile=compile, gemm=gemm, release_hf=release_hf) if engine == "lean" else None
         # Sliding-window layers (HF forward only): ``window`` when plain cache layers (trimmed between rounds) and
-        # the ancestor mask cut to the window verify trees at any length (``window_types``: the layer types keyed in
-        # a per-type mask, or None where one mask serves every layer); else ``sliding_window``, where HF's layers
-        # keep only the window's last rows and trees are cut to fit it (layer types other than full and sliding
-        # attention, e.g. chunked)
-        self.window = self.window_types = self.sliding_window = None
-        # under ``window``, the sliding layers keep only the window's last rows between rounds (``_trim``): their
-        # indices, and how many of their oldest rows are gone (a full layer's memory for them otherwise)
-        self._sliding_rows: tuple[int, ...] = ()
-        self._dropped = 0
-        self._first_sliding = False  # the cache's length is read from layer 0 (``get_seq_length``)
+        # the ancestor mask cut to the window verify trees at any length (``window_mixed``: full layers beside them,
+        # which take the whole mask, one mask per layer type); else ``sliding_window``, where HF's layers keep only
+        # the window's last rows and trees are cut to fit it (layer types other than full and sliding attention,
+        # e.g. chunked). ``_sliding_rows``: the sliding layers, which ``_trim`` keeps at the window's last rows
+        # between rounds; ``_dropped``: how many of their oldest rows are gone.
+        self.window = self.sliding_window = None
+        self.window_mixed, self._sliding_rows, self._dropped = False, (), 0
         if engine == "hf":
             layers = DynamicCache(config=model.config)  # the cache HF would build: its layer kinds
             if (why := tree_support_reason(model, layers)) is not None:
                 raise ConfigError(f"{why}: tree verification needs an attention-only target with position ids "
                                   "(rotary or learned)")
-            self.window, self.window_types, self.sliding_window = window_plan(model.config, layers)
-            if self.window is not None:
-                self._sliding_rows = tuple(i for i, lay in enumerate(layers.layers) if getattr(lay, "is_sliding", 0))
-                self._first_sliding = 0 in self._sliding_rows
+            self.window, self.window_mixed, self._sliding_rows, self.sliding_window = window_plan(model.config, layers)
         self.engine = engine
         self.compiled = bool(compile and engine == "lean")
 
@@ -180,7 +176,8 @@ class Target:
             return self.lean.len
         if self.cache is None:
             return 0
-        return int(self.cache.get_seq_length()) + (self._dropped if self._first_sliding else 0)
+        # HF reads the length of layer 0, which holds ``_dropped`` rows fewer when it is a sliding one
+        return int(self.cache.get_seq_length()) + (self._dropped if 0 in self._sliding_rows else 0)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -382,12 +379,15 @@ class Target:
         pos = position_ids(tree, start, self.device)
         # A single root node is one plain decoding step: the default causal mask is the same and cheaper (not once
         # the sliding layers hold fewer rows than the full ones: HF would size both masks alike).
-        plain = tree.size == 1 and not self._dropped
-        mask = None if plain else attention_mask(tree, start, self.dtype, self.device)
-        if mask is not None and self.window is not None:
-            near = window_cut(mask, tree, start, self.window)[..., self._dropped :]  # keys the sliding layers hold
-            mask = near if self.window_types is None else {t: near if t == "sliding_attention" else mask
-                                                           for t in self.window_types}
+        if tree.size == 1 and not self._dropped:
+            mask = None
+        elif self.window is None:
+            mask = attention_mask(tree, start, self.dtype, self.device)
+        else:  # the sliding layers: the window of the rows they hold; a mixed model's full layers: the whole cache
+            near = window_cut(attention_mask(tree, start - self._dropped, self.dtype, self.device), tree, start,
+                              self.window)
+            mask = {"sliding_attention": near, "full_attention": attention_mask(tree, start, self.dtype, self.device)
+                    } if self.window_mixed else near
         if self.lean is not None:
             return self._lean_forward(ids[0], pos[0], mask)
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache, use_cache=True)

@@ -188,6 +188,13 @@ def rescaled_survival(tree: Tree, conditional: list[float], factors: Mapping, ke
 STOPS = ("best", "first_drop", "threshold")
 
 
+def check_threshold(threshold) -> None:
+    """TreeError unless ``threshold`` (``stop="threshold"``'s) is a probability."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+        raise TreeError(f"threshold must be a probability in [0, 1] (the conditional acceptance a kept node reaches), "
+                        f"got {threshold!r}")
+
+
 def schedule_tree(tree: Tree, survival: torch.Tensor, cost: CostLike, min_nodes: int = 0,
                   overhead: float = 0.0, stop: str = "best", threshold: float = 0.5) -> tuple[Tree, dict]:
     """Keep non-root nodes in decreasing survival (ties: lower index first); the objective of the first k is
@@ -205,9 +212,8 @@ def schedule_tree(tree: Tree, survival: torch.Tensor, cost: CostLike, min_nodes:
         raise TreeError(f"min_nodes must be an int >= 0 (non-root nodes always kept), got {min_nodes!r}")
     if stop not in STOPS:
         raise TreeError(f"stop must be one of {', '.join(map(repr, STOPS))}, got {stop!r}")
-    if stop == "threshold" and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
-                                or not 0.0 <= threshold <= 1.0):
-        raise TreeError(f"threshold must be a probability in [0, 1], got {threshold!r}")
+    if stop == "threshold":
+        check_threshold(threshold)
     cost_of = cost_function(cost)
     surv = path_survival(tree, survival)
     # Stable sort on -survival: ties keep index order, and running-min survival makes parents precede children.

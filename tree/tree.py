@@ -275,9 +275,11 @@ def attention_mask(tree: Tree, cache_len: int, dtype: torch.dtype, device=None) 
 
 def window_cut(mask: torch.Tensor, tree: Tree, cache_len: int, window: int) -> torch.Tensor:
     """A copy of ``attention_mask``'s ``mask`` for a sliding-window layer: of what it shows each node, only the keys
-    less than ``window`` positions behind it (cached row i sits at position i, node j at ``cache_len + depth[j]``)."""
+    less than ``window`` positions behind it. Node j sits at ``cache_len + depth[j]``; the mask's cached columns are
+    the last ones of ``cache_len`` cached positions (all of them, or the rows a trimmed sliding layer still holds)."""
     query = (cache_len + tree.depths).to(mask.device)
-    key = torch.cat([torch.arange(cache_len, device=mask.device), query])
+    held = mask.shape[-1] - tree.size
+    key = torch.cat([torch.arange(cache_len - held, cache_len, device=mask.device), query])
     far = (query[:, None] - key[None, :] >= window).view(1, 1, *mask.shape[-2:])
     return mask.masked_fill(far, torch.finfo(mask.dtype).min)
 
