@@ -112,12 +112,15 @@ PRESETS: dict[str, dict] = {
                     "about": "llama.cpp greedy AR on the target's quantised GGUF (speed only; other arithmetic)"},
     "llamacpp_ngram": {"llamacpp": {"spec": "ngram-simple", "ngram_n": 3, "ngram_m": 10},
                        "about": "llama.cpp ngram-simple prompt lookup (3-gram key, up to 10 drafted), a peer"},
-    "llamacpp_dflash": {"llamacpp": {"spec": "draft-dflash", "draft": "dflash-smollm2", "n_max": 7},
-                        "about": "llama.cpp draft-dflash with our DFlash exported to GGUF, chain 7, a peer"},
-    "llamacpp_eagle3": {"llamacpp": {"spec": "draft-eagle3", "draft": "eagle3-smollm2", "n_max": 5},
-                        "about": "llama.cpp draft-eagle3 with our EAGLE3 head exported to GGUF, chain 5, a peer"},
-    "llamacpp_dspark": {"llamacpp": {"spec": "draft-dspark", "draft": "dspark-smollm2", "n_max": 7},
-                        "about": "llama.cpp draft-dspark with our DSpark exported to GGUF, chain 7, a peer"},
+    # the drafter peers draft one token a round: the fastest of n_max 1, 2, 3, 4 and 7 (and of a --spec-draft-p-min
+    # cut) for all three in two sweeps on 2 CPU cores (docs/interop.md, 2026-12-07); their chains of 5-7 ran at
+    # 0.6-0.7x llama.cpp's AR, because a round costs llama.cpp far more than its forwards past the first draft
+    "llamacpp_dflash": {"llamacpp": {"spec": "draft-dflash", "draft": "dflash-smollm2", "n_max": 1},
+                        "about": "llama.cpp draft-dflash with our DFlash exported to GGUF, chain 1, a peer"},
+    "llamacpp_eagle3": {"llamacpp": {"spec": "draft-eagle3", "draft": "eagle3-smollm2", "n_max": 1},
+                        "about": "llama.cpp draft-eagle3 with our EAGLE3 head exported to GGUF, chain 1, a peer"},
+    "llamacpp_dspark": {"llamacpp": {"spec": "draft-dspark", "draft": "dspark-smollm2", "n_max": 1},
+                        "about": "llama.cpp draft-dspark with our DSpark exported to GGUF, chain 1, a peer"},
 }
 LLAMACPP = ["llamacpp", "llamacpp_ngram", "llamacpp_dflash", "llamacpp_eagle3", "llamacpp_dspark"]
 

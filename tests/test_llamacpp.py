@@ -54,8 +54,8 @@ def test_command_line_of_every_preset(tmp_path):
     draft = tmp_path / "d.gguf"
     want = {"llamacpp": ("ngram-simple", None), "llamacpp_defaults": ("ngram-simple", None),
             "llamacpp_q4": ("ngram-simple", None), "llamacpp_ngram": ("ngram-simple", None),
-            "llamacpp_dflash": ("draft-dflash", "7"), "llamacpp_eagle3": ("draft-eagle3", "5"),
-            "llamacpp_dspark": ("draft-dspark", "7")}
+            "llamacpp_dflash": ("draft-dflash", "1"), "llamacpp_eagle3": ("draft-eagle3", "1"),
+            "llamacpp_dspark": ("draft-dspark", "1")}
     assert set(presets.LLAMACPP) == set(want) - {"llamacpp_defaults", "llamacpp_q4"}  # those by name (--methods)
     for name, (spec_type, n_max) in want.items():
         cfg = presets.PRESETS[name]["llamacpp"]
@@ -246,7 +246,7 @@ def test_skipped_without_a_build(monkeypatch):
                                                                     {}))
     rows = {r["name"]: r for r in presets.method_rows()}
     assert rows["llamacpp"]["drafter"] == "llama.cpp AR" and rows["llamacpp"]["suites"] == "-"
-    assert rows["llamacpp_eagle3"]["drafter"] == "llama.cpp draft-eagle3 eagle3-smollm2 chain 5"
+    assert rows["llamacpp_eagle3"]["drafter"] == "llama.cpp draft-eagle3 eagle3-smollm2 chain 1"
     assert rows["llamacpp_ngram"]["drafter"] == "llama.cpp ngram-simple 3-gram, up to 10"
 
 
