@@ -211,12 +211,17 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
     on each prompt of ``pilots`` (a list of token-id prompts; rounds pooled over them), and cost from the measured
     verify curve. The candidates gain the budgets just below the curve's stairs (``below_stairs``). ``build(b)`` ->
     Method; ``after()`` runs after each candidate (the main job releases the target's weight pages a drafter
-    read)."""
+    read). A candidate the method refuses (a chain longer than its block) is left out, named under "refused"; if
+    it refuses them all, the first refusal is raised."""
     if not pilots:
         raise ConfigError("auto_budget needs at least one pilot prompt")
-    rows = {}
+    rows, refused = {}, {}
     for b in below_stairs(curve, candidates):
-        method = build(b)
+        try:
+            method = build(b)
+        except ConfigError as exc:
+            refused[b] = exc
+            continue
         runs = [method.run(ids, max_new_tokens, 0.0, 0) for ids in pilots]
         del method
         gc.collect()  # the pilot's drafter and its weight layouts sit in reference cycles: free them before the next
@@ -234,8 +239,11 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
             tau, side, nodes = 1.0, 0.0, 1 + b
         rows[b] = {"tau": tau, "draft_ms": 1e3 * side, "verify_nodes": nodes, "verify_ms": 1e3 * cost_at(curve, nodes),
                    "est_speedup": tau * cost_at(curve, 1) / (cost_at(curve, nodes) + side)}
+    if not rows:
+        raise next(iter(refused.values()))
     best = max(rows, key=lambda b: rows[b]["est_speedup"])
-    return {"best": best, "pilot": rows, "pilot_prompts": len(pilots), "curve_busy": curve.get("busy", False)}
+    return {"best": best, "pilot": rows, "refused": {b: str(e) for b, e in refused.items()},
+            "pilot_prompts": len(pilots), "curve_busy": curve.get("busy", False)}
 
 
 # ---- the interleaved loop -----------------------------------------------------------------------------------

@@ -398,6 +398,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         est = {k: round(v["est_speedup"], 2) for k, v in a["pilot"].items()}
         print(f"auto budget for {n}: {a['best']} (pilot est. speedup {json.dumps(est)}, "
               f"{a['pilot_prompts']} prompt{'s' if a['pilot_prompts'] > 1 else ''})"
+              + (f"; refused {', '.join(map(str, a['refused']))}" if a.get("refused") else "")
               + (" - cost curve measured on a busy machine" if a["curve_busy"] else ""))
     if phys is not None:
         print("\n" + physics.format_report(phys))

@@ -274,6 +274,27 @@ def test_budget_auto_charges_the_nodes_a_schedule_keeps():
     assert auto["pilot"][16]["est_speedup"] == pytest.approx(1.8 * 0.020 / (0.021 + 0.001))
 
 
+def test_budget_auto_leaves_out_the_budgets_a_method_refuses():
+    """A chain longer than its block is refused at build: --budget auto picks among the budgets that build (the
+    quick suite's dspark_chain was skipped whole when its pilot reached 16), and raises when none does."""
+    curve = {"median_s": {"1": 0.020, "64": 0.020}}
+
+    class Pilot:
+        def __init__(self, b):
+            if b > 8:
+                raise ConfigError(f"a chain proposal has at most 8 nodes, budget is {b}")
+            self.b = b
+
+        def run(self, ids, n, temperature, seed):
+            return {"tau": 1.0 + 0.1 * self.b, "rounds": 10, "mean_tree_nodes": float(self.b), "phase_s": {}}
+
+    auto = measure.auto_budget(Pilot, curve, [[1, 2, 3]], candidates=(4, 8, 16, 32))
+    assert set(auto["pilot"]) == {4, 8} and auto["best"] == 8
+    assert set(auto["refused"]) == {16, 32} and "at most 8 nodes" in auto["refused"][16]
+    with pytest.raises(ConfigError, match="at most 8 nodes, budget is 16"):
+        measure.auto_budget(Pilot, curve, [[1, 2, 3]], candidates=(16, 32))
+
+
 def test_budget_auto_pools_the_rounds_of_every_pilot_prompt():
     """--pilot-prompts N: each candidate budget decodes every pilot prompt; tau, the verified nodes and the side time
     per round are pooled over all their rounds, so a short lucky prompt weighs its rounds, not a vote."""
