@@ -29,7 +29,8 @@ _DSPARK = {"type": "dspark", "checkpoint": "@dspark-smollm2", "block_size": "bud
 _DSPARK_RNN = {**_DSPARK, "checkpoint": "@dspark-rnn-smollm2"}  # DeepSpec's RNN head on the same backbone
 # trees draft at most 3 rows below the deepest acceptance of their last 16 rounds: at budget 16 the same tau as
 # every row (1.94 at 6, 8 and 17 rows) and 5-7% faster (MFD drafts its rows once per mode). Chains (Graft-TAIL
-# reads the whole chain) and the 64-node trees (whose depth the chimeric analysis measures) keep every row.
+# reads the whole chain) draft every row their length reaches, the 64-node trees (whose depth the chimeric
+# analysis measures) every row.
 _ROWS = {"block_size": "adaptive"}
 
 PRESETS: dict[str, dict] = {
@@ -49,12 +50,12 @@ PRESETS: dict[str, dict] = {
                      "about": "EAGLE3 + fixed-ratio retrieval"},
     "eagle3_graft": {"drafter": _EAGLE, "graft": {"mode": "graft"}, "default_budget": 16,
                      "about": "EAGLE3 + Graft (prune -> retrieve -> splice)"},
-    # chains take the run's budget as their length: 15 (the whole block, the papers' chain) unless --budget says
-    # otherwise; --budget auto picks it like a tree's size
+    # chains (and Graft-TAIL's) take the run's budget as their length: 15 (the whole block, the papers' chain)
+    # unless --budget says otherwise; --budget auto picks it like a tree's size
     "dflash_chain": {"drafter": {**_DFLASH, "proposal": "chain", "budget": "{budget}"}, "default_budget": 15,
                      "about": "DFlash block as a chain"},
-    "dflash_tail": {"drafter": {**_DFLASH, "proposal": "chain"}, "graft": {"mode": "tail", "tail_threshold": 0.3},
-                    "about": "DFlash chain + Graft-TAIL"},
+    "dflash_tail": {"drafter": {**_DFLASH, "proposal": "chain", "budget": "{budget}"}, "default_budget": 15,
+                    "graft": {"mode": "tail", "tail_threshold": 0.3}, "about": "DFlash chain + Graft-TAIL"},
     "dflash_ddtree": {"drafter": {**_DFLASH, **_ROWS, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
                       "about": "DFlash DDTree (best-first heap)"},
     "dflash_ddtree64": {"drafter": {**_DFLASH, "proposal": "ddtree", "budget": 64}, "chimeric": True,

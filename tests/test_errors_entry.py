@@ -214,7 +214,7 @@ def test_run_arms_checks_prompts_and_budgets_before_its_own_load(tmp_path, refus
 
 
 def test_bench_says_which_given_flags_change_nothing(tmp_path, monkeypatch, capsys):
-    """--budget beside a method without a '{budget}' (Graft-TAIL reads its whole chain), and --top-p with every
+    """--budget beside a method without a '{budget}' (a 64-node tree's size is fixed), and --top-p with every
     temperature 0, were dropped without a word."""
     from graft_block import target as target_module
 
@@ -227,10 +227,10 @@ def test_bench_says_which_given_flags_change_nothing(tmp_path, monkeypatch, caps
     monkeypatch.setattr(target_module, "load_target", load)
     _bench_files(tmp_path)
     with pytest.raises(Loaded):
-        run_block.main(["--methods", "ar,pld,dflash_tail", "--budget", "8", "--top-p", "0.9", "--prompts",
+        run_block.main(["--methods", "ar,pld,dflash_ddtree64", "--budget", "8", "--top-p", "0.9", "--prompts",
                         f"{tmp_path}/p.jsonl", "--out", f"{tmp_path}/o"])
     err = capsys.readouterr().err
-    assert "[budget] --budget 8 does not change dflash_tail:" in err and "pld" not in err.split("[budget]")[1]
+    assert "[budget] --budget 8 does not change dflash_ddtree64:" in err and "pld" not in err.split("[budget]")[1]
     assert "[sampling] --top-k / --top-p filter sampling at T > 0" in err
     with pytest.raises(Loaded):  # a sampled temperature: the filters apply, nothing to say
         run_block.main(["--methods", "ar,pld", "--top-p", "0.9", "--temperature", "0,1", "--prompts",
