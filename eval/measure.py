@@ -252,7 +252,8 @@ def check_context(target, max_new_tokens: int) -> None:
     ctx = getattr(target, "max_positions", None)
     if ctx is not None and max_new_tokens >= ctx:
         raise ConfigError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the target's context "
-                          f"window of {ctx} tokens: lower --max-new-tokens below {ctx}")
+                          f"window of {ctx} tokens{getattr(target, 'context_note', '')}: lower --max-new-tokens below "
+                          f"{ctx}")
 
 
 def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: int, temperatures, seed: int = 0,
@@ -298,7 +299,8 @@ def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: 
                         ids = encode_turn(target, hist, turn)
                         if ctx is not None and ids.numel() + max_new_tokens > ctx:
                             cut[m.name] = (f"prompt {ids.numel()} + max_new_tokens {max_new_tokens} tokens exceed "
-                                           f"the target's context window of {ctx}")
+                                           f"the target's context window of {ctx}"
+                                           f"{getattr(target, 'context_note', '')}")
                             print(f"[too long] {m.name} on {p['id']} turn {t_idx} (T {temp}): {cut[m.name]}; "
                                   "skipped with its later turns (lower --max-new-tokens, or --first-turn-only)",
                                   file=sys.stderr)

@@ -230,7 +230,8 @@ class SpeculativeDecoder:
         if prompt_ids.numel() + max_new_tokens > target.max_positions:
             raise ConfigError(
                 f"prompt ({prompt_ids.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
-                f"context window of {target.max_positions}: shorten the prompt or lower max_new_tokens"
+                f"context window of {target.max_positions}{getattr(target, 'context_note', '')}: shorten the prompt "
+                "or lower max_new_tokens"
             )
         if generator is None and not sampling.greedy:
             generator = torch.Generator(device=target.device)

@@ -102,14 +102,22 @@ def _kernel_pair(spec: str | None, source: str) -> tuple[str | None, str | None]
     return main, small or None
 
 
+def sliding_window_of(model) -> int | None:
+    """The sliding window of a lean-family model's attention (Mistral's, or Qwen2/3's with use_sliding_window), None
+    without one. The lean forward attends to every cached row: the same as the window while the whole sequence fits
+    in it, so a lean Target takes the window as its context (``Target.max_positions``)."""
+    cfg = model.config
+    window = getattr(cfg, "sliding_window", None)
+    on = getattr(cfg, "use_sliding_window", getattr(cfg, "model_type", "?") == "mistral")
+    return int(window) if window and on else None
+
+
 def unsupported_reason(model) -> str | None:
-    """Why the lean forward cannot run this model (None = it can)."""
+    """Why the lean forward cannot run this model (None = it can; a sliding window limits its context)."""
     cfg = model.config
     kind = getattr(cfg, "model_type", "?")
     if kind not in SUPPORTED:
         return f"model_type {kind!r} is not one of {', '.join(SUPPORTED)}"
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", kind == "mistral"):
-        return "sliding-window attention is not implemented in the lean forward"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"activation {cfg.hidden_act!r} (the lean forward has SwiGLU/silu only)"
     # a rope type honouring partial_rotary_factor: the layers rotate the whole head (the C layers would read its

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from graft_block.tree import Tree, attention_mask, position_ids, window_cut
 
 from . import cache_root
-from .engine import LeanForward, is_prefix, release_tensors, unsupported_reason
+from .engine import LeanForward, is_prefix, release_tensors, sliding_window_of, unsupported_reason
 from .errors import ConfigError
 
 EMBEDDED_TARGETS = {
@@ -112,12 +112,18 @@ class Target:
         # (the model's own forward with a DynamicCache). "auto" takes lean where the architecture allows.
         if engine not in ("auto", "lean", "hf"):
             raise ConfigError(f"engine must be 'auto', 'lean' or 'hf', got {engine!r}")
-        if engine == "auto":
-            engine = "hf" if unsupported_reason(model) else "lean"
+        if engine == "auto":  # HF's forward trims a sliding window and runs past it; the lean one stops at it
+            engine = "hf" if unsupported_reason(model) or sliding_window_of(model) else "lean"
         # gemm (lean, CPU fp32): "mkl" | "openblas" | "onednn" | None = measured once per machine (engine.choose_gemm)
         # release_hf: HF's mmapped weights leave memory layer by layer as the lean engine packs its own copy, when
         # its C layers run every forward (``release_hf_weights``)
         self.lean = LeanForward(model, compile=compile, gemm=gemm, release_hf=release_hf) if engine == "lean" else None
+        # the lean forward's full attention is the model's sliding window only while every row fits in it: its context
+        self.context_note = ""
+        if self.lean is not None and (w := sliding_window_of(model)) is not None and w < self.max_positions:
+            self.max_positions = w
+            self.context_note = (f" (engine='lean' stops at the model's sliding window of {w} tokens, within which its "
+                                 "full attention is exact; engine='hf' runs past it)")
         # Sliding-window layers (HF forward only): ``window`` when plain cache layers (trimmed between rounds) and
         # the ancestor mask cut to the window verify trees at any length (``window_mixed``: full layers beside them,
         # which take the whole mask, one mask per layer type); else ``sliding_window``, where HF's layers keep only
@@ -291,8 +297,8 @@ class Target:
         ids = ids.to(self.device).view(1, -1)
         if ids.shape[1] >= self.max_positions:
             raise ConfigError(
-                f"prompt has {ids.shape[1]} tokens but the target's context window is {self.max_positions}: "
-                "shorten the prompt or use a target with a longer context"
+                f"prompt has {ids.shape[1]} tokens but the target's context window is {self.max_positions}"
+                f"{self.context_note}: shorten the prompt or use a target with a longer context"
             )
         self.reset()
         if self.lean is not None:
@@ -328,7 +334,8 @@ class Target:
         that decodes, so that no other copy of the weights is read; the cache is left empty)."""
         ids = ids.to(self.device).view(-1)
         if ids.numel() > self.max_positions:
-            raise ConfigError(f"{ids.numel()} tokens exceed the target's context window of {self.max_positions}")
+            raise ConfigError(f"{ids.numel()} tokens exceed the target's context window of {self.max_positions}"
+                              f"{self.context_note}")
         self.reset()
         if self.lean is None:
             return self.model(input_ids=ids.view(1, -1), use_cache=False).logits[0]
@@ -358,8 +365,9 @@ class Target:
         if start + tree.size > self.max_positions and start + int(tree.depths.max()) >= self.max_positions:
             # positions past the window are undefined for the target (a dynamic RoPE rescales every row for them)
             raise ConfigError(
-                f"the tree's deepest node would sit past the target's context window of {self.max_positions} "
-                f"({start} tokens cached): verify only nodes at depth < {self.max_positions - start} (Target.fit)"
+                f"the tree's deepest node would sit past the target's context window of {self.max_positions}"
+                f"{self.context_note} ({start} tokens cached): verify only nodes at depth < "
+                f"{self.max_positions - start} (Target.fit)"
             )
         if self.sliding_window is not None and tree.size > 1 and start + tree.size >= self.sliding_window:
             # the layers would drop their oldest rows for the tree's, and the ancestor mask has no window

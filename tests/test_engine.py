@@ -597,6 +597,42 @@ def test_chunked_attention_target_cuts_trees_to_its_first_chunk():
     assert res.tokens == longer and res.stats.tau > 1.0
 
 
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_the_lean_engine_runs_a_sliding_window_model_within_its_window(kind):
+    """engine='lean' attends to every cached row, which is the model's sliding window only while the whole sequence
+    fits in it: the window is then its context. Inside it, node logits are HF's own (sliding masks and all) and
+    decoding is HF's greedy; a request past it is refused up front, naming the window and engine='hf'. 'auto'
+    keeps HF's forward, which runs past the window."""
+    from graft_block.errors import ConfigError
+    from graft_block.target import Target
+    from graft_block.tree import make_tree
+
+    model = _sliding_window_model(kind, 16)
+    assert Target(model, None).engine == "hf"
+    target = Target(model, None, engine="lean")
+    assert target.engine == "lean" and target.max_positions == 16 and target.window is None
+    ids = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(2))
+    target.prefill(ids[:-1])
+    tokens, parents = [int(ids[-1]), 5, 9, 7, 11, 3], [-1, 0, 0, 1, 1, 3]  # deepest node at position 12
+    logits, _ = target.verify(make_tree(tokens, parents))
+    for i in range(len(tokens)):
+        path, j = [], i
+        while j > 0:
+            path.insert(0, tokens[j])
+            j = parents[j]
+        seq = torch.cat([ids, torch.tensor(path, dtype=torch.long)]).view(1, -1)
+        assert torch.allclose(logits[i], model(input_ids=seq, use_cache=False).logits[0, -1], atol=1e-4), (kind, i)
+    prompt = [3, 1, 4, 1, 5]
+    ref = hf_greedy(Target(model, None), prompt, 11)  # 16 tokens: the whole window
+    drafter = Drafter.from_config({"type": "planted", "reference": ref, "budget": 3, "max_depth": 2, "seed": 3})
+    res = SpeculativeDecoder(target, drafter).generate(prompt, max_new_tokens=11)
+    assert res.tokens == ref and res.stats.tau > 1.0
+    with pytest.raises(ConfigError, match="sliding window of 16 tokens.*engine='hf' runs past it"):
+        SpeculativeDecoder(target, drafter).generate(prompt, max_new_tokens=12)
+    with pytest.raises(ConfigError, match="context window is 16 .engine='lean' stops at the model's sliding window"):
+        target.prefill(torch.arange(16))
+
+
 @pytest.mark.parametrize("kind", ["mamba", "lfm2", "bloom", "falcon", "bart"])
 def test_a_target_that_cannot_verify_trees_is_refused_naming_why(kind):
     """A recurrent state (Mamba's scan, LFM2's short convolution) would keep a tree's rejected nodes, and a sibling
