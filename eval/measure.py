@@ -204,19 +204,21 @@ def below_stairs(curve: dict, budgets, drop: float = 0.05) -> list[int]:
 
 
 def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_tokens: int = 48,
-                after=None) -> dict:
+                after=None, cap: int | None = None) -> dict:
     """Cost-aware budget: the b maximising tau(b) * cost(1) / (cost(1 + n(b)) + draft(b)), with tau, n(b) (the mean
     non-root nodes verified per round: b for a full tree, fewer where a schedule cuts it) and draft(b) (the seconds
     per round spent outside the verify: drafting, tree building, commit) from greedy pilots of ``max_new_tokens``
     on each prompt of ``pilots`` (a list of token-id prompts; rounds pooled over them), and cost from the measured
     verify curve. The candidates gain the budgets just below the curve's stairs (``below_stairs``). ``build(b)`` ->
     Method; ``after()`` runs after each candidate (the main job releases the target's weight pages a drafter
-    read). A candidate the method refuses (a chain longer than its block) is left out, named under "refused"; if
-    it refuses them all, the first refusal is raised."""
+    read). ``cap``: the most the method takes (a preset's max_budget); larger candidates become it. A candidate
+    the method refuses anyway (a chain longer than its block) is left out, named under "refused"; if it refuses
+    them all, the first refusal is raised."""
     if not pilots:
         raise ConfigError("auto_budget needs at least one pilot prompt")
     rows, refused = {}, {}
-    for b in below_stairs(curve, candidates):
+    sizes = below_stairs(curve, candidates)
+    for b in sorted({min(b, cap) for b in sizes}) if cap is not None else sizes:
         try:
             method = build(b)
         except ConfigError as exc:

@@ -32,6 +32,7 @@ _DSPARK_RNN = {**_DSPARK, "checkpoint": "@dspark-rnn-smollm2"}  # DeepSpec's RNN
 # reads the whole chain) draft every row their length reaches, the 64-node trees (whose depth the chimeric
 # analysis measures) every row.
 _ROWS = {"block_size": "adaptive"}
+_CHAIN = {"default_budget": 15, "max_budget": 15}  # a chain of the bundled blocks: at most their 15 drafting rows
 
 PRESETS: dict[str, dict] = {
     "ar": {"drafter": None, "about": "our loop with a root-only tree: the baseline of every speedup"},
@@ -50,11 +51,11 @@ PRESETS: dict[str, dict] = {
                      "about": "EAGLE3 + fixed-ratio retrieval"},
     "eagle3_graft": {"drafter": _EAGLE, "graft": {"mode": "graft"}, "default_budget": 16,
                      "about": "EAGLE3 + Graft (prune -> retrieve -> splice)"},
-    # chains (and Graft-TAIL's) take the run's budget as their length: 15 (the whole block, the papers' chain)
-    # unless --budget says otherwise; --budget auto picks it like a tree's size
-    "dflash_chain": {"drafter": {**_DFLASH, "proposal": "chain", "budget": "{budget}"}, "default_budget": 15,
+    # chains (and Graft-TAIL's) take the run's budget as their length, up to the block's 15 drafting rows: 15 (the
+    # papers' chain) unless --budget says otherwise; --budget auto picks it like a tree's size
+    "dflash_chain": {"drafter": {**_DFLASH, "proposal": "chain", "budget": "{budget}"}, **_CHAIN,
                      "about": "DFlash block as a chain"},
-    "dflash_tail": {"drafter": {**_DFLASH, "proposal": "chain", "budget": "{budget}"}, "default_budget": 15,
+    "dflash_tail": {"drafter": {**_DFLASH, "proposal": "chain", "budget": "{budget}"}, **_CHAIN,
                     "graft": {"mode": "tail", "tail_threshold": 0.3}, "about": "DFlash chain + Graft-TAIL"},
     "dflash_ddtree": {"drafter": {**_DFLASH, **_ROWS, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
                       "about": "DFlash DDTree (best-first heap)"},
@@ -70,7 +71,7 @@ PRESETS: dict[str, dict] = {
     "mfd_markov": {"drafter": {"type": "mfd", "checkpoint": "@mfd-smollm2", "budget": "{budget}", **_ROWS,
                                "markov": "@dspark-smollm2"}, "default_budget": 16,
                    "about": "MFD's K=4 modes under DSpark's Markov head (shared): a best-mode tree of corrected modes"},
-    "dspark_chain": {"drafter": {**_DSPARK, "proposal": "chain", "budget": "{budget}"}, "default_budget": 15,
+    "dspark_chain": {"drafter": {**_DSPARK, "proposal": "chain", "budget": "{budget}"}, **_CHAIN,
                      "about": "DSpark block, Markov-corrected chain"},
     "dspark_ddtree": {"drafter": {**_DSPARK, **_ROWS, "proposal": "ddtree", "budget": "{budget}"}, "default_budget": 16,
                       "about": "DSpark Markov-corrected DDTree (each node expands by its own distribution)"},
@@ -86,7 +87,7 @@ PRESETS: dict[str, dict] = {
     "dspark_graft": {"drafter": {**_DSPARK, **_ROWS, "proposal": "ddtree", "budget": "{budget}"},
                      "graft": {"mode": "graft"},
                      "default_budget": 16, "about": "DSpark Markov tree + Graft (prune -> retrieve -> splice)"},
-    "dspark_rnn_chain": {"drafter": {**_DSPARK_RNN, "proposal": "chain", "budget": "{budget}"}, "default_budget": 15,
+    "dspark_rnn_chain": {"drafter": {**_DSPARK_RNN, "proposal": "chain", "budget": "{budget}"}, **_CHAIN,
                          "about": "DSpark with DeepSpec's RNN Markov head (a state along the block), chain"},
     "dspark_rnn_ddtree": {"drafter": {**_DSPARK_RNN, **_ROWS, "proposal": "ddtree", "budget": "{budget}"},
                           "default_budget": 16, "about": "DSpark RNN-head tree: each node carries its path's state"},
@@ -223,7 +224,8 @@ def resolve_bundled(obj, name: str):
     return obj
 
 
-METHOD_KEYS = ("drafter", "graft", "schedule", "hf", "llamacpp", "default_budget", "chimeric", "hooks", "about")
+METHOD_KEYS = ("drafter", "graft", "schedule", "hf", "llamacpp", "default_budget", "max_budget", "chimeric", "hooks",
+               "about")
 
 
 def check_spec(name: str, spec: dict) -> None:
@@ -238,10 +240,17 @@ def check_spec(name: str, spec: dict) -> None:
         raise ConfigError(f"method {name!r}: drafter must be a drafter config (a mapping with 'type'), a bundled "
                           f"drafter's name, a checkpoint folder or a config file, or left out for none; got "
                           f"{drafter!r}")
-    default = spec.get("default_budget", 10)
-    if isinstance(default, bool) or not isinstance(default, int) or default < 1:
-        raise ConfigError(f"method {name!r}: default_budget must be an int >= 1 (its budget without --budget), "
-                          f"got {default!r}")
+    for key, what in (("default_budget", "its budget without --budget"), ("max_budget", "the most it takes")):
+        value = spec.get(key, 10)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"method {name!r}: {key} must be an int >= 1 ({what}), got {value!r}")
+
+
+def budget_for(spec: dict, budget: int | None) -> int | None:
+    """The budget a method runs at for the run's ``budget``: capped at its ``max_budget`` (a chain: its block's
+    drafting rows), None = its default."""
+    cap = spec.get("max_budget")
+    return budget if budget is None or cap is None else min(int(budget), cap)
 
 
 def prepare(name: str, spec: dict, budget: int | None) -> dict:
@@ -249,6 +258,8 @@ def prepare(name: str, spec: dict, budget: int | None) -> dict:
     check_spec(name, spec)
     spec = copy.deepcopy(spec)
     spec.pop("about", None)
+    budget = budget_for(spec, budget)
+    spec.pop("max_budget", None)
     default = spec.pop("default_budget", 10)
     return resolve_bundled(fill_budget(spec, default if budget is None else budget), name)
 

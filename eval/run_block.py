@@ -220,6 +220,12 @@ def plan(args, extra: dict, notes: bool = True) -> dict:
         if args.budget not in (None, "preset") and fixed:
             print(f"[budget] --budget {args.budget} does not change {', '.join(fixed)}: no '{{budget}}' in their "
                   "methods, whose sizes are fixed (--list-methods)", file=sys.stderr)
+        ints = [b for b in budgets if isinstance(b, int)]
+        capped = [f"{n} ({lookup(n, extra)['max_budget']})" for n in names if n not in fixed and ints
+                  and max(ints) > lookup(n, extra).get("max_budget", max(ints))]
+        if capped:
+            print(f"[budget] --budget {args.budget} runs {', '.join(capped)} at most at its max_budget (a chain's "
+                  "block)", file=sys.stderr)
         if args.pilot_prompts != 1 and budgets != ["auto"]:
             print(f"[budget] --pilot-prompts {args.pilot_prompts} sizes --budget auto's pilots, and this run's budgets "
                   f"are fixed ({args.budget if args.budget is not None else suite.get('budget')}): it changes "
@@ -245,12 +251,15 @@ def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named
 
     for name in names:
         spec = lookup(name, extra)
-        for b in (budgets if presets.takes_budget(spec) else [None]):
+        runs_at = budgets if presets.takes_budget(spec) else [None]
+        # a sweep past a method's max_budget runs it once at that cap (a chain's block)
+        runs_at = list(dict.fromkeys(b if b == "auto" else presets.budget_for(spec, b) for b in runs_at))
+        for b in runs_at:
             try:
                 if b == "auto":
                     pilots = [encode_turn(target, [], p["turns"][0]) for p in prompts[:pilot_prompts]]
                     auto[name] = measure.auto_budget(lambda x: make_method(name, spec, target, x, curve=curve),
-                                                     curve, pilots, after=release)
+                                                     curve, pilots, after=release, cap=spec.get("max_budget"))
                     b = auto[name]["best"]
                 m = make_method(name, spec, target, b, chimeric=chimeric, curve=curve)
                 m.name = name if (b is None or len(budgets) == 1) else f"{name}@{b}"

@@ -231,7 +231,11 @@ def test_bench_says_which_given_flags_change_nothing(tmp_path, monkeypatch, caps
                         f"{tmp_path}/p.jsonl", "--out", f"{tmp_path}/o"])
     err = capsys.readouterr().err
     assert "[budget] --budget 8 does not change dflash_ddtree64:" in err and "pld" not in err.split("[budget]")[1]
-    assert "[sampling] --top-k / --top-p filter sampling at T > 0" in err
+    assert "[sampling] --top-k / --top-p filter sampling at T > 0" in err and "max_budget" not in err
+    with pytest.raises(Loaded):  # past a chain's block: it runs at its cap, and says so
+        run_block.main(["--methods", "ar,pld,dspark_chain", "--budget", "8,32", "--prompts", f"{tmp_path}/p.jsonl",
+                        "--out", f"{tmp_path}/o"])
+    assert "[budget] --budget 8,32 runs dspark_chain (15) at most at its max_budget" in capsys.readouterr().err
     with pytest.raises(Loaded):  # a sampled temperature: the filters apply, nothing to say
         run_block.main(["--methods", "ar,pld", "--top-p", "0.9", "--temperature", "0,1", "--prompts",
                         f"{tmp_path}/p.jsonl", "--out", f"{tmp_path}/o"])

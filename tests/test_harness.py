@@ -293,6 +293,23 @@ def test_budget_auto_leaves_out_the_budgets_a_method_refuses():
     assert set(auto["refused"]) == {16, 32} and "at most 8 nodes" in auto["refused"][16]
     with pytest.raises(ConfigError, match="at most 8 nodes, budget is 16"):
         measure.auto_budget(Pilot, curve, [[1, 2, 3]], candidates=(16, 32))
+    auto = measure.auto_budget(Pilot, curve, [[1, 2, 3]], candidates=(4, 16, 32), cap=8)  # a preset's max_budget
+    assert set(auto["pilot"]) == {4, 8} and auto["best"] == 8 and not auto["refused"]
+
+
+def test_a_preset_runs_at_most_at_its_max_budget():
+    """A chain preset takes the run's budget as its length up to its block (max_budget): a larger budget runs it
+    at the cap, and a bad cap is refused like a bad default budget."""
+    spec = presets.PRESETS["dspark_chain"]
+    assert presets.budget_for(spec, 32) == 15 and presets.budget_for(spec, 4) == 4
+    assert presets.budget_for(spec, None) is None and presets.budget_for(presets.PRESETS["pld"], 64) == 64
+    assert presets.prepare("dspark_chain", spec, 32)["drafter"]["budget"] == 15
+    assert presets.prepare("dspark_chain", spec, None)["drafter"]["budget"] == 15
+    assert "max_budget" not in presets.prepare("dspark_chain", spec, 4) and \
+        presets.prepare("dspark_chain", spec, 4)["drafter"]["budget"] == 4
+    for bad in (0, 2.5, True, "15"):
+        with pytest.raises(ConfigError, match="max_budget must be an int >= 1"):
+            presets.check_spec("x", {"drafter": {"type": "pld"}, "max_budget": bad})
 
 
 def test_budget_auto_pools_the_rounds_of_every_pilot_prompt():
