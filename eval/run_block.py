@@ -224,8 +224,8 @@ def plan(args, extra: dict, notes: bool = True) -> dict:
         capped = [f"{n} ({lookup(n, extra)['max_budget']})" for n in names if n not in fixed and ints
                   and max(ints) > lookup(n, extra).get("max_budget", max(ints))]
         if capped:
-            print(f"[budget] --budget {args.budget} runs {', '.join(capped)} at most at its max_budget (a chain's "
-                  "block)", file=sys.stderr)
+            print(f"[budget] --budget {args.budget} runs {', '.join(capped)} at most at the max_budget in brackets "
+                  "(a chain's block)", file=sys.stderr)
         if args.pilot_prompts != 1 and budgets != ["auto"]:
             print(f"[budget] --pilot-prompts {args.pilot_prompts} sizes --budget auto's pilots, and this run's budgets "
                   f"are fixed ({args.budget if args.budget is not None else suite.get('budget')}): it changes "
