@@ -235,7 +235,8 @@ def test_bench_says_which_given_flags_change_nothing(tmp_path, monkeypatch, caps
     with pytest.raises(Loaded):  # past a chain's block: it runs at its cap, and says so
         run_block.main(["--methods", "ar,pld,dspark_chain", "--budget", "8,32", "--prompts", f"{tmp_path}/p.jsonl",
                         "--out", f"{tmp_path}/o"])
-    assert "[budget] --budget 8,32 runs dspark_chain (15) at most at the max_budget in brackets" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "[budget] --budget 8,32 runs dspark_chain (15) at most at the max_budget in brackets" in err
     with pytest.raises(Loaded):  # a sampled temperature: the filters apply, nothing to say
         run_block.main(["--methods", "ar,pld", "--top-p", "0.9", "--temperature", "0,1", "--prompts",
                         f"{tmp_path}/p.jsonl", "--out", f"{tmp_path}/o"])
