@@ -401,8 +401,10 @@ def main(argv=None) -> None:
                           "target's own answers (a sampled path depends on the draws)")
     extra = load_method_files(args.config)
     names = [m for m in args.methods.split(",") if m]
+    # every method's refusal, before the model loads; a budget past a method's max_budget runs (once) at the cap
+    runs = {(n, presets.budget_for(lookup(n, extra), b)): None for b in budgets for n in names}
     specs = {n if len(budgets) == 1 else f"{n}@{b}": tree_spec(n, lookup(n, extra), b, schedule_ok=args.headroom)
-             for b in budgets for n in names}  # every method's refusal, before the model loads
+             for n, b in runs}
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     drafters = {label: Drafter.from_config(spec["drafter"], target=target) for label, spec in specs.items()}
     estimates = {label: estimate_source(spec) for label, spec in specs.items()}

@@ -217,8 +217,7 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
     if not pilots:
         raise ConfigError("auto_budget needs at least one pilot prompt")
     rows, refused = {}, {}
-    sizes = below_stairs(curve, candidates)
-    for b in sorted({min(b, cap) for b in sizes}) if cap is not None else sizes:
+    for b in below_stairs(curve, sorted({min(b, cap) for b in candidates}) if cap is not None else candidates):
         try:
             method = build(b)
         except ConfigError as exc:

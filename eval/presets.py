@@ -21,8 +21,8 @@ from pathlib import Path
 from graft_block.errors import ConfigError, MethodUnavailable
 
 _EAGLE = {"type": "eagle3", "checkpoint": "@eagle3-smollm2", "budget": "{budget}"}
-# block drafters draft only the block rows a tree of the run's budget can reach ("budget"; the whole block for
-# chains and for budgets >= the block): measured on the quick suite's prompts, the same tau (1.44 vs 1.43 at
+# block drafters draft only the block rows a tree of the run's budget can reach ("budget": a chain of b, b + 1 rows;
+# the whole block for budgets >= the block): measured on the quick suite's prompts, the same tau (1.44 vs 1.43 at
 # budget 4, 1.56 both at 8, MFD 1.41 vs 1.42) for a cheaper draft
 _DFLASH = {"type": "dflash", "checkpoint": "@dflash-smollm2", "block_size": "budget"}
 _DSPARK = {"type": "dspark", "checkpoint": "@dspark-smollm2", "block_size": "budget"}
@@ -244,6 +244,9 @@ def check_spec(name: str, spec: dict) -> None:
         value = spec.get(key, 10)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"method {name!r}: {key} must be an int >= 1 ({what}), got {value!r}")
+    if spec.get("default_budget", 10) > spec.get("max_budget", float("inf")):
+        raise ConfigError(f"method {name!r}: default_budget {spec.get('default_budget', 10)} is above its max_budget "
+                          f"{spec['max_budget']}: lower it to the cap at most")
 
 
 def budget_for(spec: dict, budget: int | None) -> int | None:

@@ -355,7 +355,7 @@ def lossless_alarm(rows: list[dict], dtype: str = "float32") -> tuple[str | None
 def paper_verdicts(rows: list[dict], claims: list[dict] = PAPER_CLAIMS) -> list[dict]:
     """Each claim: compare two methods' aggregates from this run and say whether it holds here. In a budget sweep
     (rows named ``method@budget``) a claim is judged at every budget both methods ran (a budget-free baseline, e.g.
-    a chain, pairs with each), and a claim's ``sweep_alias`` stands in for its method."""
+    a 64-node tree, pairs with each), and a claim's ``sweep_alias`` stands in for its method."""
     out = []
     idx = {(r["method"], r["temperature"]): r for r in rows}
 

@@ -61,7 +61,8 @@ def parse_args(argv=None, prog: str | None = None):
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
     ap.add_argument("--engine", default="auto", choices=("auto", "lean", "hf"),
                     help="the target forward under AR and every method: lean (static KV cache, fused and packed "
-                         "products; Llama family) or hf (the model's own forward); auto = lean where it can")
+                         "products; Llama family; a sliding window becomes its context) or hf (the model's own "
+                         "forward); auto = lean where it runs the whole context")
     ap.add_argument("--compile", action="store_true", help="torch.compile the lean forward's layers (opt-in: no "
                     "gain measured on 2 CPU cores; compile time is spent in the untimed warm-up)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -225,7 +226,7 @@ def plan(args, extra: dict, notes: bool = True) -> dict:
                   and max(ints) > lookup(n, extra).get("max_budget", max(ints))]
         if capped:
             print(f"[budget] --budget {args.budget} runs {', '.join(capped)} at most at the max_budget in brackets "
-                  "(a chain's block)", file=sys.stderr)
+                  "(the most each takes: a chain's block)", file=sys.stderr)
         if args.pilot_prompts != 1 and budgets != ["auto"]:
             print(f"[budget] --pilot-prompts {args.pilot_prompts} sizes --budget auto's pilots, and this run's budgets "
                   f"are fixed ({args.budget if args.budget is not None else suite.get('budget')}): it changes "

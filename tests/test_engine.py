@@ -487,7 +487,7 @@ def test_trees_reaching_past_the_context_window_are_cut_to_it(engine):
 
 
 def _sliding_window_model(kind: str, window: int, attn: str = "sdpa"):
-    """A tiny HF model with sliding-window layers (the lean engine refuses them, so it runs HF's forward):
+    """A tiny HF model with sliding-window layers (engine 'auto' runs HF's forward on them, past the window):
     "mistral" every layer sliding; "qwen2" / "gemma3" / "gemma4" (whose last two layers reuse earlier layers'
     keys) sliding and full layers mixed (a mask per layer type), "qwen2_full_first" with a full layer first;
     "llama4" chunked layers (trees cut to the first chunk)."""
@@ -631,6 +631,26 @@ def test_the_lean_engine_runs_a_sliding_window_model_within_its_window(kind):
         SpeculativeDecoder(target, drafter).generate(prompt, max_new_tokens=12)
     with pytest.raises(ConfigError, match="context window is 16 .engine='lean' stops at the model's sliding window"):
         target.prefill(torch.arange(16))
+
+
+def test_a_window_that_limits_nothing_leaves_the_lean_engine_whole():
+    """Qwen2 with use_sliding_window whose max_window_layers covers every layer has no sliding layer, and a window
+    as long as the context window cuts nothing: 'auto' runs the lean engine on both, over the whole context."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    from graft_block.engine import sliding_window_of
+    from graft_block.target import Target
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    for cfg in (Qwen2Config(**common, use_sliding_window=True, sliding_window=16, max_window_layers=2),
+                MistralConfig(**common, sliding_window=64)):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        assert sliding_window_of(model) is None
+        target = Target(model, None)
+        assert target.engine == "lean" and target.max_positions == 64 and target.context_note == ""
+    assert sliding_window_of(_sliding_window_model("mistral", 16)) == 16
+    assert sliding_window_of(_sliding_window_model("qwen2", 16)) == 16
 
 
 @pytest.mark.parametrize("kind", ["mamba", "lfm2", "bloom", "falcon", "bart"])

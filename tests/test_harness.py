@@ -297,6 +297,31 @@ def test_budget_auto_leaves_out_the_budgets_a_method_refuses():
     assert set(auto["pilot"]) == {4, 8} and auto["best"] == 8 and not auto["refused"]
 
 
+def test_a_budget_sweep_builds_a_capped_chain_once_at_its_cap(monkeypatch):
+    """--budget 8,16,32: a tree runs at each budget, a chain at 8 and once at its cap (named @15, not @16 and @32);
+    --budget auto hands the chain's cap to the pilots."""
+    from graft_block.eval.methods import Method
+
+    built, caps = [], {}
+    monkeypatch.setattr(run_block, "make_method", lambda name, spec, target, b, **kw: (built.append((name, b)),
+                                                                                      Method(name, None, b))[1])
+    class Target:  # the main job hands HF's weight pages back after each build
+        def release_hf_weights(self):
+            return 0
+
+    methods, skipped, _ = run_block.build_methods(["pld", "dspark_chain"], {}, Target(), [8, 16, 32], {}, [], False)
+    assert not skipped and built == [("pld", 8), ("pld", 16), ("pld", 32), ("dspark_chain", 8), ("dspark_chain", 15)]
+    assert [m.name for m in methods] == ["pld@8", "pld@16", "pld@32", "dspark_chain@8", "dspark_chain@15"]
+
+    def auto_budget(build, curve, pilots, after=None, cap=None, **kw):
+        caps[build(4).name] = cap
+        return {"best": 4}
+
+    monkeypatch.setattr(measure, "auto_budget", auto_budget)
+    run_block.build_methods(["pld", "dspark_chain"], {}, Target(), ["auto"], {}, [], False)
+    assert caps == {"pld": None, "dspark_chain": 15}
+
+
 def test_a_preset_runs_at_most_at_its_max_budget():
     """A chain preset takes the run's budget as its length up to its block (max_budget): a larger budget runs it
     at the cap, and a bad cap is refused like a bad default budget."""
@@ -310,6 +335,8 @@ def test_a_preset_runs_at_most_at_its_max_budget():
     for bad in (0, 2.5, True, "15"):
         with pytest.raises(ConfigError, match="max_budget must be an int >= 1"):
             presets.check_spec("x", {"drafter": {"type": "pld"}, "max_budget": bad})
+    with pytest.raises(ConfigError, match="default_budget 20 is above its max_budget 15"):
+        presets.check_spec("x", {"drafter": {"type": "pld"}, "default_budget": 20, "max_budget": 15})
 
 
 def test_budget_auto_pools_the_rounds_of_every_pilot_prompt():
