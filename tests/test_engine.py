@@ -516,6 +516,22 @@ def _sliding_window_model(kind: str, window: int, attn: str = "sdpa"):
     return model
 
 
+def _assert_tree_logits_are_the_models(target, model, ids, kind):
+    """Verify a 6-node tree rooted at ids[-1] after ``ids[:-1]`` were prefilled: every node's logits are the model's
+    own forward of its path (HF's masks, sliding windows included)."""
+    from graft_block.tree import make_tree
+
+    tokens, parents = [int(ids[-1]), 5, 9, 7, 11, 3], [-1, 0, 0, 1, 1, 3]
+    logits, _ = target.verify(make_tree(tokens, parents))
+    for i in range(len(tokens)):
+        path, j = [], i
+        while j > 0:
+            path.insert(0, tokens[j])
+            j = parents[j]
+        seq = torch.cat([ids, torch.tensor(path, dtype=torch.long)]).view(1, -1)
+        assert torch.allclose(logits[i], model(input_ids=seq, use_cache=False).logits[0, -1], atol=1e-4), (kind, i)
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])  # eager: HF's own masks, where we pass none, size both alike
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen2_full_first", "gemma3", "gemma4"])
 def test_sliding_window_targets_verify_whole_trees_past_their_window(kind, attn):
@@ -543,15 +559,7 @@ def test_sliding_window_targets_verify_whole_trees_past_their_window(kind, attn)
         target.prefill(ids[:15])
         assert target.cache_len == 15
     assert all(r == (7 if s else 20) for s, r in rows_held()) and target.cache_len == 20
-    tokens, parents = [int(ids[-1]), 5, 9, 7, 11, 3], [-1, 0, 0, 1, 1, 3]
-    logits, _ = target.verify(make_tree(tokens, parents))
-    for i in range(len(tokens)):
-        path, j = [], i
-        while j > 0:
-            path.insert(0, tokens[j])
-            j = parents[j]
-        seq = torch.cat([ids, torch.tensor(path, dtype=torch.long)]).view(1, -1)
-        assert torch.allclose(logits[i], model(input_ids=seq, use_cache=False).logits[0, -1], atol=1e-4), (kind, i)
+    _assert_tree_logits_are_the_models(target, model, ids, kind)
     target.prefill(ids[:-1])  # a plain step (a root-only tree) on the trimmed sliding layers too
     logits, _ = target.verify(make_tree([int(ids[-1])], [-1]))
     assert torch.allclose(logits[0], model(input_ids=ids.view(1, -1), use_cache=False).logits[0, -1], atol=1e-4)
@@ -605,7 +613,6 @@ def test_the_lean_engine_runs_a_sliding_window_model_within_its_window(kind):
     keeps HF's forward, which runs past the window."""
     from graft_block.errors import ConfigError
     from graft_block.target import Target
-    from graft_block.tree import make_tree
 
     model = _sliding_window_model(kind, 16)
     assert Target(model, None).engine == "hf"
@@ -613,15 +620,7 @@ def test_the_lean_engine_runs_a_sliding_window_model_within_its_window(kind):
     assert target.engine == "lean" and target.max_positions == 16 and target.window is None
     ids = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(2))
     target.prefill(ids[:-1])
-    tokens, parents = [int(ids[-1]), 5, 9, 7, 11, 3], [-1, 0, 0, 1, 1, 3]  # deepest node at position 12
-    logits, _ = target.verify(make_tree(tokens, parents))
-    for i in range(len(tokens)):
-        path, j = [], i
-        while j > 0:
-            path.insert(0, tokens[j])
-            j = parents[j]
-        seq = torch.cat([ids, torch.tensor(path, dtype=torch.long)]).view(1, -1)
-        assert torch.allclose(logits[i], model(input_ids=seq, use_cache=False).logits[0, -1], atol=1e-4), (kind, i)
+    _assert_tree_logits_are_the_models(target, model, ids, kind)  # deepest node at position len(ids) + 3
     prompt = [3, 1, 4, 1, 5]
     ref = hf_greedy(Target(model, None), prompt, 11)  # 16 tokens: the whole window
     drafter = Drafter.from_config({"type": "planted", "reference": ref, "budget": 3, "max_depth": 2, "seed": 3})
