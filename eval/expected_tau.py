@@ -402,7 +402,7 @@ def main(argv=None) -> None:
     extra = load_method_files(args.config)
     names = [m for m in args.methods.split(",") if m]
     # every method's refusal, before the model loads; a budget past a method's max_budget runs (once) at the cap
-    runs = {(n, presets.budget_for(lookup(n, extra), b)): None for b in budgets for n in names}
+    runs = dict.fromkeys((n, presets.budget_for(lookup(n, extra), b)) for b in budgets for n in names)
     specs = {n if len(budgets) == 1 else f"{n}@{b}": tree_spec(n, lookup(n, extra), b, schedule_ok=args.headroom)
              for n, b in runs}
     target = load_target(args.target, device=args.device, dtype=args.dtype)

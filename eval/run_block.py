@@ -221,9 +221,9 @@ def plan(args, extra: dict, notes: bool = True) -> dict:
         if args.budget not in (None, "preset") and fixed:
             print(f"[budget] --budget {args.budget} does not change {', '.join(fixed)}: no '{{budget}}' in their "
                   "methods, whose sizes are fixed (--list-methods)", file=sys.stderr)
-        ints = [b for b in budgets if isinstance(b, int)]
-        capped = [f"{n} ({lookup(n, extra)['max_budget']})" for n in names if n not in fixed and ints
-                  and max(ints) > lookup(n, extra).get("max_budget", max(ints))]
+        top = max((b for b in budgets if isinstance(b, int)), default=0)
+        capped = [f"{n} ({cap})" for n in names if n not in fixed
+                  and (cap := lookup(n, extra).get("max_budget")) is not None and top > cap]
         if capped:
             print(f"[budget] --budget {args.budget} runs {', '.join(capped)} at most at the max_budget in brackets "
                   "(the most each takes: a chain's block)", file=sys.stderr)

@@ -102,22 +102,8 @@ def _kernel_pair(spec: str | None, source: str) -> tuple[str | None, str | None]
     return main, small or None
 
 
-def sliding_window_of(model) -> int | None:
-    """The sliding window that limits a lean-family model's context (Mistral's, or Qwen2/3's with
-    use_sliding_window), None when no layer slides or the window spans the whole context. The lean forward attends
-    to every cached row: the same as the window while the whole sequence fits in it, so a lean Target takes the
-    window as its context (``Target.max_positions``)."""
-    cfg = model.config
-    window = getattr(cfg, "sliding_window", None)
-    on = getattr(cfg, "use_sliding_window", getattr(cfg, "model_type", "?") == "mistral")
-    types = getattr(cfg, "layer_types", None)  # Qwen2/3: layers below max_window_layers attend fully
-    if not window or not on or (types is not None and "sliding_attention" not in types):
-        return None
-    return None if int(window) >= int(getattr(cfg, "max_position_embeddings", 1 << 30)) else int(window)
-
-
 def unsupported_reason(model) -> str | None:
-    """Why the lean forward cannot run this model (None = it can; a sliding window limits its context)."""
+    """Why the lean forward cannot run this model (None = it can; a sliding window becomes its context: ``Target``)."""
     cfg = model.config
     kind = getattr(cfg, "model_type", "?")
     if kind not in SUPPORTED:

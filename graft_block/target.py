@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from graft_block.tree import Tree, attention_mask, position_ids, window_cut
 
 from . import cache_root
-from .engine import LeanForward, is_prefix, release_tensors, sliding_window_of, unsupported_reason
+from .engine import LeanForward, is_prefix, release_tensors, unsupported_reason
 from .errors import ConfigError
 
 EMBEDDED_TARGETS = {
@@ -112,18 +112,21 @@ class Target:
         # (the model's own forward with a DynamicCache). "auto" takes lean where the architecture allows.
         if engine not in ("auto", "lean", "hf"):
             raise ConfigError(f"engine must be 'auto', 'lean' or 'hf', got {engine!r}")
+        layers = DynamicCache(config=model.config)  # the cache HF would build: its layer kinds and windows
+        window, mixed, sliding, sliding_window = window_plan(model.config, layers)
+        # the lean forward attends to every cached row: the model's window only while the whole sequence fits in it
+        lean_window = next((w for w in (window, sliding_window) if w is not None and w < self.max_positions), None)
         if engine == "auto":  # HF's forward trims a sliding window and runs past it; the lean one stops at it
-            engine = "hf" if unsupported_reason(model) or sliding_window_of(model) else "lean"
+            engine = "hf" if unsupported_reason(model) or lean_window else "lean"
         # gemm (lean, CPU fp32): "mkl" | "openblas" | "onednn" | None = measured once per machine (engine.choose_gemm)
         # release_hf: HF's mmapped weights leave memory layer by layer as the lean engine packs its own copy, when
         # its C layers run every forward (``release_hf_weights``)
         self.lean = LeanForward(model, compile=compile, gemm=gemm, release_hf=release_hf) if engine == "lean" else None
-        # the lean forward's full attention is the model's sliding window only while every row fits in it: its context
         self.context_note = ""
-        if self.lean is not None and (w := sliding_window_of(model)) is not None and w < self.max_positions:
-            self.max_positions = w
-            self.context_note = (f" (engine='lean' stops at the model's sliding window of {w} tokens, within which its "
-                                 "full attention is exact; engine='hf' runs past it)")
+        if self.lean is not None and lean_window is not None:  # the window is its context
+            self.max_positions = lean_window
+            self.context_note = (f" (engine='lean' stops at the model's sliding window of {lean_window} tokens, within "
+                                 "which its full attention is exact; engine='hf' runs past it)")
         # Sliding-window layers (HF forward only): ``window`` when plain cache layers (trimmed between rounds) and
         # the ancestor mask cut to the window verify trees at any length (``window_mixed``: full layers beside them,
         # which take the whole mask, one mask per layer type); else ``sliding_window``, where HF's layers keep only
@@ -133,11 +136,11 @@ class Target:
         self.window = self.sliding_window = None
         self.window_mixed, self._sliding_rows, self._dropped = False, (), 0
         if engine == "hf":
-            layers = DynamicCache(config=model.config)  # the cache HF would build: its layer kinds
             if (why := tree_support_reason(model, layers)) is not None:
                 raise ConfigError(f"{why}: tree verification needs an attention-only target with position ids "
                                   "(rotary or learned)")
-            self.window, self.window_mixed, self._sliding_rows, self.sliding_window = window_plan(model.config, layers)
+            self.window, self.window_mixed, self._sliding_rows, self.sliding_window = window, mixed, sliding, \
+                sliding_window
         self.engine = engine
         self.compiled = bool(compile and engine == "lean")
 

@@ -637,7 +637,6 @@ def test_a_window_that_limits_nothing_leaves_the_lean_engine_whole():
     as long as the context window cuts nothing: 'auto' runs the lean engine on both, over the whole context."""
     from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
-    from graft_block.engine import sliding_window_of
     from graft_block.target import Target
 
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -645,11 +644,12 @@ def test_a_window_that_limits_nothing_leaves_the_lean_engine_whole():
     for cfg in (Qwen2Config(**common, use_sliding_window=True, sliding_window=16, max_window_layers=2),
                 MistralConfig(**common, sliding_window=64)):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-        assert sliding_window_of(model) is None
         target = Target(model, None)
         assert target.engine == "lean" and target.max_positions == 64 and target.context_note == ""
-    assert sliding_window_of(_sliding_window_model("mistral", 16)) == 16
-    assert sliding_window_of(_sliding_window_model("qwen2", 16)) == 16
+        assert Target(model, None, engine="lean").max_positions == 64
+    for kind in ("mistral", "qwen2"):  # a window that limits: the lean engine's context, and 'auto' keeps HF's
+        model = _sliding_window_model(kind, 16)
+        assert Target(model, None, engine="lean").max_positions == 16 and Target(model, None).engine == "hf"
 
 
 @pytest.mark.parametrize("kind", ["mamba", "lfm2", "bloom", "falcon", "bart"])
