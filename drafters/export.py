@@ -24,9 +24,10 @@ vLLM speculators (``--to speculators``, a folder: config.json + model.safetensor
 greedy proposal, verifier); tensors keep names and dtypes (EAGLE3's ``midlayer.*`` -> ``layers.0.*``); the aux
 layer ids are vLLM's capture ids (HF ``hidden_states`` indices).
 
-Lost on the way (both formats, see ``LOST``): a DFlash/DSpark draft-vocabulary restriction (both runtimes restrict a
-draft vocabulary only through a draft-owned LM head, i.e. the target's head rows, which a drafter folder does not
-hold: the export drafts over the full vocabulary with the shared head) and DSpark's calibrated per-position
+A DFlash/DSpark draft vocabulary reaches llama.cpp as a draft-owned LM head: ``output.weight`` = the target's head
+rows for the draft ids, copied from ``--target``'s GGUF in its own type, plus ``d2t`` (those ids), so llama.cpp's draft
+head reads 16k rows instead of 49k. Lost on the way (see ``LOST``): that restriction for speculators (a drafter
+folder holds no head rows to give it) or for a tokenizer-only ``--target``, and DSpark's calibrated per-position
 confidence temperatures. MFD has no counterpart in either project and is refused.
 """
 from __future__ import annotations
@@ -58,10 +59,14 @@ MASK_KEY = "tokenizer.ggml.mask_token_id"
 DEFAULT_ROPE_THETA = 10000.0  # the references' default for a config without rope_theta (see dflash/checkpoint.py)
 
 LOST = {
-    "draft_vocab": ("draft-vocabulary restriction ({n} of {V} ids) dropped: the export drafts over the full "
-                    "vocabulary through the target's shared LM head. {where} restricts a draft vocabulary only "
-                    "with a draft-owned LM head (the target's head rows), which a drafter folder does not hold. "
-                    "Output is unchanged (the target verifies); llama.cpp measured the same tau either way"),
+    "draft_vocab": ("draft-vocabulary restriction ({n} of {V} ids) dropped: {path} holds no LM head "
+                    "(output.weight or token_embd.weight) to take the draft rows from, so the export drafts over "
+                    "the full vocabulary through the target's shared head. Pass the target's full GGUF with "
+                    "--target to keep it. Output is unchanged (the target verifies)"),
+    "draft_vocab_vllm": ("draft-vocabulary restriction ({n} of {V} ids) dropped: the export drafts over the full "
+                         "vocabulary through the target's shared LM head. vLLM restricts a draft vocabulary only "
+                         "with a draft-owned LM head (the target's head rows), which a drafter folder does not "
+                         "hold. Output is unchanged (the target verifies)"),
     "temperatures": ("DSpark's calibrated per-position confidence temperatures dropped: {where} reads the raw "
                      "sigmoid of the confidence head{how}"),
     "first_draft": ("markov_first_draft false dropped: {where} adds the Markov bias to every draft, the first "
@@ -310,6 +315,29 @@ def _tokenizer_fields(path: str, mtime_ns: int, size: int) -> tuple:
     return tuple(out)
 
 
+def target_head_rows(path: Path, ids: torch.Tensor, hidden: int, vocab: int):
+    """The target's LM-head rows for the draft ids ``ids``, from its GGUF, in the GGUF's own type (F32 / F16 /
+    BF16 / any quantized type: rows are whole blocks, so a row gather keeps llama.cpp's own numbers): (array, GGML
+    type or None, tensor name), or None when the GGUF holds neither ``output.weight`` nor a tied
+    ``token_embd.weight`` (a tokenizer-only GGUF)."""
+    gguf = _gguf()
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001 - any parse failure names the file
+        raise ConfigError(f"{path} is not a readable GGUF ({type(exc).__name__}: {exc})") from exc
+    by_name = {t.name: t for t in reader.tensors}
+    t = by_name.get("output.weight") or by_name.get("token_embd.weight")
+    if t is None:
+        return None
+    shape = tuple(int(x) for x in t.shape.tolist())  # GGML order: (hidden, vocab)
+    if shape != (hidden, vocab):
+        raise ConfigError(f"{path}: {t.name} is {shape[0]} x {shape[-1]} (hidden x vocab) but the drafter reads "
+                          f"{hidden}-wide states over {vocab} tokens: pass the GGUF of the target it was trained for")
+    rows = np.ascontiguousarray(np.asarray(t.data)[ids.numpy()])
+    plain = t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+    return rows, None if plain else t.tensor_type, t.name
+
+
 def llama_rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """HF (NeoX halves) q/k projection rows -> llama.cpp's NORM RoPE order: per head, row i of the first half and
     row i of the second half become rows 2i and 2i+1."""
@@ -340,7 +368,7 @@ def _write_gguf(out: Path, arch: str, kv: list, tensors: list) -> None:
         except TypeError:  # gguf < 0.16 infers an array's item type (INT32 / FLOAT32 / STRING, as used here)
             writer.add_key_value(key, val, vtype)
     for name, t in tensors:
-        arr, raw = _gguf_array(t)
+        arr, raw = t if isinstance(t, tuple) else _gguf_array(t)  # a tuple is already GGUF-encoded
         writer.add_tensor(name, arr, raw_dtype=raw)
     try:
         writer.write_header_to_file()
@@ -435,16 +463,39 @@ def _dflash_gguf(src: Source, out: Path, target, dspark: bool) -> ExportResult:
     if sample_from_anchor:
         res.notes.append("DeepSpec block alignment (the anchor row drafts): run with --spec-type draft-dspark; "
                          "draft-dflash reads rows 1.. and would be misaligned")
-    items = [(gguf_dflash_name(k), v) for k, v in tensors.items()]
+    head = _draft_vocab_head(s, tensors, target, res)  # before the items: it narrows a DSpark's markov_w2
+    items = [(gguf_dflash_name(k), v) for k, v in tensors.items()] + head
     _write_gguf(out, "dflash", kv, items)
     res.tensors = [n for n, _ in items]
     return res
 
 
-def _lost_common(res: ExportResult, s: dict, src: Source, where: str, how: str) -> None:
+def _draft_vocab_head(s: dict, tensors: dict, target, res: ExportResult) -> list:
+    """A draft vocabulary kept for llama.cpp: ``output.weight`` = the target's LM-head rows for the draft ids (so
+    the draft LM head reads 16k rows, not 49k: its largest cost on a small target) and ``d2t`` = those ids, which
+    llama.cpp's DFlash loader reads as a reduced draft vocabulary; a DSpark's ``markov_w2`` keeps the same rows, as
+    ours does. Without a head in the target's GGUF the restriction is dropped (``LOST``)."""
     vocab = s.get("draft_vocab")
-    if vocab is not None and vocab.numel() < int(s["vocab_size"]):
-        res.lost.append(LOST["draft_vocab"].format(n=vocab.numel(), V=s["vocab_size"], where=where))
+    V = int(s["vocab_size"])
+    if vocab is None or vocab.numel() >= V:
+        return []
+    path = tokenizer_source(target)
+    ids = vocab.long().cpu()
+    head = target_head_rows(path, ids, int(s["hidden_size"]), V)
+    if head is None:
+        res.lost.append(LOST["draft_vocab"].format(n=ids.numel(), V=V, path=path))
+        return []
+    rows, raw, name = head
+    w2 = "markov_head.markov_w2.weight"
+    if w2 in tensors:  # llama.cpp's markov_w2 spans the draft vocabulary (its bias is scattered by d2t)
+        tensors[w2] = tensors[w2][ids].contiguous()
+    res.notes.append(f"draft vocabulary kept ({ids.numel()} of {V} ids): output.weight = the target's {name} rows "
+                     f"for them ({raw.name if raw is not None else rows.dtype}, from {path}), d2t = their ids. The "
+                     "draft LM head is the target's as of this export: re-export for a re-quantized target")
+    return [("output.weight", (rows, raw)), ("d2t", ids.contiguous())]
+
+
+def _lost_common(res: ExportResult, s: dict, src: Source, where: str, how: str) -> None:
     if s.get("markov_rank") and s.get("markov_first_draft") is False:
         res.lost.append(LOST["first_draft"].format(where=where))
     temps = s.get("confidence_temperatures")
@@ -575,6 +626,9 @@ def _dflash_speculators(src: Source, out: Path, verifier, tokens, dspark: bool) 
     cfg["speculators_config"] = {"algorithm": cfg["speculators_model_type"],
                                  **_proposal(tokens or default_tokens, verifier)}
     _lost_common(res, s, src, "vLLM", " (speculators has no calibration field)")
+    vocab = s.get("draft_vocab")
+    if vocab is not None and vocab.numel() < int(s["vocab_size"]):
+        res.lost.append(LOST["draft_vocab_vllm"].format(n=vocab.numel(), V=s["vocab_size"]))
     if not verifier:
         res.notes.append("no --verifier: speculators_config.verifier.name_or_path is null; serve with the target "
                          "as vLLM's --model")

@@ -342,6 +342,66 @@ def test_tiny_dspark_deepspec_bf16(tmp_path, tiny_tok):
         assert got[k].dtype == torch.bfloat16 and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
 
 
+def write_target_gguf(path, embd, head=None, head_type=None):
+    """A target GGUF: tiny_tok's tokenizer plus its LM head (``token_embd.weight`` [V, H], tied, and optionally an
+    untied ``output.weight``; ``head_type`` a GGML quantization to store it in)."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, val, vtype, sub in ex.tokenizer_fields(write_tokenizer_gguf(path.with_suffix(".tok"), embd.shape[0])):
+        w.add_key_value(key, val, vtype, sub_type=sub)
+    w.add_tensor("token_embd.weight", embd.numpy())
+    if head is not None:
+        arr = head.numpy()
+        if head_type is None:
+            w.add_tensor("output.weight", arr)
+        else:
+            w.add_tensor("output.weight", gguf.quants.quantize(arr, head_type), raw_dtype=head_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_draft_vocabulary_reaches_llamacpp_as_the_targets_head_rows(kind, tmp_path):
+    """llama.cpp drafts over a reduced vocabulary only through a draft-owned head + d2t (src/models/dflash.cpp):
+    the export gives it the target's own head rows for the draft ids (untied output.weight first), bit for bit in
+    the GGUF's type, and a DSpark's markov_w2 the same rows (its [rank, n_vocab_draft] shape)."""
+    g = torch.Generator().manual_seed(3)
+    vocab = torch.randperm(64, generator=g)[:16].sort().values
+    dspark = {"markov_rank": 4, "enable_confidence_head": True, "confidence_head_with_markov": True}
+    folder = tiny_dflash(tmp_path / kind, dspark=dspark if kind == "dspark" else None, draft_vocab=vocab)
+    src = read_weights(folder)
+    embd, head = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
+
+    res = ex.export(folder, "llama.cpp", tmp_path / "tied.gguf", target=write_target_gguf(tmp_path / "t.gguf", embd))
+    _, got = read_gguf(res.path)
+    assert got["output.weight"][0] == "F32" and got["output.weight"][1] == (16, 32)
+    assert np.array_equal(got["output.weight"][2], embd[vocab].numpy())
+    assert got["d2t"][0] == "I64" and np.array_equal(got["d2t"][2], vocab.numpy())
+    assert not any("draft-vocabulary" in line for line in res.lost)
+    assert any("draft vocabulary kept (16 of 64 ids)" in line and "token_embd.weight" in line for line in res.notes)
+    for k, v in src.items():
+        if k == "markov_head.markov_w2.weight":
+            assert_same_gguf(k, v[vocab], got["markov_w2.weight"])
+        elif k != "draft_vocab":
+            assert_same_gguf(k, v, got[dflash_gguf_name(k)])
+
+    target = write_target_gguf(tmp_path / "u.gguf", embd, head.half())
+    _, got = read_gguf(ex.export(folder, "llama.cpp", tmp_path / "untied.gguf", target=target).path)
+    assert got["output.weight"][0] == "F16" and np.array_equal(got["output.weight"][2], head.half()[vocab].numpy())
+
+    q8 = gguf.GGMLQuantizationType.Q8_0  # a quantized head: whole 32-wide blocks per row, gathered as bytes
+    target = write_target_gguf(tmp_path / "q.gguf", embd, head, head_type=q8)
+    _, got = read_gguf(ex.export(folder, "llama.cpp", tmp_path / "q8.gguf", target=target).path)
+    assert got["output.weight"][0] == "Q8_0" and got["output.weight"][1] == (16, 32)
+    assert np.array_equal(got["output.weight"][2], gguf.quants.quantize(head.numpy(), q8)[vocab.numpy()])
+
+    with pytest.raises(ConfigError, match=r"token_embd.weight is 16 x 64 .*32-wide states.*--target|GGUF of the"):
+        ex.export(folder, "llama.cpp", tmp_path / "bad.gguf", force=True,
+                  target=write_target_gguf(tmp_path / "n.gguf", torch.randn(64, 16)))
+
+
 def test_tiny_eagle3_speculators_layout(tmp_path, tiny_tok):
     folder = tiny_eagle3_speculators(tmp_path / "e3")
     src = read_weights(folder)
