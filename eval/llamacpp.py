@@ -37,6 +37,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -448,6 +449,10 @@ def run_error(returncode: int, cmd: list[str], stderr: str) -> Exception:
     lines = stderr.strip().splitlines()
     tail = lines[-8:]
     errors = [ln for ln in lines[:-8] if "error" in ln.lower()][:3]  # the cause often precedes a long teardown
+    if returncode == -signal.SIGILL and "-nr" not in cmd:
+        # seen on an AMX Xeon: the repacked (extra-buffer) matmuls die on BF16 / F32 draft weights; F16 runs
+        errors.insert(0, "SIGILL: an instruction this CPU refused. With BF16 or F32 draft weights on an AMX CPU, "
+                         "llama.cpp's repacked matmuls do this: add \"-nr\" (no repacking) to the preset's args")
     return RuntimeError(f"{BINARY} exited with {returncode}: {' '.join(cmd)}\n" + "\n".join(errors + tail))
 
 

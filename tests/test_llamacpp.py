@@ -633,6 +633,15 @@ def test_a_crash_reports_its_cause_the_end_of_its_log_and_the_command():
     assert lines[1:] == ["llama_model_load: error loading model: bad magic"] + [f"teardown {i}" for i in range(12, 20)]
 
 
+def test_an_illegal_instruction_names_the_flag_that_avoids_it():
+    """A BF16 / F32 draft GGUF killed llama.cpp with SIGILL on an AMX Xeon (its repacked matmuls); -nr avoids it."""
+    cmd = ["/b/llama-speculative-simple", "-md", "/d.gguf"]
+    exc = L.run_error(-4, cmd, "loading draft model\n")
+    assert '"-nr"' in str(exc).splitlines()[1] and "SIGILL" in str(exc)
+    assert "SIGILL" not in str(L.run_error(-4, cmd + ["-nr"], "x\n"))
+    assert "SIGILL" not in str(L.run_error(134, cmd, "x\n"))
+
+
 def test_a_cached_draft_gguf_follows_the_rest_of_its_key_and_is_never_served_half_written(tmp_path, monkeypatch,
                                                                                         capsys):
     """Beyond the checkpoint and the export code: a target GGUF converted again at the same path (its tokenizer is
