@@ -325,6 +325,10 @@ def target_head_rows(path: Path, ids: torch.Tensor, hidden: int, vocab: int):
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # noqa: BLE001 - any parse failure names the file
         raise ConfigError(f"{path} is not a readable GGUF ({type(exc).__name__}: {exc})") from exc
+    split = reader.fields.get("split.count")
+    if split is not None and int(split.parts[split.data[0]][0]) > 1:  # the head may sit in another shard
+        raise ConfigError(f"{path} is one shard of a split GGUF: merge it (llama-gguf-split --merge) and pass the "
+                          "merged file with --target")
     by_name = {t.name: t for t in reader.tensors}
     t = by_name.get("output.weight") or by_name.get("token_embd.weight")
     if t is None:
@@ -332,7 +336,8 @@ def target_head_rows(path: Path, ids: torch.Tensor, hidden: int, vocab: int):
     shape = tuple(int(x) for x in t.shape.tolist())  # GGML order: (hidden, vocab)
     if shape != (hidden, vocab):
         raise ConfigError(f"{path}: {t.name} is {shape[0]} x {shape[-1]} (hidden x vocab) but the drafter reads "
-                          f"{hidden}-wide states over {vocab} tokens: pass the GGUF of the target it was trained for")
+                          f"{hidden}-wide states over {vocab} tokens: pass the GGUF of the target it was trained "
+                          "for with --target")
     rows = np.ascontiguousarray(np.asarray(t.data)[ids.numpy()])
     plain = t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
     return rows, None if plain else t.tensor_type, t.name
@@ -481,6 +486,9 @@ def _draft_vocab_head(s: dict, tensors: dict, target, res: ExportResult) -> list
         return []
     path = tokenizer_source(target)
     ids = vocab.long().cpu()
+    if ids.min() < 0 or ids.max() >= V:  # a negative id would wrap in the gather and write a negative d2t
+        raise ConfigError(f"the checkpoint's draft_vocab holds ids outside 0..{V - 1}: it was not built for this "
+                          f"{V}-token vocabulary (rebuild it with graft-block train --draft-vocab)")
     head = target_head_rows(path, ids, int(s["hidden_size"]), V)
     if head is None:
         res.lost.append(LOST["draft_vocab"].format(n=ids.numel(), V=V, path=path))
@@ -717,7 +725,8 @@ def _check_out(out: Path, to: str, src: Source, force: bool) -> None:
 def export(source, to: str, out, force: bool = False, target=None, verifier: str | None = None,
            speculative_tokens: int | None = None) -> ExportResult:
     """Export the drafter ``source`` (bundled name or folder) to ``to`` ("llama.cpp" or "speculators") at ``out``.
-    ``target``: the target's GGUF (or an embedded target name) whose tokenizer a GGUF copies (llama.cpp only);
+    ``target``: the target's GGUF (or an embedded target name) whose tokenizer, and a draft vocabulary's LM-head
+    rows, a GGUF copies (llama.cpp only);
     ``verifier``: the target's HF id or folder recorded in a speculators config; ``speculative_tokens``: the
     speculators proposal length (default: block_size - 1 for DFlash, 3 for EAGLE3)."""
     if to not in FORMATS:
@@ -751,8 +760,8 @@ def main(argv=None) -> ExportResult:
     ap.add_argument("--out", required=True, help="llama.cpp: the .gguf file to write; speculators: the folder")
     ap.add_argument("--force", action="store_true", help="overwrite an existing --out")
     ap.add_argument("--target", default=None,
-                    help=f"llama.cpp: the target's GGUF (or an embedded target name) whose tokenizer the draft GGUF "
-                         f"copies (default {DEFAULT_TOKENIZER})")
+                    help=f"llama.cpp: the target's GGUF (or an embedded target name) whose tokenizer, and a draft "
+                         f"vocabulary's LM-head rows, the draft GGUF copies (default {DEFAULT_TOKENIZER})")
     ap.add_argument("--verifier", default=None,
                     help="speculators: the target's HF id or folder, recorded as speculators_config.verifier")
     ap.add_argument("--speculative-tokens", type=int, default=None,

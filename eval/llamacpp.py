@@ -5,7 +5,8 @@ The build is found through ``--llamacpp DIR`` or ``GRAFT_BLOCK_LLAMACPP`` (DIR =
 the llama.cpp source tree holding ``build/``); ``scripts/build_llamacpp.sh`` makes one and the target's F32 GGUF.
 Without a build (or GGUF) these methods are skipped with a one-line note, like a missing bundled drafter.
 A bundled drafter's GGUF is exported into ``<cache>/llamacpp`` and exported again when its checkpoint, the export
-code, the gguf package or the tokenizer GGUF changes (``draft_key``, kept beside it as ``<name>.gguf.key.json``).
+code, the gguf package or the target GGUF it copies its tokenizer and draft-vocabulary head rows from changes
+(``draft_key``, kept beside it as ``<name>.gguf.key.json``).
 
 How a call maps onto our measurement:
   * prompt: our chat-templated token ids, decoded with their special tokens (``<|im_start|>`` ...) and written to a
@@ -192,7 +193,8 @@ def _file_identity(path: Path) -> dict:
 
 def draft_key(name: str, folder: Path, tokenizer: Path | None) -> dict:
     """What a cached draft GGUF depends on: the checkpoint's content, the export code and the gguf package that
-    wrote it, the tokenizer GGUF it copied and how this module calls the export (DRAFT_EXPORT_VERSION)."""
+    wrote it, the target GGUF it copied its tokenizer and head rows from and how this module calls the export
+    (DRAFT_EXPORT_VERSION)."""
     try:
         gguf_version = importlib.metadata.version("gguf")
     except importlib.metadata.PackageNotFoundError:
@@ -204,19 +206,20 @@ def draft_key(name: str, folder: Path, tokenizer: Path | None) -> dict:
 
 _KEY_WORDS = {"version": "the export settings", "drafter": "the drafter name",
               "checkpoint": "the checkpoint's weights or config", "export_code": "the export code",
-              "gguf": "the gguf package", "tokenizer": "the tokenizer GGUF"}
+              "gguf": "the gguf package", "tokenizer": "the target GGUF"}
 
 
 def _key_file(out: Path) -> Path:
     return out.with_name(out.name + ".key.json")
 
 
-def draft_gguf(name: str, target: str = "smollm2-135m") -> Path:
+def draft_gguf(name: str, target: str = "smollm2-135m", model: Path | None = None) -> Path:
     """The GGUF of the bundled drafter ``name`` for llama.cpp: ``<cache>/llamacpp/<name>.gguf``, exported there
     through ``graft_block.drafters.export.export_llamacpp`` (= ``graft-block export --to llama.cpp``), the tokenizer
-    copied from the target's GGUF. ``<name>.gguf.key.json`` records what it was made from (``draft_key``): a
-    change to any of it exports it again, with a note on stderr. MethodUnavailable (a skip) when there is none
-    and it cannot be made."""
+    and a draft vocabulary's LM-head rows copied from the target GGUF llama.cpp runs (``model``, else the target's
+    converted GGUF, else an embedded target's own). ``<name>.gguf.key.json`` records what it was made from
+    (``draft_key``): a change to any of it exports it again, with a note on stderr. MethodUnavailable (a skip)
+    when there is none and it cannot be made."""
     from graft_block.drafter import bundled_checkpoint
 
     out = gguf_dir() / f"{name}.gguf"
@@ -225,8 +228,11 @@ def draft_gguf(name: str, target: str = "smollm2-135m") -> Path:
         cached = f" (the GGUF cached at {out} cannot be checked against it: name it as draft_gguf to run it)" \
             if out.is_file() else ""
         raise MethodUnavailable(f"bundled drafter {name!r} is not installed{cached}")
-    tok = target_gguf(target)
-    tok = tok if tok.is_file() else None
+    tok = Path(model) if model is not None else target_gguf(target)
+    if not tok.is_file():
+        from graft_block.target import EMBEDDED_TARGETS, embedded_gguf
+
+        tok = embedded_gguf(target) if target in EMBEDDED_TARGETS else None  # what the export falls back to
     try:
         key = draft_key(name, folder, tok)
         from graft_block.drafters.export import export_llamacpp
@@ -449,10 +455,11 @@ def run_error(returncode: int, cmd: list[str], stderr: str) -> Exception:
     lines = stderr.strip().splitlines()
     tail = lines[-8:]
     errors = [ln for ln in lines[:-8] if "error" in ln.lower()][:3]  # the cause often precedes a long teardown
-    if returncode == -signal.SIGILL and "-nr" not in cmd:
+    if returncode == -signal.SIGILL and not {"-nr", "--no-repack"} & set(cmd):
         # seen on an AMX Xeon: the repacked (extra-buffer) matmuls die on BF16 / F32 draft weights; F16 runs
-        errors.insert(0, "SIGILL: an instruction this CPU refused. With BF16 or F32 draft weights on an AMX CPU, "
-                         "llama.cpp's repacked matmuls do this: add \"-nr\" (no repacking) to the preset's args")
+        errors.insert(0, "SIGILL: an instruction this CPU refused. llama.cpp's repacked weights do this on AMX "
+                         "CPUs (BF16 or F32 draft weights, quantized targets): add \"-nr\" (no repacking) to the "
+                         "preset's args")
     return RuntimeError(f"{BINARY} exited with {returncode}: {' '.join(cmd)}\n" + "\n".join(errors + tail))
 
 
@@ -477,7 +484,7 @@ def llamacpp_runner(target, cfg: dict, threads: int | None = None, timeout: floa
     draft = None
     if str(cfg.get("spec", "none")).startswith("draft-"):
         draft = Path(cfg["draft_gguf"]).expanduser() if cfg.get("draft_gguf") else \
-            draft_gguf(cfg["draft"], str(target.name))
+            draft_gguf(cfg["draft"], str(target.name), model)
         if not draft.is_file():
             raise ConfigError(f"no draft GGUF at {draft}")
     adds_bos = _gguf_adds_bos(model)

@@ -342,10 +342,13 @@ def test_tiny_dspark_deepspec_bf16(tmp_path, tiny_tok):
         assert got[k].dtype == torch.bfloat16 and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
 
 
-def write_target_gguf(path, embd, head=None, head_type=None):
+def write_target_gguf(path, embd, head=None, head_type=None, split=None):
     """A target GGUF: tiny_tok's tokenizer plus its LM head (``token_embd.weight`` [V, H], tied, and optionally an
-    untied ``output.weight``; ``head_type`` a GGML quantization to store it in)."""
+    untied ``output.weight``; ``head_type`` a GGML quantization to store it in; ``split``: marked as the first of
+    that many shards)."""
     w = gguf.GGUFWriter(str(path), "llama")
+    if split:
+        w.add_key_value("split.count", split, T.UINT16)
     for key, val, vtype, sub in ex.tokenizer_fields(write_tokenizer_gguf(path.with_suffix(".tok"), embd.shape[0])):
         w.add_key_value(key, val, vtype, sub_type=sub)
     w.add_tensor("token_embd.weight", embd.numpy())
@@ -397,9 +400,26 @@ def test_draft_vocabulary_reaches_llamacpp_as_the_targets_head_rows(kind, tmp_pa
     assert got["output.weight"][0] == "Q8_0" and got["output.weight"][1] == (16, 32)
     assert np.array_equal(got["output.weight"][2], gguf.quants.quantize(head.numpy(), q8)[vocab.numpy()])
 
-    with pytest.raises(ConfigError, match=r"token_embd.weight is 16 x 64 .*32-wide states.*--target|GGUF of the"):
+    with pytest.raises(ConfigError, match=r"token_embd.weight is 16 x 64 .*32-wide states.* with --target"):
         ex.export(folder, "llama.cpp", tmp_path / "bad.gguf", force=True,
                   target=write_target_gguf(tmp_path / "n.gguf", torch.randn(64, 16)))
+    split = write_target_gguf(tmp_path / "s.gguf", embd, split=2)
+    with pytest.raises(ConfigError, match="one shard of a split GGUF: merge it"):
+        ex.export(folder, "llama.cpp", tmp_path / "split.gguf", force=True, target=split)
+    tok_only = write_tokenizer_gguf(tmp_path / "tok.gguf", 64)  # no head to take rows from: the full vocabulary
+    res = ex.export(folder, "llama.cpp", tmp_path / "full.gguf", target=tok_only)
+    _, got = read_gguf(res.path)
+    assert "output.weight" not in got and "d2t" not in got
+    assert any("draft-vocabulary restriction (16 of 64 ids) dropped" in line for line in res.lost)
+    if kind == "dspark":
+        assert_same_gguf("markov_w2", src["markov_head.markov_w2.weight"], got["markov_w2.weight"])
+
+
+def test_a_draft_vocabulary_outside_the_targets_is_refused(tmp_path):
+    folder = tiny_dflash(tmp_path / "d", draft_vocab=torch.tensor([-1, 3, 7]))
+    target = write_target_gguf(tmp_path / "t.gguf", torch.randn(64, 32))
+    with pytest.raises(ConfigError, match=r"draft_vocab holds ids outside 0..63.*--draft-vocab"):
+        ex.export(folder, "llama.cpp", tmp_path / "d.gguf", target=target)
 
 
 def test_tiny_eagle3_speculators_layout(tmp_path, tiny_tok):

@@ -211,9 +211,14 @@ def test_runner_end_to_end_on_a_fake_build(tmp_path, tokenizer, monkeypatch):
     monkeypatch.setitem(sys.modules, "graft_block.drafters.export",
                         types.SimpleNamespace(export_llamacpp=export_llamacpp))
     gg = L.gguf_dir() / "dflash-smollm2.gguf"
-    assert L.draft_gguf("dflash-smollm2") == gg and calls == [("dflash-smollm2", gg, None)]
+    from graft_block.target import embedded_gguf
+
+    # no converted target GGUF here: the embedded target's own, which the export would fall back to, keyed by name
+    own = str(embedded_gguf("smollm2-135m"))
+    assert L.draft_gguf("dflash-smollm2") == gg and calls == [("dflash-smollm2", gg, own)]
     assert L.draft_gguf("dflash-smollm2") == gg and len(calls) == 1  # cached
     run = L.llamacpp_runner(target, {**presets.PRESETS["llamacpp_dflash"]["llamacpp"], "model": str(model)}, 2)
+    assert calls[-1] == ("dflash-smollm2", gg, str(model))  # head rows from the GGUF llama.cpp runs as the target
     run(torch.tensor(META["prompt_ids"]), 32, 0.0, 0)
     argv = json.loads((tmp_path / "call.json").read_text())["argv"]
     assert _after(argv, "-md") == str(gg) and _after(argv, "--spec-type") == "draft-dflash"
@@ -328,7 +333,7 @@ def _bundled_mine(tmp_path, monkeypatch):
 
 def test_a_cached_draft_gguf_is_rebuilt_when_what_it_was_made_from_changes(tmp_path, monkeypatch, capsys):
     """The cache is keyed on the checkpoint's content (not its mtime: a copied or checked-out checkpoint keeps an
-    older one), the export code and the tokenizer GGUF; each rebuild says why on stderr."""
+    older one), the export code and the target GGUF; each rebuild says why on stderr."""
     import os
 
     import graft_block.drafter as D
@@ -349,11 +354,11 @@ def test_a_cached_draft_gguf_is_rebuilt_when_what_it_was_made_from_changes(tmp_p
     monkeypatch.setattr(L, "export_code_digest", lambda: "another export")
     L.draft_gguf("mine")
     assert len(calls) == 3 and "the export code changed" in capsys.readouterr().err
-    # the target's F32 GGUF appears: the tokenizer is copied from it now
+    # the target's F32 GGUF appears: the tokenizer and head rows are copied from it now
     tok = L.target_gguf("smollm2-135m")
     tok.write_bytes(b"target gguf")
     L.draft_gguf("mine")
-    assert calls[-1] == ("mine", str(tok)) and "the tokenizer GGUF changed" in capsys.readouterr().err
+    assert calls[-1] == ("mine", str(tok)) and "the target GGUF changed" in capsys.readouterr().err
     assert L.draft_gguf("mine") == gg and len(calls) == 4
     # a GGUF cached before its inputs were recorded is not trusted
     L._key_file(gg).unlink()
@@ -634,11 +639,13 @@ def test_a_crash_reports_its_cause_the_end_of_its_log_and_the_command():
 
 
 def test_an_illegal_instruction_names_the_flag_that_avoids_it():
-    """A BF16 / F32 draft GGUF killed llama.cpp with SIGILL on an AMX Xeon (its repacked matmuls); -nr avoids it."""
+    """A BF16 / F32 draft GGUF killed llama.cpp with SIGILL on an AMX Xeon (its repacked matmuls); -nr avoids it.
+    The hint is left out once either spelling of the flag is on the command line, and for other exits."""
     cmd = ["/b/llama-speculative-simple", "-md", "/d.gguf"]
     exc = L.run_error(-4, cmd, "loading draft model\n")
     assert '"-nr"' in str(exc).splitlines()[1] and "SIGILL" in str(exc)
     assert "SIGILL" not in str(L.run_error(-4, cmd + ["-nr"], "x\n"))
+    assert "SIGILL" not in str(L.run_error(-4, cmd + ["--no-repack"], "x\n"))
     assert "SIGILL" not in str(L.run_error(134, cmd, "x\n"))
 
 
@@ -665,7 +672,7 @@ def test_a_cached_draft_gguf_follows_the_rest_of_its_key_and_is_never_served_hal
         assert L.draft_gguf("mine") == gg and len(calls) == n + 1  # recorded again: cached
 
     tok.write_bytes(b"target gguf, converted again")
-    rebuilt("the tokenizer GGUF")
+    rebuilt("the target GGUF")
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1-another")
     rebuilt("the gguf package")
     monkeypatch.setattr(L, "DRAFT_EXPORT_VERSION", L.DRAFT_EXPORT_VERSION + 1)
