@@ -204,16 +204,18 @@ def below_stairs(curve: dict, budgets, drop: float = 0.05) -> list[int]:
 
 
 def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_tokens: int = 48,
-                after=None, cap: int | None = None) -> dict:
+                after=None, cap: int | None = None, temperatures=(0.0,), top_k: int = 0, top_p: float = 1.0) -> dict:
     """Cost-aware budget: the b maximising tau(b) * cost(1) / (cost(1 + n(b)) + draft(b)), with tau, n(b) (the mean
-    non-root nodes verified per round: b for a full tree, fewer where a schedule cuts it) and draft(b) (the seconds
-    per round spent outside the verify: drafting, tree building, commit) from greedy pilots of ``max_new_tokens``
-    on each prompt of ``pilots`` (a list of token-id prompts; rounds pooled over them), and cost from the measured
-    verify curve. The candidates gain the budgets just below the curve's stairs (``below_stairs``). ``build(b)`` ->
-    Method; ``after()`` runs after each candidate (the main job releases the target's weight pages a drafter
-    read). ``cap``: the most the method takes (a preset's max_budget); larger candidates become it. A candidate
-    the method refuses anyway (a chain longer than its block) is left out, named under "refused"; if it refuses
-    them all, the first refusal is raised."""
+    non-root nodes verified per round: b for a full tree, fewer where a schedule cuts it) and draft(b) (the seconds per
+    round spent outside the verify: drafting, tree building, commit) from pilots of ``max_new_tokens`` on each
+    prompt of ``pilots`` (a list of token-id prompts) at each of the run's ``temperatures`` (seed 0, the run's
+    ``top_k`` / ``top_p``: a sampled run accepts less, so it is sized by sampled pilots, read by their expected
+    acceptance ``tau_expected``), rounds pooled over all of them, and cost from the measured verify curve. The
+    candidates gain the budgets just below the curve's stairs (``below_stairs``). ``build(b)`` -> Method;
+    ``after()`` runs after each candidate (the main job releases the target's weight pages a drafter read). ``cap``:
+    the most the method takes (a preset's max_budget); larger candidates become it. A candidate the method refuses
+    anyway (a chain longer than its block) is left out, named under "refused"; if it refuses them all, the first
+    refusal is raised."""
     if not pilots:
         raise ConfigError("auto_budget needs at least one pilot prompt")
     rows, refused = {}, {}
@@ -223,7 +225,10 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
         except ConfigError as exc:
             refused[b] = exc
             continue
-        runs = [method.run(ids, max_new_tokens, 0.0, 0) for ids in pilots]
+        filters = {"top_k": top_k, "top_p": top_p} if (top_k or top_p != 1.0) else {}
+        temps = [float(t) for t in temperatures for _ in pilots]
+        runs = [method.run(ids, max_new_tokens, t, 0, **(filters if t > 0 else {}))
+                for t, ids in zip(temps, list(pilots) * len(temperatures))]
         del method
         gc.collect()  # the pilot's drafter and its weight layouts sit in reference cycles: free them before the next
         if after is not None:
@@ -231,7 +236,9 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
         counts = [r.get("rounds") or 0 for r in runs]
         rounds = sum(counts)
         if rounds:
-            tau = sum((r.get("tau") or 1.0) * c for r, c in zip(runs, counts)) / rounds
+            # a sampled pilot reads its expected acceptance under the target's law: the draws' noise left out
+            taus = [(r.get("tau_expected") if t > 0 else None) or r.get("tau") or 1.0 for t, r in zip(temps, runs)]
+            tau = sum(x * c for x, c in zip(taus, counts)) / rounds
             side = sum(v for r in runs for k, v in (r.get("phase_s") or {}).items()
                        if k not in ("verify", "overhead")) / rounds
             # what the verify sees: a scheduled tree is cut below b
@@ -244,7 +251,8 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
         raise next(iter(refused.values()))
     best = max(rows, key=lambda b: rows[b]["est_speedup"])
     return {"best": best, "pilot": rows, "refused": {b: str(e) for b, e in refused.items()},
-            "pilot_prompts": len(pilots), "curve_busy": curve.get("busy", False)}
+            "pilot_prompts": len(pilots), "pilot_temperatures": [float(t) for t in temperatures],
+            "curve_busy": curve.get("busy", False)}
 
 
 # ---- the interleaved loop -----------------------------------------------------------------------------------

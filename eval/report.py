@@ -35,6 +35,14 @@ def _tau(rs):
     return sum(r["decode_tokens"] for r in rs) / rounds if rounds else None
 
 
+def _tau_expected(rs):
+    """Pooled like ``_tau``: per round, 1 + the drafts the walk accepts in expectation under the target's law (the
+    decoder's ``tau_expected``; before the stop trim). Sampled rows read it without the draws' noise."""
+    rounds = sum(r.get("rounds") or 0 for r in rs if r.get("tau_expected") is not None)
+    return sum(r["tau_expected"] * r["rounds"] for r in rs
+               if r.get("tau_expected") is not None and r.get("rounds")) / rounds if rounds else None
+
+
 def _tau_turn_mean(rs):
     """The mean of each prompt-turn's own tau (DFlash's paper averages per response; ``_tau`` pools rounds)."""
     taus = [r["decode_tokens"] / r["rounds"] for r in rs if r.get("rounds")]
@@ -115,6 +123,7 @@ def summarize(records: list[dict], baseline: str = "ar", peer: str = "hf", engin
             "method": name, "temperature": temp, "budget": budget, "n": len(rs),
             "tau": _tau(rs) if any(r.get("rounds") for r in rs) else None,
             "tau_turn_mean": _tau_turn_mean(rs),
+            "tau_expected": _tau_expected(rs),
             "tau_iqr": _iqr([r.get("tau") for r in rs]),
             "tok_s": rate(rs),
             "speedup": speedup([m for m, _ in pairs], [a for _, a in pairs]) if pairs else None,

@@ -238,8 +238,10 @@ def plan(args, extra: dict, notes: bool = True) -> dict:
             "set_info": set_info, "max_new": args.max_new_tokens or suite["max_new_tokens"], "temps": temps}
 
 
-def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named=None, pilot_prompts=1):
-    """The runnable methods. A method that cannot run here (MethodUnavailable) is skipped with its reason; so is any
+def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named=None, pilot_prompts=1,
+                  sampling=None):
+    """The runnable methods (``sampling``: the run's temperatures, top_k and top_p, which --budget auto's pilots
+    decode at; default greedy). A method that cannot run here (MethodUnavailable) is skipped with its reason; so is any
     method the suite added by default (a SmolLM2 drafter beside another ``--target``). Any other ConfigError of a
     method the user named (``named``: --methods, --config; None = all) stops the run naming it (a typo in its config,
     a checkpoint for another target)."""
@@ -260,7 +262,8 @@ def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named
                 if b == "auto":
                     pilots = [encode_turn(target, [], p["turns"][0]) for p in prompts[:pilot_prompts]]
                     auto[name] = measure.auto_budget(lambda x: make_method(name, spec, target, x, curve=curve),
-                                                     curve, pilots, after=release, cap=spec.get("max_budget"))
+                                                     curve, pilots, after=release, cap=spec.get("max_budget"),
+                                                     **(sampling or {}))
                     b = auto[name]["best"]
                 m = make_method(name, spec, target, b, chimeric=chimeric, curve=curve)
                 m.name = name if (b is None or len(budgets) == 1) else f"{name}@{b}"
@@ -341,7 +344,8 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     target.share_drafter_checkpoints = True  # methods only read their drafters' weights: one copy per checkpoint
     named = set(args.methods.split(",")) if args.methods is not None else set(extra)  # what the user asked for by name
     runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric, named,
-                                        args.pilot_prompts)
+                                        args.pilot_prompts,
+                                        {"temperatures": temps, "top_k": args.top_k, "top_p": args.top_p})
     too_long: list[dict] = []  # turns that outgrew the target's context, per method (run_interleaved's notes)
     trim_heap()
     if rank == 0:
@@ -407,7 +411,9 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     for n, a in auto.items():
         est = {k: round(v["est_speedup"], 2) for k, v in a["pilot"].items()}
         print(f"auto budget for {n}: {a['best']} (pilot est. speedup {json.dumps(est)}, "
-              f"{a['pilot_prompts']} prompt{'s' if a['pilot_prompts'] > 1 else ''})"
+              f"{a['pilot_prompts']} prompt{'s' if a['pilot_prompts'] > 1 else ''}"
+              + (f" at T {', '.join(f'{t:g}' for t in a['pilot_temperatures'])}"
+                 if any(a.get("pilot_temperatures") or ()) else "") + ")"
               + (f"; refused {', '.join(map(str, a['refused']))}" if a.get("refused") else "")
               + (" - cost curve measured on a busy machine" if a["curve_busy"] else ""))
     if phys is not None:

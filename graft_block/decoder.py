@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 import torch
 
-from graft_block.tree import Tree, root_only, validate, walk
+from graft_block.tree import Tree, path_products, root_only, validate, walk
 
 from .errors import ConfigError
-from .sampling import SamplingConfig, choose
+from .sampling import SamplingConfig, choose, choose_with_law
 from .target import Target
 
 PHASES = ("draft", "tree", "verify", "commit", "overhead")
@@ -107,7 +107,10 @@ class Stats:
     max_new_tokens), so tau and tok/s never count tokens that were verified but thrown away; those are in
     ``dropped``. ``accept_hist`` is the walk's acceptance per round (draft nodes accepted, before the trim), a
     property of the drafter: sum((k + 1) * n) == committed_in_rounds + dropped. ``depth_hist``: rounds per depth
-    of the verified tree (the deepest node), the ceiling on that round's acceptance."""
+    of the verified tree (the deepest node), the ceiling on that round's acceptance. ``expected_accepted``: per
+    round, the draft nodes the walk accepts in expectation under the target's law (the sum over nodes of P(reached),
+    from the verify's own probabilities; at T = 0 the accepted count): the sampled acceptance without the draws'
+    noise, before the trim."""
 
     rounds: int = 0
     committed_in_rounds: int = 0
@@ -122,6 +125,7 @@ class Stats:
     tree_nodes: int = 0
     retrieved_nodes: int = 0
     retrieved_accepted: int = 0
+    expected_accepted: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -137,6 +141,7 @@ class Stats:
         return {
             "rounds": self.rounds,
             "tau": self.tau,
+            "tau_expected": 1.0 + self.expected_accepted / self.rounds if self.rounds else 0.0,
             "new_tokens": self.new_tokens,
             "decode_tokens": self.committed_in_rounds,
             "dropped": self.dropped,
@@ -274,7 +279,10 @@ class SpeculativeDecoder:
                         validate(tree, budget=self.budget, root_token=state.root_token, vocab_size=target.vocab_size)
                 with timer.section("verify"):
                     logits, feats = target.verify(tree)
-                    choices = choose(logits, sampling, generator)
+                    choices, law = choose_with_law(logits, sampling, generator)
+                    # P(the choice at a node's parent is the node's token): the round's expected acceptance
+                    node_p = None if law is None else \
+                        law[tree.parents[1:].to(law.device), tree.tokens[1:].to(law.device)]
                 with timer.section("commit"):
                     path, bonus = walk(tree, choices.cpu())
                     target.compact(tree.size, path)
@@ -298,6 +306,8 @@ class SpeculativeDecoder:
                 # statistics (acceptance before the stop trim; emitted counts after it, below)
                 stats.rounds += 1
                 stats.accept_hist[len(new) - 1] += 1
+                stats.expected_accepted += len(new) - 1 if node_p is None else \
+                    sum(path_products(tree, [1.0] + node_p.tolist())[1:])
                 stats.tree_nodes += tree.size - 1
                 stats.depth_hist[int(tree.depths.max())] += 1
                 if tree.num_retrieved:

@@ -123,6 +123,14 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
 
 def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
     """The target's token at every row: argmax at T=0, else one independent draw per row from ``generator``."""
+    return choose_with_law(logits, cfg, generator)[0]
+
+
+def choose_with_law(logits: torch.Tensor, cfg: SamplingConfig,
+                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``choose``'s tokens and the law they were drawn from ([n, V] probabilities; None at T=0, where each choice
+    is its row's argmax): the decoder reads a round's expected acceptance from it at no second softmax."""
     if cfg.greedy:
-        return greedy_tokens(logits)
-    return draw(target_probs(logits, cfg), generator)
+        return greedy_tokens(logits), None
+    probs = target_probs(logits, cfg)
+    return draw(probs, generator), probs

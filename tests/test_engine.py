@@ -336,22 +336,22 @@ def test_sampling_law_test_rejects_a_biased_acceptance_rule(monkeypatch):
 
     cfg = SAMPLING_CASES[0]
     target, prompt, exact = _law_case(cfg)
-    trees, cheat_gen, real_choose = [], torch.Generator().manual_seed(7), decoder_module.choose
+    trees, cheat_gen, real_choose = [], torch.Generator().manual_seed(7), decoder_module.choose_with_law
 
     def biased_choose(logits, sampling, generator=None):
-        choices = real_choose(logits, sampling, generator)
+        choices, law = real_choose(logits, sampling, generator)
         tree = trees[-1] if trees else None
-        if tree is None or logits.shape[0] != tree.size:  # the prefill's one row: no tree to bias
-            return choices
+        if tree is None or logits.shape[0] != tree.size:  # no tree to bias
+            return choices, law
         choices = choices.clone()
         parents = tree.parents.tolist()
         for node in range(tree.size):
             kids = [j for j in range(1, tree.size) if parents[j] == node]
             if kids and float(torch.rand(1, generator=cheat_gen)) < 0.3:
                 choices[node] = tree.tokens[kids[0]]
-        return choices
+        return choices, law
 
-    monkeypatch.setattr(decoder_module, "choose", biased_choose)
+    monkeypatch.setattr(decoder_module, "choose_with_law", biased_choose)  # the rounds' only choice
     drafter = _planted_law_drafter(exact)
     propose = drafter.propose
     # the decoder verifies exactly the proposed tree (no graft, no schedule): record it for the biased verifier
@@ -829,3 +829,48 @@ def test_stats_count_the_verified_trees_nodes_and_depth_and_keep_prefill_out_of_
     assert s.to_dict()["mean_tree_nodes"] == pytest.approx(4.0)
     assert s.prefill_s >= 1000.0 and s.decode_s < 1.0
     assert s.to_dict()["decode_tok_s"] == pytest.approx(s.committed_in_rounds / s.decode_s)
+
+
+def test_expected_acceptance_is_what_the_sampled_walk_accepts_on_average(tiny_llama):
+    """``tau_expected`` (per round, the sum over nodes of P(reached) under the target's law, from the verify's own
+    probabilities; what --budget auto reads from sampled pilots) is the walk's mean acceptance: over 200 seeded
+    answers the accepted drafts minus the expected ones average 0 within 4 standard errors, while the same sum under
+    a colder law (T = 0.3, on the same verified trees) misses by more. With top_k 1 the law is one-hot, so expected
+    and accepted agree answer by answer; at T = 0 tau_expected is the acceptance before the trim."""
+    import math
+
+    from graft_block.sampling import target_probs
+    from graft_block.tree import path_products
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref = hf_greedy(tiny_llama, prompt, 40)
+
+    class Colder:  # the counter-case: the expectation under a law the walk does not sample
+        total = 0.0
+
+        def __call__(self, v, state):
+            p = target_probs(v.logits, SamplingConfig(temperature=0.3))
+            self.total += sum(path_products(v.tree, [1.0] + p[v.tree.parents[1:], v.tree.tokens[1:]].tolist())[1:])
+
+    def answer(seed, **sampling):
+        drafter = Drafter.from_config({"type": "planted", "reference": ref, "budget": 8, "seed": seed})
+        colder = Colder()
+        st = SpeculativeDecoder(tiny_llama, drafter, round_hooks=[colder]).generate(
+            prompt, max_new_tokens=12, seed=seed, **sampling).stats
+        assert st.to_dict()["tau_expected"] == pytest.approx(1 + st.expected_accepted / st.rounds)
+        return sum(k * n for k, n in st.accept_hist.items()), st.expected_accepted, colder.total
+
+    for seed in range(3):
+        acc, exp, _ = answer(seed, temperature=1.0, top_k=1)
+        assert exp == pytest.approx(acc, abs=1e-6)
+        acc, exp, _ = answer(seed)
+        assert exp == acc
+    runs = [answer(seed, temperature=1.0) for seed in range(200)]
+    assert sum(a for a, _, _ in runs) > 40  # the walk accepted drafts: the comparison has something to measure
+
+    def z_score(diffs):
+        mean = sum(diffs) / len(diffs)
+        return mean / math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
+
+    assert abs(z_score([a - e for a, e, _ in runs])) < 4
+    assert abs(z_score([a - c for a, _, c in runs])) > 4

@@ -299,7 +299,7 @@ def test_budget_auto_leaves_out_the_budgets_a_method_refuses():
 
 def test_a_budget_sweep_builds_a_capped_chain_once_at_its_cap(monkeypatch):
     """--budget 8,16,32: a tree runs at each budget, a chain at 8 and once at its cap (named @15, not @16 and @32);
-    --budget auto hands the chain's cap to the pilots."""
+    --budget auto hands the chain's cap, and the run's sampling, to the pilots."""
     from graft_block.eval.methods import Method
 
     built, caps = [], {}
@@ -314,12 +314,13 @@ def test_a_budget_sweep_builds_a_capped_chain_once_at_its_cap(monkeypatch):
     assert [m.name for m in methods] == ["pld@8", "pld@16", "pld@32", "dspark_chain@8", "dspark_chain@15"]
 
     def auto_budget(build, curve, pilots, after=None, cap=None, **kw):
-        caps[build(4).name] = cap
+        caps[build(4).name] = (cap, kw)
         return {"best": 4}
 
     monkeypatch.setattr(measure, "auto_budget", auto_budget)
-    run_block.build_methods(["pld", "dspark_chain"], {}, Target(), ["auto"], {}, [], False)
-    assert caps == {"pld": None, "dspark_chain": 15}
+    sampling = {"temperatures": [1.0], "top_k": 0, "top_p": 0.9}
+    run_block.build_methods(["pld", "dspark_chain"], {}, Target(), ["auto"], {}, [], False, sampling=sampling)
+    assert caps == {"pld": (None, sampling), "dspark_chain": (15, sampling)}  # the pilots sample as the run does
 
 
 def test_a_preset_runs_at_most_at_its_max_budget():
@@ -337,6 +338,33 @@ def test_a_preset_runs_at_most_at_its_max_budget():
             presets.check_spec("x", {"drafter": {"type": "pld"}, "max_budget": bad})
     with pytest.raises(ConfigError, match="default_budget 20 is above its max_budget 15"):
         presets.check_spec("x", {"drafter": {"type": "pld"}, "default_budget": 20, "max_budget": 15})
+
+
+def test_budget_auto_pilots_decode_at_the_runs_temperatures():
+    """A sampled run accepts less than a greedy one, so its budgets come from pilots at its own temperatures (and
+    filters, at T > 0 only), rounds pooled over them: here greedy pilots alone would pick 16, sampled ones 4."""
+    seen = []
+
+    class Pilot:
+        def __init__(self, b):
+            self.b = b
+
+        def run(self, ids, n, temperature, seed, **filters):
+            seen.append((self.b, temperature, seed, filters))
+            greedy = temperature == 0
+            return {"tau": (2.0 if self.b == 4 else 3.0) if greedy else (1.5 if self.b == 4 else 1.55), "rounds": 10,
+                    "mean_tree_nodes": float(self.b), "phase_s": {}}
+
+    curve = {"median_s": {"1": 0.010, "5": 0.010, "17": 0.013}}
+    assert measure.auto_budget(Pilot, curve, [[1, 2]], candidates=(4, 16))["best"] == 16
+    seen.clear()
+    auto = measure.auto_budget(Pilot, curve, [[1, 2]], candidates=(4, 16), temperatures=(1.0,), top_k=20)
+    assert auto["best"] == 4 and auto["pilot_temperatures"] == [1.0]
+    assert seen == [(4, 1.0, 0, {"top_k": 20, "top_p": 1.0}), (16, 1.0, 0, {"top_k": 20, "top_p": 1.0})]
+    seen.clear()
+    auto = measure.auto_budget(Pilot, curve, [[1, 2]], candidates=(4,), temperatures=(0.0, 1.0), top_p=0.9)
+    assert [(t, f) for _, t, _, f in seen] == [(0.0, {}), (1.0, {"top_k": 0, "top_p": 0.9})]
+    assert auto["pilot"][4]["tau"] == pytest.approx((2.0 * 10 + 1.5 * 10) / 20)
 
 
 def test_budget_auto_pools_the_rounds_of_every_pilot_prompt():

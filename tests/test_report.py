@@ -152,6 +152,10 @@ def test_tau_pools_rounds_and_the_turn_mean_averages_each_turns_own():
     measure.pair_with(recs)
     rows = {r["method"]: r for r in report.summarize(recs)}
     assert rows["tree"]["tau"] == pytest.approx(50 / 15) and rows["tree"]["tau_turn_mean"] == pytest.approx(3.0)
+    assert rows["tree"]["tau_expected"] is None  # records without it (older runs, peers): unknown, not 0
+    recs[2]["tau_expected"], recs[3]["tau_expected"] = 1.5, 3.0  # the expected acceptance pools rounds too
+    rows = {r["method"]: r for r in report.summarize(recs)}
+    assert rows["tree"]["tau_expected"] == pytest.approx((1.5 * 5 + 3.0 * 10) / 15)
 
 
 def test_hf_generate_differing_from_our_ar_is_a_note_not_the_lossless_alarm():
