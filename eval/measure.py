@@ -210,7 +210,8 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
     round spent outside the verify: drafting, tree building, commit) from pilots of ``max_new_tokens`` on each
     prompt of ``pilots`` (a list of token-id prompts) at each of the run's ``temperatures`` (seed 0, the run's
     ``top_k`` / ``top_p``: a sampled run accepts less, so it is sized by sampled pilots, read by their expected
-    acceptance ``tau_expected``), rounds pooled over all of them, and cost from the measured verify curve. The
+    acceptance ``tau_expected``; greedy ones by their tau), rounds pooled over all of them (a run of several
+    temperatures gets one budget per method, sized for their mix), and cost from the measured verify curve. The
     candidates gain the budgets just below the curve's stairs (``below_stairs``). ``build(b)`` -> Method;
     ``after()`` runs after each candidate (the main job releases the target's weight pages a drafter read). ``cap``:
     the most the method takes (a preset's max_budget); larger candidates become it. A candidate the method refuses

@@ -91,8 +91,8 @@ def parse_args(argv=None, prog: str | None = None):
                          "measured verify-cost curve) or 'preset' (each method's default budget, --list-methods); "
                          f"default: the suite's ({_suite_defaults('budget')})")
     ap.add_argument("--pilot-prompts", type=int, default=1,
-                    help="--budget auto: the prompts each candidate budget's pilot decodes (48 tokens each; the first "
-                         "N of the run's; default 1)")
+                    help="--budget auto: the prompts each candidate budget's pilot decodes (48 tokens each, at each of "
+                         "the run's temperatures; the first N of the run's; default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="output folder (default runs/<suite>-<time>)")
     ap.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up generation per method (0 = none)")

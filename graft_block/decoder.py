@@ -283,6 +283,7 @@ class SpeculativeDecoder:
                     # P(the choice at a node's parent is the node's token): the round's expected acceptance
                     node_p = None if law is None else \
                         law[tree.parents[1:].to(law.device), tree.tokens[1:].to(law.device)]
+                    law = None  # [n, V]: not kept alive through the commit and the next draft
                 with timer.section("commit"):
                     path, bonus = walk(tree, choices.cpu())
                     target.compact(tree.size, path)

@@ -836,7 +836,7 @@ def test_expected_acceptance_is_what_the_sampled_walk_accepts_on_average(tiny_ll
     probabilities; what --budget auto reads from sampled pilots) is the walk's mean acceptance: over 200 seeded
     answers the accepted drafts minus the expected ones average 0 within 4 standard errors, while the same sum under
     a colder law (T = 0.3, on the same verified trees) misses by more. With top_k 1 the law is one-hot, so expected
-    and accepted agree answer by answer; at T = 0 tau_expected is the acceptance before the trim."""
+    and accepted agree answer by answer (a law read at the wrong rows or tokens would not)."""
     import math
 
     from graft_block.sampling import target_probs
@@ -863,8 +863,6 @@ def test_expected_acceptance_is_what_the_sampled_walk_accepts_on_average(tiny_ll
     for seed in range(3):
         acc, exp, _ = answer(seed, temperature=1.0, top_k=1)
         assert exp == pytest.approx(acc, abs=1e-6)
-        acc, exp, _ = answer(seed)
-        assert exp == acc
     runs = [answer(seed, temperature=1.0) for seed in range(200)]
     assert sum(a for a, _, _ in runs) > 40  # the walk accepted drafts: the comparison has something to measure
 

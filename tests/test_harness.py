@@ -342,7 +342,8 @@ def test_a_preset_runs_at_most_at_its_max_budget():
 
 def test_budget_auto_pilots_decode_at_the_runs_temperatures():
     """A sampled run accepts less than a greedy one, so its budgets come from pilots at its own temperatures (and
-    filters, at T > 0 only), rounds pooled over them: here greedy pilots alone would pick 16, sampled ones 4."""
+    filters, at T > 0 only), rounds pooled over them, each sampled pilot read by its expected acceptance (its
+    realised tau here would pick 16 again): greedy pilots alone pick 16, sampled ones 4."""
     seen = []
 
     class Pilot:
@@ -352,14 +353,16 @@ def test_budget_auto_pilots_decode_at_the_runs_temperatures():
         def run(self, ids, n, temperature, seed, **filters):
             seen.append((self.b, temperature, seed, filters))
             greedy = temperature == 0
-            return {"tau": (2.0 if self.b == 4 else 3.0) if greedy else (1.5 if self.b == 4 else 1.55), "rounds": 10,
+            expected = (2.0 if self.b == 4 else 3.0) if greedy else (1.5 if self.b == 4 else 1.55)
+            # the realised tau: noise around the expectation, which a sampled pilot must not read
+            return {"tau": expected if greedy else 9.0 - 2 * expected, "tau_expected": expected, "rounds": 10,
                     "mean_tree_nodes": float(self.b), "phase_s": {}}
 
     curve = {"median_s": {"1": 0.010, "5": 0.010, "17": 0.013}}
     assert measure.auto_budget(Pilot, curve, [[1, 2]], candidates=(4, 16))["best"] == 16
     seen.clear()
     auto = measure.auto_budget(Pilot, curve, [[1, 2]], candidates=(4, 16), temperatures=(1.0,), top_k=20)
-    assert auto["best"] == 4 and auto["pilot_temperatures"] == [1.0]
+    assert auto["best"] == 4 and auto["pilot_temperatures"] == [1.0] and auto["pilot"][4]["tau"] == 1.5
     assert seen == [(4, 1.0, 0, {"top_k": 20, "top_p": 1.0}), (16, 1.0, 0, {"top_k": 20, "top_p": 1.0})]
     seen.clear()
     auto = measure.auto_budget(Pilot, curve, [[1, 2]], candidates=(4,), temperatures=(0.0, 1.0), top_p=0.9)
@@ -399,9 +402,10 @@ def test_budget_auto_picks_from_the_measured_curve(tiny_folder, tmp_path, monkey
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
     rep = run_block.main(["--target", str(folder), "--methods", "ar,pld", "--prompts", str(prompts), "--limit", "1",
                           "--max-new-tokens", "8", "--budget", "auto", "--no-progress", "--no-plots",
-                          "--out", str(tmp_path / "run")])
+                          "--temperature", "1", "--out", str(tmp_path / "run")])
     auto = rep["auto_budget"]["pld"]
     assert auto["pilot_prompts"] == 1  # the default: the run's first prompt
+    assert auto["pilot_temperatures"] == [1.0]  # a sampled run's pilots sample
     assert set(auto["pilot"]) == set(measure.below_stairs(rep["verify_cost_curve"], (4, 8, 16, 32)))
     assert {4, 8, 16, 32} <= set(auto["pilot"]) and auto["best"] in auto["pilot"]
     assert {r["budget"] for r in rep["records"] if r["method"] == "pld"} == {auto["best"]}
