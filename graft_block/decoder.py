@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from graft_block.tree import Tree, path_products, root_only, validate, walk
+from graft_block.tree import Tree, expected_accept_length, root_only, validate, walk
 
 from .errors import ConfigError
 from .sampling import SamplingConfig, choose, choose_with_law
@@ -308,7 +308,7 @@ class SpeculativeDecoder:
                 stats.rounds += 1
                 stats.accept_hist[len(new) - 1] += 1
                 stats.expected_accepted += len(new) - 1 if node_p is None else \
-                    sum(path_products(tree, [1.0] + node_p.tolist())[1:])
+                    expected_accept_length(tree, [1.0] + node_p.tolist())
                 stats.tree_nodes += tree.size - 1
                 stats.depth_hist[int(tree.depths.max())] += 1
                 if tree.num_retrieved:

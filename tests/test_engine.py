@@ -840,7 +840,7 @@ def test_expected_acceptance_is_what_the_sampled_walk_accepts_on_average(tiny_ll
     import math
 
     from graft_block.sampling import target_probs
-    from graft_block.tree import path_products
+    from graft_block.tree import expected_accept_length
 
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     ref = hf_greedy(tiny_llama, prompt, 40)
@@ -850,7 +850,7 @@ def test_expected_acceptance_is_what_the_sampled_walk_accepts_on_average(tiny_ll
 
         def __call__(self, v, state):
             p = target_probs(v.logits, SamplingConfig(temperature=0.3))
-            self.total += sum(path_products(v.tree, [1.0] + p[v.tree.parents[1:], v.tree.tokens[1:]].tolist())[1:])
+            self.total += expected_accept_length(v.tree, [1.0] + p[v.tree.parents[1:], v.tree.tokens[1:]].tolist())
 
     def answer(seed, **sampling):
         drafter = Drafter.from_config({"type": "planted", "reference": ref, "budget": 8, "seed": seed})
