@@ -468,22 +468,23 @@ def _dflash_gguf(src: Source, out: Path, target, dspark: bool) -> ExportResult:
     if sample_from_anchor:
         res.notes.append("DeepSpec block alignment (the anchor row drafts): run with --spec-type draft-dspark; "
                          "draft-dflash reads rows 1.. and would be misaligned")
-    head = _draft_vocab_head(s, tensors, target, res)  # before the items: it narrows a DSpark's markov_w2
-    items = [(gguf_dflash_name(k), v) for k, v in tensors.items()] + head
-    _write_gguf(out, "dflash", kv, items)
-    res.tensors = [n for n, _ in items]
+    items = {gguf_dflash_name(k): v for k, v in tensors.items()}
+    items.update(_draft_vocab_head(s, tensors, target, res))  # adds the head and d2t, narrows a DSpark's markov_w2
+    _write_gguf(out, "dflash", kv, list(items.items()))
+    res.tensors = list(items)
     return res
 
 
-def _draft_vocab_head(s: dict, tensors: dict, target, res: ExportResult) -> list:
+def _draft_vocab_head(s: dict, tensors: dict, target, res: ExportResult) -> dict:
     """A draft vocabulary kept for llama.cpp: ``output.weight`` = the target's LM-head rows for the draft ids (so
     the draft LM head reads 16k rows, not 49k: its largest cost on a small target) and ``d2t`` = those ids, which
     llama.cpp's DFlash loader reads as a reduced draft vocabulary; a DSpark's ``markov_w2`` keeps the same rows, as
-    ours does. Without a head in the target's GGUF the restriction is dropped (``LOST``)."""
+    ours does. Returns those GGUF tensors by name (empty when the restriction is dropped for want of a head in the
+    target's GGUF, ``LOST``)."""
     vocab = s.get("draft_vocab")
     V = int(s["vocab_size"])
     if vocab is None or vocab.numel() >= V:
-        return []
+        return {}
     path = tokenizer_source(target)
     ids = vocab.long().cpu()
     if ids.min() < 0 or ids.max() >= V:  # a negative id would wrap in the gather and write a negative d2t
@@ -492,15 +493,16 @@ def _draft_vocab_head(s: dict, tensors: dict, target, res: ExportResult) -> list
     head = target_head_rows(path, ids, int(s["hidden_size"]), V)
     if head is None:
         res.lost.append(LOST["draft_vocab"].format(n=ids.numel(), V=V, path=path))
-        return []
+        return {}
     rows, raw, name = head
+    out = {"output.weight": (rows, raw), "d2t": ids.contiguous()}
     w2 = "markov_head.markov_w2.weight"
     if w2 in tensors:  # llama.cpp's markov_w2 spans the draft vocabulary (its bias is scattered by d2t)
-        tensors[w2] = tensors[w2][ids].contiguous()
+        out[gguf_dflash_name(w2)] = tensors[w2][ids].contiguous()
     res.notes.append(f"draft vocabulary kept ({ids.numel()} of {V} ids): output.weight = the target's {name} rows "
                      f"for them ({raw.name if raw is not None else rows.dtype}, from {path}), d2t = their ids. The "
                      "draft LM head is the target's as of this export: re-export for a re-quantized target")
-    return [("output.weight", (rows, raw)), ("d2t", ids.contiguous())]
+    return out
 
 
 def _lost_common(res: ExportResult, s: dict, src: Source, where: str, how: str) -> None:

@@ -226,24 +226,22 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
         except ConfigError as exc:
             refused[b] = exc
             continue
-        filters = {"top_k": top_k, "top_p": top_p} if (top_k or top_p != 1.0) else {}
-        temps = [float(t) for t in temperatures for _ in pilots]
-        runs = [method.run(ids, max_new_tokens, t, 0, **(filters if t > 0 else {}))
-                for t, ids in zip(temps, list(pilots) * len(temperatures))]
+        # (temperature, record) per pilot; the filters act at T > 0 only
+        runs = [(t, method.run(ids, max_new_tokens, t, 0, **({"top_k": top_k, "top_p": top_p} if t > 0 else {})))
+                for t in map(float, temperatures) for ids in pilots]
         del method
         gc.collect()  # the pilot's drafter and its weight layouts sit in reference cycles: free them before the next
         if after is not None:
             after()
-        counts = [r.get("rounds") or 0 for r in runs]
-        rounds = sum(counts)
+        rounds = sum(r.get("rounds") or 0 for _, r in runs)
         if rounds:
             # a sampled pilot reads its expected acceptance under the target's law: the draws' noise left out
-            taus = [(r.get("tau_expected") if t > 0 else None) or r.get("tau") or 1.0 for t, r in zip(temps, runs)]
-            tau = sum(x * c for x, c in zip(taus, counts)) / rounds
-            side = sum(v for r in runs for k, v in (r.get("phase_s") or {}).items()
+            tau = sum(((r.get("tau_expected") if t > 0 else None) or r.get("tau") or 1.0) * (r.get("rounds") or 0)
+                      for t, r in runs) / rounds
+            side = sum(v for _, r in runs for k, v in (r.get("phase_s") or {}).items()
                        if k not in ("verify", "overhead")) / rounds
             # what the verify sees: a scheduled tree is cut below b
-            nodes = 1 + sum((r.get("mean_tree_nodes") or b) * c for r, c in zip(runs, counts)) / rounds
+            nodes = 1 + sum((r.get("mean_tree_nodes") or b) * (r.get("rounds") or 0) for _, r in runs) / rounds
         else:
             tau, side, nodes = 1.0, 0.0, 1 + b
         rows[b] = {"tau": tau, "draft_ms": 1e3 * side, "verify_nodes": nodes, "verify_ms": 1e3 * cost_at(curve, nodes),
