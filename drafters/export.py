@@ -1,9 +1,9 @@
 """``graft-block export --to llama.cpp|speculators NAME_OR_FOLDER --out PATH``: a drafter leaves this project.
 
 NAME_OR_FOLDER is a bundled drafter (a folder under drafters/checkpoints/) or any drafter folder this project loads
-(ours, z-lab DFlash, DeepSpec DSpark, EAGLE/SpecForge or speculators EAGLE3). One plain function per (format,
-drafter type) reads the folder's config.json and weights as they are, writes the other project's layout and returns
-what did not survive the trip (printed by the command, asserted by tests/test_export.py).
+(ours, z-lab DFlash, DeepSpec DSpark, EAGLE/SpecForge, or speculators EAGLE3 / DFlash / DSpark). One plain function
+per (format, drafter type) reads the folder's config.json and weights as they are, writes the other project's
+layout and returns what did not survive the trip (printed by the command, asserted by tests/test_export.py).
 
 llama.cpp (``--to llama.cpp``, one GGUF file; what its October 2026 loader expects, src/models/dflash.cpp and
 eagle3.cpp):
@@ -24,11 +24,13 @@ vLLM speculators (``--to speculators``, a folder: config.json + model.safetensor
 greedy proposal, verifier); tensors keep names and dtypes (EAGLE3's ``midlayer.*`` -> ``layers.0.*``); the aux
 layer ids are vLLM's capture ids (HF ``hidden_states`` indices).
 
-A DFlash/DSpark draft vocabulary reaches llama.cpp as a draft-owned LM head: ``output.weight`` = the target's head
-rows for the draft ids, copied from ``--target``'s GGUF in its own type, plus ``d2t`` (those ids), so llama.cpp's draft
-head reads 16k rows instead of 49k. Lost on the way (see ``LOST``): that restriction for speculators (a drafter
-folder holds no head rows to give it) or for a tokenizer-only ``--target``, and DSpark's calibrated per-position
-confidence temperatures. MFD has no counterpart in either project and is refused.
+A DFlash/DSpark draft vocabulary reaches both as a draft-owned LM head, the target's head rows for the draft ids
+(a drafter folder holds none, so they come from ``--target``), so the draft head reads 16k rows instead of 49k:
+llama.cpp gets ``output.weight`` in the target GGUF's own type plus ``d2t`` (the ids); speculators gets
+``lm_head.weight`` in ascending id order plus its ``d2t`` offsets and ``t2d`` mask. Lost on the way (see ``LOST``):
+that restriction when no head rows can be had (a tokenizer-only GGUF, or speculators' default target not fitting),
+and DSpark's calibrated per-position confidence temperatures. MFD has no counterpart in either project and is
+refused.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ import torch
 from graft_block.drafter import bundled_checkpoint, bundled_checkpoints, detect_type, read_weights
 from graft_block.errors import ConfigError, run_command
 
-from .dflash.checkpoint import model_from_config
+from .dflash.checkpoint import from_speculators, model_from_config
 from .dspark.checkpoint import dspark_options, model_from_dspark_config
 from .eagle3.checkpoint import _normalise_keys
 from .eagle3.model import Eagle3Config, Eagle3Head
@@ -63,10 +65,11 @@ LOST = {
                     "(output.weight or token_embd.weight) to take the draft rows from, so the export drafts over "
                     "the full vocabulary through the target's shared head. Pass the target's full GGUF with "
                     "--target to keep it. Output is unchanged (the target verifies)"),
-    "draft_vocab_vllm": ("draft-vocabulary restriction ({n} of {V} ids) dropped: the export drafts over the full "
-                         "vocabulary through the target's shared LM head. vLLM restricts a draft vocabulary only "
-                         "with a draft-owned LM head (the target's head rows), which a drafter folder does not "
-                         "hold. Output is unchanged (the target verifies)"),
+    "draft_vocab_vllm": ("draft-vocabulary restriction ({n} of {V} ids) dropped: vLLM restricts a draft vocabulary "
+                         "only with a draft-owned LM head (the target's head rows), and {why}, so the export drafts "
+                         "over the full vocabulary through the target's shared head. Pass the target's weights with "
+                         "--target (an HF folder, a GGUF or an embedded target name) to keep it. Output is "
+                         "unchanged (the target verifies)"),
     "temperatures": ("DSpark's calibrated per-position confidence temperatures dropped: {where} reads the raw "
                      "sigmoid of the confidence head{how}"),
     "first_draft": ("markov_first_draft false dropped: {where} adds the Markov bias to every draft, the first "
@@ -136,6 +139,10 @@ def load_source(name_or_folder) -> Source:
         tensors = dict(torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True))
     else:
         tensors = read_weights(folder, f"{kind} checkpoint")
+    if kind in ("dflash", "dspark") and "speculators_model_type" in config:  # read in our spelling
+        config, tensors, vocab = from_speculators(config, tensors, f"{folder}/config.json")
+        if vocab is not None:
+            tensors["draft_vocab"] = vocab
     return Source(folder, folder.name, kind, config, tensors)
 
 
@@ -611,7 +618,86 @@ def _write_speculators(out: Path, config: dict, tensors: dict) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _dflash_speculators(src: Source, out: Path, verifier, tokens, dspark: bool) -> ExportResult:
+def head_matrix(target, ids: torch.Tensor, hidden: int, vocab: int) -> tuple[torch.Tensor, str] | None:
+    """The target's LM-head rows for ``ids`` as a float tensor, and where they came from: ``target`` is an HF folder
+    (``lm_head.weight``, else the tied ``model.embed_tokens.weight``, in its own dtype), a GGUF or an embedded
+    target's name (``target_head_rows``, a quantized type de-quantized to float32; None = the embedded default).
+    None when the weights hold no head (a tokenizer-only GGUF)."""
+    folder = Path(target).expanduser() if target is not None else None
+    if folder is None or not folder.is_dir():
+        path = tokenizer_source(target)
+        head = target_head_rows(path, ids, hidden, vocab)
+        if head is None:
+            return None
+        rows, raw, name = head
+        if raw is not None:
+            rows = _gguf().quants.dequantize(rows, raw)
+        return torch.from_numpy(np.ascontiguousarray(rows)), f"{name} of {path} ({raw.name if raw else rows.dtype})"
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"--target {folder} holds no *.safetensors: give the target's HF folder with its weights, "
+                          "or its GGUF")
+    found = {}
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            for name in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"):
+                if name in fh.keys() and name not in found:
+                    found[name] = (f, fh.get_slice(name).get_shape())
+    name = next((n for n in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight") if n in found),
+                None)
+    if name is None:
+        raise ConfigError(f"--target {folder}: its weights hold neither lm_head.weight nor model.embed_tokens.weight")
+    f, shape = found[name]
+    if tuple(shape) != (vocab, hidden):
+        raise ConfigError(f"--target {folder}: {name} is {tuple(shape)} but the drafter reads {hidden}-wide states "
+                          f"over {vocab} tokens: give the target it was trained for")
+    with safe_open(str(f), "pt") as fh:
+        rows = fh.get_tensor(name)[ids]
+    return rows, f"{name} of {f} ({str(rows.dtype).replace('torch.', '')})"
+
+
+def _speculators_draft_vocab(s: dict, tensors: dict, target, verifier, res: ExportResult) -> dict:
+    """A draft vocabulary kept for vLLM speculators: ``lm_head.weight`` = the target's head rows for the draft ids in
+    ascending id order (speculators rebuilds the verifier's rows with the ``t2d`` mask, which orders them so),
+    ``d2t`` = offsets (target id = draft index + d2t), ``t2d`` = the mask, and a DSpark's ``markov_w2`` narrowed to
+    the same rows. The rows come from ``--target``, else a ``--verifier`` folder, else the embedded default target
+    (dropped with a LOST line when that one does not fit). Returns the tensors to write (empty when dropped)."""
+    V, H = int(s["vocab_size"]), int(s["hidden_size"])
+    ids = s["draft_vocab"].long().cpu()
+    if ids.min() < 0 or ids.max() >= V or ids.unique().numel() != ids.numel():
+        raise ConfigError(f"the checkpoint's draft_vocab holds ids outside 0..{V - 1} or twice: it was not built "
+                          f"for this {V}-token vocabulary (rebuild it with graft-block train --draft-vocab)")
+    ids = ids.sort().values
+    named = target if target is not None else (
+        verifier if verifier and Path(verifier).expanduser().is_dir() else None)
+    lost = LOST["draft_vocab_vllm"].format(n=ids.numel(), V=V, why="{why}")
+    try:
+        head = head_matrix(named, ids, H, V)
+    except ConfigError as exc:
+        if named is not None:
+            raise
+        res.lost.append(lost.format(why=f"the embedded default target does not fit this drafter ({exc})"))
+        return {}
+    if head is None:
+        res.lost.append(lost.format(why=f"{tokenizer_source(named)} holds no LM head"))
+        return {}
+    rows, where = head
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    out = {"lm_head.weight": rows.to(tensors["fc.weight"].dtype).contiguous(),
+           "d2t": (ids - torch.arange(ids.numel())).contiguous(), "t2d": t2d}
+    w2 = "markov_head.markov_w2.weight"
+    if w2 in tensors:  # speculators' markov_w2 projects onto the draft vocabulary
+        out[w2] = tensors[w2][ids].contiguous()
+    res.notes.append(f"draft vocabulary kept ({ids.numel()} of {V} ids): lm_head.weight = the target's head rows "
+                     f"for them ({where}), d2t / t2d = speculators' maps. The draft LM head is the target's as of "
+                     "this export: re-export for another target revision")
+    return out
+
+
+def _dflash_speculators(src: Source, out: Path, verifier, tokens, dspark: bool, target=None) -> ExportResult:
     s, tensors = dflash_spec(src)
     res = ExportResult(out, "speculators", src.kind)
     aux = [i + 1 for i in s["target_layer_ids"]]  # vLLM capture ids = HF hidden_states indices
@@ -638,7 +724,10 @@ def _dflash_speculators(src: Source, out: Path, verifier, tokens, dspark: bool) 
     _lost_common(res, s, src, "vLLM", " (speculators has no calibration field)")
     vocab = s.get("draft_vocab")
     if vocab is not None and vocab.numel() < int(s["vocab_size"]):
-        res.lost.append(LOST["draft_vocab_vllm"].format(n=vocab.numel(), V=s["vocab_size"]))
+        kept = _speculators_draft_vocab(s, tensors, target, verifier, res)
+        tensors = {**tensors, **kept}
+        if kept:
+            cfg["draft_vocab_size"] = int(vocab.numel())
     if not verifier:
         res.notes.append("no --verifier: speculators_config.verifier.name_or_path is null; serve with the target "
                          "as vLLM's --model")
@@ -647,20 +736,21 @@ def _dflash_speculators(src: Source, out: Path, verifier, tokens, dspark: bool) 
     return res
 
 
-def speculators_dflash(src: Source, out: Path, verifier=None, tokens=None) -> ExportResult:
-    """DFlash -> speculators ``dflash`` (z-lab's tensor names; the target's embeddings and head stay shared)."""
-    return _dflash_speculators(src, out, verifier, tokens, dspark=False)
+def speculators_dflash(src: Source, out: Path, verifier=None, tokens=None, target=None) -> ExportResult:
+    """DFlash -> speculators ``dflash`` (z-lab's tensor names; the target's embeddings stay shared, and its head too
+    unless a draft vocabulary brings its own rows)."""
+    return _dflash_speculators(src, out, verifier, tokens, dspark=False, target=target)
 
 
-def speculators_dspark(src: Source, out: Path, verifier=None, tokens=None) -> ExportResult:
+def speculators_dspark(src: Source, out: Path, verifier=None, tokens=None, target=None) -> ExportResult:
     """DSpark -> speculators ``dspark`` (``markov_head.*``, ``confidence_head.*``; alignment as
     ``sample_from_anchor``)."""
-    return _dflash_speculators(src, out, verifier, tokens, dspark=True)
+    return _dflash_speculators(src, out, verifier, tokens, dspark=True, target=target)
 
 
-def speculators_eagle3(src: Source, out: Path, verifier=None, tokens=None) -> ExportResult:
+def speculators_eagle3(src: Source, out: Path, verifier=None, tokens=None, target=None) -> ExportResult:
     """EAGLE3 -> speculators ``eagle3`` (``midlayer.*`` -> ``layers.0.*``, d2t offsets and t2d as speculators
-    stores them)."""
+    stores them; its head is its own, so ``target`` is not read)."""
     s, tensors = eagle3_spec(src)
     if s["attention_bias"]:
         raise ConfigError(f"{src.folder}: attention_bias=true (q/k/v biases, no o_proj bias) has no speculators "
@@ -728,7 +818,8 @@ def export(source, to: str, out, force: bool = False, target=None, verifier: str
            speculative_tokens: int | None = None) -> ExportResult:
     """Export the drafter ``source`` (bundled name or folder) to ``to`` ("llama.cpp" or "speculators") at ``out``.
     ``target``: the target's GGUF (or an embedded target name) whose tokenizer, and a draft vocabulary's LM-head
-    rows, a GGUF copies (llama.cpp only);
+    rows, a GGUF copies; for speculators, where a draft vocabulary's head rows come from (also an HF folder;
+    default: a ``verifier`` folder, else the embedded target);
     ``verifier``: the target's HF id or folder recorded in a speculators config; ``speculative_tokens``: the
     speculators proposal length (default: block_size - 1 for DFlash, 3 for EAGLE3)."""
     if to not in FORMATS:
@@ -740,7 +831,7 @@ def export(source, to: str, out, force: bool = False, target=None, verifier: str
     _check_out(out, to, src, force)
     if to == "llama.cpp":
         return EXPORTERS[(to, src.kind)](src, out, target)
-    return EXPORTERS[(to, src.kind)](src, out, verifier, speculative_tokens)
+    return EXPORTERS[(to, src.kind)](src, out, verifier, speculative_tokens, target)
 
 
 def export_llamacpp(source, out, tokenizer_gguf=None, force: bool = True) -> Path:
@@ -763,7 +854,9 @@ def main(argv=None) -> ExportResult:
     ap.add_argument("--force", action="store_true", help="overwrite an existing --out")
     ap.add_argument("--target", default=None,
                     help=f"llama.cpp: the target's GGUF (or an embedded target name) whose tokenizer, and a draft "
-                         f"vocabulary's LM-head rows, the draft GGUF copies (default {DEFAULT_TOKENIZER})")
+                         f"vocabulary's LM-head rows, the draft GGUF copies (default {DEFAULT_TOKENIZER}); "
+                         "speculators: where a draft vocabulary's LM-head rows come from, also an HF folder "
+                         f"(default: a --verifier folder, else {DEFAULT_TOKENIZER})")
     ap.add_argument("--verifier", default=None,
                     help="speculators: the target's HF id or folder, recorded as speculators_config.verifier")
     ap.add_argument("--speculative-tokens", type=int, default=None,
@@ -772,8 +865,6 @@ def main(argv=None) -> ExportResult:
     args = ap.parse_args(argv)
     if args.to == "llama.cpp" and (args.verifier or args.speculative_tokens):
         raise ConfigError("--verifier and --speculative-tokens apply to --to speculators")
-    if args.to == "speculators" and args.target:
-        raise ConfigError("--target applies to --to llama.cpp (speculators shares the target at serve time)")
     res = export(args.source, args.to, args.out, force=args.force, target=args.target, verifier=args.verifier,
                  speculative_tokens=args.speculative_tokens)
     print(f"wrote {res.path} ({res.format}, {res.kind}, {len(res.tensors)} tensors)")

@@ -15,7 +15,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from graft_block import ConfigError  # noqa: E402
 from graft_block.drafters import export as ex  # noqa: E402
-from graft_block.drafter import bundled_checkpoint, read_weights  # noqa: E402
+from graft_block.drafter import bundled_checkpoint, detect_type, read_weights  # noqa: E402
+from graft_block.drafters.dflash.checkpoint import load_checkpoint as load_dflash  # noqa: E402
+from graft_block.drafters.dspark.checkpoint import load_checkpoint as load_dspark  # noqa: E402
 
 T = gguf.GGUFValueType
 V_SMOL = 49152
@@ -296,14 +298,25 @@ def test_bundled_to_speculators(name, tmp_path):
         assert out["architectures"] == ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"]
         assert out["aux_hidden_state_layer_ids"] == [i + 1 for i in dcfg["target_layer_ids"]]
         assert out["mask_token_id"] == dcfg["mask_token_id"] and out["block_size"] == cfg["block_size"]
-        assert out["draft_vocab_size"] == V_SMOL and out["sample_from_anchor"] is False
+        assert out["sample_from_anchor"] is False
         assert sc["proposal_methods"][0]["speculative_tokens"] == cfg["block_size"] - 1
         if kind == "dspark":
             assert out["markov_rank"] == dcfg["markov_rank"]
             assert out["enable_confidence_head"] is dcfg["enable_confidence_head"]
             assert out["confidence_head_with_markov"] is dcfg["confidence_head_with_markov"]
+        # the draft vocabulary is kept, with head rows from the embedded target (its Q8_0 head, de-quantized)
+        ids = src["draft_vocab"].sort().values
+        assert out["draft_vocab_size"] == ids.numel() == 16384
+        assert not any("draft-vocabulary" in line for line in res.lost)
+        assert torch.equal(torch.arange(ids.numel()) + got.pop("d2t"), ids)
+        assert got.pop("t2d").nonzero().flatten().equal(ids)
+        head = got.pop("lm_head.weight")
+        assert head.dtype == src["fc.weight"].dtype and head.shape == (ids.numel(), 576)
         mapped = {k: v for k, v in src.items() if k != "draft_vocab"}
-        assert any("draft-vocabulary" in line for line in res.lost)
+        if kind == "dspark":
+            mapped["markov_head.markov_w2.weight"] = mapped["markov_head.markov_w2.weight"][ids]
+        back = (load_dspark if kind == "dspark" else load_dflash)(res.path)  # our loaders read the folder back
+        assert torch.equal(back.draft_vocab, ids)
     assert set(got) == set(mapped)
     for k, v in mapped.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
@@ -420,6 +433,118 @@ def test_a_draft_vocabulary_outside_the_targets_is_refused(tmp_path):
     target = write_target_gguf(tmp_path / "t.gguf", torch.randn(64, 32))
     with pytest.raises(ConfigError, match=r"draft_vocab holds ids outside 0..63.*--draft-vocab"):
         ex.export(folder, "llama.cpp", tmp_path / "d.gguf", target=target)
+
+
+def write_hf_target(folder, head, embed):
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {"model.embed_tokens.weight": embed} | ({} if head is None else {"lm_head.weight": head})
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_draft_vocabulary_reaches_speculators_and_reads_back(kind, tmp_path):
+    """vLLM's DFlash / DSpark (qwen3_dflash.py; speculators' DraftVocabMixin) restrict a draft vocabulary through
+    draft_vocab_size, a draft-owned lm_head and d2t offsets (target id = draft index + d2t), with t2d the mask
+    speculators rebuilds the verifier's rows by, so in ascending id order. The export writes the target's head rows
+    so ordered, a DSpark's markov_w2 the same rows; our loaders read the folder back into the same drafter."""
+    g = torch.Generator().manual_seed(3)
+    vocab = torch.randperm(64, generator=g)[:16]  # unsorted: the export orders it
+    ids = vocab.sort().values
+    dspark = {"markov_rank": 4, "enable_confidence_head": True, "confidence_head_with_markov": True,
+              "block_alignment": "zlab"}
+    folder = tiny_dflash(tmp_path / kind, dspark=dspark if kind == "dspark" else None, draft_vocab=vocab)
+    src = read_weights(folder)
+    embd, head = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
+    hf = write_hf_target(tmp_path / "hf", head, embd)
+
+    res = ex.export(folder, "speculators", tmp_path / "s", verifier=str(hf))  # a verifier folder gives the rows
+    out = json.loads((res.path / "config.json").read_text())
+    got = load_file(str(res.path / "model.safetensors"))
+    assert out["draft_vocab_size"] == 16 and out["transformer_layer_config"]["vocab_size"] == 64
+    assert got["lm_head.weight"].dtype == torch.float16 and torch.equal(got["lm_head.weight"], head[ids].half())
+    assert got["d2t"].dtype == torch.int64 and torch.equal(torch.arange(16) + got["d2t"], ids)
+    assert got["t2d"].dtype == torch.bool and torch.equal(got["t2d"].nonzero().flatten(), ids)
+    assert not any("draft-vocabulary" in line for line in res.lost)
+    assert any("draft vocabulary kept (16 of 64 ids)" in line and "lm_head.weight" in line for line in res.notes)
+    for k, v in src.items():
+        if k == "markov_head.markov_w2.weight":
+            assert torch.equal(got[k], v[ids])
+        elif k != "draft_vocab":
+            assert torch.equal(got[k], v), k
+
+    assert detect_type(out) == kind
+    load = load_dspark if kind == "dspark" else load_dflash
+    mine, back = load(folder), load(res.path)
+    assert torch.equal(back.draft_vocab, ids) and back.block_size == 4 and back.target_layer_ids == [0, 2]
+    assert back.config.rope_parameters["rope_theta"] == 5000.0
+    want, have = mine.state_dict(), back.state_dict()
+    assert set(want) == set(have)
+    for k in want:
+        if k == "markov_head.markov_w2.weight":  # widened to the vocabulary: the draft's rows, zero elsewhere
+            assert torch.equal(have[k][ids], want[k][ids]) and not have[k][~got["t2d"]].any()
+        else:
+            assert torch.equal(have[k], want[k]), k
+    if kind == "dspark":
+        assert (back.alignment, back.markov_rank, back.confidence_with_markov) == ("zlab", 4, True)
+
+    tied = write_hf_target(tmp_path / "tied", None, embd)  # --target wins over the verifier; a tied head
+    got = load_file(str(ex.export(folder, "speculators", tmp_path / "t", target=tied, verifier=str(hf)).path
+                        / "model.safetensors"))
+    assert torch.equal(got["lm_head.weight"], embd[ids].half())
+    q8 = gguf.GGMLQuantizationType.Q8_0  # a quantized GGUF head is de-quantized (vLLM's lm_head is a float)
+    target = write_target_gguf(tmp_path / "q.gguf", embd, head, head_type=q8)
+    got = load_file(str(ex.export(folder, "speculators", tmp_path / "q", target=target).path / "model.safetensors"))
+    deq = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(head.numpy(), q8), q8))
+    assert torch.equal(got["lm_head.weight"], deq[ids].half())
+
+    res = ex.export(folder, "speculators", tmp_path / "e")  # the embedded default (SmolLM2) does not fit: lost
+    got = load_file(str(res.path / "model.safetensors"))
+    assert json.loads((res.path / "config.json").read_text())["draft_vocab_size"] == 64
+    assert "lm_head.weight" not in got and "d2t" not in got
+    assert any("(16 of 64 ids) dropped" in line and "embedded default target does not fit" in line
+               and "--target" in line for line in res.lost)
+    with pytest.raises(ConfigError, match=r"lm_head.weight is \(64, 16\) but the drafter reads 32-wide"):
+        ex.export(folder, "speculators", tmp_path / "x", target=write_hf_target(tmp_path / "n", torch.randn(64, 16),
+                                                                                 torch.randn(64, 16)))
+
+
+def test_speculators_dflash_folders_load_and_bad_ones_are_refused(tmp_path):
+    """Public speculators DFlash / DSpark folders load through our loaders (and export onward); a folder whose keys
+    or tensors disagree is refused, naming the key or tensor."""
+    vocab = torch.arange(8, 24)
+    folder = tiny_dflash(tmp_path / "d", draft_vocab=vocab)
+    hf = write_hf_target(tmp_path / "hf", torch.randn(64, 32), torch.randn(64, 32))
+    spec = ex.export(folder, "speculators", tmp_path / "s", target=hf).path
+    cfg0 = json.loads((spec / "config.json").read_text())
+    t0 = load_file(str(spec / "model.safetensors"))
+    kv, got = read_gguf(ex.export(spec, "llama.cpp", tmp_path / "s.gguf",  # onward to llama.cpp: same ids
+                                  target=write_target_gguf(tmp_path / "t.gguf", torch.randn(64, 32))).path)
+    assert kv["dflash.target_layers"] == [1, 3] and np.array_equal(got["d2t"][2], vocab.numpy())
+
+    def refused(match, cfg=None, tensors=None):
+        bad = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps(cfg or cfg0))
+        save_file(tensors or t0, str(bad / "model.safetensors"))
+        with pytest.raises(ConfigError, match=match):
+            load_dflash(bad)
+
+    refused("needs aux_hidden_state_layer_ids", {**cfg0, "aux_hidden_state_layer_ids": None})
+    refused("capture ids >= 1", {**cfg0, "aux_hidden_state_layer_ids": [0, 2]})
+    refused("target_hidden_size 64 != hidden_size 32", {**cfg0, "target_hidden_size": 64})
+    refused('set speculators_model_type to "dspark" and markov_rank to 0', {**cfg0, "sample_from_anchor": True})
+    refused("draft_vocab_size 65 exceeds", {**cfg0, "draft_vocab_size": 65})
+    refused("model_type 'llama'", {**cfg0, "transformer_layer_config": {**cfg0["transformer_layer_config"],
+                                                                        "model_type": "llama"}})
+    refused(r"lm_head.weight has shape \(16, 31\)", tensors={**t0, "lm_head.weight": torch.zeros(16, 31)})
+    refused("needs a d2t tensor of 16 offsets", tensors={k: v for k, v in t0.items() if k != "d2t"})
+    d2t = t0["d2t"].clone()
+    d2t[1] -= 1  # two draft ids onto one target id
+    refused("twice onto one target id", tensors={**t0, "d2t": d2t})
+    t2d = t0["t2d"].clone()
+    t2d[0] = True
+    refused("t2d does not mark exactly", tensors={**t0, "t2d": t2d})
 
 
 def test_tiny_eagle3_speculators_layout(tmp_path, tiny_tok):
@@ -602,7 +727,8 @@ def test_cli(tmp_path, tiny_tok, capsys):
     assert cli.main(["export", str(folder), "--to", "llama.cpp", "--out", str(out)]) == 2
     assert "exists; pass --force" in capsys.readouterr().err
     assert cli.main(["export", str(folder), "--to", "speculators", "--out", str(tmp_path / "s"),
-                     "--target", str(tiny_tok)]) == 2
+                     "--target", str(tiny_tok)]) == 0  # a tokenizer-only GGUF has no head rows to give
+    assert "lost: draft-vocabulary restriction (8 of 64 ids) dropped" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["export", str(folder), "--to", "onnx", "--out", str(tmp_path / "o")])
 

@@ -91,6 +91,26 @@ def test_smollm2_mfd_with_a_shared_markov_head_is_lossless(smollm2, fibonacci_re
                              "score": "mixture_uniform"}, target=smollm2)
 
 
+@pytest.mark.parametrize("name", ["dflash-smollm2", "dspark-smollm2"])
+def test_a_speculators_export_drafts_as_the_bundled_drafter(name, smollm2, fibonacci_reference, tmp_path):
+    """The bundled drafter written for vLLM speculators (draft vocabulary, head rows from the embedded target) and
+    read back through Drafter.from_config(folder) decodes losslessly; the DFlash drafts what the bundled one drafts
+    (the same rounds). The DSpark comes back as vLLM runs it (the export's lost lines: every draft Markov-biased,
+    no calibrated temperatures), so only its output is compared."""
+    from graft_block.drafters import export
+
+    if bundled_checkpoint(name) is None:
+        pytest.skip(f"drafters/checkpoints/{name} is not present")
+    folder = export.export(name, "speculators", tmp_path / name).path
+    runs = []
+    for source in (name, str(folder)):
+        res = SpeculativeDecoder(smollm2, Drafter.from_config(source, target=smollm2)).generate(FIBONACCI,
+                                                                                             max_new_tokens=48)
+        assert res.tokens == fibonacci_reference[:48]
+        runs.append((res.stats.tau, res.stats.rounds))
+    assert runs[1][0] > 1.0 and (name != "dflash-smollm2" or runs[0] == runs[1])
+
+
 def test_smollm2_mfd_sampling_exact(smollm2):
     """T=1 with top-k 4 on the real target and the bundled K=4 drafter: the joint law of the first 2 new tokens
     (token 2 comes through the mixed tree's depth-1 nodes) equals the target's exact law (chi-square p > 1e-3);

@@ -31,12 +31,101 @@ ARCHITECTURE = "DFlashDraftModel"
 
 def is_dflash_layout(config: dict) -> bool:
     """Whether a config.json dict is a DFlash draft model (z-lab's layout, ours included): its architectures name
-    DFlashDraftModel or, without architectures, it has a dflash_config. Other z-lab models (DFlash2DraftModel)
-    carry extra weights and are not this layout."""
+    DFlashDraftModel or, without architectures, it has a dflash_config; or it is a vLLM speculators ``dflash``
+    folder. Other z-lab models (DFlash2DraftModel) carry extra weights and are not this layout."""
+    if "speculators_model_type" in config:
+        return config["speculators_model_type"] == "dflash"
     arch = config.get("architectures")
     if arch:
         return ARCHITECTURE in arch
     return isinstance(config.get("dflash_config"), dict)
+
+
+# the verifier's frozen tensors a speculators DFlash / DSpark folder carries: the drafter reads the target's own
+SPECULATORS_VERIFIER_COPIES = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+                               "verifier_norm.weight")
+
+
+def from_speculators(raw: dict, tensors: dict, where: str) -> tuple[dict, dict, torch.Tensor | None]:
+    """A vLLM speculators ``dflash`` / ``dspark`` folder -> (its config in our spelling: z-lab's, or DSpark's export
+    spelling, which every loader here reads; its drafter tensors; its draft vocabulary as target ids, or None).
+
+    speculators writes ``transformer_layer_config`` as a diff against ``Qwen3Config()`` (absent keys are Qwen3's
+    defaults), ``aux_hidden_state_layer_ids`` as capture ids (HF hidden-state indices = decoder-layer ids + 1), and a
+    draft vocabulary as ``d2t`` offsets (target id = draft index + d2t) with ``t2d`` (a mask over the target ids).
+    Its ``embed_tokens`` / ``lm_head`` are the verifier's frozen rows (``lm_head`` restricted to the draft ids): they
+    are checked for shape and dropped, since the drafter reads the target's own. A DSpark ``markov_w2`` over the
+    draft ids is widened to our [vocab, rank] with zero rows the draft never reads."""
+    kind = raw.get("speculators_model_type")
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ConfigError(f"{where}: a speculators {kind} config needs transformer_layer_config (a dict)")
+    if layer.get("model_type", "qwen3") != "qwen3":
+        raise ConfigError(f"{where}: transformer_layer_config.model_type {layer['model_type']!r}; the DFlash draft "
+                          "layers built here are Qwen3's")
+    qwen = Qwen3Config(**{k: v for k, v in layer.items() if k not in ("architectures", "model_type")})
+    out = {k: getattr(qwen, k) for k in SHAPE_KEYS}
+    out.update(model_type="qwen3", rope_parameters=dict(qwen.rope_parameters or {}),
+               layer_types=list(qwen.layer_types or []), tie_word_embeddings=False)
+    for key in ("block_size", "mask_token_id", "aux_hidden_state_layer_ids", "draft_vocab_size"):
+        if raw.get(key) is None:
+            raise ConfigError(f"{where}: a speculators {kind} config needs {key}")
+    aux = raw["aux_hidden_state_layer_ids"]
+    if not isinstance(aux, list) or not all(is_count(i, 1) for i in aux):
+        raise ConfigError(f"{where}: aux_hidden_state_layer_ids must list capture ids >= 1 (hidden-state indices; "
+                          f"decoder layer i is i + 1), got {aux!r}")
+    H, V = int(out["hidden_size"]), int(out["vocab_size"])
+    if raw.get("target_hidden_size") not in (None, H):
+        raise ConfigError(f"{where}: target_hidden_size {raw['target_hidden_size']} != hidden_size {H}; the drafter "
+                          "here reads the target's own embeddings and LM head, so the widths must match")
+    anchor = raw.get("sample_from_anchor", False)
+    if not isinstance(anchor, bool):
+        raise ConfigError(f"{where}: sample_from_anchor must be true or false, got {anchor!r}")
+    dcfg = {"mask_token_id": raw["mask_token_id"], "target_layer_ids": [i - 1 for i in aux]}
+    if kind == "dspark":
+        dcfg.update(projector_type="dspark", sample_from_anchor=anchor,
+                    **{k: raw[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
+                                           "confidence_head_with_markov") if k in raw})
+        out["architectures"] = ["DSparkDraftModel"]
+    elif anchor:
+        raise ConfigError(f"{where}: a dflash with sample_from_anchor true drafts from the anchor row (DeepSpec's "
+                          "alignment); graft-block runs that as a dspark without heads: set speculators_model_type "
+                          "to \"dspark\" and markov_rank to 0 in config.json")
+    else:
+        out["architectures"] = [ARCHITECTURE]
+    out.update(block_size=raw["block_size"], dflash_config=dcfg)
+
+    tensors = dict(tensors)
+    DV = config_int(raw["draft_vocab_size"], "draft_vocab_size", where)
+    if DV > V:
+        raise ConfigError(f"{where}: draft_vocab_size {DV} exceeds the vocabulary ({V})")
+    shapes = {"embed_tokens.weight": (V, H), "lm_head.weight": (DV, H), "verifier_lm_head.weight": (DV, H),
+              "verifier_norm.weight": (H,)}
+    for name in SPECULATORS_VERIFIER_COPIES:
+        t = tensors.pop(name, None)
+        if t is not None and tuple(t.shape) != shapes[name]:
+            raise ConfigError(f"{where}: {name} has shape {tuple(t.shape)}, the config implies {shapes[name]}")
+    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
+    if DV == V:
+        return out, tensors, None  # the full vocabulary: the maps, if shipped, are the identity speculators ignores
+    if d2t is None or tuple(d2t.shape) != (DV,):
+        raise ConfigError(f"{where}: draft_vocab_size {DV} < {V} needs a d2t tensor of {DV} offsets, got "
+                          f"{None if d2t is None else tuple(d2t.shape)}")
+    ids = torch.arange(DV) + d2t.long()
+    if bool(((ids < 0) | (ids >= V)).any()) or ids.unique().numel() != DV:
+        raise ConfigError(f"{where}: d2t maps draft ids outside 0..{V - 1} or twice onto one target id")
+    if t2d is not None:
+        mask = torch.zeros(V, dtype=torch.bool)
+        mask[ids] = True
+        if tuple(t2d.shape) != (V,) or not torch.equal(t2d.bool(), mask):
+            raise ConfigError(f"{where}: t2d does not mark exactly the target ids d2t maps to; the folder's "
+                              "vocabulary maps disagree (rebuild them together)")
+    w2 = "markov_head.markov_w2.weight"
+    if w2 in tensors and tensors[w2].shape[0] == DV:
+        wide = tensors[w2].new_zeros(V, tensors[w2].shape[1])
+        wide[ids] = tensors[w2]
+        tensors[w2] = wide
+    return out, tensors, ids
 
 
 def read_config(folder: str | Path) -> dict:
@@ -180,6 +269,8 @@ def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DFlashModel:
     check_folder_kind(raw, folder, "dflash")
     tensors = read_weights(folder, "DFlash checkpoint")
     vocab = tensors.pop("draft_vocab", None)
+    if "speculators_model_type" in raw:
+        raw, tensors, vocab = from_speculators(raw, tensors, f"{folder}/config.json")
     return load_strict(model_from_config(raw, vocab, where=f"{folder}/config.json"), tensors, folder, device, dtype)
 
 

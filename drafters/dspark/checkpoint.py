@@ -1,4 +1,4 @@
-"""DSpark checkpoints in the three spellings a user meets, read into one ``DSparkModel``:
+"""DSpark checkpoints in the four spellings a user meets, read into one ``DSparkModel``:
 
 - DeepSpec native: ``architectures: ["Qwen3DSparkModel"]``, the DSpark keys at the top level of config.json
   (``block_size``, ``mask_token_id``, ``target_layer_ids``, ``num_target_layers``, ``markov_rank``,
@@ -8,7 +8,8 @@
 - the export spelling ``architectures: ["DSparkDraftModel"]`` with those keys under ``dflash_config``
   (``projector_type: "dspark"``);
 - ours: the export spelling plus ``block_alignment`` and ``confidence_temperatures`` in ``dflash_config``, and an
-  optional ``draft_vocab`` tensor as in our DFlash checkpoints.
+  optional ``draft_vocab`` tensor as in our DFlash checkpoints;
+- vLLM speculators' ``dspark`` folder (``DSparkSpeculator``), read through ``dflash.checkpoint.from_speculators``.
 
 A DeepSpec-made folder without ``block_alignment`` is DeepSpec-aligned (the anchor row drafts); ours always
 writes the key, so a z-lab-aligned model never runs with the wrong rows. A folder that spells the alignment as vLLM,
@@ -24,8 +25,8 @@ import torch
 from graft_block.drafter import read_weights, resolve_checkpoint
 from graft_block.errors import ConfigError
 
-from ..dflash.checkpoint import (check_compatible, config_dict, draw_model, load_strict, model_from_config,
-                                 read_config, seeded_init)
+from ..dflash.checkpoint import (check_compatible, config_dict, draw_model, from_speculators, load_strict,
+                                 model_from_config, read_config, seeded_init)
 from ..dflash.checkpoint import save_checkpoint as dflash_save
 from .model import ALIGNMENTS, DSparkModel, EmbeddingMarkovHead, from_dflash
 
@@ -36,6 +37,8 @@ DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "con
 
 
 def is_dspark_layout(config: dict) -> bool:
+    if "speculators_model_type" in config:  # vLLM speculators' spelling (DSparkSpeculator)
+        return config["speculators_model_type"] == "dspark"
     arch = config.get("architectures") or []
     return any(a in arch for a in NATIVE_ARCHITECTURES + UNSUPPORTED_ARCHITECTURES + (EXPORT_ARCHITECTURE,))
 
@@ -122,7 +125,7 @@ def warn_if_uncalibrated(folder: str | Path) -> None:
 
 
 def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DSparkModel:
-    """Any of the three spellings -> DSparkModel, strictly: missing, unexpected or mis-shaped tensors are named."""
+    """Any of the four spellings -> DSparkModel, strictly: missing, unexpected or mis-shaped tensors are named."""
     folder = resolve_checkpoint(folder, "DSpark")
     raw = read_config(folder)
     if not is_dspark_layout(raw):
@@ -132,6 +135,8 @@ def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DSparkModel:
     if any(k.startswith("model.") for k in tensors):
         tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
     vocab = tensors.pop("draft_vocab", None)
+    if "speculators_model_type" in raw:
+        raw, tensors, vocab = from_speculators(raw, tensors, f"{folder}/config.json")
     model = model_from_dspark_config(raw, vocab, f"{folder}/config.json")
     V, H = model.config.vocab_size, model.config.hidden_size
     for name in ("embed_tokens.weight", "lm_head.weight"):  # DeepSpec's frozen copies of the target's
