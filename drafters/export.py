@@ -46,7 +46,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graft_block.drafter import bundled_checkpoint, bundled_checkpoints, detect_type, read_weights
+from graft_block.drafter import (bundled_checkpoint, bundled_checkpoints, detect_type, offset_vocab_ids,
+                                 read_weights)
 from graft_block.errors import ConfigError, run_command
 
 from .dflash.checkpoint import from_speculators, model_from_config
@@ -249,9 +250,7 @@ def eagle3_spec(src: Source) -> tuple[dict, dict]:
     expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
     _check_shapes(tensors, expected, src, {"t2d"} | ({"d2t"} if DV == V else set()))
     if "d2t" in tensors:
-        tid = torch.arange(DV) + tensors["d2t"].long()
-        if bool(((tid < 0) | (tid >= V)).any()) or tid.unique().numel() != DV:
-            raise ConfigError(f"{src.folder}: d2t maps draft ids outside 0..{V - 1} or twice onto one target id")
+        tid = offset_vocab_ids(tensors["d2t"], None, V, str(src.folder))
         if DV == V:
             if not bool((tid == torch.arange(V)).all()):
                 raise ConfigError(f"{src.folder}: a full-size d2t that permutes the vocabulary is not exported")

@@ -422,6 +422,27 @@ def option_error(kind: str, cfg: dict, exc: Exception) -> ConfigError | None:
                        f"{' '.join(str(exc).split())}); give the option a value of its type (e.g. 1, not '1')")
 
 
+def offset_vocab_ids(d2t, t2d, vocab: int, where: str = ""):
+    """The target ids of a draft vocabulary stored the EAGLE / speculators way: ``d2t`` offsets (target id = draft
+    index + d2t) and ``t2d`` (None, or a mask over the target ids that must mark exactly those). A ConfigError, led by
+    ``where``, names what is wrong."""
+    import torch
+
+    at = f"{where}: " if where else ""
+    ids = torch.arange(d2t.numel()) + d2t.detach().cpu().long().flatten()
+    if bool(((ids < 0) | (ids >= vocab)).any()):
+        raise ConfigError(f"{at}d2t maps draft ids outside the target vocabulary 0..{vocab - 1}: the d2t tensor is "
+                          "corrupt or holds absolute ids instead of offsets")
+    if ids.unique().numel() != ids.numel():
+        raise ConfigError(f"{at}d2t maps two draft ids to the same target id; the draft vocabulary must be injective")
+    if t2d is not None:
+        mask = t2d.detach().cpu().bool().flatten()
+        if mask.numel() != vocab or int(mask.sum()) != ids.numel() or not bool(mask[ids].all()):
+            raise ConfigError(f"{at}t2d marks {int(mask.sum())} of {mask.numel()} target ids but the draft vocabulary "
+                              f"has {ids.numel()} of {vocab} (t2d must be True exactly at draft_id + d2t[draft_id])")
+    return ids
+
+
 def is_count(value, minimum: int = 0) -> bool:
     """An int of at least ``minimum``, never a bool (``isinstance(True, int)`` holds: True would pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum

@@ -541,10 +541,10 @@ def test_speculators_dflash_folders_load_and_bad_ones_are_refused(tmp_path):
     refused("needs a d2t tensor of 16 offsets", tensors={k: v for k, v in t0.items() if k != "d2t"})
     d2t = t0["d2t"].clone()
     d2t[1] -= 1  # two draft ids onto one target id
-    refused("twice onto one target id", tensors={**t0, "d2t": d2t})
+    refused("two draft ids to the same target id", tensors={**t0, "d2t": d2t})
     t2d = t0["t2d"].clone()
     t2d[0] = True
-    refused("t2d does not mark exactly", tensors={**t0, "t2d": t2d})
+    refused("t2d marks 17 of 64 target ids but the draft vocabulary has 16", tensors={**t0, "t2d": t2d})
 
 
 def test_tiny_eagle3_speculators_layout(tmp_path, tiny_tok):

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from graft_block.drafter import checkpoint_type, is_count, read_config_json, read_weights, resolve_checkpoint
+from graft_block.drafter import (checkpoint_type, is_count, offset_vocab_ids, read_config_json, read_weights,
+                                 resolve_checkpoint)
 from graft_block.errors import ConfigError
 
 from .model import DFlashModel, build_target_layer_ids
@@ -111,15 +112,7 @@ def from_speculators(raw: dict, tensors: dict, where: str) -> tuple[dict, dict, 
     if d2t is None or tuple(d2t.shape) != (DV,):
         raise ConfigError(f"{where}: draft_vocab_size {DV} < {V} needs a d2t tensor of {DV} offsets, got "
                           f"{None if d2t is None else tuple(d2t.shape)}")
-    ids = torch.arange(DV) + d2t.long()
-    if bool(((ids < 0) | (ids >= V)).any()) or ids.unique().numel() != DV:
-        raise ConfigError(f"{where}: d2t maps draft ids outside 0..{V - 1} or twice onto one target id")
-    if t2d is not None:
-        mask = torch.zeros(V, dtype=torch.bool)
-        mask[ids] = True
-        if tuple(t2d.shape) != (V,) or not torch.equal(t2d.bool(), mask):
-            raise ConfigError(f"{where}: t2d does not mark exactly the target ids d2t maps to; the folder's "
-                              "vocabulary maps disagree (rebuild them together)")
+    ids = offset_vocab_ids(d2t, t2d, V, where)
     w2 = "markov_head.markov_w2.weight"
     if w2 in tensors and tensors[w2].shape[0] == DV:
         wide = tensors[w2].new_zeros(V, tensors[w2].shape[1])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from graft_block.drafter import read_config_json, read_weights
+from graft_block.drafter import offset_vocab_ids, read_config_json, read_weights
 from graft_block.errors import ConfigError
 
 from .model import Eagle3Config, Eagle3Head
@@ -133,16 +133,7 @@ def head_from_state_dict(cfg: Eagle3Config, sd: dict, target=None, device=None, 
 
 
 def check_vocab_map(head: Eagle3Head) -> None:
-    cfg = head.cfg
-    tid = torch.arange(cfg.draft_vocab_size) + head.d2t.cpu()
-    if bool(((tid < 0) | (tid >= cfg.vocab_size)).any()):
-        raise ConfigError(f"d2t maps draft ids outside the target vocabulary 0..{cfg.vocab_size - 1}: the d2t "
-                          "tensor is corrupt or holds absolute ids instead of offsets")
-    if tid.unique().numel() != tid.numel():
-        raise ConfigError("d2t maps two draft ids to the same target id; the draft vocabulary must be injective")
-    if int(head.t2d.sum()) != cfg.draft_vocab_size or not bool(head.t2d.cpu()[tid].all()):
-        raise ConfigError(f"t2d marks {int(head.t2d.sum())} target ids but the draft vocabulary has "
-                          f"{cfg.draft_vocab_size} (t2d must be True exactly at draft_id + d2t[draft_id])")
+    offset_vocab_ids(head.d2t, head.t2d, head.cfg.vocab_size)
 
 
 def check_against_target(head: Eagle3Head, target) -> None:
