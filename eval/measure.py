@@ -210,8 +210,8 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
     round spent outside the verify: drafting, tree building, commit) from pilots of ``max_new_tokens`` on each
     prompt of ``pilots`` (a list of token-id prompts) at each of the run's ``temperatures`` (seed 0, the run's
     ``top_k`` / ``top_p``: a sampled run accepts less, so it is sized by sampled pilots, read by their expected
-    acceptance ``tau_expected``; greedy ones by their tau), rounds pooled over all of them (a run of several
-    temperatures gets one budget per method, sized for their mix), and cost from the measured verify curve. The
+    acceptance ``tau_expected``; greedy ones by their tau), rounds pooled over all of them (the main job passes one
+    temperature at a time: a method is sized for each law apart), and cost from the measured verify curve. The
     candidates gain the budgets just below the curve's stairs (``below_stairs``). ``build(b)`` -> Method;
     ``after()`` runs after each candidate (the main job releases the target's weight pages a drafter read). ``cap``:
     the most the method takes (a preset's max_budget); larger candidates become it. A candidate the method refuses
@@ -290,18 +290,22 @@ def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: 
                     if kept is not None:
                         kept.clear()
     records = []
-    bar = tqdm(total=len(mine) * len(temperatures) * len(methods), disable=not progress, file=sys.stderr,
-               desc=f"bench[{rank}]" if world > 1 else "bench")
+    def decodes(m, temp) -> bool:  # a method sized for one temperature decodes at that one only
+        return m.temperatures is None or temp in m.temperatures
+
+    bar = tqdm(total=len(mine) * sum(decodes(m, t) for t in temperatures for m in methods), disable=not progress,
+               file=sys.stderr, desc=f"bench[{rank}]" if world > 1 else "bench")
     t_start = time.perf_counter()
     for p in mine:
         if time_limit is not None and time.perf_counter() - t_start > time_limit:
             print(f"[time limit] stopped after {len({r['prompt_id'] for r in records})} prompts", file=sys.stderr)
             break
         for temp in temperatures:
-            histories = {m.name: [] for m in methods}
+            here = [m for m in methods if decodes(m, temp)]
+            histories = {m.name: [] for m in here}
             cut: dict[str, str] = {}  # method -> why its turns of this prompt stopped
             for t_idx, turn in enumerate(p["turns"]):
-                for m in methods:
+                for m in here:
                     hist = histories[m.name]
                     if m.name not in cut:
                         ids = encode_turn(target, hist, turn)
@@ -339,7 +343,7 @@ def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: 
                         hist.extend([{"role": "user", "content": turn}, {"role": "assistant", "content": r["text"]}])
                     records.append(r)
                 if t_idx == 0:
-                    bar.update(len(methods))
+                    bar.update(len(here))
     bar.close()
     return records
 

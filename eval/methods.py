@@ -26,6 +26,7 @@ class Method:
     budget: int | None = None
     config: dict = field(default_factory=dict)
     hooks: list = field(default_factory=list)
+    temperatures: tuple | None = None  # the run's temperatures this one decodes (None: all; --budget auto sizes each)
 
 
 _WARM_MATRIX: dict = {}

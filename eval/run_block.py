@@ -88,7 +88,8 @@ def parse_args(argv=None, prog: str | None = None):
                     help="at T > 0: sample from the target's nucleus of mass p, after the temperature (1 = off)")
     ap.add_argument("--budget", default=None,
                     help="int, comma list (a sweep), 'auto' (cost-aware: pilot tau and drafting cost against the "
-                         "measured verify-cost curve) or 'preset' (each method's default budget, --list-methods); "
+                         "measured verify-cost curve, a budget for each of the run's temperatures) or 'preset' (each "
+                         "method's default budget, --list-methods); "
                          f"default: the suite's ({_suite_defaults('budget')})")
     ap.add_argument("--pilot-prompts", type=int, default=1,
                     help="--budget auto: the prompts each candidate budget's pilot decodes (48 tokens each, at each of "
@@ -241,7 +242,8 @@ def plan(args, extra: dict, notes: bool = True) -> dict:
 def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named=None, pilot_prompts=1,
                   sampling=None):
     """The runnable methods (``sampling``: the run's temperatures, top_k and top_p, which --budget auto's pilots
-    decode at; default greedy). A method that cannot run here (MethodUnavailable) is skipped with its reason; so is any
+    decode at; default greedy; with several temperatures, --budget auto builds one instance per temperature, each
+    sized by pilots at its own). A method that cannot run here (MethodUnavailable) is skipped with its reason; so is any
     method the suite added by default (a SmolLM2 drafter beside another ``--target``). Any other ConfigError of a
     method the user named (``named``: --methods, --config; None = all) stops the run naming it (a typo in its config,
     a checkpoint for another target)."""
@@ -259,15 +261,22 @@ def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named
         runs_at = list(dict.fromkeys(b if b == "auto" else presets.budget_for(spec, b) for b in runs_at))
         for b in runs_at:
             try:
-                if b == "auto":
-                    pilots = [encode_turn(target, [], p["turns"][0]) for p in prompts[:pilot_prompts]]
-                    auto[name] = measure.auto_budget(lambda x: make_method(name, spec, target, x, curve=curve),
-                                                     curve, pilots, after=release, cap=spec.get("max_budget"),
-                                                     **(sampling or {}))
-                    b = auto[name]["best"]
-                m = make_method(name, spec, target, b, chimeric=chimeric, curve=curve)
-                m.name = name if (b is None or len(budgets) == 1) else f"{name}@{b}"
-                methods.append(m)
+                if b != "auto":
+                    m = make_method(name, spec, target, b, chimeric=chimeric, curve=curve)
+                    m.name = name if (b is None or len(budgets) == 1) else f"{name}@{b}"
+                    methods.append(m)
+                    continue
+                pilots = [encode_turn(target, [], p["turns"][0]) for p in prompts[:pilot_prompts]]
+                temps = [float(t) for t in (sampling or {}).get("temperatures", (0.0,))]
+                # a run of several temperatures sizes the method for each law apart: one instance per temperature
+                for t in temps:
+                    key = name if len(temps) == 1 else f"{name} (T {t:g})"
+                    auto[key] = measure.auto_budget(lambda x: make_method(name, spec, target, x, curve=curve),
+                                                    curve, pilots, after=release, cap=spec.get("max_budget"),
+                                                    **{**(sampling or {}), "temperatures": (t,)})
+                    m = make_method(name, spec, target, auto[key]["best"], chimeric=chimeric, curve=curve)
+                    m.name, m.temperatures = name, (t,) if len(temps) > 1 else None
+                    methods.append(m)
             except ConfigError as exc:
                 if not (isinstance(exc, MethodUnavailable) or (named is not None and name not in named)):
                     raise ConfigError(f"method {name!r} cannot be built: {exc} (fix its config, or leave it out of "
@@ -369,7 +378,9 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     phys = None if args.no_physics else physics.measure_physics(target, curve=curve, probe_s=0.3)
     wall = time.time() - t_start
     rep = {
-        "suite": args.suite, "args": vars(args), "methods": {m.name: m.config for m in runs}, "skipped": skipped,
+        "suite": args.suite, "args": vars(args), "skipped": skipped,
+        "methods": {m.name if m.temperatures is None else f"{m.name} (T {m.temperatures[0]:g})": m.config
+                    for m in runs},
         "skipped_turns": too_long,
         "environment": machine.environment(), "target": str(target.name), "prompt_sets": set_info, "limit": limit,
         "max_new_tokens": max_new, "temperatures": temps, "top_k": args.top_k, "top_p": args.top_p,

@@ -319,8 +319,35 @@ def test_a_budget_sweep_builds_a_capped_chain_once_at_its_cap(monkeypatch):
 
     monkeypatch.setattr(measure, "auto_budget", auto_budget)
     sampling = {"temperatures": [1.0], "top_k": 0, "top_p": 0.9}
-    run_block.build_methods(["pld", "dspark_chain"], {}, Target(), ["auto"], {}, [], False, sampling=sampling)
-    assert caps == {"pld": (None, sampling), "dspark_chain": (15, sampling)}  # the pilots sample as the run does
+    methods, _, _ = run_block.build_methods(["pld", "dspark_chain"], {}, Target(), ["auto"], {}, [], False,
+                                            sampling=sampling)
+    asked = {**sampling, "temperatures": (1.0,)}
+    assert caps == {"pld": (None, asked), "dspark_chain": (15, asked)}  # the pilots sample as the run does
+    assert [m.temperatures for m in methods] == [None, None]  # one temperature: each decodes at every one
+
+
+def test_budget_auto_sizes_each_temperature_of_a_run_apart(monkeypatch):
+    """--temperature 0,1 --budget auto: greedy and sampled decoding accept differently, so each temperature's pilots
+    size an instance of the method that decodes at that temperature only (not one budget for their mix)."""
+    from graft_block.eval.methods import Method
+
+    asked = []
+    monkeypatch.setattr(run_block, "make_method", lambda name, spec, target, b, **kw: Method(name, None, b))
+
+    def auto_budget(build, curve, pilots, after=None, cap=None, temperatures=(0.0,), **kw):
+        asked.append((build(4).name, tuple(temperatures), kw))
+        return {"best": 16 if temperatures == (0.0,) else 4}
+
+    class Target:
+        def release_hf_weights(self):
+            return 0
+
+    monkeypatch.setattr(measure, "auto_budget", auto_budget)
+    methods, _, auto = run_block.build_methods(["pld"], {}, Target(), ["auto"], {}, [], False,
+                                               sampling={"temperatures": [0.0, 1.0], "top_k": 5, "top_p": 1.0})
+    assert asked == [("pld", (0.0,), {"top_k": 5, "top_p": 1.0}), ("pld", (1.0,), {"top_k": 5, "top_p": 1.0})]
+    assert [(m.name, m.budget, m.temperatures) for m in methods] == [("pld", 16, (0.0,)), ("pld", 4, (1.0,))]
+    assert {k: a["best"] for k, a in auto.items()} == {"pld (T 0)": 16, "pld (T 1)": 4}
 
 
 def test_a_preset_runs_at_most_at_its_max_budget():
@@ -394,6 +421,27 @@ def test_budget_auto_pools_the_rounds_of_every_pilot_prompt():
     assert row["draft_ms"] == pytest.approx(1e3 * 0.20 / 20)
     with pytest.raises(ConfigError, match="at least one pilot prompt"):
         measure.auto_budget(Pilot, curve, [], candidates=(4,))
+
+
+def test_a_run_of_two_temperatures_decodes_each_at_its_own_auto_budget(tiny_folder, tmp_path, monkeypatch):
+    """The main job at --temperature 0,1 --budget auto: each temperature's records carry the budget its own pilots
+    picked, every prompt-turn is decoded once per (method, temperature), and AR pairs with both."""
+    folder, prompts = tiny_folder
+    monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
+    rep = run_block.main(["--target", str(folder), "--methods", "ar,pld", "--prompts", str(prompts), "--limit", "1",
+                          "--max-new-tokens", "8", "--budget", "auto", "--no-progress", "--no-plots",
+                          "--temperature", "0,1", "--out", str(tmp_path / "run")])
+    auto = rep["auto_budget"]
+    assert set(auto) == {"pld (T 0)", "pld (T 1)"}
+    assert [auto[k]["pilot_temperatures"] for k in sorted(auto)] == [[0.0], [1.0]]
+    for t in (0.0, 1.0):
+        mine = [r for r in rep["records"] if r["method"] == "pld" and r["temperature"] == t]
+        ar = [r for r in rep["records"] if r["method"] == "ar" and r["temperature"] == t]
+        assert mine and len(mine) == len(ar) and {r["budget"] for r in mine} == {auto[f"pld (T {t:g})"]["best"]}
+    rows = {(r["method"], r["temperature"]): r for r in rep["summary"]}
+    assert {("pld", 0.0), ("pld", 1.0), ("ar", 0.0), ("ar", 1.0)} <= set(rows)
+    assert rows[("pld", 1.0)]["budget"] == auto["pld (T 1)"]["best"]
+    assert rep["methods"]["pld (T 1)"]["drafter"]["budget"] == auto["pld (T 1)"]["best"]
 
 
 def test_budget_auto_picks_from_the_measured_curve(tiny_folder, tmp_path, monkeypatch, capsys):
