@@ -203,8 +203,12 @@ def below_stairs(curve: dict, budgets, drop: float = 0.05) -> list[int]:
     return sorted(out)
 
 
+PILOT_PATHS = ("sampled", "greedy")
+
+
 def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_tokens: int = 48,
-                after=None, cap: int | None = None, temperatures=(0.0,), top_k: int = 0, top_p: float = 1.0) -> dict:
+                after=None, cap: int | None = None, temperatures=(0.0,), top_k: int = 0, top_p: float = 1.0,
+                pilot_path: str = "sampled") -> dict:
     """Cost-aware budget: the b maximising tau(b) * cost(1) / (cost(1 + n(b)) + draft(b)), with tau, n(b) (the mean
     non-root nodes verified per round: b for a full tree, fewer where a schedule cuts it) and draft(b) (the seconds per
     round spent outside the verify: drafting, tree building, commit) from pilots of ``max_new_tokens`` on each
@@ -216,7 +220,11 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
     ``after()`` runs after each candidate (the main job releases the target's weight pages a drafter read). ``cap``:
     the most the method takes (a preset's max_budget); larger candidates become it. A candidate the method refuses
     anyway (a chain longer than its block) is left out, named under "refused"; if it refuses them all, the first
-    refusal is raised."""
+    refusal is raised. ``pilot_path`` at T > 0: "sampled" pilots decode a sampled answer (another one per candidate
+    budget); "greedy" ones follow the greedy answer, drafting and scoring at T (the same contexts for every budget),
+    where the method's decoder can (``Method.greedy_path``)."""
+    if pilot_path not in PILOT_PATHS:
+        raise ConfigError(f"pilot_path must be one of {', '.join(PILOT_PATHS)}, got {pilot_path!r}")
     if not pilots:
         raise ConfigError("auto_budget needs at least one pilot prompt")
     rows, refused = {}, {}
@@ -227,7 +235,9 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
             refused[b] = exc
             continue
         # (temperature, record) per pilot; the filters act at T > 0 only
-        runs = [(t, method.run(ids, max_new_tokens, t, 0, **({"top_k": top_k, "top_p": top_p} if t > 0 else {})))
+        greedy = {"greedy_path": True} if pilot_path == "greedy" and getattr(method, "greedy_path", False) else {}
+        runs = [(t, method.run(ids, max_new_tokens, t, 0,
+                               **({"top_k": top_k, "top_p": top_p, **greedy} if t > 0 else {})))
                 for t in map(float, temperatures) for ids in pilots]
         del method
         gc.collect()  # the pilot's drafter and its weight layouts sit in reference cycles: free them before the next
@@ -251,6 +261,7 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
     best = max(rows, key=lambda b: rows[b]["est_speedup"])
     return {"best": best, "pilot": rows, "refused": {b: str(e) for b, e in refused.items()},
             "pilot_prompts": len(pilots), "pilot_temperatures": [float(t) for t in temperatures],
+            "pilot_path": pilot_path if any(float(t) > 0 for t in temperatures) else "greedy",
             "curve_busy": curve.get("busy", False)}
 
 

@@ -27,6 +27,7 @@ class Method:
     config: dict = field(default_factory=dict)
     hooks: list = field(default_factory=list)
     temperatures: tuple | None = None  # the run's temperatures this one decodes (None: all; --budget auto sizes each)
+    greedy_path: bool = False  # run() takes greedy_path (our decoder's: a pilot on the greedy path, scored at T)
 
 
 _WARM_MATRIX: dict = {}
@@ -115,11 +116,11 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
     dec = SpeculativeDecoder(target, drafter, graft=graft, round_hooks=hooks, schedule=schedule)
     proxies = [h for h in hooks if hasattr(h, "rows")]
 
-    def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0):
+    def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0, greedy_path=False):
         for h in proxies:
             h.rows.clear()
         res = dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=seed)
+                           seed=seed, greedy_path=greedy_path)
         out = {"tokens": res.tokens, **res.stats.to_dict()}  # analysis hooks' time is hook_s, not decode_s
         if graft is not None and hasattr(graft, "state_bytes"):
             out["retrieval_state_bytes"] = int(graft.state_bytes())
@@ -138,7 +139,7 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
             out["chimeric_share"] = chim["draft"].get("chimeric")
         return out
 
-    return Method(name, run, budget=dec.budget, config=spec, hooks=hooks)
+    return Method(name, run, budget=dec.budget, config=spec, hooks=hooks, greedy_path=True)
 
 
 def lookup(name: str, extra: dict) -> dict:

@@ -94,6 +94,10 @@ def parse_args(argv=None, prog: str | None = None):
     ap.add_argument("--pilot-prompts", type=int, default=1,
                     help="--budget auto: the prompts each candidate budget's pilot decodes (48 tokens each, at each of "
                          "the run's temperatures; the first N of the run's; default 1)")
+    ap.add_argument("--pilot-path", default="sampled", choices=measure.PILOT_PATHS,
+                    help="--budget auto at T > 0: 'sampled' pilots decode a sampled answer per candidate budget; "
+                         "'greedy' ones follow the greedy answer, drafting and scoring each round's expected "
+                         "acceptance at the run's temperature (the same contexts for every budget; default sampled)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="output folder (default runs/<suite>-<time>)")
     ap.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up generation per method (0 = none)")
@@ -242,11 +246,11 @@ def plan(args, extra: dict, notes: bool = True) -> dict:
 def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named=None, pilot_prompts=1,
                   sampling=None):
     """The runnable methods (``sampling``: the run's temperatures, top_k and top_p, which --budget auto's pilots
-    decode at; default greedy; with several temperatures, --budget auto builds one instance per temperature, each
-    sized by pilots at its own). A method that cannot run here (MethodUnavailable) is skipped with its reason; so is any
-    method the suite added by default (a SmolLM2 drafter beside another ``--target``). Any other ConfigError of a
-    method the user named (``named``: --methods, --config; None = all) stops the run naming it (a typo in its config,
-    a checkpoint for another target)."""
+    decode at, and their ``pilot_path``; default greedy; with several temperatures, --budget auto builds one
+    instance per temperature, each sized by pilots at its own). A method that cannot run here (MethodUnavailable)
+    is skipped with its reason; so is any method the suite added by default (a SmolLM2 drafter beside another
+    ``--target``). Any other ConfigError of a method the user named (``named``: --methods, --config; None = all)
+    stops the run naming it (a typo in its config, a checkpoint for another target)."""
     methods, skipped, auto = [], {}, {}
     def release():
         # a drafter reads rows of HF's embedding and LM head while it is built: release those pages again after
@@ -354,7 +358,8 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     named = set(args.methods.split(",")) if args.methods is not None else set(extra)  # what the user asked for by name
     runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric, named,
                                         args.pilot_prompts,
-                                        {"temperatures": temps, "top_k": args.top_k, "top_p": args.top_p})
+                                        {"temperatures": temps, "top_k": args.top_k, "top_p": args.top_p,
+                                         "pilot_path": args.pilot_path})
     too_long: list[dict] = []  # turns that outgrew the target's context, per method (run_interleaved's notes)
     trim_heap()
     if rank == 0:
@@ -424,6 +429,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         print(f"auto budget for {n}: {a['best']} (pilot est. speedup {json.dumps(est)}, "
               f"{a['pilot_prompts']} prompt{'s' if a['pilot_prompts'] > 1 else ''}"
               + (f" at T {', '.join(f'{t:g}' for t in a['pilot_temperatures'])}"
+                 + (" on the greedy path" if a.get("pilot_path") == "greedy" else "")
                  if any(a.get("pilot_temperatures") or ()) else "") + ")"
               + (f"; refused {', '.join(map(str, a['refused']))}" if a.get("refused") else "")
               + (" - cost curve measured on a busy machine" if a["curve_busy"] else ""))

@@ -397,6 +397,39 @@ def test_budget_auto_pilots_decode_at_the_runs_temperatures():
     assert auto["pilot"][4]["tau"] == pytest.approx((2.0 * 10 + 1.5 * 10) / 20)
 
 
+def test_budget_auto_greedy_path_pilots_ask_the_decoder_for_the_greedy_answer():
+    """--pilot-path greedy: at T > 0 a pilot asks our decoder for the greedy answer scored at T (greedy_path), so every
+    candidate budget reads the same contexts; at T = 0, or for a method whose runner has no such path (a peer), the
+    pilot is the plain one. The record says which path sized it; an unknown path is refused."""
+    seen = []
+
+    class Pilot:
+        greedy_path = True
+
+        def __init__(self, b):
+            self.b = b
+
+        def run(self, ids, n, temperature, seed, **kw):
+            seen.append((temperature, kw))
+            return {"tau": 2.0, "tau_expected": 1.5, "rounds": 10, "mean_tree_nodes": 4.0, "phase_s": {}}
+
+    class Peer(Pilot):
+        greedy_path = False
+
+    curve = {"median_s": {"1": 0.010, "5": 0.010}}
+    auto = measure.auto_budget(Pilot, curve, [[1]], candidates=(4,), temperatures=(0.0, 1.0), pilot_path="greedy")
+    assert seen == [(0.0, {}), (1.0, {"top_k": 0, "top_p": 1.0, "greedy_path": True})]
+    assert auto["pilot_path"] == "greedy" and auto["pilot"][4]["tau"] == pytest.approx((2.0 + 1.5) / 2)
+    seen.clear()
+    measure.auto_budget(Peer, curve, [[1]], candidates=(4,), temperatures=(1.0,), pilot_path="greedy")
+    assert seen == [(1.0, {"top_k": 0, "top_p": 1.0})]
+    seen.clear()
+    assert measure.auto_budget(Pilot, curve, [[1]], candidates=(4,), temperatures=(1.0,))["pilot_path"] == "sampled"
+    assert seen == [(1.0, {"top_k": 0, "top_p": 1.0})]
+    with pytest.raises(ConfigError, match="pilot_path must be one of sampled, greedy"):
+        measure.auto_budget(Pilot, curve, [[1]], candidates=(4,), pilot_path="beam")
+
+
 def test_budget_auto_pools_the_rounds_of_every_pilot_prompt():
     """--pilot-prompts N: each candidate budget decodes every pilot prompt; tau, the verified nodes and the side time
     per round are pooled over all their rounds, so a short lucky prompt weighs its rounds, not a vote."""
@@ -430,9 +463,9 @@ def test_a_run_of_two_temperatures_decodes_each_at_its_own_auto_budget(tiny_fold
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
     rep = run_block.main(["--target", str(folder), "--methods", "ar,pld", "--prompts", str(prompts), "--limit", "1",
                           "--max-new-tokens", "8", "--budget", "auto", "--no-progress", "--no-plots",
-                          "--temperature", "0,1", "--out", str(tmp_path / "run")])
+                          "--temperature", "0,1", "--pilot-path", "greedy", "--out", str(tmp_path / "run")])
     auto = rep["auto_budget"]
-    assert set(auto) == {"pld (T 0)", "pld (T 1)"}
+    assert set(auto) == {"pld (T 0)", "pld (T 1)"} and auto["pld (T 1)"]["pilot_path"] == "greedy"
     assert [auto[k]["pilot_temperatures"] for k in sorted(auto)] == [[0.0], [1.0]]
     for t in (0.0, 1.0):
         mine = [r for r in rep["records"] if r["method"] == "pld" and r["temperature"] == t]
@@ -453,7 +486,7 @@ def test_budget_auto_picks_from_the_measured_curve(tiny_folder, tmp_path, monkey
                           "--temperature", "1", "--out", str(tmp_path / "run")])
     auto = rep["auto_budget"]["pld"]
     assert auto["pilot_prompts"] == 1  # the default: the run's first prompt
-    assert auto["pilot_temperatures"] == [1.0]  # a sampled run's pilots sample
+    assert auto["pilot_temperatures"] == [1.0] and auto["pilot_path"] == "sampled"  # a sampled run's pilots sample
     assert set(auto["pilot"]) == set(measure.below_stairs(rep["verify_cost_curve"], (4, 8, 16, 32)))
     assert {4, 8, 16, 32} <= set(auto["pilot"]) and auto["best"] in auto["pilot"]
     assert {r["budget"] for r in rep["records"] if r["method"] == "pld"} == {auto["best"]}
