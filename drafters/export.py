@@ -481,21 +481,30 @@ def _dflash_gguf(src: Source, out: Path, target, dspark: bool) -> ExportResult:
     return res
 
 
+def draft_ids(s: dict) -> torch.Tensor | None:
+    """A DFlash / DSpark checkpoint's draft vocabulary (target ids, as stored), or None when it drafts over the whole
+    vocabulary; ids outside it or repeated are refused (a negative id would wrap in a gather)."""
+    vocab, V = s.get("draft_vocab"), int(s["vocab_size"])
+    if vocab is None or vocab.numel() >= V:
+        return None
+    ids = vocab.long().cpu()
+    if ids.min() < 0 or ids.max() >= V or ids.unique().numel() != ids.numel():
+        raise ConfigError(f"the checkpoint's draft_vocab holds ids outside 0..{V - 1} or twice: it was not built "
+                          f"for this {V}-token vocabulary (rebuild it with graft-block train --draft-vocab)")
+    return ids
+
+
 def _draft_vocab_head(s: dict, tensors: dict, target, res: ExportResult) -> dict:
     """A draft vocabulary kept for llama.cpp: ``output.weight`` = the target's LM-head rows for the draft ids (so
     the draft LM head reads 16k rows, not 49k: its largest cost on a small target) and ``d2t`` = those ids, which
     llama.cpp's DFlash loader reads as a reduced draft vocabulary; a DSpark's ``markov_w2`` keeps the same rows, as
     ours does. Returns those GGUF tensors by name (empty when the restriction is dropped for want of a head in the
     target's GGUF, ``LOST``)."""
-    vocab = s.get("draft_vocab")
-    V = int(s["vocab_size"])
-    if vocab is None or vocab.numel() >= V:
+    ids = draft_ids(s)
+    if ids is None:
         return {}
+    V = int(s["vocab_size"])
     path = tokenizer_source(target)
-    ids = vocab.long().cpu()
-    if ids.min() < 0 or ids.max() >= V:  # a negative id would wrap in the gather and write a negative d2t
-        raise ConfigError(f"the checkpoint's draft_vocab holds ids outside 0..{V - 1}: it was not built for this "
-                          f"{V}-token vocabulary (rebuild it with graft-block train --draft-vocab)")
     head = target_head_rows(path, ids, int(s["hidden_size"]), V)
     if head is None:
         res.lost.append(LOST["draft_vocab"].format(n=ids.numel(), V=V, path=path))
@@ -617,7 +626,7 @@ def _write_speculators(out: Path, config: dict, tensors: dict) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def head_matrix(target, ids: torch.Tensor, hidden: int, vocab: int) -> tuple[torch.Tensor, str] | None:
+def head_rows_tensor(target, ids: torch.Tensor, hidden: int, vocab: int) -> tuple[torch.Tensor, str] | None:
     """The target's LM-head rows for ``ids`` as a float tensor, and where they came from: ``target`` is an HF folder
     (``lm_head.weight``, else the tied ``model.embed_tokens.weight``, in its own dtype), a GGUF or an embedded
     target's name (``target_head_rows``, a quantized type de-quantized to float32; None = the embedded default).
@@ -636,8 +645,8 @@ def head_matrix(target, ids: torch.Tensor, hidden: int, vocab: int) -> tuple[tor
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ConfigError(f"--target {folder} holds no *.safetensors: give the target's HF folder with its weights, "
-                          "or its GGUF")
+        raise ConfigError(f"{folder} holds no *.safetensors: give the target's HF folder with its weights, or its "
+                          "GGUF, with --target")
     found = {}
     for f in files:
         with safe_open(str(f), "pt") as fh:
@@ -647,11 +656,12 @@ def head_matrix(target, ids: torch.Tensor, hidden: int, vocab: int) -> tuple[tor
     name = next((n for n in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight") if n in found),
                 None)
     if name is None:
-        raise ConfigError(f"--target {folder}: its weights hold neither lm_head.weight nor model.embed_tokens.weight")
+        raise ConfigError(f"{folder}: its weights hold neither lm_head.weight nor model.embed_tokens.weight: give "
+                          "the target's full weights with --target")
     f, shape = found[name]
     if tuple(shape) != (vocab, hidden):
-        raise ConfigError(f"--target {folder}: {name} is {tuple(shape)} but the drafter reads {hidden}-wide states "
-                          f"over {vocab} tokens: give the target it was trained for")
+        raise ConfigError(f"{folder}: {name} is {tuple(shape)} but the drafter reads {hidden}-wide states over "
+                          f"{vocab} tokens: give the target it was trained for with --target")
     with safe_open(str(f), "pt") as fh:
         rows = fh.get_tensor(name)[ids]
     return rows, f"{name} of {f} ({str(rows.dtype).replace('torch.', '')})"
@@ -664,24 +674,23 @@ def _speculators_draft_vocab(s: dict, tensors: dict, target, verifier, res: Expo
     the same rows. The rows come from ``--target``, else a ``--verifier`` folder, else the embedded default target
     (dropped with a LOST line when that one does not fit). Returns the tensors to write (empty when dropped)."""
     V, H = int(s["vocab_size"]), int(s["hidden_size"])
-    ids = s["draft_vocab"].long().cpu()
-    if ids.min() < 0 or ids.max() >= V or ids.unique().numel() != ids.numel():
-        raise ConfigError(f"the checkpoint's draft_vocab holds ids outside 0..{V - 1} or twice: it was not built "
-                          f"for this {V}-token vocabulary (rebuild it with graft-block train --draft-vocab)")
-    ids = ids.sort().values
-    named = target if target is not None else (
-        verifier if verifier and Path(verifier).expanduser().is_dir() else None)
-    lost = LOST["draft_vocab_vllm"].format(n=ids.numel(), V=V, why="{why}")
+    ids = draft_ids(s).sort().values
+    folder = verifier if target is None and verifier and Path(verifier).expanduser().is_dir() else None
+    source = target if target is not None else folder  # None: the embedded default
+
+    def lost(why: str) -> dict:
+        res.lost.append(LOST["draft_vocab_vllm"].format(n=ids.numel(), V=V, why=why))
+        return {}
+
     try:
-        head = head_matrix(named, ids, H, V)
+        head = head_rows_tensor(source, ids, H, V)
     except ConfigError as exc:
-        if named is not None:
+        if target is not None:  # asked for by name: its problem is an error
             raise
-        res.lost.append(lost.format(why=f"the embedded default target does not fit this drafter ({exc})"))
-        return {}
+        return lost(f"the {'--verifier folder' if folder else 'embedded default target'} gives no head rows that fit "
+                    f"this drafter ({exc})")
     if head is None:
-        res.lost.append(lost.format(why=f"{tokenizer_source(named)} holds no LM head"))
-        return {}
+        return lost(f"{tokenizer_source(source)} holds no LM head")
     rows, where = head
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True
@@ -721,12 +730,13 @@ def _dflash_speculators(src: Source, out: Path, verifier, tokens, dspark: bool, 
     cfg["speculators_config"] = {"algorithm": cfg["speculators_model_type"],
                                  **_proposal(tokens or default_tokens, verifier)}
     _lost_common(res, s, src, "vLLM", " (speculators has no calibration field)")
-    vocab = s.get("draft_vocab")
-    if vocab is not None and vocab.numel() < int(s["vocab_size"]):
+    if draft_ids(s) is not None:
         kept = _speculators_draft_vocab(s, tensors, target, verifier, res)
         tensors = {**tensors, **kept}
         if kept:
-            cfg["draft_vocab_size"] = int(vocab.numel())
+            cfg["draft_vocab_size"] = int(s["draft_vocab"].numel())
+    elif target is not None:
+        res.notes.append("--target not read: this drafter has no draft vocabulary, so vLLM shares the target's head")
     if not verifier:
         res.notes.append("no --verifier: speculators_config.verifier.name_or_path is null; serve with the target "
                          "as vLLM's --model")
@@ -755,6 +765,8 @@ def speculators_eagle3(src: Source, out: Path, verifier=None, tokens=None, targe
         raise ConfigError(f"{src.folder}: attention_bias=true (q/k/v biases, no o_proj bias) has no speculators "
                           "layout")
     res = ExportResult(out, "speculators", "eagle3")
+    if target is not None:
+        res.notes.append("--target not read: an EAGLE3 drafter carries its own LM head (and its d2t / t2d)")
     V, DV = s["vocab_size"], s["draft_vocab_size"]
     extra = {"rope_scaling": s["rope"]} if s["rope"] else {}
     if s["rope"]:

@@ -222,7 +222,7 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
     anyway (a chain longer than its block) is left out, named under "refused"; if it refuses them all, the first
     refusal is raised. ``pilot_path`` at T > 0: "sampled" pilots decode a sampled answer (another one per candidate
     budget); "greedy" ones follow the greedy answer, drafting and scoring at T (the same contexts for every budget),
-    where the method's decoder can (``Method.greedy_path``)."""
+    where the method's decoder can (``Method.takes_greedy_path``; the record says which path ran)."""
     if pilot_path not in PILOT_PATHS:
         raise ConfigError(f"pilot_path must be one of {', '.join(PILOT_PATHS)}, got {pilot_path!r}")
     if not pilots:
@@ -235,7 +235,9 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
             refused[b] = exc
             continue
         # (temperature, record) per pilot; the filters act at T > 0 only
-        greedy = {"greedy_path": True} if pilot_path == "greedy" and getattr(method, "greedy_path", False) else {}
+        greedy = {"greedy_path": True} if pilot_path == "greedy" and getattr(method, "takes_greedy_path", False) \
+            else {}
+        used = "greedy" if greedy else "sampled"  # a runner without our decoder's greedy path pilots sampled
         runs = [(t, method.run(ids, max_new_tokens, t, 0,
                                **({"top_k": top_k, "top_p": top_p, **greedy} if t > 0 else {})))
                 for t in map(float, temperatures) for ids in pilots]
@@ -261,7 +263,7 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
     best = max(rows, key=lambda b: rows[b]["est_speedup"])
     return {"best": best, "pilot": rows, "refused": {b: str(e) for b, e in refused.items()},
             "pilot_prompts": len(pilots), "pilot_temperatures": [float(t) for t in temperatures],
-            "pilot_path": pilot_path if any(float(t) > 0 for t in temperatures) else "greedy",
+            "pilot_path": used if any(float(t) > 0 for t in temperatures) else "greedy",
             "curve_busy": curve.get("busy", False)}
 
 
@@ -301,8 +303,10 @@ def run_interleaved(target, methods: list, prompts: list[dict], max_new_tokens: 
                     if kept is not None:
                         kept.clear()
     records = []
+
     def decodes(m, temp) -> bool:  # a method sized for one temperature decodes at that one only
-        return m.temperatures is None or temp in m.temperatures
+        only = getattr(m, "temperatures", None)
+        return only is None or temp in only
 
     bar = tqdm(total=len(mine) * sum(decodes(m, t) for t in temperatures for m in methods), disable=not progress,
                file=sys.stderr, desc=f"bench[{rank}]" if world > 1 else "bench")

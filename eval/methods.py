@@ -27,7 +27,7 @@ class Method:
     config: dict = field(default_factory=dict)
     hooks: list = field(default_factory=list)
     temperatures: tuple | None = None  # the run's temperatures this one decodes (None: all; --budget auto sizes each)
-    greedy_path: bool = False  # run() takes greedy_path (our decoder's: a pilot on the greedy path, scored at T)
+    takes_greedy_path: bool = False  # run() takes greedy_path (our decoder's: a pilot on the greedy path, scored at T)
 
 
 _WARM_MATRIX: dict = {}
@@ -139,7 +139,7 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
             out["chimeric_share"] = chim["draft"].get("chimeric")
         return out
 
-    return Method(name, run, budget=dec.budget, config=spec, hooks=hooks, greedy_path=True)
+    return Method(name, run, budget=dec.budget, config=spec, hooks=hooks, takes_greedy_path=True)
 
 
 def lookup(name: str, extra: dict) -> dict:

@@ -236,11 +236,20 @@ def plan(args, extra: dict, notes: bool = True) -> dict:
             print(f"[budget] --pilot-prompts {args.pilot_prompts} sizes --budget auto's pilots, and this run's budgets "
                   f"are fixed ({args.budget if args.budget is not None else suite.get('budget')}): it changes "
                   "nothing", file=sys.stderr)
+        if args.pilot_path != "sampled" and (budgets != ["auto"] or all(t == 0 for t in temps)):
+            print(f"[budget] --pilot-path {args.pilot_path} sizes --budget auto's pilots at T > 0, and this run has "
+                  "none: it changes nothing", file=sys.stderr)
         if (args.top_k or args.top_p < 1) and all(t == 0 for t in temps):
             print("[sampling] --top-k / --top-p filter sampling at T > 0, and every temperature of this run is 0 "
                   "(greedy): they change nothing (add e.g. --temperature 0,1)", file=sys.stderr)
     return {"suite": suite, "names": names, "budgets": budgets, "limit": limit, "prompts": prompts,
             "set_info": set_info, "max_new": args.max_new_tokens or suite["max_new_tokens"], "temps": temps}
+
+
+def method_key(name: str, temperatures: tuple | None) -> str:
+    """A method's key in results.json's ``methods`` and ``auto_budget``: its name, and its temperature when the run
+    sized one instance per temperature (``Method.temperatures``)."""
+    return name if temperatures is None else f"{name} (T {temperatures[0]:g})"
 
 
 def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named=None, pilot_prompts=1,
@@ -274,12 +283,12 @@ def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named
                 temps = [float(t) for t in (sampling or {}).get("temperatures", (0.0,))]
                 # a run of several temperatures sizes the method for each law apart: one instance per temperature
                 for t in temps:
-                    key = name if len(temps) == 1 else f"{name} (T {t:g})"
-                    auto[key] = measure.auto_budget(lambda x: make_method(name, spec, target, x, curve=curve),
-                                                    curve, pilots, after=release, cap=spec.get("max_budget"),
-                                                    **{**(sampling or {}), "temperatures": (t,)})
-                    m = make_method(name, spec, target, auto[key]["best"], chimeric=chimeric, curve=curve)
-                    m.name, m.temperatures = name, (t,) if len(temps) > 1 else None
+                    only = (t,) if len(temps) > 1 else None
+                    auto[method_key(name, only)] = a = measure.auto_budget(
+                        lambda x: make_method(name, spec, target, x, curve=curve), curve, pilots, after=release,
+                        cap=spec.get("max_budget"), **{**(sampling or {}), "temperatures": (t,)})
+                    m = make_method(name, spec, target, a["best"], chimeric=chimeric, curve=curve)
+                    m.temperatures = only
                     methods.append(m)
             except ConfigError as exc:
                 if not (isinstance(exc, MethodUnavailable) or (named is not None and name not in named)):
@@ -384,8 +393,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     wall = time.time() - t_start
     rep = {
         "suite": args.suite, "args": vars(args), "skipped": skipped,
-        "methods": {m.name if m.temperatures is None else f"{m.name} (T {m.temperatures[0]:g})": m.config
-                    for m in runs},
+        "methods": {method_key(m.name, m.temperatures): m.config for m in runs},
         "skipped_turns": too_long,
         "environment": machine.environment(), "target": str(target.name), "prompt_sets": set_info, "limit": limit,
         "max_new_tokens": max_new, "temperatures": temps, "top_k": args.top_k, "top_p": args.top_p,

@@ -502,11 +502,13 @@ def test_draft_vocabulary_reaches_speculators_and_reads_back(kind, tmp_path):
     got = load_file(str(res.path / "model.safetensors"))
     assert json.loads((res.path / "config.json").read_text())["draft_vocab_size"] == 64
     assert "lm_head.weight" not in got and "d2t" not in got
-    assert any("(16 of 64 ids) dropped" in line and "embedded default target does not fit" in line
+    assert any("(16 of 64 ids) dropped" in line and "embedded default target gives no head rows that fit" in line
                and "--target" in line for line in res.lost)
-    with pytest.raises(ConfigError, match=r"lm_head.weight is \(64, 16\) but the drafter reads 32-wide"):
-        ex.export(folder, "speculators", tmp_path / "x", target=write_hf_target(tmp_path / "n", torch.randn(64, 16),
-                                                                                 torch.randn(64, 16)))
+    bad = write_hf_target(tmp_path / "b", torch.randn(64, 16), torch.randn(64, 16))
+    res = ex.export(folder, "speculators", tmp_path / "v", verifier=str(bad))  # an unasked-for source: lost
+    assert any("--verifier folder gives no head rows" in line for line in res.lost)
+    with pytest.raises(ConfigError, match=r"lm_head.weight is \(64, 16\) but the drafter reads 32-wide.*--target"):
+        ex.export(folder, "speculators", tmp_path / "x", target=bad)
 
 
 def test_speculators_dflash_folders_load_and_bad_ones_are_refused(tmp_path):
@@ -530,6 +532,28 @@ def test_speculators_dflash_folders_load_and_bad_ones_are_refused(tmp_path):
         with pytest.raises(ConfigError, match=match):
             load_dflash(bad)
 
+    # speculators writes transformer_layer_config as a diff against Qwen3Config(): absent keys are its defaults
+    layer = {k: v for k, v in cfg0["transformer_layer_config"].items()
+             if k not in ("max_position_embeddings", "rope_theta", "rope_parameters", "hidden_act", "rms_norm_eps")}
+    diff = tmp_path / "diff"
+    diff.mkdir()
+    (diff / "config.json").write_text(json.dumps({**cfg0, "transformer_layer_config": layer}))
+    save_file(t0, str(diff / "model.safetensors"))
+    m = load_dflash(diff)
+    assert m.config.rope_parameters["rope_theta"] == 10000.0 and m.config.max_position_embeddings == 32768
+    assert m.config.head_dim == 16 and torch.equal(m.draft_vocab, vocab)
+    no_head_dim = {k: v for k, v in cfg0["transformer_layer_config"].items() if k != "head_dim"}
+    refused(r"q_proj.weight has shape \(32, 32\), config.json implies \(256, 32\)",
+            {**cfg0, "transformer_layer_config": no_head_dim})  # Qwen3Config's head_dim 128, as speculators reads it
+    full = {**t0, "d2t": torch.zeros(64, dtype=torch.long), "t2d": torch.ones(64, dtype=torch.bool)}
+    identity = tmp_path / "identity"
+    identity.mkdir()
+    (identity / "config.json").write_text(json.dumps({**cfg0, "draft_vocab_size": 64}))
+    save_file({**full, "lm_head.weight": torch.zeros(64, 32)}, str(identity / "model.safetensors"))
+    assert load_dflash(identity).draft_vocab is None  # a full vocabulary with identity maps
+    perm = torch.arange(64).flip(0) - torch.arange(64)
+    refused("full-size d2t that permutes", {**cfg0, "draft_vocab_size": 64},
+            {**full, "d2t": perm, "lm_head.weight": torch.zeros(64, 32)})
     refused("needs aux_hidden_state_layer_ids", {**cfg0, "aux_hidden_state_layer_ids": None})
     refused("capture ids >= 1", {**cfg0, "aux_hidden_state_layer_ids": [0, 2]})
     refused("target_hidden_size 64 != hidden_size 32", {**cfg0, "target_hidden_size": 64})

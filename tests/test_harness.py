@@ -404,7 +404,7 @@ def test_budget_auto_greedy_path_pilots_ask_the_decoder_for_the_greedy_answer():
     seen = []
 
     class Pilot:
-        greedy_path = True
+        takes_greedy_path = True
 
         def __init__(self, b):
             self.b = b
@@ -414,15 +414,15 @@ def test_budget_auto_greedy_path_pilots_ask_the_decoder_for_the_greedy_answer():
             return {"tau": 2.0, "tau_expected": 1.5, "rounds": 10, "mean_tree_nodes": 4.0, "phase_s": {}}
 
     class Peer(Pilot):
-        greedy_path = False
+        takes_greedy_path = False
 
     curve = {"median_s": {"1": 0.010, "5": 0.010}}
     auto = measure.auto_budget(Pilot, curve, [[1]], candidates=(4,), temperatures=(0.0, 1.0), pilot_path="greedy")
     assert seen == [(0.0, {}), (1.0, {"top_k": 0, "top_p": 1.0, "greedy_path": True})]
     assert auto["pilot_path"] == "greedy" and auto["pilot"][4]["tau"] == pytest.approx((2.0 + 1.5) / 2)
     seen.clear()
-    measure.auto_budget(Peer, curve, [[1]], candidates=(4,), temperatures=(1.0,), pilot_path="greedy")
-    assert seen == [(1.0, {"top_k": 0, "top_p": 1.0})]
+    auto = measure.auto_budget(Peer, curve, [[1]], candidates=(4,), temperatures=(1.0,), pilot_path="greedy")
+    assert seen == [(1.0, {"top_k": 0, "top_p": 1.0})] and auto["pilot_path"] == "sampled"  # what ran
     seen.clear()
     assert measure.auto_budget(Pilot, curve, [[1]], candidates=(4,), temperatures=(1.0,))["pilot_path"] == "sampled"
     assert seen == [(1.0, {"top_k": 0, "top_p": 1.0})]

@@ -28,6 +28,9 @@ WINDOW_KEYS = ("layer_types", "use_sliding_window", "sliding_window", "max_windo
 # Qwen3Config's default, which the reference applies to a config.json without rope_theta
 DEFAULT_ROPE_THETA = 10000.0
 ARCHITECTURE = "DFlashDraftModel"
+# DSpark's export spelling (DSparkDraftModel + these keys in dflash_config), which from_speculators writes too
+DSPARK_ARCHITECTURE = "DSparkDraftModel"
+DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
 
 def is_dflash_layout(config: dict) -> bool:
@@ -70,7 +73,8 @@ def from_speculators(raw: dict, tensors: dict, where: str) -> tuple[dict, dict, 
                layer_types=list(qwen.layer_types or []), tie_word_embeddings=False)
     for key in ("block_size", "mask_token_id", "aux_hidden_state_layer_ids", "draft_vocab_size"):
         if raw.get(key) is None:
-            raise ConfigError(f"{where}: a speculators {kind} config needs {key}")
+            raise ConfigError(f"{where}: a speculators {kind} config needs {key} (speculators and vLLM read it too: "
+                              "set it to the value the drafter was trained with)")
     aux = raw["aux_hidden_state_layer_ids"]
     if not isinstance(aux, list) or not all(is_count(i, 1) for i in aux):
         raise ConfigError(f"{where}: aux_hidden_state_layer_ids must list capture ids >= 1 (hidden-state indices; "
@@ -84,10 +88,8 @@ def from_speculators(raw: dict, tensors: dict, where: str) -> tuple[dict, dict, 
         raise ConfigError(f"{where}: sample_from_anchor must be true or false, got {anchor!r}")
     dcfg = {"mask_token_id": raw["mask_token_id"], "target_layer_ids": [i - 1 for i in aux]}
     if kind == "dspark":
-        dcfg.update(projector_type="dspark", sample_from_anchor=anchor,
-                    **{k: raw[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
-                                           "confidence_head_with_markov") if k in raw})
-        out["architectures"] = ["DSparkDraftModel"]
+        dcfg.update(projector_type="dspark", sample_from_anchor=anchor, **{k: raw[k] for k in DSPARK_KEYS if k in raw})
+        out["architectures"] = [DSPARK_ARCHITECTURE]
     elif anchor:
         raise ConfigError(f"{where}: a dflash with sample_from_anchor true drafts from the anchor row (DeepSpec's "
                           "alignment); graft-block runs that as a dspark without heads: set speculators_model_type "
@@ -99,7 +101,8 @@ def from_speculators(raw: dict, tensors: dict, where: str) -> tuple[dict, dict, 
     tensors = dict(tensors)
     DV = config_int(raw["draft_vocab_size"], "draft_vocab_size", where)
     if DV > V:
-        raise ConfigError(f"{where}: draft_vocab_size {DV} exceeds the vocabulary ({V})")
+        raise ConfigError(f"{where}: draft_vocab_size {DV} exceeds transformer_layer_config.vocab_size {V}: one of "
+                          "the two is wrong (draft_vocab_size counts the d2t entries, vocab_size the target's ids)")
     shapes = {"embed_tokens.weight": (V, H), "lm_head.weight": (DV, H), "verifier_lm_head.weight": (DV, H),
               "verifier_norm.weight": (H,)}
     for name in SPECULATORS_VERIFIER_COPIES:
@@ -107,14 +110,21 @@ def from_speculators(raw: dict, tensors: dict, where: str) -> tuple[dict, dict, 
         if t is not None and tuple(t.shape) != shapes[name]:
             raise ConfigError(f"{where}: {name} has shape {tuple(t.shape)}, the config implies {shapes[name]}")
     d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
-    if DV == V:
-        return out, tensors, None  # the full vocabulary: the maps, if shipped, are the identity speculators ignores
+    if DV == V:  # the full vocabulary: maps, if shipped, must be the identity (vLLM would scatter by a permutation)
+        if d2t is not None and bool(offset_vocab_ids(d2t, t2d, V, where).ne(torch.arange(V)).any()):
+            raise ConfigError(f"{where}: a full-size d2t that permutes the vocabulary is not supported (drop d2t / "
+                              "t2d, or set draft_vocab_size to the restricted count)")
+        return out, tensors, None
     if d2t is None or tuple(d2t.shape) != (DV,):
         raise ConfigError(f"{where}: draft_vocab_size {DV} < {V} needs a d2t tensor of {DV} offsets, got "
                           f"{None if d2t is None else tuple(d2t.shape)}")
     ids = offset_vocab_ids(d2t, t2d, V, where)
     w2 = "markov_head.markov_w2.weight"
-    if w2 in tensors and tensors[w2].shape[0] == DV:
+    if w2 in tensors:  # speculators' W2 projects onto the draft ids; ours spans the vocabulary
+        rows = tensors[w2].shape[0]
+        if rows != DV:
+            raise ConfigError(f"{where}: {w2} has {rows} rows; speculators' Markov head projects onto the "
+                              f"draft_vocab_size {DV} draft ids (a folder written for another vocabulary?)")
         wide = tensors[w2].new_zeros(V, tensors[w2].shape[1])
         wide[ids] = tensors[w2]
         tensors[w2] = wide

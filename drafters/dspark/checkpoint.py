@@ -25,15 +25,14 @@ import torch
 from graft_block.drafter import read_weights, resolve_checkpoint
 from graft_block.errors import ConfigError
 
-from ..dflash.checkpoint import (check_compatible, config_dict, draw_model, from_speculators, load_strict,
-                                 model_from_config, read_config, seeded_init)
+from ..dflash.checkpoint import (DSPARK_ARCHITECTURE, check_compatible, config_dict, draw_model, from_speculators,
+                                 load_strict, model_from_config, read_config, seeded_init)
 from ..dflash.checkpoint import save_checkpoint as dflash_save
 from .model import ALIGNMENTS, DSparkModel, EmbeddingMarkovHead, from_dflash
 
 NATIVE_ARCHITECTURES = ("Qwen3DSparkModel",)
 UNSUPPORTED_ARCHITECTURES = ("Gemma4DSparkModel",)
-EXPORT_ARCHITECTURE = "DSparkDraftModel"
-DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+EXPORT_ARCHITECTURE = DSPARK_ARCHITECTURE
 
 
 def is_dspark_layout(config: dict) -> bool:
