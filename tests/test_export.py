@@ -487,6 +487,9 @@ def test_draft_vocabulary_reaches_speculators_and_reads_back(kind, tmp_path):
             assert torch.equal(have[k], want[k]), k
     if kind == "dspark":
         assert (back.alignment, back.markov_rank, back.confidence_with_markov) == ("zlab", 4, True)
+        del out["sample_from_anchor"]  # absent: speculators' and vLLM's DSpark default, the anchor row drafts
+        (res.path / "config.json").write_text(json.dumps(out))
+        assert load(res.path).alignment == "deepspec"
 
     tied = write_hf_target(tmp_path / "tied", None, embd)  # --target wins over the verifier; a tied head
     got = load_file(str(ex.export(folder, "speculators", tmp_path / "t", target=tied, verifier=str(hf)).path

@@ -83,7 +83,7 @@ def from_speculators(raw: dict, tensors: dict, where: str) -> tuple[dict, dict, 
     if raw.get("target_hidden_size") not in (None, H):
         raise ConfigError(f"{where}: target_hidden_size {raw['target_hidden_size']} != hidden_size {H}; the drafter "
                           "here reads the target's own embeddings and LM head, so the widths must match")
-    anchor = raw.get("sample_from_anchor", False)
+    anchor = raw.get("sample_from_anchor", kind == "dspark")  # speculators' and vLLM's default: DSpark's anchor drafts
     if not isinstance(anchor, bool):
         raise ConfigError(f"{where}: sample_from_anchor must be true or false, got {anchor!r}")
     dcfg = {"mask_token_id": raw["mask_token_id"], "target_layer_ids": [i - 1 for i in aux]}
