@@ -203,30 +203,24 @@ def below_stairs(curve: dict, budgets, drop: float = 0.05) -> list[int]:
     return sorted(out)
 
 
-PILOT_PATHS = ("sampled", "greedy")
-
-
 def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_tokens: int = 48,
-                after=None, cap: int | None = None, temperatures=(0.0,), top_k: int = 0, top_p: float = 1.0,
-                pilot_path: str = "sampled") -> dict:
+                after=None, cap: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0) -> dict:
     """Cost-aware budget: the b maximising tau(b) * cost(1) / (cost(1 + n(b)) + draft(b)), with tau, n(b) (the mean
     non-root nodes verified per round: b for a full tree, fewer where a schedule cuts it) and draft(b) (the seconds per
     round spent outside the verify: drafting, tree building, commit) from pilots of ``max_new_tokens`` on each
-    prompt of ``pilots`` (a list of token-id prompts) at each of the run's ``temperatures`` (seed 0, the run's
-    ``top_k`` / ``top_p``: a sampled run accepts less, so it is sized by sampled pilots, read by their expected
-    acceptance ``tau_expected``; greedy ones by their tau), rounds pooled over all of them (the main job passes one
-    temperature at a time: a method is sized for each law apart), and cost from the measured verify curve. The
-    candidates gain the budgets just below the curve's stairs (``below_stairs``). ``build(b)`` -> Method;
-    ``after()`` runs after each candidate (the main job releases the target's weight pages a drafter read). ``cap``:
-    the most the method takes (a preset's max_budget); larger candidates become it. A candidate the method refuses
-    anyway (a chain longer than its block) is left out, named under "refused"; if it refuses them all, the first
-    refusal is raised. ``pilot_path`` at T > 0: "sampled" pilots decode a sampled answer (another one per candidate
-    budget); "greedy" ones follow the greedy answer, drafting and scoring at T (the same contexts for every budget),
-    where the method's decoder can (``Method.takes_greedy_path``; the record says which path ran)."""
-    if pilot_path not in PILOT_PATHS:
-        raise ConfigError(f"pilot_path must be one of {', '.join(PILOT_PATHS)}, got {pilot_path!r}")
+    prompt of ``pilots`` (a list of token-id prompts; rounds pooled over them) at the run's ``temperature`` (seed 0,
+    the run's ``top_k`` / ``top_p``: a sampled run accepts less, so it is sized by sampled pilots, read by their
+    expected acceptance ``tau_expected``; greedy ones by their tau; a run of several temperatures sizes each apart),
+    and cost from the measured verify curve. The candidates gain the budgets just below the curve's stairs
+    (``below_stairs``). ``build(b)`` -> Method; ``after()`` runs after each candidate (the main job releases the
+    target's weight pages a drafter read). ``cap``: the most the method takes (a preset's max_budget); larger
+    candidates become it. A candidate the method refuses anyway (a chain longer than its block) is left out, named
+    under "refused"; if it refuses them all, the first refusal is raised."""
     if not pilots:
         raise ConfigError("auto_budget needs at least one pilot prompt")
+    temperature = float(temperature)
+    filters = {"top_k": top_k, "top_p": top_p} if temperature > 0 else {}  # the filters act at T > 0 only
     rows, refused = {}, {}
     for b in below_stairs(curve, sorted({min(b, cap) for b in candidates}) if cap is not None else candidates):
         try:
@@ -234,26 +228,21 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
         except ConfigError as exc:
             refused[b] = exc
             continue
-        # (temperature, record) per pilot; the filters act at T > 0 only
-        greedy = {"greedy_path": True} if pilot_path == "greedy" and getattr(method, "takes_greedy_path", False) \
-            else {}
-        used = "greedy" if greedy else "sampled"  # a runner without our decoder's greedy path pilots sampled
-        runs = [(t, method.run(ids, max_new_tokens, t, 0,
-                               **({"top_k": top_k, "top_p": top_p, **greedy} if t > 0 else {})))
-                for t in map(float, temperatures) for ids in pilots]
+        runs = [method.run(ids, max_new_tokens, temperature, 0, **filters) for ids in pilots]
         del method
         gc.collect()  # the pilot's drafter and its weight layouts sit in reference cycles: free them before the next
         if after is not None:
             after()
-        rounds = sum(r.get("rounds") or 0 for _, r in runs)
+        counts = [r.get("rounds") or 0 for r in runs]
+        rounds = sum(counts)
         if rounds:
             # a sampled pilot reads its expected acceptance under the target's law: the draws' noise left out
-            tau = sum(((r.get("tau_expected") if t > 0 else None) or r.get("tau") or 1.0) * (r.get("rounds") or 0)
-                      for t, r in runs) / rounds
-            side = sum(v for _, r in runs for k, v in (r.get("phase_s") or {}).items()
+            key = "tau_expected" if temperature > 0 else "tau"
+            tau = sum((r.get(key) or r.get("tau") or 1.0) * c for r, c in zip(runs, counts)) / rounds
+            side = sum(v for r in runs for k, v in (r.get("phase_s") or {}).items()
                        if k not in ("verify", "overhead")) / rounds
             # what the verify sees: a scheduled tree is cut below b
-            nodes = 1 + sum((r.get("mean_tree_nodes") or b) * (r.get("rounds") or 0) for _, r in runs) / rounds
+            nodes = 1 + sum((r.get("mean_tree_nodes") or b) * c for r, c in zip(runs, counts)) / rounds
         else:
             tau, side, nodes = 1.0, 0.0, 1 + b
         rows[b] = {"tau": tau, "draft_ms": 1e3 * side, "verify_nodes": nodes, "verify_ms": 1e3 * cost_at(curve, nodes),
@@ -262,9 +251,7 @@ def auto_budget(build, curve: dict, pilots, candidates=(4, 8, 16, 32), max_new_t
         raise next(iter(refused.values()))
     best = max(rows, key=lambda b: rows[b]["est_speedup"])
     return {"best": best, "pilot": rows, "refused": {b: str(e) for b, e in refused.items()},
-            "pilot_prompts": len(pilots), "pilot_temperatures": [float(t) for t in temperatures],
-            "pilot_path": used if any(float(t) > 0 for t in temperatures) else "greedy",
-            "curve_busy": curve.get("busy", False)}
+            "pilot_prompts": len(pilots), "pilot_temperature": temperature, "curve_busy": curve.get("busy", False)}
 
 
 # ---- the interleaved loop -----------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ class Method:
     config: dict = field(default_factory=dict)
     hooks: list = field(default_factory=list)
     temperatures: tuple | None = None  # the run's temperatures this one decodes (None: all; --budget auto sizes each)
-    takes_greedy_path: bool = False  # run() takes greedy_path (our decoder's: a pilot on the greedy path, scored at T)
 
 
 _WARM_MATRIX: dict = {}
@@ -116,11 +115,11 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
     dec = SpeculativeDecoder(target, drafter, graft=graft, round_hooks=hooks, schedule=schedule)
     proxies = [h for h in hooks if hasattr(h, "rows")]
 
-    def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0, greedy_path=False):
+    def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0):
         for h in proxies:
             h.rows.clear()
         res = dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=seed, greedy_path=greedy_path)
+                           seed=seed)
         out = {"tokens": res.tokens, **res.stats.to_dict()}  # analysis hooks' time is hook_s, not decode_s
         if graft is not None and hasattr(graft, "state_bytes"):
             out["retrieval_state_bytes"] = int(graft.state_bytes())
@@ -139,7 +138,7 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
             out["chimeric_share"] = chim["draft"].get("chimeric")
         return out
 
-    return Method(name, run, budget=dec.budget, config=spec, hooks=hooks, takes_greedy_path=True)
+    return Method(name, run, budget=dec.budget, config=spec, hooks=hooks)
 
 
 def lookup(name: str, extra: dict) -> dict:

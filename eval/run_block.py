@@ -94,10 +94,6 @@ def parse_args(argv=None, prog: str | None = None):
     ap.add_argument("--pilot-prompts", type=int, default=1,
                     help="--budget auto: the prompts each candidate budget's pilot decodes (48 tokens each, at each of "
                          "the run's temperatures; the first N of the run's; default 1)")
-    ap.add_argument("--pilot-path", default="sampled", choices=measure.PILOT_PATHS,
-                    help="--budget auto at T > 0: 'sampled' pilots decode a sampled answer per candidate budget; "
-                         "'greedy' ones follow the greedy answer, drafting and scoring each round's expected "
-                         "acceptance at the run's temperature (the same contexts for every budget; default sampled)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="output folder (default runs/<suite>-<time>)")
     ap.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up generation per method (0 = none)")
@@ -236,9 +232,6 @@ def plan(args, extra: dict, notes: bool = True) -> dict:
             print(f"[budget] --pilot-prompts {args.pilot_prompts} sizes --budget auto's pilots, and this run's budgets "
                   f"are fixed ({args.budget if args.budget is not None else suite.get('budget')}): it changes "
                   "nothing", file=sys.stderr)
-        if args.pilot_path != "sampled" and (budgets != ["auto"] or all(t == 0 for t in temps)):
-            print(f"[budget] --pilot-path {args.pilot_path} sizes --budget auto's pilots at T > 0, and this run has "
-                  "none: it changes nothing", file=sys.stderr)
         if (args.top_k or args.top_p < 1) and all(t == 0 for t in temps):
             print("[sampling] --top-k / --top-p filter sampling at T > 0, and every temperature of this run is 0 "
                   "(greedy): they change nothing (add e.g. --temperature 0,1)", file=sys.stderr)
@@ -255,8 +248,8 @@ def method_key(name: str, temperatures: tuple | None) -> str:
 def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named=None, pilot_prompts=1,
                   sampling=None):
     """The runnable methods (``sampling``: the run's temperatures, top_k and top_p, which --budget auto's pilots
-    decode at, and their ``pilot_path``; default greedy; with several temperatures, --budget auto builds one
-    instance per temperature, each sized by pilots at its own). A method that cannot run here (MethodUnavailable)
+    decode at; default greedy; with several temperatures, --budget auto builds one instance per temperature, each
+    sized by pilots at its own). A method that cannot run here (MethodUnavailable)
     is skipped with its reason; so is any method the suite added by default (a SmolLM2 drafter beside another
     ``--target``). Any other ConfigError of a method the user named (``named``: --methods, --config; None = all)
     stops the run naming it (a typo in its config, a checkpoint for another target)."""
@@ -280,13 +273,14 @@ def build_methods(names, extra, target, budgets, curve, prompts, chimeric, named
                     methods.append(m)
                     continue
                 pilots = [encode_turn(target, [], p["turns"][0]) for p in prompts[:pilot_prompts]]
-                temps = [float(t) for t in (sampling or {}).get("temperatures", (0.0,))]
+                law = dict(sampling or {})
+                temps = [float(t) for t in law.pop("temperatures", (0.0,))]
                 # a run of several temperatures sizes the method for each law apart: one instance per temperature
                 for t in temps:
                     only = (t,) if len(temps) > 1 else None
                     auto[method_key(name, only)] = a = measure.auto_budget(
                         lambda x: make_method(name, spec, target, x, curve=curve), curve, pilots, after=release,
-                        cap=spec.get("max_budget"), **{**(sampling or {}), "temperatures": (t,)})
+                        cap=spec.get("max_budget"), temperature=t, **law)
                     m = make_method(name, spec, target, a["best"], chimeric=chimeric, curve=curve)
                     m.temperatures = only
                     methods.append(m)
@@ -367,8 +361,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     named = set(args.methods.split(",")) if args.methods is not None else set(extra)  # what the user asked for by name
     runs, skipped, auto = build_methods(names, extra, target, budgets, curve, prompts, args.chimeric, named,
                                         args.pilot_prompts,
-                                        {"temperatures": temps, "top_k": args.top_k, "top_p": args.top_p,
-                                         "pilot_path": args.pilot_path})
+                                        {"temperatures": temps, "top_k": args.top_k, "top_p": args.top_p})
     too_long: list[dict] = []  # turns that outgrew the target's context, per method (run_interleaved's notes)
     trim_heap()
     if rank == 0:
@@ -436,9 +429,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
         est = {k: round(v["est_speedup"], 2) for k, v in a["pilot"].items()}
         print(f"auto budget for {n}: {a['best']} (pilot est. speedup {json.dumps(est)}, "
               f"{a['pilot_prompts']} prompt{'s' if a['pilot_prompts'] > 1 else ''}"
-              + (f" at T {', '.join(f'{t:g}' for t in a['pilot_temperatures'])}"
-                 + (" on the greedy path" if a.get("pilot_path") == "greedy" else "")
-                 if any(a.get("pilot_temperatures") or ()) else "") + ")"
+              + (f" at T {a['pilot_temperature']:g}" if a.get("pilot_temperature") else "") + ")"
               + (f"; refused {', '.join(map(str, a['refused']))}" if a.get("refused") else "")
               + (" - cost curve measured on a busy machine" if a["curve_busy"] else ""))
     if phys is not None:

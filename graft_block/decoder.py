@@ -15,10 +15,8 @@ import torch
 from graft_block.tree import Tree, expected_accept_length, root_only, validate, walk
 
 from .errors import ConfigError
-from .sampling import SamplingConfig, choose, choose_with_law, greedy_tokens, target_probs
+from .sampling import SamplingConfig, choose, choose_with_law
 from .target import Target
-
-GREEDY = SamplingConfig(0.0)
 
 PHASES = ("draft", "tree", "verify", "commit", "overhead")
 
@@ -226,13 +224,7 @@ class SpeculativeDecoder:
         generator: torch.Generator | None = None,
         stream: Any = None,
         stop_on_eos: bool = True,
-        greedy_path: bool = False,
     ) -> Result:
-        """Decode ``max_new_tokens`` after ``prompt`` (token ids, a string or chat messages) at ``temperature`` with
-        ``top_k`` / ``top_p`` (HF's order), drawing from ``generator`` or a fresh one seeded with ``seed``.
-        ``greedy_path``: follow the tokens greedy decoding gives while the drafter drafts for, and
-        ``stats.tau_expected`` scores under, the law of ``temperature`` / ``top_k`` / ``top_p``: a budget pilot whose
-        every candidate budget reads the same contexts (a sampled one reads another trajectory per budget)."""
         sampling = SamplingConfig(temperature, top_k, top_p)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -258,7 +250,7 @@ class SpeculativeDecoder:
         self._sync()
         t0 = time.perf_counter()
         logits, feats = target.prefill(prompt_ids)
-        first = int(choose(logits.view(1, -1), GREEDY if greedy_path else sampling, generator)[0])
+        first = int(choose(logits.view(1, -1), sampling, generator)[0])
         state = DecodeState(target, sampling, generator, prompt_ids.tolist() + [first], int(prompt_ids.numel()))
         state.new_features, state.new_features_start = feats, 0
         if self.drafter is not None:  # the drafter's prompt pass is prefill: kept out of the rounds' phase split
@@ -287,11 +279,7 @@ class SpeculativeDecoder:
                         validate(tree, budget=self.budget, root_token=state.root_token, vocab_size=target.vocab_size)
                 with timer.section("verify"):
                     logits, feats = target.verify(tree)
-                    if greedy_path:  # the greedy choices; the law only scores the round's expected acceptance
-                        choices = greedy_tokens(logits)
-                        law = None if sampling.greedy else target_probs(logits, sampling)
-                    else:
-                        choices, law = choose_with_law(logits, sampling, generator)
+                    choices, law = choose_with_law(logits, sampling, generator)
                     # P(the choice at a node's parent is the node's token): the round's expected acceptance
                     node_p = None if law is None else \
                         law[tree.parents[1:].to(law.device), tree.tokens[1:].to(law.device)]

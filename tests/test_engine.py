@@ -873,39 +873,3 @@ def test_expected_acceptance_is_what_the_sampled_walk_accepts_on_average(tiny_ll
     assert abs(z_score([a - e for a, e, _ in runs])) < 4
     assert abs(z_score([a - c for a, _, c in runs])) > 4
 
-
-def test_a_greedy_path_pilot_follows_greedy_and_scores_the_sampled_law(tiny_llama):
-    """``generate(..., greedy_path=True)`` (--pilot-path greedy): the answer is greedy decoding's, whatever the
-    temperature and seed, so every candidate budget reads the same contexts, while tau_expected scores each round
-    under the run's law: equal to the greedy acceptance under a one-hot law (top_k 1), and each round's own
-    expectation under T = 1 (a hook re-derives it from the verified trees; the greedy walk's tau is not it)."""
-    from graft_block.sampling import target_probs
-    from graft_block.tree import expected_accept_length
-
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    ref = hf_greedy(tiny_llama, prompt, 24)
-
-    class Law:
-        total = 0.0
-
-        def __call__(self, v, state):
-            p = target_probs(v.logits, SamplingConfig(temperature=1.0))
-            self.total += expected_accept_length(v.tree, [1.0] + p[v.tree.parents[1:], v.tree.tokens[1:]].tolist())
-
-    def answer(budget, seed, **sampling):
-        law = Law()
-        drafter = Drafter.from_config({"type": "planted", "reference": ref, "budget": budget, "seed": 7})
-        res = SpeculativeDecoder(tiny_llama, drafter, round_hooks=[law]).generate(
-            prompt, max_new_tokens=24, seed=seed, greedy_path=True, **sampling)
-        return res, law.total
-
-    for budget in (2, 8):
-        for seed in (0, 5):
-            res, total = answer(budget, seed, temperature=1.0)
-            assert res.tokens == ref  # greedy's answer, not a sampled one
-            st = res.stats
-            assert st.expected_accepted == pytest.approx(total, rel=1e-5)
-            assert st.to_dict()["tau_expected"] < st.tau  # the sampled law accepts less than the greedy walk
-        one_hot, _ = answer(budget, 0, temperature=1.0, top_k=1)
-        accepted = sum(k * n for k, n in one_hot.stats.accept_hist.items())
-        assert one_hot.stats.expected_accepted == pytest.approx(accepted)

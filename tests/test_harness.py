@@ -321,7 +321,7 @@ def test_a_budget_sweep_builds_a_capped_chain_once_at_its_cap(monkeypatch):
     sampling = {"temperatures": [1.0], "top_k": 0, "top_p": 0.9}
     methods, _, _ = run_block.build_methods(["pld", "dspark_chain"], {}, Target(), ["auto"], {}, [], False,
                                             sampling=sampling)
-    asked = {**sampling, "temperatures": (1.0,)}
+    asked = {"temperature": 1.0, "top_k": 0, "top_p": 0.9}
     assert caps == {"pld": (None, asked), "dspark_chain": (15, asked)}  # the pilots sample as the run does
     assert [m.temperatures for m in methods] == [None, None]  # one temperature: each decodes at every one
 
@@ -334,9 +334,9 @@ def test_budget_auto_sizes_each_temperature_of_a_run_apart(monkeypatch):
     asked = []
     monkeypatch.setattr(run_block, "make_method", lambda name, spec, target, b, **kw: Method(name, None, b))
 
-    def auto_budget(build, curve, pilots, after=None, cap=None, temperatures=(0.0,), **kw):
-        asked.append((build(4).name, tuple(temperatures), kw))
-        return {"best": 16 if temperatures == (0.0,) else 4}
+    def auto_budget(build, curve, pilots, after=None, cap=None, temperature=0.0, **kw):
+        asked.append((build(4).name, temperature, kw))
+        return {"best": 16 if temperature == 0 else 4}
 
     class Target:
         def release_hf_weights(self):
@@ -345,7 +345,7 @@ def test_budget_auto_sizes_each_temperature_of_a_run_apart(monkeypatch):
     monkeypatch.setattr(measure, "auto_budget", auto_budget)
     methods, _, auto = run_block.build_methods(["pld"], {}, Target(), ["auto"], {}, [], False,
                                                sampling={"temperatures": [0.0, 1.0], "top_k": 5, "top_p": 1.0})
-    assert asked == [("pld", (0.0,), {"top_k": 5, "top_p": 1.0}), ("pld", (1.0,), {"top_k": 5, "top_p": 1.0})]
+    assert asked == [("pld", 0.0, {"top_k": 5, "top_p": 1.0}), ("pld", 1.0, {"top_k": 5, "top_p": 1.0})]
     assert [(m.name, m.budget, m.temperatures) for m in methods] == [("pld", 16, (0.0,)), ("pld", 4, (1.0,))]
     assert {k: a["best"] for k, a in auto.items()} == {"pld (T 0)": 16, "pld (T 1)": 4}
 
@@ -368,9 +368,9 @@ def test_a_preset_runs_at_most_at_its_max_budget():
 
 
 def test_budget_auto_pilots_decode_at_the_runs_temperatures():
-    """A sampled run accepts less than a greedy one, so its budgets come from pilots at its own temperatures (and
-    filters, at T > 0 only), rounds pooled over them, each sampled pilot read by its expected acceptance (its
-    realised tau here would pick 16 again): greedy pilots alone pick 16, sampled ones 4."""
+    """A sampled run accepts less than a greedy one, so its budgets come from pilots at its own temperature (and
+    filters, at T > 0 only), each sampled pilot read by its expected acceptance (its realised tau here would pick 16
+    again): greedy pilots pick 16, sampled ones 4."""
     seen = []
 
     class Pilot:
@@ -388,46 +388,12 @@ def test_budget_auto_pilots_decode_at_the_runs_temperatures():
     curve = {"median_s": {"1": 0.010, "5": 0.010, "17": 0.013}}
     assert measure.auto_budget(Pilot, curve, [[1, 2]], candidates=(4, 16))["best"] == 16
     seen.clear()
-    auto = measure.auto_budget(Pilot, curve, [[1, 2]], candidates=(4, 16), temperatures=(1.0,), top_k=20)
-    assert auto["best"] == 4 and auto["pilot_temperatures"] == [1.0] and auto["pilot"][4]["tau"] == 1.5
+    auto = measure.auto_budget(Pilot, curve, [[1, 2]], candidates=(4, 16), temperature=1.0, top_k=20)
+    assert auto["best"] == 4 and auto["pilot_temperature"] == 1.0 and auto["pilot"][4]["tau"] == 1.5
     assert seen == [(4, 1.0, 0, {"top_k": 20, "top_p": 1.0}), (16, 1.0, 0, {"top_k": 20, "top_p": 1.0})]
     seen.clear()
-    auto = measure.auto_budget(Pilot, curve, [[1, 2]], candidates=(4,), temperatures=(0.0, 1.0), top_p=0.9)
-    assert [(t, f) for _, t, _, f in seen] == [(0.0, {}), (1.0, {"top_k": 0, "top_p": 0.9})]
-    assert auto["pilot"][4]["tau"] == pytest.approx((2.0 * 10 + 1.5 * 10) / 20)
-
-
-def test_budget_auto_greedy_path_pilots_ask_the_decoder_for_the_greedy_answer():
-    """--pilot-path greedy: at T > 0 a pilot asks our decoder for the greedy answer scored at T (greedy_path), so every
-    candidate budget reads the same contexts; at T = 0, or for a method whose runner has no such path (a peer), the
-    pilot is the plain one. The record says which path sized it; an unknown path is refused."""
-    seen = []
-
-    class Pilot:
-        takes_greedy_path = True
-
-        def __init__(self, b):
-            self.b = b
-
-        def run(self, ids, n, temperature, seed, **kw):
-            seen.append((temperature, kw))
-            return {"tau": 2.0, "tau_expected": 1.5, "rounds": 10, "mean_tree_nodes": 4.0, "phase_s": {}}
-
-    class Peer(Pilot):
-        takes_greedy_path = False
-
-    curve = {"median_s": {"1": 0.010, "5": 0.010}}
-    auto = measure.auto_budget(Pilot, curve, [[1]], candidates=(4,), temperatures=(0.0, 1.0), pilot_path="greedy")
-    assert seen == [(0.0, {}), (1.0, {"top_k": 0, "top_p": 1.0, "greedy_path": True})]
-    assert auto["pilot_path"] == "greedy" and auto["pilot"][4]["tau"] == pytest.approx((2.0 + 1.5) / 2)
-    seen.clear()
-    auto = measure.auto_budget(Peer, curve, [[1]], candidates=(4,), temperatures=(1.0,), pilot_path="greedy")
-    assert seen == [(1.0, {"top_k": 0, "top_p": 1.0})] and auto["pilot_path"] == "sampled"  # what ran
-    seen.clear()
-    assert measure.auto_budget(Pilot, curve, [[1]], candidates=(4,), temperatures=(1.0,))["pilot_path"] == "sampled"
-    assert seen == [(1.0, {"top_k": 0, "top_p": 1.0})]
-    with pytest.raises(ConfigError, match="pilot_path must be one of sampled, greedy"):
-        measure.auto_budget(Pilot, curve, [[1]], candidates=(4,), pilot_path="beam")
+    auto = measure.auto_budget(Pilot, curve, [[1, 2]], candidates=(4,), temperature=0.0, top_p=0.9)
+    assert seen == [(4, 0.0, 0, {})] and auto["pilot"][4]["tau"] == 2.0  # greedy: no filters, the realised tau
 
 
 def test_budget_auto_pools_the_rounds_of_every_pilot_prompt():
@@ -463,10 +429,10 @@ def test_a_run_of_two_temperatures_decodes_each_at_its_own_auto_budget(tiny_fold
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
     rep = run_block.main(["--target", str(folder), "--methods", "ar,pld", "--prompts", str(prompts), "--limit", "1",
                           "--max-new-tokens", "8", "--budget", "auto", "--no-progress", "--no-plots",
-                          "--temperature", "0,1", "--pilot-path", "greedy", "--out", str(tmp_path / "run")])
+                          "--temperature", "0,1", "--out", str(tmp_path / "run")])
     auto = rep["auto_budget"]
-    assert set(auto) == {"pld (T 0)", "pld (T 1)"} and auto["pld (T 1)"]["pilot_path"] == "greedy"
-    assert [auto[k]["pilot_temperatures"] for k in sorted(auto)] == [[0.0], [1.0]]
+    assert set(auto) == {"pld (T 0)", "pld (T 1)"}
+    assert [auto[k]["pilot_temperature"] for k in sorted(auto)] == [0.0, 1.0]
     for t in (0.0, 1.0):
         mine = [r for r in rep["records"] if r["method"] == "pld" and r["temperature"] == t]
         ar = [r for r in rep["records"] if r["method"] == "ar" and r["temperature"] == t]
@@ -486,7 +452,7 @@ def test_budget_auto_picks_from_the_measured_curve(tiny_folder, tmp_path, monkey
                           "--temperature", "1", "--out", str(tmp_path / "run")])
     auto = rep["auto_budget"]["pld"]
     assert auto["pilot_prompts"] == 1  # the default: the run's first prompt
-    assert auto["pilot_temperatures"] == [1.0] and auto["pilot_path"] == "sampled"  # a sampled run's pilots sample
+    assert auto["pilot_temperature"] == 1.0  # a sampled run's pilots sample
     assert set(auto["pilot"]) == set(measure.below_stairs(rep["verify_cost_curve"], (4, 8, 16, 32)))
     assert {4, 8, 16, 32} <= set(auto["pilot"]) and auto["best"] in auto["pilot"]
     assert {r["budget"] for r in rep["records"] if r["method"] == "pld"} == {auto["best"]}
