@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from graft_block.drafter import (bundled_checkpoint, bundled_checkpoints, detect_type, offset_vocab_ids,
-                                 read_weights)
+                                 read_weights, vocab_maps)
 from graft_block.errors import ConfigError, run_command
 
 from .dflash.checkpoint import from_speculators, model_from_config
@@ -626,6 +626,9 @@ def _write_speculators(out: Path, config: dict, tensors: dict) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+HF_HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight")  # untied first, then tied
+
+
 def head_rows_tensor(target, ids: torch.Tensor, hidden: int, vocab: int) -> tuple[torch.Tensor, str] | None:
     """The target's LM-head rows for ``ids`` as a float tensor, and where they came from: ``target`` is an HF folder
     (``lm_head.weight``, else the tied ``model.embed_tokens.weight``, in its own dtype), a GGUF or an embedded
@@ -647,14 +650,12 @@ def head_rows_tensor(target, ids: torch.Tensor, hidden: int, vocab: int) -> tupl
     if not files:
         raise ConfigError(f"{folder} holds no *.safetensors: give the target's HF folder with its weights, or its "
                           "GGUF, with --target")
-    found = {}
+    found = {}  # head name -> (the first file holding it, its shape)
     for f in files:
         with safe_open(str(f), "pt") as fh:
-            for name in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"):
-                if name in fh.keys() and name not in found:
-                    found[name] = (f, fh.get_slice(name).get_shape())
-    name = next((n for n in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight") if n in found),
-                None)
+            for name in set(HF_HEAD_NAMES) & set(fh.keys()) - set(found):
+                found[name] = (f, fh.get_slice(name).get_shape())
+    name = next((n for n in HF_HEAD_NAMES if n in found), None)
     if name is None:
         raise ConfigError(f"{folder}: its weights hold neither lm_head.weight nor model.embed_tokens.weight: give "
                           "the target's full weights with --target")
@@ -692,10 +693,8 @@ def _speculators_draft_vocab(s: dict, tensors: dict, target, verifier, res: Expo
     if head is None:
         return lost(f"{tokenizer_source(source)} holds no LM head")
     rows, where = head
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    out = {"lm_head.weight": rows.to(tensors["fc.weight"].dtype).contiguous(),
-           "d2t": (ids - torch.arange(ids.numel())).contiguous(), "t2d": t2d}
+    d2t, t2d = vocab_maps(ids, V)
+    out = {"lm_head.weight": rows.to(tensors["fc.weight"].dtype).contiguous(), "d2t": d2t, "t2d": t2d}
     w2 = "markov_head.markov_w2.weight"
     if w2 in tensors:  # speculators' markov_w2 projects onto the draft vocabulary
         out[w2] = tensors[w2][ids].contiguous()
@@ -784,10 +783,7 @@ def speculators_eagle3(src: Source, out: Path, verifier=None, tokens=None, targe
     for k, v in tensors.items():
         out_t["layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k] = v
     if DV < V:
-        d2t = out_t["d2t"].long()
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[torch.arange(DV) + d2t] = True
-        out_t["d2t"], out_t["t2d"] = d2t, t2d
+        out_t["d2t"], out_t["t2d"] = vocab_maps(torch.arange(DV) + out_t["d2t"].long(), V)
     if not verifier:
         res.notes.append("no --verifier: speculators_config.verifier.name_or_path is null; serve with the target "
                          "as vLLM's --model")

@@ -443,6 +443,17 @@ def offset_vocab_ids(d2t, t2d, vocab: int, where: str = ""):
     return ids
 
 
+def vocab_maps(ids, vocab: int):
+    """``offset_vocab_ids``' inverse: (``d2t`` int64 offsets, ``t2d`` bool mask over ``vocab``) for the draft
+    vocabulary ``ids``, target ids in ascending order (as EAGLE and speculators store one)."""
+    import torch
+
+    ids = ids.detach().cpu().long()
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    return (ids - torch.arange(ids.numel())).contiguous(), t2d
+
+
 def is_count(value, minimum: int = 0) -> bool:
     """An int of at least ``minimum``, never a bool (``isinstance(True, int)`` holds: True would pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from graft_block.drafter import offset_vocab_ids, read_config_json, read_weights
+from graft_block.drafter import offset_vocab_ids, read_config_json, read_weights, vocab_maps
 from graft_block.errors import ConfigError
 
 from .model import Eagle3Config, Eagle3Head
@@ -194,9 +194,5 @@ def build_draft_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, to
     V = counts.numel()
     size = min(int(size), V)
     order = torch.sort(-counts.double(), stable=True).indices[:size]
-    used = order.sort().values
-    d2t = used - torch.arange(size)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[used] = True
-    return d2t.long(), t2d
+    return vocab_maps(order.sort().values, V)
 

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from graft_block.drafter import resolve_checkpoint
+from graft_block.drafter import resolve_checkpoint, vocab_maps
 from graft_block.errors import ConfigError
 
 from .checkpoint import build_draft_vocab, load_head
@@ -231,9 +231,9 @@ def widen_draft_vocab(head: Eagle3Head, target, add_ids: torch.Tensor) -> Eagle3
     state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
     missing, unexpected = wide.load_state_dict(state, strict=False)
     assert set(missing) == {"lm_head.weight", "d2t", "t2d"} and not unexpected, (missing, unexpected)
-    wide.d2t.copy_(used - torch.arange(used.numel()))
-    wide.t2d.zero_()
-    wide.t2d[used] = True
+    d2t, t2d = vocab_maps(used, cfg.vocab_size)
+    wide.d2t.copy_(d2t)
+    wide.t2d.copy_(t2d)
     target_rows = target.model.get_output_embeddings().weight.detach().float().cpu()
     trained = head.lm_head.weight.detach().float().cpu()
     src = target_rows[old]
