@@ -45,9 +45,14 @@ def is_dflash_layout(config: dict) -> bool:
     return isinstance(config.get("dflash_config"), dict)
 
 
-# the verifier's frozen tensors a speculators DFlash / DSpark folder carries: the drafter reads the target's own
-SPECULATORS_VERIFIER_COPIES = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
-                               "verifier_norm.weight")
+def drop_frozen_copies(tensors: dict, shapes: dict, where: str) -> None:
+    """Remove a checkpoint's frozen copies of the target's tensors (``shapes``: name -> the shape its config implies),
+    which the drafter never reads (it reads the target's own); a copy of another shape is a ConfigError."""
+    for name, shape in shapes.items():
+        t = tensors.pop(name, None)
+        if t is not None and tuple(t.shape) != tuple(shape):
+            raise ConfigError(f"{where}: {name} has shape {tuple(t.shape)}, the config implies {tuple(shape)}")
+
 
 
 def from_speculators(raw: dict, tensors: dict, where: str) -> tuple[dict, dict, torch.Tensor | None]:
@@ -103,12 +108,8 @@ def from_speculators(raw: dict, tensors: dict, where: str) -> tuple[dict, dict, 
     if DV > V:
         raise ConfigError(f"{where}: draft_vocab_size {DV} exceeds transformer_layer_config.vocab_size {V}: one of "
                           "the two is wrong (draft_vocab_size counts the d2t entries, vocab_size the target's ids)")
-    shapes = {"embed_tokens.weight": (V, H), "lm_head.weight": (DV, H), "verifier_lm_head.weight": (DV, H),
-              "verifier_norm.weight": (H,)}
-    for name in SPECULATORS_VERIFIER_COPIES:
-        t = tensors.pop(name, None)
-        if t is not None and tuple(t.shape) != shapes[name]:
-            raise ConfigError(f"{where}: {name} has shape {tuple(t.shape)}, the config implies {shapes[name]}")
+    drop_frozen_copies(tensors, {"embed_tokens.weight": (V, H), "lm_head.weight": (DV, H),
+                                 "verifier_lm_head.weight": (DV, H), "verifier_norm.weight": (H,)}, where)
     d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
     if DV == V:  # the full vocabulary: maps, if shipped, must be the identity (vLLM would scatter by a permutation)
         if d2t is not None and bool(offset_vocab_ids(d2t, t2d, V, where).ne(torch.arange(V)).any()):

@@ -25,8 +25,8 @@ import torch
 from graft_block.drafter import read_weights, resolve_checkpoint
 from graft_block.errors import ConfigError
 
-from ..dflash.checkpoint import (DSPARK_ARCHITECTURE, check_compatible, config_dict, draw_model, from_speculators,
-                                 load_strict, model_from_config, read_config, seeded_init)
+from ..dflash.checkpoint import (DSPARK_ARCHITECTURE, check_compatible, config_dict, draw_model, drop_frozen_copies,
+                                 from_speculators, load_strict, model_from_config, read_config, seeded_init)
 from ..dflash.checkpoint import save_checkpoint as dflash_save
 from .model import ALIGNMENTS, DSparkModel, EmbeddingMarkovHead, from_dflash
 
@@ -138,11 +138,8 @@ def load_checkpoint(folder: str | Path, device=None, dtype=None) -> DSparkModel:
         raw, tensors, vocab = from_speculators(raw, tensors, f"{folder}/config.json")
     model = model_from_dspark_config(raw, vocab, f"{folder}/config.json")
     V, H = model.config.vocab_size, model.config.hidden_size
-    for name in ("embed_tokens.weight", "lm_head.weight"):  # DeepSpec's frozen copies of the target's
-        t = tensors.pop(name, None)
-        if t is not None and tuple(t.shape) != (V, H):
-            raise ConfigError(f"DSpark checkpoint {folder}: {name} has shape {tuple(t.shape)}, config.json implies "
-                              f"{(V, H)} (vocab_size x hidden_size)")
+    drop_frozen_copies(tensors, {"embed_tokens.weight": (V, H), "lm_head.weight": (V, H)},  # DeepSpec's copies
+                       f"DSpark checkpoint {folder}")
     return load_strict(model, tensors, folder, device, dtype, what="DSpark")
 
 
