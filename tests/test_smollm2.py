@@ -111,6 +111,37 @@ def test_a_speculators_export_drafts_as_the_bundled_drafter(name, smollm2, fibon
     assert runs[1][0] > 1.0 and (name != "dflash-smollm2" or runs[0] == runs[1])
 
 
+def test_vllm_speculators_drafts_from_our_exports(tmp_path):
+    """speculators' own model classes (0.9.0, in a side venv: scripts/check_speculators.sh) load the bundled DFlash,
+    DSpark and EAGLE-3 drafters as exported and reproduce graft-block's draft logits (and DSpark's confidences);
+    the same check fails on an export with one weight off by 1%."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    root = Path(__file__).resolve().parents[1]
+    if Path(sys.prefix).resolve() != (root / ".venv").resolve():
+        pytest.skip("the check builds its side venv from this repository's .venv (scripts/install.sh)")
+    run = subprocess.run(["bash", "scripts/check_speculators.sh", str(tmp_path)], cwd=root, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.stdout.count("OK: speculators'") == 3, run.stdout[-4000:]
+    for cls in ("DFlashDraftModel", "DSparkDraftModel", "Eagle3DraftModel"):
+        assert f"OK: speculators' {cls} reproduces" in run.stdout
+    weights = tmp_path / "dflash-smollm2" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["layers.1.mlp.down_proj.weight"] = tensors["layers.1.mlp.down_proj.weight"] * 1.01
+    save_file(tensors, weights)
+    side = os.environ.get("GRAFT_BLOCK_SPECULATORS_VENV", str(root / ".venv-speculators"))
+    bad = subprocess.run([f"{side}/bin/python", "scripts/check_speculators.py", "compare",
+                          str(weights.parent), "--ref", str(tmp_path / "dflash-smollm2.pt")],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "FAIL: speculators' logits differ" in bad.stderr, bad.stdout + bad.stderr
+
+
 def test_smollm2_mfd_sampling_exact(smollm2):
     """T=1 with top-k 4 on the real target and the bundled K=4 drafter: the joint law of the first 2 new tokens
     (token 2 comes through the mixed tree's depth-1 nodes) equals the target's exact law (chi-square p > 1e-3);

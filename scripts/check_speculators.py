@@ -1,0 +1,205 @@
+"""Does vLLM speculators read our exported DFlash / DSpark folders as we draft with them?
+
+Two halves, two interpreters, because speculators pins an older transformers than graft-block:
+  reference (graft-block's venv): our drafter's teacher-forced block logits at a few anchors of one real sequence,
+      with the target features they read, saved to one file;
+  compare (a venv with speculators): speculators' own model class loads the exported folder, runs its training
+      forward (the one its trainer and converter use) on the same features, and the logits are compared row by row.
+scripts/check_speculators.sh runs both. Nothing here imports speculators' code into graft-block.
+"""
+import argparse
+import json
+import sys
+
+import torch
+
+TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+        "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\nfor i in range(10):\n    print(i, fibonacci(i))\n"
+        "The loop prints the first ten Fibonacci numbers, one per line, each after its index.")
+
+
+def reference(args) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from graft_block.drafter import resolve_checkpoint
+    from graft_block.drafters.dflash.checkpoint import load_checkpoint as load_dflash, read_config
+    from graft_block.drafters.dspark.checkpoint import is_dspark_layout, load_checkpoint as load_dspark
+    from graft_block.drafters.eagle3.checkpoint import is_eagle3_config
+    from graft_block.target import embedded_folder
+
+    folder = resolve_checkpoint(args.drafter)
+    raw = read_config(folder)
+    tgt_dir = embedded_folder(args.target)
+    tok = AutoTokenizer.from_pretrained(tgt_dir)
+    target = AutoModelForCausalLM.from_pretrained(tgt_dir, dtype=torch.float32).eval()
+    ids = tok(TEXT, return_tensors="pt").input_ids
+    if is_eagle3_config(raw):
+        return eagle3_reference(args, folder, target, ids)
+    dspark = is_dspark_layout(raw)
+    model = (load_dspark if dspark else load_dflash)(folder, dtype=torch.float32).eval()
+    B = model.block_size
+    with torch.inference_mode():
+        hs = target(ids, output_hidden_states=True).hidden_states
+        features = torch.cat([hs[i] for i in model.feature_layers], -1)
+        embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+        offset = getattr(model, "draft_offset", 1)
+        rows = []
+        for a in args.anchors:
+            if a < 1 or a + B > ids.shape[1]:
+                sys.exit(f"anchor {a} leaves no room for a {B}-token block in {ids.shape[1]} tokens")
+            ctx = model.fuse(features[:, :a])
+            kv = model.context_kv(ctx, torch.arange(a).view(1, -1))
+            block = torch.full((B,), model.mask_token_id)
+            block[0] = ids[0, a]
+            hidden = model(embed[block], torch.arange(a, a + B), kv)[offset:]
+            logits = model.logits(hidden, head).float()
+            conf = None
+            if dspark:
+                j = torch.arange(hidden.shape[0])
+                prev = ids[0, a + j]  # teacher forcing: draft j's previous token is the real one
+                if model.markov_head is not None:
+                    lat = model.markov_latents(prev.view(1, -1), hidden.unsqueeze(0), j.view(1, -1))[0]
+                    logits = logits + model.markov_project(lat, model.draft_vocab).float()
+                c = model.confidence_logits(hidden, prev)
+                conf = None if c is None else c.float()
+            rows.append({"anchor": a, "hidden": hidden.float(), "logits": logits, "confidence": conf})
+    vocab = model.draft_vocab if model.draft_vocab is not None else torch.arange(head.shape[0])
+    torch.save({"kind": "dspark" if dspark else "dflash", "input_ids": ids, "features": features, "rows": rows, "vocab": vocab, "offset": offset,
+                "markov_first_draft": bool(getattr(model, "markov_first_draft", True)), "dspark": dspark,
+                "drafter": str(folder)}, args.out)
+    print(f"reference: {folder} ({'DSpark' if dspark else 'DFlash'}), {ids.shape[1]} tokens, anchors {args.anchors}")
+
+
+def sig(x) -> float:
+    return float(f"{float(x):.3g}")
+
+
+def eagle3_reference(args, folder, target, ids) -> None:
+    """EAGLE-3's first draft at every position (feature t with token t + 1 -> token t + 2), causal as in a
+    prefill: the step speculators' trainer runs first."""
+    from graft_block.drafters.eagle3.checkpoint import load_head
+
+    head = load_head(folder, dtype=torch.float32).eval()
+    layers = [i + 1 for i in head.cfg.aux_layer_ids]
+    with torch.inference_mode():
+        hs = target(ids, output_hidden_states=True).hidden_states
+        features = torch.cat([hs[i] for i in layers], -1)[:, :-1]
+        emb = target.get_input_embeddings().weight[ids[0, 1:]].unsqueeze(0)
+        g = head.fuse(features)
+        out, _, _ = head(emb, g, torch.arange(g.shape[1]).view(1, -1))
+        logits = head.logits(out)[0].float()
+    torch.save({"kind": "eagle3", "input_ids": ids, "features": features, "logits": logits, "d2t": head.d2t,
+                "drafter": str(folder)}, args.out)
+    print(f"reference: {folder} (EAGLE-3), {ids.shape[1]} tokens, first draft at every position")
+
+
+def eagle3_compare(model, ref) -> float:
+    ids, feats = ref["input_ids"], ref["features"]
+    if not torch.equal(model.d2t.long(), ref["d2t"].long()):
+        sys.exit("FAIL: the folder's d2t is not graft-block's draft vocabulary")
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(out))
+    with torch.no_grad():
+        model(feats, ids[:, 1:], torch.zeros_like(ids[:, 1:]), ttt_steps=1)
+    hook.remove()
+    diff = (seen[0][0] - ref["logits"]).abs().amax(-1)
+    agree = (seen[0][0].argmax(-1) == ref["logits"].argmax(-1)).float().mean()
+    print(json.dumps({"class": type(model).__name__, "positions": len(diff), "logits_max_abs_diff": sig(diff.max()),
+                      "top1_agree": sig(agree)}))
+    return float(diff.max())
+
+
+def compare(args) -> None:
+    from speculators import SpeculatorModel, SpeculatorModelConfig
+
+    ref = torch.load(args.ref)
+    cfg = SpeculatorModelConfig.from_pretrained(args.folder)
+    cfg.transformer_layer_config._attn_implementation = "sdpa"  # flex attention compiles; SDPA's mask is the same
+    model = SpeculatorModel.from_pretrained(args.folder, config=cfg).float().eval()
+    # again, in fp32 and overwriting: the first load rounded the target's rows to the folder's dtype, and an EAGLE-3
+    # folder without embed_tokens comes back from transformers' init of missing keys as zeros, not its NaN sentinel
+    model._load_verifier_weights(overwrite_embed_tokens=True, overwrite_lm_head=not model.use_draft_vocab)
+    if bool(model.embed_tokens.weight.isnan().any()):
+        sys.exit("speculators left embed_tokens unset: export with --verifier naming the target's HF folder")
+    if ref["kind"] == "eagle3":
+        return verdict(model, eagle3_compare(model, ref), args.tol)
+    ids, feats = ref["input_ids"], ref["features"]
+    L, B = ids.shape[1], model.block_size
+    sorted_vocab, order = torch.sort(ref["vocab"])  # speculators' draft columns are in ascending id order
+    worst, report = 0.0, []
+    if model.use_draft_vocab and not torch.equal(model.d2t + torch.arange(len(model.d2t)), sorted_vocab):
+        sys.exit("FAIL: the folder's d2t maps its draft columns to other ids than graft-block's draft vocabulary")
+    for row in ref["rows"]:
+        a = row["anchor"]
+        loss_mask = torch.zeros(1, L, dtype=torch.long)
+        loss_mask[0, a] = 1  # the one valid anchor, so its sampler can pick no other
+        with torch.no_grad():
+            hidden, logits, _, _, _ = model._backbone_forward(
+                feats, ids, loss_mask, torch.zeros(1, L, feats.shape[-1] // len(model.target_layer_ids)),
+                torch.zeros(1, L, dtype=torch.long), max_anchors=1)
+            hidden = hidden.view(1, B, -1)
+            # speculators' verifier head is the verifier folder's rows picked by t2d, in fp32: the backbone's exact
+            # check; the checkpoint's lm_head (what vLLM reads) holds the same rows rounded to the drafter's dtype
+            exact, served = model.verifier_lm_head(hidden)[0], logits.view(B, -1)
+            prev = ids[0, a:a + B] if model.config.sample_from_anchor else \
+                torch.cat([ids[0, a:a + 1], ids[0, a:a + B - 1]])
+            conf, prev_emb = None, None
+            markov = getattr(model, "markov_head", None)
+            if markov is not None:
+                prev_emb = markov.prev_embeddings(prev.view(1, -1))
+                bias = markov.block_bias(prev_token_ids=prev.view(1, -1), hidden_states=hidden,
+                                         prev_emb=prev_emb).view(B, -1)
+                exact, served = exact + bias, served + bias
+            if getattr(model, "confidence_head", None) is not None:
+                feat = hidden if not model.config.confidence_head_with_markov or prev_emb is None else \
+                    torch.cat([hidden, prev_emb.to(hidden.dtype)], -1)
+                conf = model.confidence_head(feat).view(B)
+        skip = 0 if model.config.sample_from_anchor else 1  # z-lab's alignment: slot 0 is the anchor's own
+        ours = row["logits"][:, order]
+        n = min(B - skip, len(ours))
+        exact, served, hid = exact[skip:skip + n], served[skip:skip + n], hidden[0, skip:skip + n]
+        first_only = not ref["markov_first_draft"] and markov is not None
+        keep = slice(1, n) if first_only else slice(0, n)  # vLLM biases the first draft too (the export's lost line)
+        diff = (exact - ours[:n]).abs().amax(-1)
+        line = {"anchor": a, "hidden_max_abs_diff": sig((hid - row["hidden"][:n]).abs().max()),
+                "logits_max_abs_diff": sig(diff[keep].max()),
+                "served_head_max_abs_diff": sig((served - ours[:n]).abs().amax(-1)[keep].max()),
+                "served_head_top1_agree": sig((served.argmax(-1) == ours[:n].argmax(-1))[keep].float().mean())}
+        worst = max(worst, line["logits_max_abs_diff"])
+        if first_only:
+            line["first_draft_diff"] = sig(diff[0])
+        if conf is not None and row["confidence"] is not None:
+            cdiff = (conf[skip:skip + n] - row["confidence"][:n]).abs()
+            line["confidence_max_abs_diff"] = sig(cdiff[keep].max())
+            worst = max(worst, line["confidence_max_abs_diff"])
+        report.append(line)
+    print(json.dumps({"folder": args.folder, "class": type(model).__name__, "draft_vocab": int(model.draft_vocab_size)}))
+    for line in report:
+        print(" ", json.dumps(line))
+    verdict(model, worst, args.tol)
+
+
+def verdict(model, worst: float, tol: float) -> None:
+    if worst > tol:
+        sys.exit(f"FAIL: speculators' logits differ from graft-block's by {worst:.3g} (> {tol})")
+    print(f"OK: speculators' {type(model).__name__} reproduces graft-block's drafts (max |diff| {worst:.2g})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("reference", help="graft-block's side (run in graft-block's venv)")
+    r.add_argument("drafter", help="a bundled DFlash / DSpark drafter name or folder")
+    r.add_argument("--target", default="smollm2-135m")
+    r.add_argument("--anchors", type=lambda s: [int(x) for x in s.split(",")], default=[12, 30, 47])
+    r.add_argument("--out", required=True)
+    c = sub.add_parser("compare", help="speculators' side (run in a venv with speculators)")
+    c.add_argument("folder", help="the folder `graft-block export --to speculators` wrote")
+    c.add_argument("--ref", required=True)
+    c.add_argument("--tol", type=float, default=1e-3)
+    args = p.parse_args()
+    reference(args) if args.cmd == "reference" else compare(args)
+
+
+if __name__ == "__main__":
+    main()
