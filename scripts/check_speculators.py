@@ -64,8 +64,9 @@ def reference(args) -> None:
                 conf = None if c is None else c.float()
             rows.append({"anchor": a, "hidden": hidden.float(), "logits": logits, "confidence": conf})
     vocab = model.draft_vocab if model.draft_vocab is not None else torch.arange(head.shape[0])
-    torch.save({"kind": "dspark" if dspark else "dflash", "input_ids": ids, "features": features, "rows": rows, "vocab": vocab, "offset": offset,
-                "markov_first_draft": bool(getattr(model, "markov_first_draft", True)), "dspark": dspark,
+    torch.save({"kind": "dspark" if dspark else "dflash", "input_ids": ids, "features": features, "rows": rows,
+                "vocab": vocab, "offset": offset,
+                "markov_first_draft": bool(getattr(model, "markov_first_draft", True)),
                 "drafter": str(folder)}, args.out)
     print(f"reference: {folder} ({'DSpark' if dspark else 'DFlash'}), {ids.shape[1]} tokens, anchors {args.anchors}")
 
@@ -173,7 +174,8 @@ def compare(args) -> None:
             line["confidence_max_abs_diff"] = sig(cdiff[keep].max())
             worst = max(worst, line["confidence_max_abs_diff"])
         report.append(line)
-    print(json.dumps({"folder": args.folder, "class": type(model).__name__, "draft_vocab": int(model.draft_vocab_size)}))
+    print(json.dumps({"folder": args.folder, "class": type(model).__name__,
+                      "draft_vocab": int(model.draft_vocab_size)}))
     for line in report:
         print(" ", json.dumps(line))
     verdict(model, worst, args.tol)
