@@ -336,6 +336,17 @@ def test_relative_links_resolve(path):
     assert not problems, f"{rel(path)}:\n" + "\n".join(problems)
 
 
+@pytest.mark.parametrize("path", MARKDOWN, ids=rel)
+def test_every_table_has_a_header_row(path):
+    """A run of `|` lines starts with a header and a `|---|` separator: without them markdown renders the rows
+    as one paragraph, and the checks that find tables by their header (methods named, presets) skip them."""
+    lines = prose(path.read_text()).splitlines()
+    problems = [f"line {i + 1} of the prose: {line[:60]}" for i, line in enumerate(lines)
+                if line.startswith("|") and not (i and lines[i - 1].startswith("|"))
+                and not re.fullmatch(r"\|(\s*:?-+:?\s*\|)+\s*", lines[i + 1] if i + 1 < len(lines) else "")]
+    assert not problems, f"{rel(path)} has tables without a header row:\n" + "\n".join(problems)
+
+
 # ---- the README's own claims --------------------------------------------------------------------------------
 def test_readme_is_short():
     n = len(README.read_text().splitlines())
