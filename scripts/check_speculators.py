@@ -115,13 +115,18 @@ def compare(args) -> None:
 
     ref = torch.load(args.ref)
     cfg = SpeculatorModelConfig.from_pretrained(args.folder)
+    if cfg.speculators_config.verifier.name_or_path is None:  # speculators would look it up on the hub
+        sys.exit(f"{args.folder} names no verifier, so speculators has no target embeddings to draft with: export it "
+                 "with --verifier naming the target's HF folder")
     cfg.transformer_layer_config._attn_implementation = "sdpa"  # flex attention compiles; SDPA's mask is the same
     model = SpeculatorModel.from_pretrained(args.folder, config=cfg).float().eval()
     # again, in fp32 and overwriting: the first load rounded the target's rows to the folder's dtype, and an EAGLE-3
     # folder without embed_tokens comes back from transformers' init of missing keys as zeros, not its NaN sentinel
     model._load_verifier_weights(overwrite_embed_tokens=True, overwrite_lm_head=not model.use_draft_vocab)
-    if bool(model.embed_tokens.weight.isnan().any()):
-        sys.exit("speculators left embed_tokens unset: export with --verifier naming the target's HF folder")
+    expected = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "eagle3": "Eagle3DraftModel"}[ref["kind"]]
+    if type(model).__name__ != expected:
+        sys.exit(f"--ref {args.ref} is a {ref['kind']} reference, but {args.folder} loads as {type(model).__name__}: "
+                 "pass the reference written for this folder's drafter")
     if ref["kind"] == "eagle3":
         return verdict(model, eagle3_compare(model, ref), args.tol)
     ids, feats = ref["input_ids"], ref["features"]
