@@ -789,6 +789,9 @@ def speculators_eagle3(src: Source, out: Path, verifier=None, tokens=None, targe
         res.notes.append("no --verifier: speculators_config.verifier.name_or_path is null; serve with the target "
                          "as vLLM's --model")
     res.notes.append("vLLM drafts one chain (num_speculative_tokens), not this project's EAGLE-2 tree")
+    if "embed_tokens.weight" not in out_t:
+        res.notes.append("no embed_tokens (vLLM shares the target's); speculators' own from_pretrained then leaves "
+                         "them zero: call its _load_verifier_weights(overwrite_embed_tokens=True) before using it")
     _write_speculators(out, cfg, out_t)
     res.tensors = sorted(out_t)
     return res

@@ -288,6 +288,7 @@ def test_bundled_to_speculators(name, tmp_path):
         assert out["speculators_model_type"] == sc["algorithm"] == "eagle3"
         assert out["architectures"] == ["Eagle3Speculator"] and layer["model_type"] == "llama"
         assert out["draft_vocab_size"] == cfg["draft_vocab_size"] == 8908
+        assert "embed_tokens.weight" not in got and any("no embed_tokens" in n for n in res.notes)
         assert out["norm_before_residual"] is False and out["norm_before_fc"] is False
         assert out["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]  # vLLM capture ids
         mapped = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in src.items()}
@@ -598,7 +599,8 @@ def test_tiny_eagle3_speculators_layout(tmp_path, tiny_tok):
     back = load_file(str(res.path / "model.safetensors"))
     assert out["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5] and out["norm_before_fc"] is True
     assert out["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
-    assert set(back) == set(src)
+    assert set(back) == set(src) and "embed_tokens.weight" in back
+    assert not any("no embed_tokens" in n for n in res.notes)  # its own embeddings travel
     for k, v in src.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
 
