@@ -5,11 +5,12 @@
 # (GRAFT_BLOCK_SPECULATORS_VENV, default .venv-speculators) that reuses .venv's torch through a .pth file: no second
 # torch is downloaded. First run ~30 s of installs; usage: bash scripts/check_speculators.sh [OUT_FOLDER]
 set -euo pipefail
+OUT=$(realpath -m "${1:-$(dirname "$0")/../runs/speculators-check}")  # relative to where it was called from
 cd "$(dirname "$0")/.."
 SIDE=${GRAFT_BLOCK_SPECULATORS_VENV:-.venv-speculators}
-OUT=${1:-runs/speculators-check}
 [ -x .venv/bin/python ] || { echo "no .venv: run bash scripts/install.sh first" >&2; exit 2; }
-if ! "$SIDE/bin/python" -c "import speculators" 2>/dev/null; then
+READY="import speculators, transformers; assert transformers.__version__ == '5.19.0', transformers.__version__"
+if ! "$SIDE/bin/python" -c "$READY" 2>/dev/null; then
     .venv/bin/python -m venv "$SIDE"  # the same interpreter, so .venv's compiled packages load in it
     main_site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     side_site=$("$SIDE/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
@@ -18,17 +19,18 @@ if ! "$SIDE/bin/python" -c "import speculators" 2>/dev/null; then
     # speculators' requirements without torch / torchvision / torchaudio (it imports none of the last two)
     $PIP aiohttp click "datasets>=4.0.0,<=5.1.0" httpx huggingface-hub "loguru>=0.7.2,<=0.7.3" openai protobuf \
         psutil pydantic pydantic-settings rich typer hs-connectors==0.9.0 transformers==5.19.0 2>&1 \
-        | grep -v "dependency resolver\|requires transformers\|requires uvicorn\|^WARNING: Location" || true
+        | sed "/dependency resolver\|requires transformers\|requires uvicorn\|^WARNING: Location/d"
     $PIP --no-deps speculators==0.9.0
+    "$SIDE/bin/python" -c "$READY"  # a failed install stops here, with speculators' own error
 fi
 mkdir -p "$OUT"
 verifier=$(.venv/bin/python -c "from graft_block.target import embedded_folder; print(embedded_folder('smollm2-135m'))")
 for drafter in dflash-smollm2 dspark-smollm2 eagle3-smollm2; do
     echo "== $drafter"
-    .venv/bin/graft-block export "$drafter" --to speculators --out "$OUT/$drafter" --verifier "$verifier" --force \
-        | grep -E "^(wrote|  lost)" || true
-    .venv/bin/python scripts/check_speculators.py reference "$drafter" --out "$OUT/$drafter.pt" 2>&1 \
-        | grep -v "^Loading weights"
+    rm -rf "$OUT/$drafter" "$OUT/$drafter.pt"  # a failed export must not leave the last run's folder to check
+    .venv/bin/graft-block export "$drafter" --to speculators --out "$OUT/$drafter" --verifier "$verifier" \
+        | sed -n "/^wrote\|^  lost/p"
+    .venv/bin/python scripts/check_speculators.py reference "$drafter" --out "$OUT/$drafter.pt"
     "$SIDE/bin/python" scripts/check_speculators.py compare "$OUT/$drafter" --ref "$OUT/$drafter.pt" 2>&1 \
-        | grep -v "| INFO \|| WARNING \|^Loading weights\|Warning:" 
+        | sed "/| INFO \|| WARNING \|Warning:/d"
 done

@@ -114,8 +114,9 @@ def test_a_speculators_export_drafts_as_the_bundled_drafter(name, smollm2, fibon
 def test_vllm_speculators_drafts_from_our_exports(tmp_path):
     """speculators' own model classes (0.9.0, in a side venv: scripts/check_speculators.sh) load the bundled DFlash,
     DSpark and EAGLE-3 drafters as exported and reproduce graft-block's draft logits (and DSpark's confidences);
-    the same check fails on an export with one weight off by 1%."""
+    the same check fails on an export with one weight off by 1%, and on one whose LM-head rows are shifted."""
     import os
+    import shutil
     import subprocess
     import sys
     from pathlib import Path
@@ -131,15 +132,24 @@ def test_vllm_speculators_drafts_from_our_exports(tmp_path):
     assert run.stdout.count("OK: speculators'") == 3, run.stdout[-4000:]
     for cls in ("DFlashDraftModel", "DSparkDraftModel", "Eagle3DraftModel"):
         assert f"OK: speculators' {cls} reproduces" in run.stdout
-    weights = tmp_path / "dflash-smollm2" / "model.safetensors"
-    tensors = load_file(weights)
-    tensors["layers.1.mlp.down_proj.weight"] = tensors["layers.1.mlp.down_proj.weight"] * 1.01
-    save_file(tensors, weights)
     side = os.environ.get("GRAFT_BLOCK_SPECULATORS_VENV", str(root / ".venv-speculators"))
-    bad = subprocess.run([f"{side}/bin/python", "scripts/check_speculators.py", "compare",
-                          str(weights.parent), "--ref", str(tmp_path / "dflash-smollm2.pt")],
-                         cwd=root, capture_output=True, text=True, timeout=300)
+
+    def compare_corrupted(name, change):
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "dflash-smollm2", folder)
+        tensors = load_file(folder / "model.safetensors")
+        change(tensors)
+        save_file(tensors, folder / "model.safetensors")
+        return subprocess.run([f"{side}/bin/python", "scripts/check_speculators.py", "compare", str(folder),
+                               "--ref", str(tmp_path / "dflash-smollm2.pt")],
+                              cwd=root, capture_output=True, text=True, timeout=300)
+
+    down = "layers.1.mlp.down_proj.weight"
+    bad = compare_corrupted("weight", lambda t: t.__setitem__(down, t[down] * 1.01))
     assert bad.returncode != 0 and "FAIL: speculators' logits differ" in bad.stderr, bad.stdout + bad.stderr
+    # the head vLLM reads, its rows one id off: only the served-head gate sees it
+    bad = compare_corrupted("head", lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"].roll(1, 0)))
+    assert bad.returncode != 0 and "FAIL: the folder's lm_head" in bad.stderr, bad.stdout + bad.stderr
 
 
 def test_smollm2_mfd_sampling_exact(smollm2):
