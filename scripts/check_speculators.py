@@ -9,6 +9,7 @@ Two halves, two interpreters, because speculators pins an older transformers tha
 scripts/check_speculators.sh runs both. Nothing here imports speculators' code into graft-block.
 """
 import argparse
+import inspect
 import json
 import sys
 
@@ -199,12 +200,13 @@ def block_forward(model, feats, ids, a: int, head: torch.Tensor | None = None) -
     if int(anchors[0]) != a or not bool(valid[0]):
         sys.exit(f"speculators anchored the block at {int(anchors[0])} (valid {bool(valid[0])}), not at {a}")
     seen, module = {}, sys.modules[type(model).__module__]
+    names = list(inspect.signature(module.compute_metrics).parameters)  # DSpark's takes confidence_logits
 
-    def capture(logits, targets, *rest, **kw):
-        seen["logits"], seen["confidence"] = logits.reshape(B, -1), None
-        if rest and isinstance(rest[0], torch.Tensor) and rest[0].numel() == B:  # DSpark's confidence logits
-            seen["confidence"] = rest[0].reshape(B)
-        return logits.sum() * 0, {}
+    def capture(*args, **kw):
+        got = {**dict(zip(names, args)), **kw}
+        conf = got.get("confidence_logits")
+        seen["logits"], seen["confidence"] = got["logits"].reshape(B, -1), None if conf is None else conf.reshape(B)
+        return got["logits"].sum() * 0, {}
 
     hook = model.norm.register_forward_hook(lambda mod, inp, out: seen.__setitem__("hidden", out.reshape(B, -1)))
     saved, module.compute_metrics = module.compute_metrics, capture
