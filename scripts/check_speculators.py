@@ -40,6 +40,9 @@ def reference(args) -> None:
     dspark = is_dspark_layout(raw)
     model = (load_dspark if dspark else load_dflash)(folder, dtype=torch.float32).eval()
     B = model.block_size
+    first_draft_biased = bool(getattr(model, "markov_first_draft", True))
+    if dspark:
+        model.markov_first_draft = True  # bias every draft, as the runtimes do; ours is that minus draft 0's bias
     with torch.inference_mode():
         hs = target(ids, output_hidden_states=True).hidden_states
         features = torch.cat([hs[i] for i in model.feature_layers], -1)
@@ -61,14 +64,10 @@ def reference(args) -> None:
                 j = torch.arange(hidden.shape[0])
                 prev = ids[0, a + j]  # teacher forcing: draft j's previous token is the real one
                 if model.markov_head is not None:
-                    bias = [model.markov_project(model.markov_latents(prev.view(1, -1), hidden.unsqueeze(0),
-                                                                      j.view(1, -1))[0], model.draft_vocab).float()]
-                    if not model.markov_first_draft:  # the runtimes bias draft 0 too: what they should compute
-                        model.markov_first_draft = True
-                        bias.append(model.markov_project(model.markov_latents(
-                            prev.view(1, -1), hidden.unsqueeze(0), j.view(1, -1))[0], model.draft_vocab).float())
-                        model.markov_first_draft = False
-                    logits, runtime = logits + bias[0], logits + bias[-1]
+                    lat = model.markov_latents(prev.view(1, -1), hidden.unsqueeze(0), j.view(1, -1))[0]
+                    runtime = logits + model.markov_project(lat, model.draft_vocab).float()
+                    # markov_latents zeroes draft 0's latent after computing it, so only that row differs
+                    logits = runtime if first_draft_biased else torch.cat([logits[:1], runtime[1:]])
                 c = model.confidence_logits(hidden, prev)
                 conf = None if c is None else c.float()
             rows.append({"anchor": a, "hidden": hidden.float(), "logits": logits, "runtime_logits": runtime,
@@ -76,7 +75,7 @@ def reference(args) -> None:
     vocab = model.draft_vocab if model.draft_vocab is not None else torch.arange(head.shape[0])
     torch.save({"kind": "dspark" if dspark else "dflash", "input_ids": ids, "features": features, "rows": rows,
                 "vocab": vocab, "offset": offset,
-                "markov_first_draft": bool(getattr(model, "markov_first_draft", True)),
+                "markov_first_draft": first_draft_biased,
                 "drafter": str(folder)}, args.out)
     print(f"reference: {folder} ({'DSpark' if dspark else 'DFlash'}), {ids.shape[1]} tokens, anchors {args.anchors}")
 

@@ -54,7 +54,6 @@ def drop_frozen_copies(tensors: dict, shapes: dict, where: str) -> None:
             raise ConfigError(f"{where}: {name} has shape {tuple(t.shape)}, the config implies {tuple(shape)}")
 
 
-
 def from_speculators(raw: dict, tensors: dict, where: str) -> tuple[dict, dict, torch.Tensor | None]:
     """A vLLM speculators ``dflash`` / ``dspark`` folder -> (its config in our spelling: z-lab's, or DSpark's export
     spelling, which every loader here reads; its drafter tensors; its draft vocabulary as target ids, or None).
