@@ -9,7 +9,8 @@ Checked, without running anything heavy (no model is loaded; the whole file take
 - the `graft-block bench` options the README lists on their own lines or in inline code;
 - every repository path in inline code or in a command exists, and every relative link (and its #anchor) resolves;
 - the README's methods table matches the presets, and every method a README results table names exists;
-- the Python quick start imports what it names, and its bundled drafter names exist;
+- the Python quick start imports what it names, its bundled drafter names exist, and it runs (slow: on the real
+  SmolLM2, token-identical to the target's greedy decoding, drafts accepted);
 - the README's test command is the one .ci/run runs, and the README stays short (<= 250 lines).
 
 Notation the commands may use: `...` (more arguments elided: a missing required argument is then accepted),
@@ -429,6 +430,25 @@ def test_python_quick_start():
                 name = node.args[0].value
                 problems += [f"no bundled drafter {name!r}"] if bundled_checkpoint(name) is None else []
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_python_quick_start_runs_lossless(smollm2, monkeypatch, capsys):
+    """The README's snippet as written (its load_target handed the session's SmolLM2): greedy output equals HF's
+    greedy decoding of the same messages, and the drafter it builds gets drafts accepted."""
+    import graft_block
+    from graft_block.testing import hf_greedy
+
+    monkeypatch.setattr(graft_block, "load_target", lambda *a, **kw: smollm2)
+    (snippet,) = [body for info, body in code_blocks(README.read_text()) if info == "python"]
+    scope: dict = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    res, call = scope["res"], next(n for n in ast.walk(ast.parse(snippet))
+                                   if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "generate")
+    messages, tokens = ast.literal_eval(call.args[0]), next(ast.literal_eval(k.value) for k in call.keywords
+                                                            if k.arg == "max_new_tokens")
+    assert res.tokens == hf_greedy(smollm2, smollm2.encode(messages), tokens)
+    assert res.stats.tau > 1.2 and res.text in capsys.readouterr().out
 
 
 # ---- the checker itself must be able to fail ----------------------------------------------------------------
