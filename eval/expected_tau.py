@@ -192,11 +192,15 @@ def estimate_source(spec: dict) -> str:
 def evaluate(target, drafters: dict, contexts: list[list[int]], samplings: list[SamplingConfig],
              log=None, cuts: tuple | None = None, estimates: dict | None = None) -> dict:
     """{"values": {method: {temperature: [expected accepted nodes per context]}}, "at_least": {method:
-    {temperature: [mean P(>= d accepted), d = 1..]}}, "nodes": {method: mean tree size}}; with ``cuts`` = (cost,
+    {temperature: [mean P(>= d accepted), d = 1..]}}, "nodes": {method: mean tree size}, "per_context": {method:
+    {temperature: [(P(>= d accepted), d = 1..) per context]}}, "first_draft": {method: {temperature: [its tree's
+    ``first_draft_logp`` per context]}}}; with ``cuts`` = (cost,
     overhead seconds), also "headroom": {method: {temperature: ``headroom`` of its trees}}, each cut from the
     survival source ``estimates[method]`` names ("drafter" by default: ``estimate_source``)."""
     out = {name: {s.temperature: [] for s in samplings} for name in drafters}
     depth = {name: {s.temperature: [] for s in samplings} for name in drafters}
+    per_context = {name: {s.temperature: [] for s in samplings} for name in drafters}
+    first = {name: {s.temperature: [] for s in samplings} for name in drafters}
     cut_rows = {name: {s.temperature: [] for s in samplings} for name in drafters}
     sizes = {name: [] for name in drafters}
     t0 = time.perf_counter()
@@ -206,6 +210,8 @@ def evaluate(target, drafters: dict, contexts: list[list[int]], samplings: list[
                 v = tree_value(target, d, ids, s, (estimates or {}).get(name, "drafter"))
                 at_least = v["at_least"]
                 out[name][s.temperature].append(sum(at_least))
+                per_context[name][s.temperature].append(at_least)
+                first[name][s.temperature].append(first_draft_logp(v["tree"]))
                 sums = depth[name][s.temperature]
                 sums += [0.0] * (len(at_least) - len(sums))
                 for k, a in enumerate(at_least):
@@ -217,10 +223,18 @@ def evaluate(target, drafters: dict, contexts: list[list[int]], samplings: list[
             log(f"  {i + 1}/{len(contexts)} contexts, {time.perf_counter() - t0:.0f} s")
     n = max(1, len(contexts))
     at_least = {m: {t: [v / n for v in sums] for t, sums in d.items()} for m, d in depth.items()}
-    res = {"values": out, "at_least": at_least, "nodes": {m: sum(v) / max(1, len(v)) for m, v in sizes.items()}}
+    res = {"values": out, "at_least": at_least, "nodes": {m: sum(v) / max(1, len(v)) for m, v in sizes.items()},
+           "per_context": per_context, "first_draft": first}
     if cuts is not None:
         res["headroom"] = {m: {t: headroom(vs, *cuts) for t, vs in d.items()} for m, d in cut_rows.items()}
     return res
+
+
+def first_draft_logp(tree) -> float:
+    """The drafter's log-probability of its likeliest first draft (the best depth-1 node's score: block drafters
+    and EAGLE score nodes by path log-probability); -inf when the tree has no depth-1 node."""
+    first = tree.depths == 1
+    return float(tree.scores[first].max()) if bool(first.any()) else float("-inf")
 
 
 def paired_se(diffs: list[float], groups: list) -> float:
@@ -339,6 +353,29 @@ def decay_rows(res: dict) -> list[dict]:
     return rows
 
 
+def decay_by_first_draft(res: dict, bins: int) -> list[dict]:
+    """``decay_rows`` within ``bins`` equal-count groups of contexts, ordered by how sure the first method's drafter
+    was of its first draft (``first_draft_logp``), at each temperature: where each method's conditional acceptance
+    comes from. Every method is read on the same contexts of a group, so the rows of one group are paired. Each row
+    adds "group" (1 = the least sure), "p_first" (the group's range of that probability) and "contexts"."""
+    ref = next(iter(res["first_draft"]))
+    rows = []
+    for temp, logps in res["first_draft"][ref].items():
+        order = sorted(range(len(logps)), key=lambda i: logps[i])
+        for g in range(bins):
+            idx = order[g * len(order) // bins: (g + 1) * len(order) // bins]
+            if not idx:
+                continue
+            span = (math.exp(logps[idx[0]]), math.exp(logps[idx[-1]]))
+            for name, by_t in res["per_context"].items():
+                vals = [by_t[temp][i] for i in idx]
+                mean = [sum(v[k] for v in vals if k < len(v)) / len(vals) for k in range(max(map(len, vals)))]
+                row = decay_rows({"at_least": {name: {temp: mean}}})[0]
+                rows.append({**row, "method": f"{name}, {ref} p1 {span[0]:.2f}-{span[1]:.2f}", "group": g + 1,
+                             "p_first": span, "contexts": len(idx)})
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -374,10 +411,15 @@ def main(argv=None) -> None:
                          "the confidence schedule's cut and of the best size per context (an oracle)")
     ap.add_argument("--overhead-ms", type=float, default=2.5,
                     help="with --headroom: a round's time outside its verify (bench's draft + tree + commit)")
+    ap.add_argument("--by-first-draft", type=int, default=0, metavar="N",
+                    help="also split the contexts into N equal groups by the first method's probability of its "
+                         "first draft and give P(depth k | k-1) of every method within each")
     ap.add_argument("--out", default=None, help="write rows and per-context values to this JSON file")
     args = ap.parse_args(argv)
     if args.overhead_ms < 0:
         raise ConfigError(f"--overhead-ms must be >= 0, got {args.overhead_ms}")
+    if args.by_first_draft < 0:
+        raise ConfigError(f"--by-first-draft must be >= 0 (0 = no split), got {args.by_first_draft}")
     if args.cuts < 1 or args.answer_tokens < 5:
         raise ConfigError(f"--cuts must be >= 1 and --answer-tokens >= 5 (a cut keeps one answer token before it and "
                           f"four after), got {args.cuts} and {args.answer_tokens}")
@@ -453,6 +495,12 @@ def main(argv=None) -> None:
         print(format_sizes(res))
     print("\nP(depth k accepted | depth k-1 accepted), exact, mean over contexts:\n")
     print(report.suffix_decay_table(decay_rows(res)))
+    by_first = decay_by_first_draft(res, args.by_first_draft) if args.by_first_draft > 0 else None
+    if by_first:
+        ref = next(iter(res["first_draft"]))
+        print(f"\nThe same, within {args.by_first_draft} equal groups of contexts by {ref}'s probability of its "
+              "first draft (paired within a group):\n")
+        print(report.suffix_decay_table(by_first))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         per_method = {key: {n: {str(t): v for t, v in d.items()} for n, d in res[key].items()}
@@ -460,7 +508,7 @@ def main(argv=None) -> None:
         if cuts is not None:
             per_method["headroom"] = {n: {str(t): h for t, h in d.items()} for n, d in res["headroom"].items()}
         Path(args.out).write_text(json.dumps({"rows": rows, "per_set": per_set, "sets": sets, "answers": answers,
-                                              "args": vars(args), "walk": walk,
+                                              "args": vars(args), "walk": walk, "by_first_draft": by_first,
                                               **per_method}, indent=1))
 
 

@@ -6,8 +6,9 @@ import torch
 
 from graft_block import Drafter
 from graft_block.errors import ConfigError
-from graft_block.eval.expected_tau import (cut_values, decay_rows, evaluate, format_headroom, format_sizes,
-                                          format_table, headroom, sample_contexts, summary_rows, tree_spec)
+from graft_block.eval.expected_tau import (cut_values, decay_by_first_draft, decay_rows, evaluate, format_headroom,
+                                          format_sizes, format_table, headroom, sample_contexts, summary_rows,
+                                          tree_spec)
 from graft_block.sampling import SamplingConfig
 from graft_block.testing import hf_greedy, prefilled_state, tiny_target
 from graft_block.tree import accept_at_least, accept_length, expected_accept_length, from_paths, walk
@@ -73,8 +74,14 @@ def test_expect_scores_each_tree_against_the_targets_own_continuation(one_thread
     assert sum(res["at_least"]["tree"][0.8]) == pytest.approx(sum(res["values"]["tree"][0.8]) / 3)
     assert all(0.0 < v < 3.0 for v in res["values"]["oracle"][0.8])
     d = drafters["tree"]
-    for ids, value in zip(contexts, res["values"]["tree"][0.0]):
+    for t in (0.0, 0.8):  # the per-context rows are what the means were taken over
+        per = res["per_context"]["tree"][t]
+        depth = max(map(len, per))  # trees of one method may differ in depth from context to context
+        assert [sum(c[k] for c in per if k < len(c)) / 3 for k in range(depth)] == pytest.approx(
+            res["at_least"]["tree"][t])
+    for i, (ids, value) in enumerate(zip(contexts, res["values"]["tree"][0.0])):
         tree = d.propose(prefilled_state(target, ids, d))
+        assert res["first_draft"]["tree"][0.0][i] == pytest.approx(float(tree.scores[tree.depths == 1].max()))
         cont = hf_greedy(target, ids, 12)  # cont[0] is the tree's root
         toks, par = tree.tokens.tolist(), tree.parents.tolist()
         depth, node = 0, 0
@@ -390,6 +397,21 @@ def test_the_oracle_is_the_best_size_per_context_and_ties_go_to_the_smaller_tree
     # earns nothing on its stair, so the oracle leaves it out there and takes the second context's 3
     stairs = headroom(values([[1.0, 1.0, 1.0], [1.0, 1.0, 1.5, 2.5]]), lambda n: 1.0 if n <= 2 else 2.0, 0.0)
     assert stairs["oracle"] == pytest.approx({"tau": 1.75, "nodes": 1.5, "speedup": 3.5 / 3})
+
+
+def test_suffix_decay_within_groups_of_the_first_methods_first_draft_confidence():
+    """Contexts are ordered by the first method's first-draft probability and cut into equal groups; every method's
+    decay is taken over the same contexts of a group."""
+    res = {"first_draft": {"a": {0.0: [-0.1, -2.0, -0.5, -3.0]}, "b": {0.0: [-9.0, -0.1, -0.1, -0.1]}},
+           "per_context": {"a": {0.0: [[1, 1], [0, 0], [1, 0], [1, 0]]},
+                           "b": {0.0: [[1, 0], [0, 0], [1, 1], [0, 0]]}}}
+    rows = decay_by_first_draft(res, 2)
+    got = {(r["group"], r["method"].split(",")[0]): r["suffix_decay"] for r in rows}
+    assert got == {(1, "a"): [0.5, 0.0], (1, "b"): [0.0, None],  # contexts 3 and 1: a's least sure
+                   (2, "a"): [1.0, 0.5], (2, "b"): [1.0, 0.5]}
+    assert rows[0]["p_first"] == pytest.approx((2.718281828 ** -3, 2.718281828 ** -2))
+    assert rows[0]["method"] == "a, a p1 0.05-0.14" and {r["contexts"] for r in rows} == {2}
+    assert len(decay_by_first_draft(res, 3)) == 6  # 4 contexts in 3 groups: 1, 1, 2
 
 
 def test_suffix_decay_is_none_where_the_depth_before_is_barely_reached():
