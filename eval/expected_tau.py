@@ -504,7 +504,9 @@ def main(argv=None) -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         per_method = {key: {n: {str(t): v for t, v in d.items()} for n, d in res[key].items()}
-                      for key in ("values", "at_least")}
+                      for key in ("values", "at_least", "per_context")}
+        per_method["first_draft"] = {n: {str(t): [None if math.isinf(x) else x for x in v] for t, v in d.items()}
+                                     for n, d in res["first_draft"].items()}  # -inf (no depth-1 node): null
         if cuts is not None:
             per_method["headroom"] = {n: {str(t): h for t, h in d.items()} for n, d in res["headroom"].items()}
         Path(args.out).write_text(json.dumps({"rows": rows, "per_set": per_set, "sets": sets, "answers": answers,

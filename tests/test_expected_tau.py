@@ -412,6 +412,16 @@ def test_suffix_decay_within_groups_of_the_first_methods_first_draft_confidence(
     assert rows[0]["p_first"] == pytest.approx((2.718281828 ** -3, 2.718281828 ** -2))
     assert rows[0]["method"] == "a, a p1 0.05-0.14" and {r["contexts"] for r in rows} == {2}
     assert len(decay_by_first_draft(res, 3)) == 6  # 4 contexts in 3 groups: 1, 1, 2
+    # a tree without a depth-1 node (-inf) is the least sure; a shallower tree counts 0 at the depths it lacks
+    res["first_draft"]["a"][0.0].append(float("-inf"))
+    res["per_context"]["a"][0.0].append([])
+    res["per_context"]["b"][0.0].append([1])
+    rows = decay_by_first_draft(res, 5)
+    first = [r for r in rows if r["group"] == 1]
+    assert [r["suffix_decay"] for r in first] == [[], [1.0]] and first[0]["p_first"] == (0.0, 0.0)
+    pooled = decay_by_first_draft(res, 1)
+    assert [r["contexts"] for r in pooled] == [5, 5]
+    assert pooled[1]["suffix_decay"] == pytest.approx([3 / 5, 1 / 3])  # b: [1,0], [0,0], [1,1], [0,0], [1]
 
 
 def test_suffix_decay_is_none_where_the_depth_before_is_barely_reached():

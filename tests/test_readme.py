@@ -414,7 +414,7 @@ def test_results_tables_name_real_methods():
 
 def test_python_quick_start():
     import graft_block
-    from graft_block.drafter import bundled_checkpoint
+    from graft_block.drafter import bundled_checkpoint, registered_types
 
     snippets = [body for info, body in code_blocks(README.read_text()) if info == "python"]
     assert snippets, "the README has no Python quick start"
@@ -424,11 +424,16 @@ def test_python_quick_start():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module == "graft_block":
                 problems += [f"graft_block has no {a.name}" for a in node.names if not hasattr(graft_block, a.name)]
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "from_config"
-                    and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
-                    and not re.search(r"[/.]", node.args[0].value)):
-                name = node.args[0].value
-                problems += [f"no bundled drafter {name!r}"] if bundled_checkpoint(name) is None else []
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "from_config" and node.args):
+                continue
+            arg = node.args[0]  # a bundled name, or a config dict: its type must exist and its checkpoint be bundled
+            cfg = ast.literal_eval(arg) if isinstance(arg, ast.Dict) else {"checkpoint": getattr(arg, "value", None)}
+            if cfg.get("type") is not None and cfg["type"] not in registered_types():
+                problems.append(f"no drafter type {cfg['type']!r}")
+            name = cfg.get("checkpoint")
+            if isinstance(name, str) and not re.search(r"[/.]", name) and bundled_checkpoint(name) is None:
+                problems.append(f"no bundled drafter {name!r}")
     assert not problems, "\n".join(problems)
 
 
