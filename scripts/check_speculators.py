@@ -6,9 +6,11 @@ Two halves, two interpreters, because speculators pins an older transformers tha
   compare (a venv with speculators): speculators' own model class loads the exported folder and runs its training
       forward on the same features; the logits (and DSpark's confidence logits) it hands its loss are captured and
       compared row by row, through the verifier's fp32 rows and through the folder's own lm_head.
-scripts/check_speculators.sh runs both. Nothing here imports speculators' code into graft-block.
+scripts/check_speculators.sh runs both, each half once for every drafter (importing speculators takes most of a
+compare). Nothing here imports speculators' code into graft-block.
 """
 import argparse
+import functools
 import inspect
 import json
 import sys
@@ -20,20 +22,28 @@ TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n 
         "The loop prints the first ten Fibonacci numbers, one per line, each after its index.")
 
 
-def reference(args) -> None:
+@functools.cache
+def plain_target(name: str):
+    """The embedded target as a plain HF model in fp32 (what speculators' trainer reads features from) and its
+    tokenizer, loaded once for every drafter of a run."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from graft_block.target import embedded_folder
+
+    folder = embedded_folder(name)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return AutoTokenizer.from_pretrained(folder), model
+
+
+def reference(args) -> None:
     from graft_block.drafter import resolve_checkpoint
     from graft_block.drafters.dflash.checkpoint import load_checkpoint as load_dflash, read_config
     from graft_block.drafters.dspark.checkpoint import is_dspark_layout, load_checkpoint as load_dspark
     from graft_block.drafters.eagle3.checkpoint import is_eagle3_config
-    from graft_block.target import embedded_folder
 
     folder = resolve_checkpoint(args.drafter)
     raw = read_config(folder)
-    tgt_dir = embedded_folder(args.target)
-    tok = AutoTokenizer.from_pretrained(tgt_dir)
-    target = AutoModelForCausalLM.from_pretrained(tgt_dir, dtype=torch.float32).eval()
+    tok, target = plain_target(args.target)
     ids = tok(TEXT, return_tensors="pt").input_ids
     if is_eagle3_config(raw):
         return eagle3_reference(args, folder, target, ids)
@@ -232,13 +242,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("reference", help="graft-block's side (run in graft-block's venv)")
-    r.add_argument("drafter", help="a bundled DFlash / DSpark drafter name or folder")
+    r.add_argument("drafter", nargs="+", help="bundled DFlash / DSpark / EAGLE-3 drafter names or folders")
     r.add_argument("--target", default="smollm2-135m")
     r.add_argument("--anchors", type=lambda s: [int(x) for x in s.split(",")], default=[12, 30, 47])
-    r.add_argument("--out", required=True)
+    r.add_argument("--out", nargs="+", required=True, help="one reference file per drafter")
     c = sub.add_parser("compare", help="speculators' side (run in a venv with speculators)")
-    c.add_argument("folder", help="the folder `graft-block export --to speculators` wrote")
-    c.add_argument("--ref", required=True)
+    c.add_argument("folder", nargs="+", help="folders `graft-block export --to speculators` wrote")
+    c.add_argument("--ref", nargs="+", required=True, help="the reference file of each folder's drafter, in order")
     c.add_argument("--tol", type=float, default=1e-2,
                    help="fp32 logits against the verifier's rows (typically 4e-5, a process's first forward up to "
                         "1.2e-3; a 1%% error in one weight: 0.13-0.24)")
@@ -248,7 +258,22 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the weight-loading bars
-    reference(args) if args.cmd == "reference" else compare(args)
+    many, files, run = ((args.drafter, args.out, reference) if args.cmd == "reference"
+                        else (args.folder, args.ref, compare))
+    if len(many) != len(files):
+        p.error(f"{len(many)} {'drafters' if args.cmd == 'reference' else 'folders'} but {len(files)} "
+                f"{'--out' if args.cmd == 'reference' else '--ref'} files: give one each, in the same order")
+    failed = []
+    for one, file in zip(many, files):
+        key = ("drafter", "out") if args.cmd == "reference" else ("folder", "ref")
+        try:
+            run(argparse.Namespace(**{**vars(args), key[0]: one, key[1]: file}))
+        except SystemExit as exc:  # a refusal or a FAIL: say whose, go on with the others, fail at the end
+            if exc.code not in (None, 0):
+                print(f"{one}: {exc.code}", file=sys.stderr)
+                failed.append(one)
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -134,22 +134,26 @@ def test_vllm_speculators_drafts_from_our_exports(tmp_path):
         assert f"OK: speculators' {cls} reproduces" in run.stdout
     side = os.environ.get("GRAFT_BLOCK_SPECULATORS_VENV", str(root / ".venv-speculators"))
 
-    def compare_corrupted(name, change):
+    def corrupted(name, change):
         folder = tmp_path / name
         shutil.copytree(tmp_path / "dflash-smollm2", folder)
         tensors = load_file(folder / "model.safetensors")
         change(tensors)
         save_file(tensors, folder / "model.safetensors")
-        return subprocess.run([f"{side}/bin/python", "scripts/check_speculators.py", "compare", str(folder),
-                               "--ref", str(tmp_path / "dflash-smollm2.pt")],
-                              cwd=root, capture_output=True, text=True, timeout=300)
+        return str(folder)
 
     down = "layers.1.mlp.down_proj.weight"
-    bad = compare_corrupted("weight", lambda t: t.__setitem__(down, t[down] * 1.01))
-    assert bad.returncode != 0 and "FAIL: speculators' logits differ" in bad.stderr, bad.stdout + bad.stderr
+    weight = corrupted("weight", lambda t: t.__setitem__(down, t[down] * 1.01))
     # the head vLLM reads, its rows one id off: only the served-head gate sees it
-    bad = compare_corrupted("head", lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"].roll(1, 0)))
-    assert bad.returncode != 0 and "FAIL: the folder's lm_head" in bad.stderr, bad.stdout + bad.stderr
+    head = corrupted("head", lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"].roll(1, 0)))
+    ref = str(tmp_path / "dflash-smollm2.pt")
+    bad = subprocess.run([f"{side}/bin/python", "scripts/check_speculators.py", "compare", weight, head,
+                          str(tmp_path / "dflash-smollm2"), "--ref", ref, ref, ref],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    out = bad.stdout + bad.stderr
+    assert bad.returncode != 0 and f"{weight}: FAIL: speculators' logits differ" in bad.stderr, out
+    assert f"{head}: FAIL: the folder's lm_head" in bad.stderr, out
+    assert bad.stdout.count("OK: speculators'") == 1, out  # each folder is judged alone: the sound one after them
 
 
 def test_smollm2_mfd_sampling_exact(smollm2):
