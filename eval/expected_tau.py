@@ -198,7 +198,6 @@ def evaluate(target, drafters: dict, contexts: list[list[int]], samplings: list[
     overhead seconds), also "headroom": {method: {temperature: ``headroom`` of its trees}}, each cut from the
     survival source ``estimates[method]`` names ("drafter" by default: ``estimate_source``)."""
     out = {name: {s.temperature: [] for s in samplings} for name in drafters}
-    depth = {name: {s.temperature: [] for s in samplings} for name in drafters}
     per_context = {name: {s.temperature: [] for s in samplings} for name in drafters}
     first = {name: {s.temperature: [] for s in samplings} for name in drafters}
     cut_rows = {name: {s.temperature: [] for s in samplings} for name in drafters}
@@ -212,22 +211,24 @@ def evaluate(target, drafters: dict, contexts: list[list[int]], samplings: list[
                 out[name][s.temperature].append(sum(at_least))
                 per_context[name][s.temperature].append(at_least)
                 first[name][s.temperature].append(first_draft_logp(v["tree"]))
-                sums = depth[name][s.temperature]
-                sums += [0.0] * (len(at_least) - len(sums))
-                for k, a in enumerate(at_least):
-                    sums[k] += a
                 sizes[name].append(v["tree"].size - 1)
                 if cuts is not None:
                     cut_rows[name][s.temperature].append(cut_values(v["tree"], v["reach"], v["estimate"], *cuts))
         if log and (i + 1) % 50 == 0:
             log(f"  {i + 1}/{len(contexts)} contexts, {time.perf_counter() - t0:.0f} s")
-    n = max(1, len(contexts))
-    at_least = {m: {t: [v / n for v in sums] for t, sums in d.items()} for m, d in depth.items()}
+    at_least = {m: {t: mean_at_least(rows) for t, rows in d.items()} for m, d in per_context.items()}
     res = {"values": out, "at_least": at_least, "nodes": {m: sum(v) / max(1, len(v)) for m, v in sizes.items()},
            "per_context": per_context, "first_draft": first}
     if cuts is not None:
         res["headroom"] = {m: {t: headroom(vs, *cuts) for t, vs in d.items()} for m, d in cut_rows.items()}
     return res
+
+
+def mean_at_least(rows: list[list[float]]) -> list[float]:
+    """The mean over contexts of P(>= d accepted), d = 1.. the deepest tree's depth (a shallower tree adds 0 there);
+    [] for no contexts."""
+    depth = max(map(len, rows), default=0)
+    return [sum(r[k] for r in rows if k < len(r)) / len(rows) for k in range(depth)]
 
 
 def first_draft_logp(tree) -> float:
@@ -368,8 +369,7 @@ def decay_by_first_draft(res: dict, bins: int) -> list[dict]:
                 continue
             span = (math.exp(logps[idx[0]]), math.exp(logps[idx[-1]]))
             for name, by_t in res["per_context"].items():
-                vals = [by_t[temp][i] for i in idx]
-                mean = [sum(v[k] for v in vals if k < len(v)) / len(vals) for k in range(max(map(len, vals)))]
+                mean = mean_at_least([by_t[temp][i] for i in idx])
                 row = decay_rows({"at_least": {name: {temp: mean}}})[0]
                 rows.append({**row, "method": f"{name}, {ref} p1 {span[0]:.2f}-{span[1]:.2f}", "group": g + 1,
                              "p_first": span, "contexts": len(idx)})

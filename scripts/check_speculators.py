@@ -258,16 +258,15 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the weight-loading bars
-    many, files, run = ((args.drafter, args.out, reference) if args.cmd == "reference"
-                        else (args.folder, args.ref, compare))
-    if len(many) != len(files):
-        p.error(f"{len(many)} {'drafters' if args.cmd == 'reference' else 'folders'} but {len(files)} "
-                f"{'--out' if args.cmd == 'reference' else '--ref'} files: give one each, in the same order")
+    halves = {"reference": ("drafter", "out", reference), "compare": ("folder", "ref", compare)}
+    name_key, file_key, run = halves[args.cmd]
+    names, files = getattr(args, name_key), getattr(args, file_key)
+    if len(names) != len(files):
+        p.error(f"{len(names)} {name_key}s but {len(files)} --{file_key} files: give one each, in the same order")
     failed = []
-    for one, file in zip(many, files):
-        key = ("drafter", "out") if args.cmd == "reference" else ("folder", "ref")
+    for one, file in zip(names, files):
         try:
-            run(argparse.Namespace(**{**vars(args), key[0]: one, key[1]: file}))
+            run(argparse.Namespace(**{**vars(args), name_key: one, file_key: file}))
         except SystemExit as exc:  # a refusal or a FAIL: say whose, go on with the others, fail at the end
             if exc.code not in (None, 0):
                 print(f"{one}: {exc.code}", file=sys.stderr)
