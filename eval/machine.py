@@ -3,7 +3,8 @@
 Three signals, each from a window between two ``snapshot()`` calls (Linux /proc; elsewhere they read None):
 - others_cores:  CPU time the machine's CPUs (those this process may run on, where its affinity is narrower) spent
                  busy minus this process's own CPU time (its finished children's, e.g. the llama.cpp peers,
-                 included), per wall second (another job using the cores we time on);
+                 and its live adopted ones', the HF peers' child, included), per wall second (another job using
+                 the cores we time on);
 - runq_share:    seconds our threads were runnable but waited for a CPU, per wall second (/proc/self/task/*/schedstat:
                  more runnable threads than cores);
 - steal_cores:   time the hypervisor gave our vCPUs to someone else, per wall second.
@@ -73,6 +74,32 @@ def _runq_wait() -> float | None:
     return total / 1e9 if found else None
 
 
+_ADOPTED: set[int] = set()  # live child processes that serve several calls (eval/peers.py): their CPU is ours
+
+
+def adopt(pid: int) -> None:
+    """Count a live child's CPU time as this process's own until ``disown`` (call that right after reaping it: a
+    reaped child's time moves to ``os.times()``'s children fields)."""
+    _ADOPTED.add(pid)
+
+
+def disown(pid: int) -> None:
+    _ADOPTED.discard(pid)
+
+
+def _adopted_cpu() -> float:
+    """CPU seconds the adopted children have used so far (their own and their reaped children's)."""
+    total = 0
+    for pid in _ADOPTED:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / _TICK
+
+
 def loadavg() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -82,8 +109,9 @@ def loadavg() -> list[float] | None:
 
 def snapshot() -> dict:
     busy, steal = _proc_stat()
-    t = os.times()  # finished child processes (the llama.cpp peers) are this run's own work, not a competitor's
-    return {"wall": time.perf_counter(), "own_cpu": time.process_time() + t.children_user + t.children_system,
+    t = os.times()  # finished child processes (the llama.cpp peers) and adopted live ones are this run's own work
+    return {"wall": time.perf_counter(),
+            "own_cpu": time.process_time() + t.children_user + t.children_system + _adopted_cpu(),
             "busy": busy, "steal": steal, "runq": _runq_wait()}
 
 

@@ -5,21 +5,27 @@ emitted its tokens, observed inside the same ``generate`` call through a streame
 separate call and subtracted (an un-warmed separate prefill once made HF look 15x faster than it is).
 
 When the main job's target released HF's weights (``load_target(..., release_hf=True)``: its C layers run on a
-copy of their own), each HF call runs in a child process that loads the model from its folder, warms up on the
-same prompt, then times the call: HF's weights then never sit in the main job's memory beside the engine's copy
-(``python -m graft_block.eval.peers`` reads one JSON request on stdin and prints the record).
+copy of their own), each HF peer's calls run in one child process that loads the model from its folder once, and
+per call warms up on the same prompt, then times the call: HF's weights then never sit in the main job's memory
+beside the engine's copy (``python -m graft_block.eval.peers`` reads one JSON request per stdin line and prints
+one record line per request).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import queue
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import torch
 
 from graft_block.errors import MethodUnavailable
+from graft_block.eval import machine
 
 WARMUP_TOKENS = 8  # the child's untimed call on the same prompt (the parent's warm-up call is another process)
 CHILD_TIMEOUT_S = 3600.0  # one child call (load, warm-up, timed run): a hung child stops the bench, not stalls it
@@ -50,7 +56,7 @@ def model_folder(target) -> str | None:
 
 def hf_runner(target, kwargs: dict):
     """``run(ids, max_new_tokens, temperature, seed, top_k, top_p) -> record`` for HF ``generate`` with ``kwargs``
-    (``{"prompt_lookup_num_tokens": 10}`` = HF prompt lookup); in a child process per call when the target
+    (``{"prompt_lookup_num_tokens": 10}`` = HF prompt lookup); in a child process of its own when the target
     released HF's weights and has a folder to reload them from."""
     if "prompt_lookup_num_tokens" in kwargs and target.tokenizer is None:
         raise MethodUnavailable("HF prompt lookup needs a tokenizer-backed target")
@@ -60,33 +66,92 @@ def hf_runner(target, kwargs: dict):
     return _runner(target, kwargs)
 
 
-def _text(out) -> str:
-    """A TimeoutExpired's partial output: bytes even from a text-mode run."""
-    return out.decode("utf-8", errors="replace") if isinstance(out, bytes) else (out or "")
+RECORD = "GRAFT_BLOCK_HF_RECORD "  # marks the child's record line among anything else it prints
+
+
+class _Child:
+    """One child process that serves every call of one HF peer: it loads the model at its first request and stays
+    until the run ends (each call's own process spent ~10 s of the main job on imports and the load)."""
+
+    def __init__(self, timeout: float):
+        self.timeout, self.proc, self.lines, self.err = timeout, None, None, None
+        atexit.register(self.close)
+
+    def _start(self) -> None:
+        self.err = tempfile.TemporaryFile(mode="w+", encoding="utf-8")  # a file: a full stderr pipe would block
+        self.proc = subprocess.Popen([sys.executable, "-m", "graft_block.eval.peers"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True, encoding="utf-8")
+        machine.adopt(self.proc.pid)  # its CPU is this run's, not a competitor's (the busy flag)
+        self.lines = queue.SimpleQueue()
+        threading.Thread(target=_pump, args=(self.proc.stdout, self.lines), daemon=True).start()
+
+    def _stderr(self) -> str:
+        self.err.flush()
+        self.err.seek(0)
+        return self.err.read()[-800:]
+
+    def ask(self, req: dict) -> dict:
+        if self.proc is None or self.proc.poll() is not None:
+            self.close()
+            self._start()
+        deadline, printed = time.monotonic() + self.timeout, []
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it died first: its EOF below says so, with its stderr
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                err = self.close(kill=True)
+                raise RuntimeError(f"the HF peer's child process did not finish within {self.timeout:g} s and was "
+                                   f"stopped: {err}") from None
+            if line is None:  # EOF: it exited
+                code, err = self.proc.wait(), self.close()
+                raise RuntimeError(f"the HF peer's child process exited ({code}) without a record (a {RECORD.strip()} "
+                                   f"line); stdout {''.join(printed)[-400:]!r}, stderr: {err}")
+            if line.startswith(RECORD):
+                return json.loads(line[len(RECORD):])
+            printed.append(line)
+
+    def close(self, kill: bool = False) -> str:
+        """Stop the child (EOF on its stdin ends it; killed if it does not, or at once with ``kill``); returns its
+        stderr's tail."""
+        if self.proc is None:
+            return ""
+        proc, self.proc = self.proc, None
+        if kill:
+            proc.kill()
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+        machine.disown(proc.pid)  # reaped: its time now counts among os.times()'s children
+        err = self._stderr()
+        self.err.close()
+        return err
+
+
+def _pump(stream, lines: queue.SimpleQueue) -> None:
+    """The child's stdout, line by line, into ``lines``; None at its end."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
 
 
 def _child_runner(target, folder: str, kwargs: dict, timeout: float = CHILD_TIMEOUT_S):
     base = {"folder": folder, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "kwargs": kwargs}
+    child = _Child(timeout)
 
     def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0):
-        req = {**base, "ids": ids.view(-1).tolist(), "max_new_tokens": max_new_tokens, "temperature": temperature,
-               "seed": seed, "top_k": top_k, "top_p": top_p}
-        try:
-            done = subprocess.run([sys.executable, "-m", "graft_block.eval.peers"], input=json.dumps(req),
-                                  capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as exc:  # run() has killed it
-            raise RuntimeError(f"the HF peer's child process did not finish within {timeout:g} s and was stopped: "
-                               f"{_text(exc.stderr)[-800:]}") from None
-        if done.returncode:
-            raise RuntimeError(f"the HF peer's child process failed ({done.returncode}): {done.stderr[-800:]}")
-        lines = done.stdout.strip().splitlines()
-        try:
-            return json.loads(lines[-1])
-        except (IndexError, ValueError):
-            raise RuntimeError("the HF peer's child process exited without a record (a JSON last line); stdout "
-                               f"{done.stdout[-400:]!r}, stderr: {done.stderr[-800:]}") from None
+        return child.ask({**base, "ids": ids.view(-1).tolist(), "max_new_tokens": max_new_tokens,
+                          "temperature": temperature, "seed": seed, "top_k": top_k, "top_p": top_p})
 
+    run.close = child.close
     return run
 
 
@@ -119,22 +184,25 @@ def _runner(target, kwargs: dict):
     return run
 
 
-def _serve_one() -> None:
-    """The child's side: one JSON request on stdin -> one record on stdout."""
+def _serve() -> None:
+    """The child's side: one JSON request per stdin line -> one record line on stdout (RECORD + JSON), until EOF.
+    The model loads at the first request; a runner sends the same folder, dtype, threads and kwargs every time."""
     from graft_block.target import load_target
 
-    req = json.loads(sys.stdin.read())
-    torch.set_num_threads(int(req["threads"]))
-    target = load_target(req["folder"], device=req["device"], dtype=req["dtype"], engine="hf")
-    run = _runner(target, req["kwargs"])
-    ids = torch.tensor(req["ids"], dtype=torch.long)
-    filters = {"top_k": req.get("top_k", 0), "top_p": req.get("top_p", 1.0)}
-    run(ids, min(WARMUP_TOKENS, req["max_new_tokens"]), req["temperature"], req["seed"], **filters)
-    from graft_block.eval.machine import own_peak_rss_mb
-
-    rec = run(ids, req["max_new_tokens"], req["temperature"], req["seed"], **filters)
-    print(json.dumps({**rec, "child_peak_rss_mb": own_peak_rss_mb()}))
+    run = None
+    for line in sys.stdin:
+        req = json.loads(line)
+        if run is None:
+            torch.set_num_threads(int(req["threads"]))
+            target = load_target(req["folder"], device=req["device"], dtype=req["dtype"], engine="hf")
+            run = _runner(target, req["kwargs"])
+        ids = torch.tensor(req["ids"], dtype=torch.long)
+        filters = {"top_k": req.get("top_k", 0), "top_p": req.get("top_p", 1.0)}
+        run(ids, min(WARMUP_TOKENS, req["max_new_tokens"]), req["temperature"], req["seed"], **filters)  # untimed
+        rec = run(ids, req["max_new_tokens"], req["temperature"], req["seed"], **filters)
+        print(RECORD + json.dumps({**rec, "child_peak_rss_mb": machine.own_peak_rss_mb(), "child_pid": os.getpid()}),
+              flush=True)
 
 
 if __name__ == "__main__":
-    _serve_one()
+    _serve()

@@ -192,6 +192,26 @@ def test_busy_flag_set_when_a_cpu_bound_process_competes(tiny_folder, tmp_path, 
     assert not list((tmp_path / "cache" / "cost").glob("*.json"))
 
 
+def test_an_adopted_live_childs_cpu_is_our_own():
+    """The HF peers' child serves many calls and is reaped only at the end: until then its CPU is not in
+    os.times(), so a window in which it computes read as another job's load until it was adopted."""
+    if machine.snapshot()["busy"] is None:
+        pytest.skip("no /proc/stat here")
+    spin = "import time\nend = time.process_time() + 0.8\nwhile time.process_time() < end:\n    pass\ninput()\n"
+    for adopted in (False, True):
+        child = subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE)
+        if adopted:
+            machine.adopt(child.pid)
+        a = machine.snapshot()
+        time.sleep(1.5)  # the child spins 0.8 CPU-s, then waits on stdin, alive
+        w = machine.window(a, machine.snapshot())
+        child.communicate(b"\n")
+        machine.disown(child.pid)
+        assert (w["others_cpu_s"] < 0.4) if adopted else (w["others_cpu_s"] > 0.5), (adopted, w)
+    b = machine.snapshot()  # reaped and disowned: its 0.8 CPU-s still count, once, through os.times()
+    assert 0.6 < b["own_cpu"] - a["own_cpu"] < 1.3, (a, b)
+
+
 # ---- the verify-cost cache --------------------------------------------------------------------------------
 def test_cost_cache_key_holds_what_changes_the_curve(tmp_path, monkeypatch):
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))

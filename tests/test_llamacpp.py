@@ -488,23 +488,43 @@ def test_a_hung_call_is_stopped_at_the_presets_timeout(tmp_path, tokenizer):
 
 
 def test_the_hf_peers_child_is_stopped_at_its_timeout_and_must_print_a_record(tmp_path, monkeypatch):
-    """A hung HF child used to stall the bench forever; one that printed nothing failed with an IndexError."""
+    """A hung HF child used to stall the bench forever; one that printed nothing failed with an IndexError. The
+    child serves every call of its runner (one load), and a failed one is replaced at the next call."""
+    import time
+
     import torch
 
     from graft_block.eval import peers
 
     stub = tmp_path / "python"
-    stub.write_text(f"#!{sys.executable}\nimport os, sys, time\nsys.stdin.read()\n"
-                    "if os.environ.get('STUB_HANG'): time.sleep(3)\n")
+    stub.write_text(f"#!{sys.executable}\nimport json, os, sys, time\nsys.stderr.write('loading\\n')\n"
+                    "for n, line in enumerate(sys.stdin):\n"
+                    "    if os.environ.get('STUB_HANG'): time.sleep(3)\n"
+                    "    if os.environ.get('STUB_MUTE'): print('no record'); sys.exit(0)\n"
+                    "    print('noise')\n"
+                    f"    print({peers.RECORD!r} + json.dumps({{'pid': os.getpid(), 'n': n, "
+                    "'ids': json.loads(line)['ids']}), flush=True)\n")
     stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr(sys, "executable", str(stub))
     target = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
     run = peers._child_runner(target, str(tmp_path), {}, timeout=0.5)
-    with pytest.raises(RuntimeError, match="exited without a record"):
+    recs = [run(torch.tensor([1, 2, i]), 4, 0.0, 0) for i in range(3)]
+    assert len({r["pid"] for r in recs}) == 1 and [r["n"] for r in recs] == [0, 1, 2]  # one process, in order
+    assert [r["ids"][-1] for r in recs] == [0, 1, 2]
+    run.close()
+    monkeypatch.setenv("STUB_MUTE", "1")
+    with pytest.raises(RuntimeError, match=r"exited \(0\) without a record(.|\n)*no record(.|\n)*stderr: loading"):
         run(torch.tensor([1, 2, 3]), 4, 0.0, 0)
     monkeypatch.setenv("STUB_HANG", "1")
+    t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="did not finish within 0.5 s"):
         run(torch.tensor([1, 2, 3]), 4, 0.0, 0)
+    assert time.perf_counter() - t0 < 2.5  # killed, not waited for
+    monkeypatch.delenv("STUB_HANG")
+    monkeypatch.delenv("STUB_MUTE")
+    again = run(torch.tensor([1, 2, 3]), 4, 0.0, 0)  # a fresh child after the failures
+    assert again["n"] == 0 and again["pid"] != recs[0]["pid"]
+    run.close()
 
 
 def _replay(monkeypatch):
