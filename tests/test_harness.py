@@ -177,7 +177,7 @@ def test_busy_flag_set_when_a_cpu_bound_process_competes(tiny_folder, tmp_path, 
         time.sleep(0.3)
         rep = run_block.main(["--target", str(folder), "--methods", "ar,pld", "--prompts", str(prompts),
                               "--limit", "0", "--max-new-tokens", "256", "--threads", "1", "--no-progress",
-                              "--no-plots", "--out", str(tmp_path / "run")])
+                              "--no-plots", "--no-physics", "--out", str(tmp_path / "run")])
     finally:
         for p in hogs:
             p.kill()
@@ -449,7 +449,7 @@ def test_a_run_of_two_temperatures_decodes_each_at_its_own_auto_budget(tiny_fold
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
     rep = run_block.main(["--target", str(folder), "--methods", "ar,pld", "--prompts", str(prompts), "--limit", "1",
                           "--max-new-tokens", "8", "--budget", "auto", "--no-progress", "--no-plots",
-                          "--temperature", "0,1", "--out", str(tmp_path / "run")])
+                          "--no-physics", "--temperature", "0,1", "--out", str(tmp_path / "run")])
     auto = rep["auto_budget"]
     assert set(auto) == {"pld (T 0)", "pld (T 1)"}
     assert [auto[k]["pilot_temperature"] for k in sorted(auto)] == [0.0, 1.0]
@@ -469,7 +469,7 @@ def test_budget_auto_picks_from_the_measured_curve(tiny_folder, tmp_path, monkey
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", str(tmp_path / "cache"))
     rep = run_block.main(["--target", str(folder), "--methods", "ar,pld", "--prompts", str(prompts), "--limit", "1",
                           "--max-new-tokens", "8", "--budget", "auto", "--no-progress", "--no-plots",
-                          "--temperature", "1", "--out", str(tmp_path / "run")])
+                          "--no-physics", "--temperature", "1", "--out", str(tmp_path / "run")])
     auto = rep["auto_budget"]["pld"]
     assert auto["pilot_prompts"] == 1  # the default: the run's first prompt
     assert auto["pilot_temperature"] == 1.0  # a sampled run's pilots sample
