@@ -28,6 +28,7 @@ from graft_block.errors import MethodUnavailable
 from graft_block.eval import machine
 
 WARMUP_TOKENS = 8  # the child's untimed call on the same prompt (the parent's warm-up call is another process)
+SETTLE_S = 0.2  # the child's wait between its timed call and its record (Intel OpenMP spins 200 ms by default)
 CHILD_TIMEOUT_S = 3600.0  # one child call (load, warm-up, timed run): a hung child stops the bench, not stalls it
 
 
@@ -200,6 +201,7 @@ def _serve() -> None:
         filters = {"top_k": req.get("top_k", 0), "top_p": req.get("top_p", 1.0)}
         run(ids, min(WARMUP_TOKENS, req["max_new_tokens"]), req["temperature"], req["seed"], **filters)  # untimed
         rec = run(ids, req["max_new_tokens"], req["temperature"], req["seed"], **filters)
+        time.sleep(SETTLE_S)  # idle OpenMP threads may spin a while: let them stop before the parent times again
         print(RECORD + json.dumps({**rec, "child_peak_rss_mb": machine.own_peak_rss_mb(), "child_pid": os.getpid()}),
               flush=True)
 
