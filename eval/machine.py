@@ -3,8 +3,8 @@
 Three signals, each from a window between two ``snapshot()`` calls (Linux /proc; elsewhere they read None):
 - others_cores:  CPU time the machine's CPUs (those this process may run on, where its affinity is narrower) spent
                  busy minus this process's own CPU time (its finished children's, e.g. the llama.cpp peers,
-                 and its live adopted ones', the HF peers' child, included), per wall second (another job using
-                 the cores we time on);
+                 and what the HF peers' live child spent inside calls, included), per wall second (another job
+                 using the cores we time on);
 - runq_share:    seconds our threads were runnable but waited for a CPU, per wall second (/proc/self/task/*/schedstat:
                  more runnable threads than cores);
 - steal_cores:   time the hypervisor gave our vCPUs to someone else, per wall second.
@@ -74,30 +74,27 @@ def _runq_wait() -> float | None:
     return total / 1e9 if found else None
 
 
-_ADOPTED: set[int] = set()  # live child processes that serve several calls (eval/peers.py): their CPU is ours
+_CREDITED: dict[int, float] = {}  # live children's CPU seconds spent on this run's behalf (eval/peers.py)
 
 
-def adopt(pid: int) -> None:
-    """Count a live child's CPU time as this process's own until ``disown`` (call that right after reaping it: a
-    reaped child's time moves to ``os.times()``'s children fields)."""
-    _ADOPTED.add(pid)
+def process_cpu(pid: int) -> float | None:
+    """CPU seconds a live (or not yet reaped) process has used, its own and its reaped children's (None: unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return sum(int(x) for x in fields[11:15]) / _TICK  # utime, stime, cutime, cstime
+    except (OSError, ValueError, IndexError):
+        return None
 
 
-def disown(pid: int) -> None:
-    _ADOPTED.discard(pid)
+def credit(pid: int, seconds: float) -> None:
+    """Count ``seconds`` of a live child's CPU (a call it served) as this process's own, until ``forget``."""
+    _CREDITED[pid] = _CREDITED.get(pid, 0.0) + max(seconds, 0.0)
 
 
-def _adopted_cpu() -> float:
-    """CPU seconds the adopted children have used so far (their own and their reaped children's)."""
-    total = 0
-    for pid in _ADOPTED:
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-            total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
-        except (OSError, ValueError, IndexError):
-            continue
-    return total / _TICK
+def forget(pid: int) -> None:
+    """Call right after reaping the child: its whole time now counts among ``os.times()``'s children."""
+    _CREDITED.pop(pid, None)
 
 
 def loadavg() -> list[float] | None:
@@ -109,9 +106,9 @@ def loadavg() -> list[float] | None:
 
 def snapshot() -> dict:
     busy, steal = _proc_stat()
-    t = os.times()  # finished child processes (the llama.cpp peers) and adopted live ones are this run's own work
+    t = os.times()  # finished child processes (the llama.cpp peers) and live ones' calls are this run's own work
     return {"wall": time.perf_counter(),
-            "own_cpu": time.process_time() + t.children_user + t.children_system + _adopted_cpu(),
+            "own_cpu": time.process_time() + t.children_user + t.children_system + sum(_CREDITED.values()),
             "busy": busy, "steal": steal, "runq": _runq_wait()}
 
 

@@ -5,8 +5,8 @@ emitted its tokens, observed inside the same ``generate`` call through a streame
 separate call and subtracted (an un-warmed separate prefill once made HF look 15x faster than it is).
 
 When the main job's target released HF's weights (``load_target(..., release_hf=True)``: its C layers run on a
-copy of their own), each HF peer's calls run in one child process that loads the model from its folder once, and
-per call warms up on the same prompt, then times the call: HF's weights then never sit in the main job's memory
+copy of their own), the HF peers' calls run in one child process that loads the model from its folder once and,
+per call, warms up on the same prompt, then times the call: HF's weights then never sit in the main job's memory
 beside the engine's copy (``python -m graft_block.eval.peers`` reads one JSON request per stdin line and prints
 one record line per request).
 """
@@ -57,7 +57,7 @@ def model_folder(target) -> str | None:
 
 def hf_runner(target, kwargs: dict):
     """``run(ids, max_new_tokens, temperature, seed, top_k, top_p) -> record`` for HF ``generate`` with ``kwargs``
-    (``{"prompt_lookup_num_tokens": 10}`` = HF prompt lookup); in a child process of its own when the target
+    (``{"prompt_lookup_num_tokens": 10}`` = HF prompt lookup); in the HF peers' child process when the target
     released HF's weights and has a folder to reload them from."""
     if "prompt_lookup_num_tokens" in kwargs and target.tokenizer is None:
         raise MethodUnavailable("HF prompt lookup needs a tokenizer-backed target")
@@ -71,18 +71,19 @@ RECORD = "GRAFT_BLOCK_HF_RECORD "  # marks the child's record line among anythin
 
 
 class _Child:
-    """One child process that serves every call of one HF peer: it loads the model at its first request and stays
-    until the run ends (each call's own process spent ~10 s of the main job on imports and the load)."""
+    """One child process that serves the HF peers' calls (``hf`` and ``hf_pld`` alike): it loads the model at its
+    first request and stays until ``close_children`` (a child per call spent ~10 s of the main job on imports and the
+    load each time). The CPU it spends inside calls counts as this run's own (``machine.credit``); what it spends
+    between them does not, so the busy guard still sees it."""
 
-    def __init__(self, timeout: float):
-        self.timeout, self.proc, self.lines, self.err = timeout, None, None, None
-        atexit.register(self.close)
+    def __init__(self):
+        self.proc, self.lines, self.err = None, None, None
 
     def _start(self) -> None:
-        self.err = tempfile.TemporaryFile(mode="w+", encoding="utf-8")  # a file: a full stderr pipe would block
+        self.err = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")  # a full pipe would block
         self.proc = subprocess.Popen([sys.executable, "-m", "graft_block.eval.peers"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True, encoding="utf-8")
-        machine.adopt(self.proc.pid)  # its CPU is this run's, not a competitor's (the busy flag)
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True, encoding="utf-8",
+                                     errors="replace")
         self.lines = queue.SimpleQueue()
         threading.Thread(target=_pump, args=(self.proc.stdout, self.lines), daemon=True).start()
 
@@ -91,28 +92,32 @@ class _Child:
         self.err.seek(0)
         return self.err.read()[-800:]
 
-    def ask(self, req: dict) -> dict:
-        if self.proc is None or self.proc.poll() is not None:
-            self.close()
+    def ask(self, req: dict, timeout: float) -> dict:
+        if self.proc is not None and self.proc.poll() is not None:  # it died between calls (killed for memory?)
+            code, err = self.proc.returncode, self.close()
+            print(f"[hf] the HF peers' child process exited ({code}) between calls; starting another. Its stderr: "
+                  f"{err}", file=sys.stderr)
+        if self.proc is None:
             self._start()
-        deadline, printed = time.monotonic() + self.timeout, []
-        try:
-            self.proc.stdin.write(json.dumps(req) + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass  # it died first: its EOF below says so, with its stderr
+        pid, deadline, printed = self.proc.pid, time.monotonic() + timeout, []
+        cpu0 = machine.process_cpu(pid)
+        # written by a thread: a child stuck before its first read must not block us past the deadline
+        threading.Thread(target=_send, args=(self.proc.stdin, json.dumps(req) + "\n"), daemon=True).start()
         while True:
             try:
                 line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.0))
             except queue.Empty:
                 err = self.close(kill=True)
-                raise RuntimeError(f"the HF peer's child process did not finish within {self.timeout:g} s and was "
+                raise RuntimeError(f"the HF peer's child process did not finish within {timeout:g} s and was "
                                    f"stopped: {err}") from None
             if line is None:  # EOF: it exited
                 code, err = self.proc.wait(), self.close()
                 raise RuntimeError(f"the HF peer's child process exited ({code}) without a record (a {RECORD.strip()} "
                                    f"line); stdout {''.join(printed)[-400:]!r}, stderr: {err}")
             if line.startswith(RECORD):
+                cpu1 = machine.process_cpu(pid)
+                if cpu0 is not None and cpu1 is not None:
+                    machine.credit(pid, cpu1 - cpu0)
                 return json.loads(line[len(RECORD):])
             printed.append(line)
 
@@ -130,29 +135,52 @@ class _Child:
         except (OSError, subprocess.TimeoutExpired):
             proc.kill()
             proc.wait()
-        machine.disown(proc.pid)  # reaped: its time now counts among os.times()'s children
+        machine.forget(proc.pid)  # reaped: its whole time now counts among os.times()'s children
         err = self._stderr()
         self.err.close()
         return err
 
 
+def _send(stream, text: str) -> None:
+    try:
+        stream.write(text)
+        stream.flush()
+    except (OSError, ValueError):
+        pass  # it died or was stopped: the reader sees its EOF
+
+
 def _pump(stream, lines: queue.SimpleQueue) -> None:
-    """The child's stdout, line by line, into ``lines``; None at its end."""
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
+    """The child's stdout, line by line, into ``lines``; None at its end (or if reading it fails)."""
+    try:
+        for line in stream:
+            lines.put(line)
+    finally:
+        lines.put(None)
+
+
+_CHILDREN: dict[tuple, _Child] = {}  # one per (folder, device, dtype, threads): the HF peers share its one load
+
+
+def close_children() -> None:
+    """Stop the HF peers' children (the main job calls it after its timed runs; also at exit)."""
+    for child in _CHILDREN.values():
+        child.close()
+    _CHILDREN.clear()
+
+
+atexit.register(close_children)
 
 
 def _child_runner(target, folder: str, kwargs: dict, timeout: float = CHILD_TIMEOUT_S):
     base = {"folder": folder, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(), "kwargs": kwargs}
-    child = _Child(timeout)
+            "threads": torch.get_num_threads()}
+    key = (sys.executable, *base.values())
 
     def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0):
-        return child.ask({**base, "ids": ids.view(-1).tolist(), "max_new_tokens": max_new_tokens,
-                          "temperature": temperature, "seed": seed, "top_k": top_k, "top_p": top_p})
+        child = _CHILDREN.setdefault(key, _Child())
+        return child.ask({**base, "kwargs": kwargs, "ids": ids.view(-1).tolist(), "max_new_tokens": max_new_tokens,
+                          "temperature": temperature, "seed": seed, "top_k": top_k, "top_p": top_p}, timeout)
 
-    run.close = child.close
     return run
 
 
@@ -187,16 +215,16 @@ def _runner(target, kwargs: dict):
 
 def _serve() -> None:
     """The child's side: one JSON request per stdin line -> one record line on stdout (RECORD + JSON), until EOF.
-    The model loads at the first request; a runner sends the same folder, dtype, threads and kwargs every time."""
+    The model loads at the first request (every request of one child names the same folder, dtype and threads)."""
     from graft_block.target import load_target
 
-    run = None
+    target = None
     for line in sys.stdin:
         req = json.loads(line)
-        if run is None:
+        if target is None:
             torch.set_num_threads(int(req["threads"]))
             target = load_target(req["folder"], device=req["device"], dtype=req["dtype"], engine="hf")
-            run = _runner(target, req["kwargs"])
+        run = _runner(target, req["kwargs"])  # the peer's generate options (hf, hf_pld), per request
         ids = torch.tensor(req["ids"], dtype=torch.long)
         filters = {"top_k": req.get("top_k", 0), "top_p": req.get("top_p", 1.0)}
         run(ids, min(WARMUP_TOKENS, req["max_new_tokens"]), req["temperature"], req["seed"], **filters)  # untimed

@@ -39,7 +39,7 @@ from graft_block import skinny  # noqa: E402
 from graft_block.engine import trim_heap  # noqa: E402
 from graft_block.errors import ConfigError, MethodUnavailable, run_command  # noqa: E402
 from graft_block.sampling import sampling_options  # noqa: E402
-from graft_block.eval import llamacpp, machine, measure, physics, presets, report  # noqa: E402
+from graft_block.eval import llamacpp, machine, measure, peers, physics, presets, report  # noqa: E402
 from graft_block.eval.methods import load_method_files, lookup, make_method  # noqa: E402
 from graft_block.eval.plots import plots  # noqa: E402
 from graft_block.eval.prompts import describe_sets, encode_turn, prompt_records  # noqa: E402
@@ -370,6 +370,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     records = measure.run_interleaved(target, runs, prompts, max_new, temps, args.seed, not args.no_progress,
                                       (rank, world), guard, args.warmup_tokens, args.time_limit, args.top_k,
                                       args.top_p, too_long=too_long)
+    peers.close_children()  # the HF peers' child: its model copy leaves memory with the timed runs
     guard.after()
     if world > 1:
         records = measure.gather_shards(records, world, [p["id"] for p in prompts], extra=too_long)
@@ -379,7 +380,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     rows = report.summarize(records)
     load = guard.report([r["load"] for r in records])
     rss = machine.peak_rss_mb()  # the benchmark's own, before the physics report's copy buffers (2 x 256 MB on CPU)
-    # the largest HF peer child's own peak (one runs at a time, beside this process)
+    # the HF peers' child's own peak (one, beside this process, serving both peers)
     child_rss = max((r.get("child_peak_rss_mb") or 0 for r in records), default=0)
     # after the timed runs, with their own load guard; the verify curve measured above is reused, not re-timed
     phys = None if args.no_physics else physics.measure_physics(target, curve=curve, probe_s=0.3)

@@ -487,9 +487,10 @@ def test_a_hung_call_is_stopped_at_the_presets_timeout(tmp_path, tokenizer):
     assert time.perf_counter() - t0 < 2.5
 
 
-def test_the_hf_peers_child_is_stopped_at_its_timeout_and_must_print_a_record(tmp_path, monkeypatch):
-    """A hung HF child used to stall the bench forever; one that printed nothing failed with an IndexError. The
-    child serves every call of its runner (one load), and a failed one is replaced at the next call."""
+def test_the_hf_peers_child_is_stopped_at_its_timeout_and_must_print_a_record(tmp_path, monkeypatch, capsys):
+    """A hung HF child used to stall the bench forever; one that printed nothing failed with an IndexError. One
+    child serves every call of the HF peers (one load), a failed one is replaced at the next call, and one that
+    died between calls is replaced with a word on stderr."""
     import time
 
     import torch
@@ -499,32 +500,40 @@ def test_the_hf_peers_child_is_stopped_at_its_timeout_and_must_print_a_record(tm
     stub = tmp_path / "python"
     stub.write_text(f"#!{sys.executable}\nimport json, os, sys, time\nsys.stderr.write('loading\\n')\n"
                     "for n, line in enumerate(sys.stdin):\n"
-                    "    if os.environ.get('STUB_HANG'): time.sleep(3)\n"
+                    "    if os.environ.get('STUB_HANG'):\n"
+                    "        sys.stderr.write('hung\\n'); sys.stderr.flush(); time.sleep(5)\n"
                     "    if os.environ.get('STUB_MUTE'): print('no record'); sys.exit(0)\n"
                     "    print('noise')\n"
                     f"    print({peers.RECORD!r} + json.dumps({{'pid': os.getpid(), 'n': n, "
-                    "'ids': json.loads(line)['ids']}), flush=True)\n")
+                    "'req': json.loads(line)}), flush=True)\n"
+                    "    if os.environ.get('STUB_ONCE'): sys.exit(3)\n")
     stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr(sys, "executable", str(stub))
     target = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
-    run = peers._child_runner(target, str(tmp_path), {}, timeout=0.5)
-    recs = [run(torch.tensor([1, 2, i]), 4, 0.0, 0) for i in range(3)]
+    hf = peers._child_runner(target, str(tmp_path), {}, timeout=2.0)
+    pld = peers._child_runner(target, str(tmp_path), {"prompt_lookup_num_tokens": 10}, timeout=2.0)
+    recs = [run(torch.tensor([1, 2, i]), 4, 0.0, 0) for i, run in enumerate((hf, pld, hf))]
     assert len({r["pid"] for r in recs}) == 1 and [r["n"] for r in recs] == [0, 1, 2]  # one process, in order
-    assert [r["ids"][-1] for r in recs] == [0, 1, 2]
-    run.close()
+    assert [r["req"]["ids"][-1] for r in recs] == [0, 1, 2]
+    assert [r["req"]["kwargs"] for r in recs] == [{}, {"prompt_lookup_num_tokens": 10}, {}]  # each peer's own
+    peers.close_children()
     monkeypatch.setenv("STUB_MUTE", "1")
     with pytest.raises(RuntimeError, match=r"exited \(0\) without a record(.|\n)*no record(.|\n)*stderr: loading"):
-        run(torch.tensor([1, 2, 3]), 4, 0.0, 0)
+        hf(torch.tensor([1, 2, 3]), 4, 0.0, 0)
+    monkeypatch.delenv("STUB_MUTE")
     monkeypatch.setenv("STUB_HANG", "1")
     t0 = time.perf_counter()
-    with pytest.raises(RuntimeError, match="did not finish within 0.5 s"):
-        run(torch.tensor([1, 2, 3]), 4, 0.0, 0)
-    assert time.perf_counter() - t0 < 2.5  # killed, not waited for
+    with pytest.raises(RuntimeError, match=r"did not finish within 2 s and was stopped: loading\nhung"):
+        hf(torch.tensor([1, 2, 3]), 4, 0.0, 0)
+    assert time.perf_counter() - t0 < 4.0  # killed, not waited for
     monkeypatch.delenv("STUB_HANG")
-    monkeypatch.delenv("STUB_MUTE")
-    again = run(torch.tensor([1, 2, 3]), 4, 0.0, 0)  # a fresh child after the failures
-    assert again["n"] == 0 and again["pid"] != recs[0]["pid"]
-    run.close()
+    monkeypatch.setenv("STUB_ONCE", "1")
+    first = hf(torch.tensor([1, 2, 3]), 4, 0.0, 0)  # a fresh child after the failures; it exits after answering
+    assert first["n"] == 0 and first["pid"] != recs[0]["pid"]
+    time.sleep(0.5)
+    again = pld(torch.tensor([1, 2, 3]), 4, 0.0, 0)
+    assert again["pid"] != first["pid"] and "exited (3) between calls; starting another" in capsys.readouterr().err
+    peers.close_children()
 
 
 def _replay(monkeypatch):
