@@ -114,11 +114,12 @@ class _Child:
                 code, err = self.proc.wait(), self.close()
                 raise RuntimeError(f"the HF peer's child process exited ({code}) without a record (a {RECORD.strip()} "
                                    f"line); stdout {''.join(printed)[-400:]!r}, stderr: {err}")
-            if line.startswith(RECORD):
+            at = line.find(RECORD)  # not only at the start: a library's unfinished line may sit before it
+            if at >= 0:
                 cpu1 = machine.process_cpu(pid)
                 if cpu0 is not None and cpu1 is not None:
                     machine.credit(pid, cpu1 - cpu0)
-                return json.loads(line[len(RECORD):])
+                return json.loads(line[at + len(RECORD):])
             printed.append(line)
 
     def close(self, kill: bool = False) -> str:

@@ -503,7 +503,7 @@ def test_the_hf_peers_child_is_stopped_at_its_timeout_and_must_print_a_record(tm
                     "    if os.environ.get('STUB_HANG'):\n"
                     "        sys.stderr.write('hung\\n'); sys.stderr.flush(); time.sleep(5)\n"
                     "    if os.environ.get('STUB_MUTE'): print('no record'); sys.exit(0)\n"
-                    "    print('noise')\n"
+                    "    print('noise'); print('a bar without its newline', end='')\n"
                     f"    print({peers.RECORD!r} + json.dumps({{'pid': os.getpid(), 'n': n, "
                     "'req': json.loads(line)}), flush=True)\n"
                     "    if os.environ.get('STUB_ONCE'): sys.exit(3)\n")
