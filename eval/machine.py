@@ -75,6 +75,7 @@ def _runq_wait() -> float | None:
 
 
 _CREDITED: dict[int, float] = {}  # live children's CPU seconds spent on this run's behalf (eval/peers.py)
+_REAPED_OFFSET = 0.0  # keeps own CPU continuous when such a child is reaped (see ``forget``)
 
 
 def process_cpu(pid: int) -> float | None:
@@ -92,9 +93,17 @@ def credit(pid: int, seconds: float) -> None:
     _CREDITED[pid] = _CREDITED.get(pid, 0.0) + max(seconds, 0.0)
 
 
-def forget(pid: int) -> None:
-    """Call right after reaping the child: its whole time now counts among ``os.times()``'s children."""
-    _CREDITED.pop(pid, None)
+def children_cpu() -> float:
+    """CPU seconds of this process's reaped children (``os.times()``): read it before reaping one, for ``forget``."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
+def forget(pid: int, reaped_s: float = 0.0) -> None:
+    """Call right after reaping the child, with the CPU its reaping added to ``children_cpu()``: its calls stay
+    counted as ours and nothing else of it is, so a window around the reap reads no jump."""
+    global _REAPED_OFFSET
+    _REAPED_OFFSET += _CREDITED.pop(pid, 0.0) - reaped_s
 
 
 def loadavg() -> list[float] | None:
@@ -106,9 +115,9 @@ def loadavg() -> list[float] | None:
 
 def snapshot() -> dict:
     busy, steal = _proc_stat()
-    t = os.times()  # finished child processes (the llama.cpp peers) and live ones' calls are this run's own work
+    # finished child processes (the llama.cpp peers) and the calls of live ones are this run's own work
     return {"wall": time.perf_counter(),
-            "own_cpu": time.process_time() + t.children_user + t.children_system + sum(_CREDITED.values()),
+            "own_cpu": time.process_time() + children_cpu() + sum(_CREDITED.values()) + _REAPED_OFFSET,
             "busy": busy, "steal": steal, "runq": _runq_wait()}
 
 

@@ -77,7 +77,7 @@ class _Child:
     between them does not, so the busy guard still sees it."""
 
     def __init__(self):
-        self.proc, self.lines, self.err = None, None, None
+        self.proc, self.lines, self.err, self.returncode = None, None, None, None
 
     def _start(self) -> None:
         self.err = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")  # a full pipe would block
@@ -93,8 +93,9 @@ class _Child:
         return self.err.read()[-800:]
 
     def ask(self, req: dict, timeout: float) -> dict:
+        before = machine.children_cpu()  # poll() reaps a dead child: forget() needs what that added
         if self.proc is not None and self.proc.poll() is not None:  # it died between calls (killed for memory?)
-            code, err = self.proc.returncode, self.close()
+            code, err = self.proc.returncode, self.close(reaped_since=before)
             print(f"[hf] the HF peers' child process exited ({code}) between calls; starting another. Its stderr: "
                   f"{err}", file=sys.stderr)
         if self.proc is None:
@@ -110,8 +111,9 @@ class _Child:
                 err = self.close(kill=True)
                 raise RuntimeError(f"the HF peer's child process did not finish within {timeout:g} s and was "
                                    f"stopped: {err}") from None
-            if line is None:  # EOF: it exited
-                code, err = self.proc.wait(), self.close()
+            if line is None:  # EOF: it exited (or closed its stdout: close() kills it after 10 s)
+                err = self.close()
+                code = self.returncode
                 raise RuntimeError(f"the HF peer's child process exited ({code}) without a record (a {RECORD.strip()} "
                                    f"line); stdout {''.join(printed)[-400:]!r}, stderr: {err}")
             at = line.find(RECORD)  # not only at the start: a library's unfinished line may sit before it
@@ -122,12 +124,13 @@ class _Child:
                 return json.loads(line[at + len(RECORD):])
             printed.append(line)
 
-    def close(self, kill: bool = False) -> str:
+    def close(self, kill: bool = False, reaped_since: float | None = None) -> str:
         """Stop the child (EOF on its stdin ends it; killed if it does not, or at once with ``kill``); returns its
-        stderr's tail."""
+        stderr's tail. ``reaped_since``: ``machine.children_cpu()`` read before the caller reaped it."""
         if self.proc is None:
             return ""
         proc, self.proc = self.proc, None
+        before = machine.children_cpu() if reaped_since is None else reaped_since
         if kill:
             proc.kill()
         try:
@@ -136,7 +139,8 @@ class _Child:
         except (OSError, subprocess.TimeoutExpired):
             proc.kill()
             proc.wait()
-        machine.forget(proc.pid)  # reaped: its whole time now counts among os.times()'s children
+        self.returncode = proc.returncode
+        machine.forget(proc.pid, machine.children_cpu() - before)  # reaped: its time moved into os.times()
         err = self._stderr()
         self.err.close()
         return err

@@ -367,10 +367,12 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     if rank == 0:
         for n, why in skipped.items():
             print(f"[skip] {n}: {why}", file=sys.stderr)
-    records = measure.run_interleaved(target, runs, prompts, max_new, temps, args.seed, not args.no_progress,
-                                      (rank, world), guard, args.warmup_tokens, args.time_limit, args.top_k,
-                                      args.top_p, too_long=too_long)
-    peers.close_children()  # the HF peers' child: its model copy leaves memory with the timed runs
+    try:
+        records = measure.run_interleaved(target, runs, prompts, max_new, temps, args.seed, not args.no_progress,
+                                          (rank, world), guard, args.warmup_tokens, args.time_limit, args.top_k,
+                                          args.top_p, too_long=too_long)
+    finally:
+        peers.close_children()  # the HF peers' child: its model copy leaves memory with the timed runs
     guard.after()
     if world > 1:
         records = measure.gather_shards(records, world, [p["id"] for p in prompts], extra=too_long)
