@@ -77,7 +77,7 @@ class _Child:
     between them does not, so the busy guard still sees it."""
 
     def __init__(self):
-        self.proc, self.lines, self.err, self.returncode = None, None, None, None
+        self.proc, self.lines, self.err = None, None, None
 
     def _start(self) -> None:
         self.err = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")  # a full pipe would block
@@ -93,11 +93,11 @@ class _Child:
         return self.err.read()[-800:]
 
     def ask(self, req: dict, timeout: float) -> dict:
-        before = machine.children_cpu()  # poll() reaps a dead child: forget() needs what that added
-        if self.proc is not None and self.proc.poll() is not None:  # it died between calls (killed for memory?)
-            code, err = self.proc.returncode, self.close(reaped_since=before)
-            print(f"[hf] the HF peers' child process exited ({code}) between calls; starting another. Its stderr: "
-                  f"{err}", file=sys.stderr)
+        before, proc = machine.children_cpu(), self.proc  # poll() reaps a dead child: forget() needs what that added
+        if proc is not None and proc.poll() is not None:  # it died between calls (killed for memory?)
+            err = self.close(reaped_since=before)
+            print(f"[hf] the HF peers' child process exited ({proc.returncode}) between calls; starting another. "
+                  f"Its stderr: {err}", file=sys.stderr)
         if self.proc is None:
             self._start()
         pid, deadline, printed = self.proc.pid, time.monotonic() + timeout, []
@@ -112,10 +112,9 @@ class _Child:
                 raise RuntimeError(f"the HF peer's child process did not finish within {timeout:g} s and was "
                                    f"stopped: {err}") from None
             if line is None:  # EOF: it exited (or closed its stdout: close() kills it after 10 s)
-                err = self.close()
-                code = self.returncode
-                raise RuntimeError(f"the HF peer's child process exited ({code}) without a record (a {RECORD.strip()} "
-                                   f"line); stdout {''.join(printed)[-400:]!r}, stderr: {err}")
+                proc, err = self.proc, self.close()
+                raise RuntimeError(f"the HF peer's child process exited ({proc.returncode}) without a record (a "
+                                   f"{RECORD.strip()} line); stdout {''.join(printed)[-400:]!r}, stderr: {err}")
             at = line.find(RECORD)  # not only at the start: a library's unfinished line may sit before it
             if at >= 0:
                 cpu1 = machine.process_cpu(pid)
@@ -139,7 +138,6 @@ class _Child:
         except (OSError, subprocess.TimeoutExpired):
             proc.kill()
             proc.wait()
-        self.returncode = proc.returncode
         machine.forget(proc.pid, machine.children_cpu() - before)  # reaped: its time moved into os.times()
         err = self._stderr()
         self.err.close()
