@@ -288,7 +288,8 @@ class MFDDrafter(D.DFlashDrafter):
     def _markov_expander(self, hidden: torch.Tensor, temperature: float, rows: int, budget: int):
         """``expand(mode, depth, token)`` for ``conditional_mixed_ddtree``: mode m's children at ``depth`` under a
         node of ``token``, ranked among the mode's C likeliest backbone tokens there (the mass outside them stays
-        in the normaliser, uncorrected). LM-head rows are computed when a depth is first reached, doubling."""
+        in the normaliser, uncorrected). LM-head rows are computed when a depth is first reached, doubling (all at once
+        under adaptive rows, whose block recent rounds already sized)."""
         K = hidden.shape[0]
         k = max(self.marginal_topk, budget)
         got: dict[str, torch.Tensor] = {}
@@ -299,7 +300,7 @@ class MFDDrafter(D.DFlashDrafter):
             done = 0 if not got else got["cand_z"].shape[1]
             if depth <= done:
                 return
-            upto = min(rows, max(depth, 2 * done, 2))
+            upto = rows if self.adaptive_rows else min(rows, max(depth, 2 * done, 2))
             z = self.row_logits(hidden, done, upto).float()  # [K, upto - done, V']
             z = z / temperature if temperature > 0 else z
             if not done:  # depth 1's children when the head skips the first draft: the backbone's row, tempered
@@ -370,8 +371,9 @@ class MFDDrafter(D.DFlashDrafter):
         # The LM head over the draft vocabulary is the largest product of a round, and most trees of a small budget
         # stay shallow: the rows are headed two, then doubling, at a time. A tree that does not reach the last
         # headed row is the tree all L rows give (``tree.mixed``: a row is read only under a node one level up),
-        # given the same logits per row (a kernel chosen by row count may round a near-tie otherwise).
-        id_parts, lp_parts, done, rows = [], [], 0, min(2, L)
+        # given the same logits per row (a kernel chosen by row count may round a near-tie otherwise). Adaptive
+        # rows already sized L from recent rounds, so all L are headed in one product (one read of the head).
+        id_parts, lp_parts, done, rows = [], [], 0, L if self.adaptive_rows else min(2, L)
         while True:
             cols, lps = topk_logprobs(self.row_logits(hidden, done, rows).reshape(K * (rows - done), -1), k)
             id_parts.append(self.model.to_vocab_ids(cols.to(self.target.device)).cpu().view(K, rows - done, -1))

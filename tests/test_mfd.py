@@ -86,6 +86,30 @@ def test_greedy_identity_vs_hf(arch, score):
     assert ids.shape[0] == 3 and 2 <= ids.shape[1] <= 7  # the rows the last tree needed headed (see below)
 
 
+@pytest.mark.parametrize("markov", [False, True])
+def test_adaptive_rows_are_headed_in_one_product(tiny_llama, markov, tmp_path, monkeypatch):
+    """With adaptive rows the block is already sized from recent rounds, so a round heads all of its drafting rows
+    in one product (one read of the LM head), with or without a shared Markov head, and decoding stays
+    token-identical to HF greedy. Caught: heading two rows, then doubling, as without adaptive rows."""
+    calls = []
+    row_logits = M.MFDDrafter.row_logits
+
+    def counted(self, hidden, lo, hi):
+        calls.append((lo, hi))
+        return row_logits(self, hidden, lo, hi)
+
+    monkeypatch.setattr(M.MFDDrafter, "row_logits", counted)
+    if markov:
+        model = _mfd_sharing_a_markov_head(tiny_llama, tmp_path / "dspark", block_size=8, target_layer_ids=[0, 2])
+        d = M.MFDDrafter(tiny_llama, model, budget=9, block_size="adaptive", markov=str(tmp_path / "dspark"))
+    else:
+        d = _mfd(tiny_llama, block_size="adaptive", budget=9)
+    out = SpeculativeDecoder(tiny_llama, d).generate(PROMPT, max_new_tokens=24)
+    assert out.tokens == _hf_greedy(tiny_llama, PROMPT, 24)
+    assert len(calls) == out.stats.rounds and all(lo == 0 for lo, _ in calls)
+    assert calls[0][1] == min(9, d.block_size - 1) and min(hi for _, hi in calls) < calls[0][1]  # rows adapt
+
+
 @pytest.mark.parametrize("score", ["best_mode", "mixture_uniform", "mixture_gated"])
 def test_rows_headed_on_demand_give_the_tree_of_all_rows(tiny_llama, score):
     """propose() heads the drafting rows two, then doubling, at a time and stops once its tree is shallower than
