@@ -83,7 +83,7 @@ def test_greedy_identity_vs_hf(arch, score):
     # max_new_tokens: count every round's walk, before the stop trim)
     assert d.ctx_len == len(PROMPT) + sum((k + 1) * c for k, c in res.stats.accept_hist.items())
     ids, _lps = d.last_block_logprobs
-    assert ids.shape[0] == 3 and 2 <= ids.shape[1] <= 7  # the rows the last tree needed headed (see below)
+    assert ids.shape[0] == 3 and 2 <= ids.shape[1] <= 7  # rows headed: test_rows_headed_on_demand_*
 
 
 @pytest.mark.parametrize("markov", [False, True])
