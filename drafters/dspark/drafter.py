@@ -45,11 +45,11 @@ def candidate_logprobs(cand_z: torch.Tensor, bias: torch.Tensor, rest: torch.Ten
     sampling ``temperature``; 0 = greedy), normalised with the outside mass ``rest``. The candidates keep their
     share of the mass, and the checkpoint's draft temperature ``t`` at this depth reshapes it inside."""
     z = cand_z + (bias / temperature if temperature > 0 else bias)
-    total = torch.logaddexp(torch.logsumexp(z, -1, keepdim=True), rest)
+    inside = torch.logsumexp(z, -1, keepdim=True)
+    total = torch.logaddexp(inside, rest)
     if t == 1.0:
         return z - total
-    share = torch.logsumexp(z, -1, keepdim=True) - total
-    return torch.log_softmax(z / t, -1) + share
+    return torch.log_softmax(z / t, -1) + (inside - total)
 
 
 @register("dspark")
