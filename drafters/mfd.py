@@ -288,8 +288,7 @@ class MFDDrafter(D.DFlashDrafter):
     def _markov_expander(self, hidden: torch.Tensor, temperature: float, rows: int, budget: int):
         """``expand(mode, depth, token)`` for ``conditional_mixed_ddtree``: mode m's children at ``depth`` under a
         node of ``token``, ranked among the mode's C likeliest backbone tokens there (the mass outside them stays
-        in the normaliser, uncorrected). LM-head rows are computed when a depth is first reached, doubling (all at once
-        under adaptive rows, whose block recent rounds already sized)."""
+        in the normaliser, uncorrected). LM-head rows are computed when a depth is first reached (``rows_to_head``)."""
         K = hidden.shape[0]
         k = max(self.marginal_topk, budget)
         got: dict[str, torch.Tensor] = {}
@@ -300,7 +299,7 @@ class MFDDrafter(D.DFlashDrafter):
             done = 0 if not got else got["cand_z"].shape[1]
             if depth <= done:
                 return
-            upto = rows if self.adaptive_rows else min(rows, max(depth, 2 * done, 2))
+            upto = self.rows_to_head(done, depth, rows)
             z = self.row_logits(hidden, done, upto).float()  # [K, upto - done, V']
             z = z / temperature if temperature > 0 else z
             if not done:  # depth 1's children when the head skips the first draft: the backbone's row, tempered
@@ -350,6 +349,12 @@ class MFDDrafter(D.DFlashDrafter):
         mode's first ``rows`` drafting rows only."""
         return self.row_logits(self.mode_hidden(state, modes), 0, rows)
 
+    def rows_to_head(self, done: int, need: int, rows: int) -> int:
+        """How many of the ``rows`` drafting rows to have headed once a tree needs row ``need`` and ``done`` are:
+        doubling from two, since most trees of a small budget stay shallow; all at once under adaptive rows, whose
+        block recent rounds already sized (a second product re-reads the whole head)."""
+        return rows if self.adaptive_rows else min(rows, max(need, 2 * done, 2))
+
     def row_logits(self, hidden: torch.Tensor, lo: int, hi: int | None) -> torch.Tensor:
         """The LM head on drafting rows lo..hi of every mode (row 0 = depth 1) -> [K, rows, V']."""
         return self.model.logits(hidden[:, 1:][:, lo:hi], self._lm_w, self._lm_b, restricted=True,  # pre-gathered
@@ -371,9 +376,8 @@ class MFDDrafter(D.DFlashDrafter):
         # The LM head over the draft vocabulary is the largest product of a round, and most trees of a small budget
         # stay shallow: the rows are headed two, then doubling, at a time. A tree that does not reach the last
         # headed row is the tree all L rows give (``tree.mixed``: a row is read only under a node one level up),
-        # given the same logits per row (a kernel chosen by row count may round a near-tie otherwise). Adaptive
-        # rows already sized L from recent rounds, so all L are headed in one product (one read of the head).
-        id_parts, lp_parts, done, rows = [], [], 0, L if self.adaptive_rows else min(2, L)
+        # given the same logits per row (a kernel chosen by row count may round a near-tie otherwise).
+        id_parts, lp_parts, done, rows = [], [], 0, self.rows_to_head(0, 1, L)
         while True:
             cols, lps = topk_logprobs(self.row_logits(hidden, done, rows).reshape(K * (rows - done), -1), k)
             id_parts.append(self.model.to_vocab_ids(cols.to(self.target.device)).cpu().view(K, rows - done, -1))
@@ -383,7 +387,7 @@ class MFDDrafter(D.DFlashDrafter):
                 tree = mixed_ddtree(state.root_token, ids, lps, budget, self.score, weights)
             if rows == L or int(tree.depths.max()) < rows:
                 break
-            done, rows = rows, min(2 * rows, L)
+            done, rows = rows, self.rows_to_head(rows, rows + 1, L)
         self.last_block_logprobs = (ids, lps)  # per-mode top-k marginals [K, rows headed, k]
         return tree
 
