@@ -703,18 +703,16 @@ def variant() -> str:
 AMX_ENV = "GRAFT_BLOCK_AMX"  # "0": bfloat16 products without the AMX tiles, where the CPU has them (to measure)
 
 
-def build_library(kind: str, source: str = SOURCE) -> ctypes.CDLL:
-    """The library of ``source`` (this module's kernel, or another version of it: ``eval/bench_skinny.py``) for
-    the tile ``kind``, compiled once per source, compiler, flags and CPU into the user cache."""
+def compile_library(source: str, flags: list[str], stem: str):
+    """The shared library of C ``source`` built with ``flags`` by the system compiler (``$CC``, else ``cc``), once
+    per source, compiler, flags and CPU, into the user cache; its path. RuntimeError without a working compiler."""
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    vw, nv, rows, extra = VARIANTS[kind]
-    flags = ["-O3", "-march=native", *extra, f"-DVW={vw}", f"-DNV={nv}", f"-DGMAX={rows}", "-fopenmp", "-shared",
-             "-fPIC"] + (["-DNO_AMX"] if os.environ.get(AMX_ENV) == "0" else [])
+    flags = [*flags, "-shared", "-fPIC"]
     key = hashlib.sha1(repr((source, version, flags, _cpu_flags())).encode()).hexdigest()[:16]
-    path = graft_block.cache_root() / "skinny" / f"skinny-{kind}-{key}.so"
+    path = graft_block.cache_root() / "skinny" / f"{stem}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         src = path.with_suffix(f".{os.getpid()}.c")
@@ -725,6 +723,16 @@ def build_library(kind: str, source: str = SOURCE) -> ctypes.CDLL:
         if done.returncode:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:300]}")
         os.replace(tmp, path)  # atomic: a parallel process never loads a half-written library
+    return path
+
+
+def build_library(kind: str, source: str = SOURCE) -> ctypes.CDLL:
+    """The library of ``source`` (this module's kernel, or another version of it: ``eval/bench_skinny.py``) for
+    the tile ``kind``, compiled once per source, compiler, flags and CPU into the user cache."""
+    vw, nv, rows, extra = VARIANTS[kind]
+    flags = ["-O3", "-march=native", *extra, f"-DVW={vw}", f"-DNV={nv}", f"-DGMAX={rows}", "-fopenmp"] + \
+        (["-DNO_AMX"] if os.environ.get(AMX_ENV) == "0" else [])
+    path = compile_library(source, flags, f"skinny-{kind}")
     before = _openmp_runtimes()
     lib = ctypes.CDLL(str(path))
     # it must bind to the libgomp.so.1 torch loaded: a runtime it brings in would spin a second pool beside torch's

@@ -15,6 +15,8 @@ estimated probability that each node of the last proposed tree is accepted, from
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,7 @@ from graft_block.tree import Tree, path_products
 from graft_block.tree.ddtree import conditional_ddtree
 
 from ..dflash.drafter import DFlashDrafter, random_init_block
+from . import c_walk
 from . import training as dspark_training
 from .checkpoint import is_dspark_layout, load_checkpoint, new_dspark_model, save_checkpoint, warn_if_uncalibrated
 from .model import DSparkModel
@@ -119,7 +122,50 @@ class DSparkDrafter(DFlashDrafter):
         return is_dspark_layout(config)
 
     # ---- drafting ---------------------------------------------------------------------------------------
-    def _expander(self, hidden, base, temperature: float, budget: int):
+    def _round_terms(self, hidden, base, temperature: float, budget: int) -> dict:
+        """What every node's children read this round, computed once per block: ``k`` children per node; with
+        ``restricted`` (C = ``markov_candidates`` > 0) each depth's C candidate logits ``cand_z`` (at the sampling
+        temperature), columns ``cand_cols``, outside log-mass ``rest`` and W2 rows ``cand_w2``; the depths'
+        ``ranking`` temperatures; ``plain_vals`` / ``plain_cols``, the top-k of the rows drafted without a bias
+        (depth 1 only under ``plain_first``); the confidence head's h part ``conf_h`` and W1 weight ``conf_e``."""
+        model = self.model
+        k = k_all = min(budget if self.proposal == "ddtree" else 1, base.shape[-1])
+        zb = base.float() / temperature if temperature > 0 else base.float()
+        C = self.markov_candidates
+        rt = {"restricted": self._w2 is not None and 0 < C < zb.shape[-1],
+              "plain_first": self._w2 is not None and not model.markov_first_draft,  # depth 1: the backbone's row
+              "ranking": model.ranking_temperatures(temperature)}  # the tree's ranking only: top-k orders stay
+        if rt["restricted"]:  # per depth: the C candidate columns, their W2 rows and the log-mass outside them
+            k = min(k, C)
+            rt["cand_z"], rt["cand_cols"], rt["rest"] = candidate_split(zb, C)
+            rt["cand_w2"] = self._w2[rt["cand_cols"]].float()  # [D, C, r]
+        if self._w2 is None or rt["plain_first"]:  # no bias: every parent of a depth has that depth's children
+            rows = zb[:1] if rt["plain_first"] else zb
+            t_rows = rt["ranking"][: rows.shape[0]].to(rows).unsqueeze(-1)
+            rt["plain_vals"], rt["plain_cols"] = torch.log_softmax(rows / t_rows, -1).topk(k_all, dim=-1)
+        rt["conf_h"], rt["conf_e"] = model.confidence_terms(hidden) or (None, None)
+        rt["k"] = k
+        return rt
+
+    def _c_walk(self, rt: dict, root_token: int, temperature: float, budget: int, depth: int):
+        """The round's tree walked in C (``c_walk``), or None where only the Python walk applies: a head whose
+        latent reads hidden states, no candidate cut, weights off the CPU, no compiler, or ``GRAFT_BLOCK_C_WALK=0``
+        (to measure)."""
+        if not (rt["restricted"] and self._latent_head is None and self._w1.device.type == "cpu"
+                and os.environ.get("GRAFT_BLOCK_C_WALK", "1") != "0" and c_walk.available()):
+            return None
+        ids = rt["cand_cols"] if self.model.draft_vocab is None else self.model.draft_vocab[rt["cand_cols"]]
+        plain = None
+        if rt["plain_first"]:
+            cols = rt["plain_cols"][0]
+            plain = (cols if self.model.draft_vocab is None else self.model.draft_vocab[cols], rt["plain_vals"][0])
+        conf = None
+        if rt["conf_h"] is not None:
+            conf = (rt["conf_h"], rt["conf_e"], self.model.confidence_temperatures)
+        return c_walk.markov_tree(root_token, budget, depth, rt["k"], rt["cand_z"], ids, rt["rest"], rt["cand_w2"],
+                                  self._w1, temperature, rt["ranking"], plain, conf)
+
+    def _expander(self, hidden, base, temperature: float, budget: int, rt: dict | None = None):
         """``expand(depth, prev tokens, prefix)`` for ``conditional_ddtree``, with a per-round cache by (depth, token),
         or by the node's path for an RNN head, whose state (kept per node) carries the path's earlier drafts.
         With ``markov_candidates`` C > 0 a node's children are ranked among the C likeliest backbone tokens of its
@@ -127,22 +173,13 @@ class DSparkDrafter(DFlashDrafter):
         normaliser adds the backbone's mass outside them, uncorrected. Any tree is lossless, so the cut only
         changes which children are drafted (C = 0: the whole draft vocabulary, exact)."""
         model, dev = self.model, base.device
-        k = k_all = min(budget if self.proposal == "ddtree" else 1, base.shape[-1])
-        zb = base.float() / temperature if temperature > 0 else base.float()
-        C = self.markov_candidates
-        restricted = self._w2 is not None and 0 < C < zb.shape[-1]
-        if restricted:  # per depth: the C candidate columns, their W2 rows and the log-mass outside them
-            k = min(k, C)
-            cand_z, cand_cols, rest = candidate_split(zb, C)
-            cand_w2 = self._w2[cand_cols].float()  # [D, C, r]
-        plain_first = self._w2 is not None and not model.markov_first_draft  # depth 1 drafts the backbone's row
-        ranking = model.ranking_temperatures(temperature)  # the tree's ranking only: a row's top-k order stays
-        temps = ranking.tolist()
-        if self._w2 is None or plain_first:  # no bias: every parent of a depth has that depth's children
-            rows = zb[:1] if plain_first else zb
-            t_rows = ranking[: rows.shape[0]].to(rows).unsqueeze(-1)
-            plain_vals, plain_cols = torch.log_softmax(rows / t_rows, -1).topk(k_all, dim=-1)
-        conf_h, conf_e = model.confidence_terms(hidden) or (None, None)
+        rt = rt or self._round_terms(hidden, base, temperature, budget)
+        k, restricted, plain_first, temps = rt["k"], rt["restricted"], rt["plain_first"], rt["ranking"].tolist()
+        if restricted:
+            cand_z, cand_cols, rest, cand_w2 = rt["cand_z"], rt["cand_cols"], rt["rest"], rt["cand_w2"]
+        if "plain_vals" in rt:
+            plain_vals, plain_cols = rt["plain_vals"], rt["plain_cols"]
+        conf_h, conf_e = rt["conf_h"], rt["conf_e"]
         cache: dict = {}
         head = self._latent_head
         stateful = head is not None and head.stateful
@@ -194,10 +231,14 @@ class DSparkDrafter(DFlashDrafter):
         budget, length = self.round_size(state)
         _, hidden, base = self.block_rows(state, rows=budget, length=length)  # no tree of this budget goes deeper
         temp = float(state.sampling.temperature) if state.sampling is not None else 0.0
-        expand = self._expander(hidden, base, temp, budget)
         depth = base.shape[0] if self.proposal == "ddtree" else min(budget, base.shape[0])
+        rt = self._round_terms(hidden, base, temp, budget)
         with state.section("tree"):
-            tree, accept = conditional_ddtree(state.root_token, expand, budget, depth)
+            walked = self._c_walk(rt, state.root_token, temp, budget, depth)
+            if walked is None:
+                walked = conditional_ddtree(state.root_token, self._expander(hidden, base, temp, budget, rt),
+                                            budget, depth)
+            tree, accept = walked
             survival = None
             if accept is not None:  # P(node accepted) = product of its path's conditional acceptances
                 survival = torch.tensor(path_products(tree, accept), dtype=torch.float64)
