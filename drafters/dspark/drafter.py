@@ -6,6 +6,7 @@ Proposals (``proposal``):
     own corrected distribution softmax(U_d + W2 W1[node token]); products for a node and its likeliest later
     siblings run as one batch, and a (depth, parent token) pair is never computed twice in a round. A gated head's
     latent also reads the depth's hidden row; an RNN head's reads a state kept per node, so its cache is by path.
+    A vanilla head with a candidate cut and float32 CPU weights walks the same tree in C (``c_walk``).
 Without a Markov head both reduce to DFlash's chain and DDTree over the same rows.
 
 At T > 0 the draft scores use softmax(z / T) (the tree's order then tracks what the target will sample); the
@@ -149,10 +150,11 @@ class DSparkDrafter(DFlashDrafter):
 
     def _c_walk(self, rt: dict, root_token: int, temperature: float, budget: int, depth: int):
         """The round's tree walked in C (``c_walk``), or None where only the Python walk applies: a head whose
-        latent reads hidden states, no candidate cut, weights off the CPU, no compiler, or ``GRAFT_BLOCK_C_WALK=0``
-        (to measure)."""
+        latent reads hidden states, no candidate cut, W1 not float32 on the CPU (the walk reads it in place), no
+        compiler, or ``GRAFT_BLOCK_C_WALK=0`` (to measure)."""
         if not (rt["restricted"] and self._latent_head is None and self._w1.device.type == "cpu"
-                and os.environ.get("GRAFT_BLOCK_C_WALK", "1") != "0" and c_walk.available()):
+                and self._w1.dtype == torch.float32 and os.environ.get("GRAFT_BLOCK_C_WALK", "1") != "0"
+                and c_walk.available()):
             return None
         ids = rt["cand_cols"] if self.model.draft_vocab is None else self.model.draft_vocab[rt["cand_cols"]]
         plain = None
