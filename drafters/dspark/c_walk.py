@@ -23,6 +23,7 @@ from graft_block.tree.tree import SOURCE_DRAFT, make_tree
 
 SOURCE = r"""
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <float.h>
 
@@ -55,15 +56,15 @@ static int proposable(double s) { return s >= -(double)FLT_MAX; }  /* False for 
 typedef struct {
     long C, r, k, rows;
     const float *cand_z, *rest, *cand_w2, *w1, *temps;  /* [D, C], [D], [D, C, r], [V, r], [D] */
-    const long *cand_ids;                                /* [D, C] token ids */
+    const int64_t *cand_ids;                             /* [D, C] token ids */
     float temperature;
-    long plain_n; const long *plain_ids; const float *plain_lps;  /* depth 1 from the backbone row (plain_n > 0) */
+    long plain_n; const int64_t *plain_ids; const float *plain_lps;  /* depth 1 from the backbone row (plain_n > 0) */
     const float *conf_h, *conf_e, *conf_temps;           /* [D], [r] or NULL, [D]; conf_h NULL: no head */
 } walk_t;
 
 /* The children of a node with token tok at depth d (1-based): their ids and log-probs, sorted, and the calibrated
    estimate that its top child is accepted. Returns how many. */
-static long children(const walk_t *w, long d, long tok, long *ids, double *lps, double *conf, float *z) {
+static long children(const walk_t *w, long d, int64_t tok, int64_t *ids, double *lps, double *conf, float *z) {
     long C = w->C, r = w->r, row = d - 1, n;
     const float *lat = w->w1 + tok * r;
     if (w->conf_h) {
@@ -110,12 +111,13 @@ static long children(const walk_t *w, long d, long tok, long *ids, double *lps, 
 }
 
 /* conditional_ddtree with this expander; writes up to budget + 1 nodes, returns how many. */
-long markov_walk(const walk_t *w, long root, long budget, long max_depth, long *tokens, long *parents, double *scores,
-                 double *accept) {
+long markov_walk(const walk_t *w, int64_t root, long budget, long max_depth, int64_t *tokens, int64_t *parents,
+                 double *scores, double *accept) {
     tokens[0] = root; parents[0] = -1; scores[0] = 0.0; accept[0] = 1.0;
     if (budget < 1 || max_depth < 1) return 1;
     long k = w->k > w->plain_n ? w->k : w->plain_n, cap = budget + 1, n = 1, heap_n = 0, seq = 1;
-    long *kid_ids = malloc(sizeof(long) * cap * k), *kid_n = malloc(sizeof(long) * cap);
+    int64_t *kid_ids = malloc(sizeof(int64_t) * cap * k);
+    long *kid_n = malloc(sizeof(long) * cap);
     double *kid_lps = malloc(sizeof(double) * cap * k), *kid_conf = malloc(sizeof(double) * cap);
     double *rest = malloc(sizeof(double) * cap);
     item_t *heap = malloc(sizeof(item_t) * (2 * cap + 2));
@@ -126,7 +128,7 @@ long markov_walk(const walk_t *w, long root, long budget, long max_depth, long *
     while (heap_n > 0 && n - 1 < budget) {
         item_t it = pop(heap, &heap_n);
         long p = it.parent, node = n++;
-        const long *ids = kid_ids + p * k;
+        const int64_t *ids = kid_ids + p * k;
         const double *lps = kid_lps + p * k;
         tokens[node] = ids[it.rank]; parents[node] = p; scores[node] = -it.neg;
         if (w->conf_h) {
@@ -176,7 +178,8 @@ def available() -> bool:
     if _lib is None and _why_not is None:
         try:
             _lib = ctypes.CDLL(str(skinny.compile_library(SOURCE, ["-O2"], "markov-walk")))
-            _lib.markov_walk.argtypes = [ctypes.POINTER(_Walk)] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 4
+            _lib.markov_walk.argtypes = [ctypes.POINTER(_Walk), ctypes.c_int64, ctypes.c_long, ctypes.c_long] + \
+                [ctypes.c_void_p] * 4
             _lib.markov_walk.restype = ctypes.c_long
         except (OSError, RuntimeError) as e:
             _why_not = str(e)
@@ -208,6 +211,8 @@ def markov_tree(root_token: int, budget: int, max_depth: int, k: int, cand_z: to
     calibration temperatures [D]). Returns the tree and, with ``confidence``, each node's acceptance estimate."""
     if not available():
         raise RuntimeError(f"the C Markov walk is unavailable here: {_why_not}")
+    if budget < 1 or max_depth < 1:  # the root alone, and no estimates (as conditional_ddtree)
+        return make_tree([int(root_token)], [-1], [0.0], SOURCE_DRAFT), None
     D, C = cand_z.shape
     keep = []  # the contiguous float32 / int64 copies the walk reads, alive until it returns
 
@@ -226,7 +231,7 @@ def markov_tree(root_token: int, budget: int, max_depth: int, k: int, cand_z: to
         conf_h, conf_e, conf_t = confidence
         w.conf_h, w.conf_e = ptr(conf_h.reshape(-1)[:D], torch.float32), ptr(conf_e, torch.float32)
         w.conf_temps = ptr(conf_t.reshape(-1)[:D], torch.float32)
-    cap = max(budget, 0) + 1
+    cap = budget + 1
     tokens, parents = torch.empty(cap, dtype=torch.long), torch.empty(cap, dtype=torch.long)
     scores, accept = torch.empty(cap, dtype=torch.float64), torch.empty(cap, dtype=torch.float64)
     n = _lib.markov_walk(ctypes.byref(w), int(root_token), int(budget), int(max_depth), tokens.data_ptr(),
