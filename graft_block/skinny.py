@@ -703,22 +703,23 @@ def variant() -> str:
 AMX_ENV = "GRAFT_BLOCK_AMX"  # "0": bfloat16 products without the AMX tiles, where the CPU has them (to measure)
 
 
-def compile_library(source: str, flags: list[str], stem: str):
-    """The shared library of C ``source`` built with ``flags`` by the system compiler (``$CC``, else ``cc``), once
-    per source, compiler, flags and CPU, into the user cache; its path. RuntimeError without a working compiler."""
+def compile_library(source: str, flags: list[str], stem: str, libs: tuple[str, ...] = ()):
+    """The shared library of C ``source`` built with ``flags`` (and linked with ``libs``, e.g. "-lm", after the
+    source) by the system compiler (``$CC``, else ``cc``), once per source, compiler, flags and CPU, into the user
+    cache; its path. RuntimeError without a working compiler."""
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     flags = [*flags, "-shared", "-fPIC"]
-    key = hashlib.sha1(repr((source, version, flags, _cpu_flags())).encode()).hexdigest()[:16]
+    key = hashlib.sha1(repr((source, version, flags, libs, _cpu_flags())).encode()).hexdigest()[:16]
     path = graft_block.cache_root() / "skinny" / f"{stem}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         src = path.with_suffix(f".{os.getpid()}.c")
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         src.write_text(source)
-        done = subprocess.run([cc, *flags, str(src), "-o", str(tmp)], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags, str(src), *libs, "-o", str(tmp)], capture_output=True, text=True)
         src.unlink()
         if done.returncode:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:300]}")

@@ -3,6 +3,7 @@ best-first conditional tree, DeepSpec's checkpoint layouts loaded bit for bit an
 block alignments, training (DeepSpec's loss) and clear errors."""
 import json
 import math
+import os
 from collections import Counter
 
 import pytest
@@ -174,29 +175,40 @@ def test_candidate_children_match_the_whole_vocabulary_ranking(one_thread):
 
 
 @pytest.mark.parametrize("proposal,budget", [("chain", 6), ("ddtree", 1), ("ddtree", 5), ("ddtree", 24)])
-@pytest.mark.parametrize("first,conf,temperature,cut", [
-    (False, "markov", 0.0, None), (True, "markov", 0.9, None), (False, "plain", 0.7, "dead"),
-    (True, None, 0.0, "dead")])
-def test_the_c_walk_builds_the_python_walks_tree(proposal, budget, first, conf, temperature, cut, one_thread,
+@pytest.mark.parametrize("first,conf,temperature,variant", [
+    (False, "markov", 0.0, None), (True, "markov", 0.9, "unit"), (False, "plain", 0.7, "dead"),
+    (True, None, 0.0, "dead"), (False, "markov", 0.8, "vocab")])
+def test_the_c_walk_builds_the_python_walks_tree(proposal, budget, first, conf, temperature, variant, one_thread,
                                                  monkeypatch):
     """DSpark's Markov tree walked in C (``c_walk``, what the drafter runs with a vanilla head and a candidate cut)
     is the tree the Python walk builds from the same round terms: the same nodes in the same order, scores and
     acceptance estimates to float32 rounding. Strong random heads and per-depth temperatures reorder children;
     chains and trees, a biased or unbiased first draft, a confidence head with or without its W1 term or none,
-    greedy and tempered ranking, and candidates of probability 0 (never proposed)."""
+    greedy and tempered ranking, ranking temperatures of exactly 1, candidates of probability 0 (never proposed),
+    and a draft vocabulary (candidate columns mapped to its ids)."""
     from graft_block.drafters.dspark import c_walk
 
-    assert c_walk.available(), c_walk.why_not()
+    if not c_walk.available():
+        pytest.skip(f"no C walk here: {c_walk.why_not()}")
+    monkeypatch.delenv("GRAFT_BLOCK_C_WALK", raising=False)
     target = tiny_target("llama")
-    d = _drafter(target, proposal=proposal, budget=budget, markov_candidates=16, markov_first_draft=first,
-                 confidence_head=conf is not None)
+    if target.device.type != "cpu":
+        pytest.skip("the C walk reads CPU weights")
     g = torch.Generator().manual_seed(budget)
-    m = d.model
+    if variant == "vocab":
+        vocab = torch.randperm(target.vocab_size, generator=g)[:40].sort().values
+        m = S.from_dflash(D.new_model(target, 2, 8, [0, 2], 120, draft_vocab=vocab), markov_rank=8,
+                          confidence_head=True, markov_first_draft=first)
+    else:
+        m = _drafter(target, proposal=proposal, budget=budget, markov_candidates=16, markov_first_draft=first,
+                     confidence_head=conf is not None).model
     with torch.no_grad():
         m.markov_head.markov_w2.weight.normal_(0, 0.5, generator=g)
         m.draft_temperatures = 0.5 + 1.5 * torch.rand(m.num_drafts, generator=g)
         m.sampled_draft_temperatures = 0.5 + 1.5 * torch.rand(m.num_drafts, generator=g)
         m.confidence_temperatures = 0.5 + torch.rand(m.num_drafts, generator=g)
+    if variant == "unit":
+        m.draft_temperatures = m.sampled_draft_temperatures = torch.ones(m.num_drafts)
     if conf == "plain":
         m.confidence_with_markov = False
     d = S.DSparkDrafter(target, m, proposal=proposal, budget=budget, markov_candidates=16)  # re-gathers W2
@@ -204,22 +216,26 @@ def test_the_c_walk_builds_the_python_walks_tree(proposal, budget, first, conf, 
     _, hidden, base = d.block_rows(state, rows=budget)
     depth = base.shape[0] if proposal == "ddtree" else min(budget, base.shape[0])
     terms = d._round_terms(hidden, base, temperature, budget)
-    if cut == "dead" and depth > 2:  # probability-0 candidates at one depth, and below another depth's best two
+    if variant == "dead" and depth > 2:  # probability-0 candidates at one depth, and below another depth's best two
         terms["cand_z"][1, 3:9] = -math.inf
         terms["cand_z"][2, 2:] = -math.inf
-    walked = []
-    monkeypatch.setattr(c_walk, "markov_tree", lambda *a, _f=c_walk.markov_tree: walked.append(1) or _f(*a))
+    assert d._walks_in_c(terms)
     tree_c, accept_c = d._c_walk(terms, state.root_token, temperature, budget, depth)
     tree_py, accept_py = conditional_ddtree(state.root_token, d._expander(hidden, base, temperature, budget, terms),
                                             budget, depth)
-    assert walked and 1 < tree_py.size <= budget + 1
+    assert 1 < tree_py.size <= budget + 1
+    if variant == "vocab":  # draft-vocabulary ids, not its column indices
+        assert set(tree_py.tokens[1:].tolist()) <= set(vocab.tolist())
     assert tree_c.tokens.tolist() == tree_py.tokens.tolist() and tree_c.parents.tolist() == tree_py.parents.tolist()
     assert torch.allclose(tree_c.scores, tree_py.scores, atol=1e-5)
     assert (accept_c is None) == (accept_py is None) == (conf is None)
     if conf is not None:
         assert torch.allclose(torch.tensor(accept_c), torch.tensor(accept_py), atol=1e-5)
+    with pytest.raises(ValueError, match="max_depth"):  # the C walk reads rows in place: it refuses to overrun them
+        c_walk.markov_tree(state.root_token, budget, terms["cand_z"].shape[0] + 1, terms["k"], terms["cand_z"],
+                           terms["cand_cols"], terms["rest"], terms["cand_w2"], d._w1, temperature, terms["ranking"])
     monkeypatch.setenv("GRAFT_BLOCK_C_WALK", "0")  # the switch that measures the Python walk
-    assert d._c_walk(terms, state.root_token, temperature, budget, depth) is None
+    assert not d._walks_in_c(terms)
 
 
 def test_conditional_ddtree_is_the_top_budget_prefixes_of_the_conditional_joint():
@@ -725,14 +741,18 @@ def _expected_accepts(d, target, prompt, sched=None) -> tuple[float, float]:
     ("ddtree", 6, True, 64, True, "vanilla"), ("ddtree", 4, False, 2, True, "vanilla"),
     ("ddtree", 4, False, 64, False, "vanilla"), ("ddtree", 4, False, 64, True, "gated"),
     ("ddtree", 6, True, 64, False, "rnn"), ("ddtree", 6, True, 2, False, "vanilla")])
-def test_sampling_matches_target_distribution(proposal, budget, scheduled, candidates, first, kind, one_thread):
+def test_sampling_matches_target_distribution(proposal, budget, scheduled, candidates, first, kind, one_thread,
+                                              monkeypatch):
     """T=1 on a 4-token vocabulary: the joint law of 3 new tokens under DSpark (chain, Markov tree, the tree cut by
     its confidence head every round, children ranked among 2 candidate tokens, no bias on the first draft, gated
     and RNN heads; a vanilla head with a candidate cut walks its trees in C) equals the target's exact law
     (chi-square and TV), with drafted nodes accepted in first rounds as often as the law says and in second rounds
     too (state carried over a round); the T=0.8 law is rejected."""
+    from graft_block.drafters.dspark import c_walk
     from graft_block.schedule import ConfidenceSchedule
 
+    walked = []
+    monkeypatch.setattr(c_walk, "markov_tree", lambda *a, _f=c_walk.markov_tree: walked.append(1) or _f(*a))
     V = 4
     target = tiny_target("llama", vocab_size=V, hidden_size=32, num_layers=2)
     d = _drafter(target, proposal=proposal, budget=budget, block_size=3, mask_token_id=V - 1, target_layer_ids=[0, 1],
@@ -753,6 +773,9 @@ def test_sampling_matches_target_distribution(proposal, budget, scheduled, candi
     assert mean > 0.05 and abs(accepted - n * mean) < 4 * math.sqrt(n * var), (accepted, n * mean, n * var)
     assert second_accepted > n // 20, second_accepted
     assert chi_square_test(counts, exact_sequence_probs(target, prompt, 3, SamplingConfig(0.8)))[2] < 1e-3
+    # which walk built the trees: C for a vanilla head with a candidate cut (where it is built), else Python
+    assert bool(walked) == (kind == "vanilla" and candidates < V and d._w1.device.type == "cpu"
+                            and c_walk.available() and os.environ.get("GRAFT_BLOCK_C_WALK") != "0")
 
 
 # ---- training ----------------------------------------------------------------------------------------------
@@ -1242,6 +1265,8 @@ def test_sibling_acceptance_stays_a_probability_when_the_top_child_is_near_certa
     assert acc[2] > acc[3]
     from graft_block.drafters.dspark import c_walk  # the C walk floors 1 - q(top) the same way
 
+    if not c_walk.available():
+        return
     z = torch.tensor([[30.0, 10.0, 9.0]])
     tree_c, acc_c = c_walk.markov_tree(7, 3, 1, 3, z, torch.tensor([[1, 2, 3]]), torch.tensor([[-math.inf]]),
                                        torch.zeros(1, 3, 1), torch.zeros(8, 1), 0.0, torch.ones(1),

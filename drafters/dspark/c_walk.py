@@ -66,6 +66,7 @@ typedef struct {
    estimate that its top child is accepted. Returns how many. */
 static long children(const walk_t *w, long d, int64_t tok, int64_t *ids, double *lps, double *conf, float *z) {
     long C = w->C, r = w->r, row = d - 1, n;
+    if (row >= w->rows) return 0;  /* below the block: no children (the wrapper keeps max_depth <= rows) */
     const float *lat = w->w1 + tok * r;
     if (w->conf_h) {
         float c = w->conf_h[row];
@@ -110,7 +111,7 @@ static long children(const walk_t *w, long d, int64_t tok, int64_t *ids, double 
     return n;
 }
 
-/* conditional_ddtree with this expander; writes up to budget + 1 nodes, returns how many. */
+/* conditional_ddtree with this expander; writes up to budget + 1 nodes, returns how many (-1: out of memory). */
 long markov_walk(const walk_t *w, int64_t root, long budget, long max_depth, int64_t *tokens, int64_t *parents,
                  double *scores, double *accept) {
     tokens[0] = root; parents[0] = -1; scores[0] = 0.0; accept[0] = 1.0;
@@ -122,6 +123,10 @@ long markov_walk(const walk_t *w, int64_t root, long budget, long max_depth, int
     double *rest = malloc(sizeof(double) * cap);
     item_t *heap = malloc(sizeof(item_t) * (2 * cap + 2));
     float *z = malloc(sizeof(float) * w->C);
+    if (!kid_ids || !kid_n || !kid_lps || !kid_conf || !rest || !heap || !z) {
+        free(kid_ids); free(kid_n); free(kid_lps); free(kid_conf); free(rest); free(heap); free(z);
+        return -1;
+    }
     for (long i = 0; i < cap; i++) rest[i] = -1.0;
     kid_n[0] = children(w, 1, root, kid_ids, kid_lps, kid_conf, z);
     if (kid_n[0] > 0 && proposable(kid_lps[0])) push(heap, &heap_n, (item_t){-kid_lps[0], 0, 0, 1, 0});
@@ -177,7 +182,7 @@ def available() -> bool:
     global _lib, _why_not
     if _lib is None and _why_not is None:
         try:
-            _lib = ctypes.CDLL(str(skinny.compile_library(SOURCE, ["-O2"], "markov-walk")))
+            _lib = ctypes.CDLL(str(skinny.compile_library(SOURCE, ["-O2"], "markov-walk", libs=("-lm",))))
             _lib.markov_walk.argtypes = [ctypes.POINTER(_Walk), ctypes.c_int64, ctypes.c_long, ctypes.c_long] + \
                 [ctypes.c_void_p] * 4
             _lib.markov_walk.restype = ctypes.c_long
@@ -214,6 +219,21 @@ def markov_tree(root_token: int, budget: int, max_depth: int, k: int, cand_z: to
     if budget < 1 or max_depth < 1:  # the root alone, and no estimates (as conditional_ddtree)
         return make_tree([int(root_token)], [-1], [0.0], SOURCE_DRAFT), None
     D, C = cand_z.shape
+    r = cand_w2.shape[-1]
+    firsts = [int(root_token)] + ([] if plain is None else plain[0].reshape(-1).tolist())
+    checks = [(max_depth <= D, f"max_depth {max_depth} > the {D} rows of candidates"),
+              (tuple(cand_ids.shape) == (D, C) and tuple(cand_w2.shape) == (D, C, r) and rest.numel() == D,
+               f"cand_ids {tuple(cand_ids.shape)}, cand_w2 {tuple(cand_w2.shape)} and rest ({rest.numel()}) must be "
+               f"[{D}, {C}], [{D}, {C}, r] and [{D}]"),
+              (w1.dim() == 2 and w1.shape[1] == r, f"w1 {tuple(w1.shape)} must be [V, {r}]"),
+              (temps.numel() >= D and (confidence is None or (confidence[0].numel() >= D and
+                                                              confidence[2].numel() >= D)),
+               f"temperatures for each of the {D} depths"),
+              (0 <= min(firsts) and max(firsts) < w1.shape[0] and 0 <= int(cand_ids.min())
+               and int(cand_ids.max()) < w1.shape[0], f"token ids outside W1's {w1.shape[0]} rows")]
+    for ok, what in checks:  # the C walk reads these in place: a wrong shape would read outside them
+        if not ok:
+            raise ValueError(f"markov_tree: {what}")
     keep = []  # the contiguous float32 / int64 copies the walk reads, alive until it returns
 
     def ptr(t, dtype):
@@ -221,7 +241,7 @@ def markov_tree(root_token: int, budget: int, max_depth: int, k: int, cand_z: to
         keep.append(t)
         return p
 
-    w = _Walk(C=C, r=cand_w2.shape[-1], k=k, rows=D, cand_z=ptr(cand_z, torch.float32),
+    w = _Walk(C=C, r=r, k=k, rows=D, cand_z=ptr(cand_z, torch.float32),
               rest=ptr(rest.reshape(D), torch.float32), cand_w2=ptr(cand_w2, torch.float32),
               w1=ptr(w1, torch.float32), temps=ptr(temps[:D], torch.float32), cand_ids=ptr(cand_ids, torch.long),
               temperature=float(temperature), plain_n=0 if plain is None else plain[0].numel())
@@ -236,5 +256,7 @@ def markov_tree(root_token: int, budget: int, max_depth: int, k: int, cand_z: to
     scores, accept = torch.empty(cap, dtype=torch.float64), torch.empty(cap, dtype=torch.float64)
     n = _lib.markov_walk(ctypes.byref(w), int(root_token), int(budget), int(max_depth), tokens.data_ptr(),
                          parents.data_ptr(), scores.data_ptr(), accept.data_ptr())
+    if n < 1:
+        raise MemoryError(f"the C Markov walk could not allocate its buffers for a {budget}-node tree")
     tree = make_tree(tokens[:n], parents[:n], scores[:n], SOURCE_DRAFT)
     return tree, (accept[:n].tolist() if confidence is not None else None)

@@ -3,10 +3,11 @@
 Proposals (``proposal``):
   - ``chain``: draft j = argmax of softmax(U_j + W2 W1[draft j-1]) (draft -1 = the anchor), j < budget;
   - ``ddtree``: a best-first tree (``tree.ddtree.conditional_ddtree``) where each node's children come from its
-    own corrected distribution softmax(U_d + W2 W1[node token]); products for a node and its likeliest later
-    siblings run as one batch, and a (depth, parent token) pair is never computed twice in a round. A gated head's
-    latent also reads the depth's hidden row; an RNN head's reads a state kept per node, so its cache is by path.
-    A vanilla head with a candidate cut and float32 CPU weights walks the same tree in C (``c_walk``).
+    own corrected distribution softmax(U_d + W2 W1[node token]); in the Python walk products for a node and its
+    likeliest later siblings run as one batch, and a (depth, parent token) pair is never computed twice a round.
+    A gated head's latent also reads the depth's hidden row; an RNN head's reads a state kept per node, so its
+    cache is by path. A vanilla head with a candidate cut and float32 CPU weights walks the same tree in C
+    (``c_walk``).
 Without a Markov head both reduce to DFlash's chain and DDTree over the same rows.
 
 At T > 0 the draft scores use softmax(z / T) (the tree's order then tracks what the target will sample); the
@@ -148,19 +149,22 @@ class DSparkDrafter(DFlashDrafter):
         rt["k"] = k
         return rt
 
-    def _c_walk(self, rt: dict, root_token: int, temperature: float, budget: int, depth: int):
-        """The round's tree walked in C (``c_walk``), or None where only the Python walk applies: a head whose
-        latent reads hidden states, no candidate cut, W1 not float32 on the CPU (the walk reads it in place), no
-        compiler, or ``GRAFT_BLOCK_C_WALK=0`` (to measure)."""
-        if not (rt["restricted"] and self._latent_head is None and self._w1.device.type == "cpu"
+    def _walks_in_c(self, rt: dict) -> bool:
+        """Whether this round's tree is walked in C (``c_walk``): not for a head whose latent reads hidden states,
+        without a candidate cut, with W1 not float32 on the CPU (the walk reads it in place), without a compiler,
+        or under ``GRAFT_BLOCK_C_WALK=0`` (to measure the Python walk)."""
+        return (rt["restricted"] and self._latent_head is None and self._w1.device.type == "cpu"
                 and self._w1.dtype == torch.float32 and os.environ.get("GRAFT_BLOCK_C_WALK", "1") != "0"
-                and c_walk.available()):
-            return None
-        ids = rt["cand_cols"] if self.model.draft_vocab is None else self.model.draft_vocab[rt["cand_cols"]]
+                and c_walk.available())
+
+    def _c_walk(self, rt: dict, root_token: int, temperature: float, budget: int, depth: int):
+        """The round's tree and acceptance estimates from ``c_walk`` (where ``_walks_in_c``)."""
+        vocab = self.model.draft_vocab
+        ids = rt["cand_cols"] if vocab is None else vocab[rt["cand_cols"]]
         plain = None
         if rt["plain_first"]:
             cols = rt["plain_cols"][0]
-            plain = (cols if self.model.draft_vocab is None else self.model.draft_vocab[cols], rt["plain_vals"][0])
+            plain = (cols if vocab is None else vocab[cols], rt["plain_vals"][0])
         conf = None
         if rt["conf_h"] is not None:
             conf = (rt["conf_h"], rt["conf_e"], self.model.confidence_temperatures)
@@ -235,12 +239,13 @@ class DSparkDrafter(DFlashDrafter):
         temp = float(state.sampling.temperature) if state.sampling is not None else 0.0
         depth = base.shape[0] if self.proposal == "ddtree" else min(budget, base.shape[0])
         rt = self._round_terms(hidden, base, temp, budget)
+        in_c = self._walks_in_c(rt)
+        expand = None if in_c else self._expander(hidden, base, temp, budget, rt)
         with state.section("tree"):
-            walked = self._c_walk(rt, state.root_token, temp, budget, depth)
-            if walked is None:
-                walked = conditional_ddtree(state.root_token, self._expander(hidden, base, temp, budget, rt),
-                                            budget, depth)
-            tree, accept = walked
+            if in_c:
+                tree, accept = self._c_walk(rt, state.root_token, temp, budget, depth)
+            else:
+                tree, accept = conditional_ddtree(state.root_token, expand, budget, depth)
             survival = None
             if accept is not None:  # P(node accepted) = product of its path's conditional acceptances
                 survival = torch.tensor(path_products(tree, accept), dtype=torch.float64)
