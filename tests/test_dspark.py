@@ -1273,6 +1273,10 @@ def test_sibling_acceptance_stays_a_probability_when_the_top_child_is_near_certa
                                        confidence=(torch.logit(torch.tensor([0.9])), None, torch.ones(1)))
     assert tree_c.tokens.tolist() == [7, 1, 2, 3] and tree_c.scores[1] == 0.0
     assert acc_c == pytest.approx(acc, abs=1e-6)
+    with pytest.raises(ValueError, match="W1 weight"):  # a confidence weight of another rank would be overrun
+        c_walk.markov_tree(7, 3, 1, 3, z, torch.tensor([[1, 2, 3]]), torch.tensor([[-9.0]]), torch.zeros(1, 3, 1),
+                           torch.zeros(8, 1), 0.0, torch.ones(1), confidence=(torch.zeros(1), torch.zeros(2),
+                                                                             torch.ones(1)))
     for budget, depth in ((0, 1), (3, 0)):  # no room: the root alone and no estimates, as the Python walk
         tree_c, acc_c = c_walk.markov_tree(7, budget, depth, 3, z, torch.tensor([[1, 2, 3]]), torch.tensor([[-9.0]]),
                                            torch.zeros(1, 3, 1), torch.zeros(8, 1), 0.0, torch.ones(1))

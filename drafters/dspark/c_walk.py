@@ -229,6 +229,8 @@ def markov_tree(root_token: int, budget: int, max_depth: int, k: int, cand_z: to
               (temps.numel() >= D and (confidence is None or (confidence[0].numel() >= D and
                                                               confidence[2].numel() >= D)),
                f"temperatures for each of the {D} depths"),
+              (confidence is None or confidence[1] is None or confidence[1].numel() == r,
+               f"the confidence head's W1 weight must have {r} values"),
               (0 <= min(firsts) and max(firsts) < w1.shape[0] and 0 <= int(cand_ids.min())
                and int(cand_ids.max()) < w1.shape[0], f"token ids outside W1's {w1.shape[0]} rows")]
     for ok, what in checks:  # the C walk reads these in place: a wrong shape would read outside them
