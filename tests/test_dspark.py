@@ -221,8 +221,8 @@ def test_the_c_walk_builds_the_python_walks_tree(proposal, budget, first, conf, 
         terms["cand_z"][2, 2:] = -math.inf
     assert d._walks_in_c(terms)
     tree_c, accept_c = d._c_walk(terms, state.root_token, temperature, budget, depth)
-    tree_py, accept_py = conditional_ddtree(state.root_token, d._expander(hidden, base, temperature, budget, terms),
-                                            budget, depth)
+    tree_py, accept_py = conditional_ddtree(state.root_token, d._expander(hidden, base, temperature, terms), budget,
+                                            depth)
     assert 1 < tree_py.size <= budget + 1
     if variant == "vocab":  # draft-vocabulary ids, not its column indices
         assert set(tree_py.tokens[1:].tolist()) <= set(vocab.tolist())

@@ -103,7 +103,8 @@ def conditional_ddtree(root_token: int, expand, budget: int, max_depth: int) -> 
     Returns the tree (nodes in pop order, so topological) and, when confidences exist, each node's estimated
     acceptance given its parent: c for a parent's top child, (1 - c) q(x) / (1 - q(top)) for the others.
     With K = 1 children per node this is the greedy chain. A child whose log-prob is -inf is never proposed (nor
-    passed to ``expand`` as a sibling), and an empty ``ids`` list means no children."""
+    passed to ``expand`` as a sibling), and an empty ``ids`` list means no children. ``drafters/dspark/c_walk.py``
+    is this walk in C over DSpark's vanilla expander: change both (``tests/test_dspark.py`` pins them equal)."""
     tokens, parents, scores, accept = [int(root_token)], [-1], [0.0], [1.0]
     if budget < 1 or max_depth < 1:
         return make_tree(tokens, parents, scores, SOURCE_DRAFT), None

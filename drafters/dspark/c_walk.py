@@ -196,13 +196,6 @@ def why_not() -> str | None:
     return _why_not
 
 
-def _ptr(t: torch.Tensor | None, dtype: torch.dtype):
-    if t is None:
-        return None, None
-    t = t.detach().to(device="cpu", dtype=dtype).contiguous()
-    return t, t.data_ptr()
-
-
 def markov_tree(root_token: int, budget: int, max_depth: int, k: int, cand_z: torch.Tensor, cand_ids: torch.Tensor,
                 rest: torch.Tensor, cand_w2: torch.Tensor, w1: torch.Tensor, temperature: float,
                 temps: torch.Tensor, plain: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -238,10 +231,12 @@ def markov_tree(root_token: int, budget: int, max_depth: int, k: int, cand_z: to
             raise ValueError(f"markov_tree: {what}")
     keep = []  # the contiguous float32 / int64 copies the walk reads, alive until it returns
 
-    def ptr(t, dtype):
-        t, p = _ptr(t, dtype)
+    def ptr(t: torch.Tensor | None, dtype: torch.dtype):
+        if t is None:
+            return None
+        t = t.detach().to(device="cpu", dtype=dtype).contiguous()
         keep.append(t)
-        return p
+        return t.data_ptr()
 
     w = _Walk(C=C, r=r, k=k, rows=D, cand_z=ptr(cand_z, torch.float32),
               rest=ptr(rest.reshape(D), torch.float32), cand_w2=ptr(cand_w2, torch.float32),

@@ -171,15 +171,14 @@ class DSparkDrafter(DFlashDrafter):
         return c_walk.markov_tree(root_token, budget, depth, rt["k"], rt["cand_z"], ids, rt["rest"], rt["cand_w2"],
                                   self._w1, temperature, rt["ranking"], plain, conf)
 
-    def _expander(self, hidden, base, temperature: float, budget: int, rt: dict | None = None):
+    def _expander(self, hidden, base, temperature: float, rt: dict):
         """``expand(depth, prev tokens, prefix)`` for ``conditional_ddtree``, with a per-round cache by (depth, token),
         or by the node's path for an RNN head, whose state (kept per node) carries the path's earlier drafts.
         With ``markov_candidates`` C > 0 a node's children are ranked among the C likeliest backbone tokens of its
         depth: the Markov bias is computed on those C columns only (one [n, r] x [r, C] product), and the
         normaliser adds the backbone's mass outside them, uncorrected. Any tree is lossless, so the cut only
-        changes which children are drafted (C = 0: the whole draft vocabulary, exact)."""
+        changes which children are drafted (C = 0: the whole draft vocabulary, exact). ``rt``: ``_round_terms``."""
         model, dev = self.model, base.device
-        rt = rt or self._round_terms(hidden, base, temperature, budget)
         k, restricted, plain_first, temps = rt["k"], rt["restricted"], rt["plain_first"], rt["ranking"].tolist()
         if restricted:
             cand_z, cand_cols, rest, cand_w2 = rt["cand_z"], rt["cand_cols"], rt["rest"], rt["cand_w2"]
@@ -240,7 +239,7 @@ class DSparkDrafter(DFlashDrafter):
         depth = base.shape[0] if self.proposal == "ddtree" else min(budget, base.shape[0])
         rt = self._round_terms(hidden, base, temp, budget)
         in_c = self._walks_in_c(rt)
-        expand = None if in_c else self._expander(hidden, base, temp, budget, rt)
+        expand = None if in_c else self._expander(hidden, base, temp, rt)
         with state.section("tree"):
             if in_c:
                 tree, accept = self._c_walk(rt, state.root_token, temp, budget, depth)
