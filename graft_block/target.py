@@ -573,6 +573,9 @@ def load_target(
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ConfigError(f"dtype {dtype!r} is not a torch dtype: use float32, bfloat16 or float16")
         dtype = getattr(torch, dtype)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ConfigError(f"dtype {dtype!r} is not a floating-point dtype, which a target's weights need: use "
+                          "float32, bfloat16 or float16")
     if name_or_path in EMBEDDED_TARGETS:
         folder = embedded_folder(name_or_path)
     else:

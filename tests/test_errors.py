@@ -158,6 +158,9 @@ def test_unusable_device_or_dtype_fails_before_the_weights_load(monkeypatch):
         load_target("smollm2-135m", device="gpu")
     with pytest.raises(ConfigError, match="dtype 'bf16' is not a torch dtype"):
         load_target("smollm2-135m", dtype="bf16")
+    for wrong in ("int8", torch.int8, "bool"):  # a dtype, but not one weights can take: named, not blamed on the folder
+        with pytest.raises(ConfigError, match="not a floating-point dtype.*float32, bfloat16 or float16"):
+            load_target("smollm2-135m", dtype=wrong)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="'cuda:0' asked for.*--device cpu"):
         load_target("smollm2-135m", device="cuda:0")
