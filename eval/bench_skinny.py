@@ -26,6 +26,7 @@ if not __package__ and (Path(__file__).resolve().parents[1] / "graft_block").is_
 import torch  # noqa: E402
 
 from graft_block import skinny  # noqa: E402
+from graft_block.engine import set_threads  # noqa: E402
 from graft_block.errors import ConfigError, run_command  # noqa: E402
 
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: q/k/v, o, gate/up, down
@@ -141,7 +142,7 @@ def main(argv=None) -> None:
         raise ConfigError(f"--rows takes comma-separated ints, got {args.rows!r}") from exc
     if args.layers < 1:
         raise ConfigError(f"--layers must be >= 1, got {args.layers}")
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     print(f"skinny {skinny.label()}, {args.threads} threads, {args.reps} alternations, medians")
     if args.exact_quant:
         print(format_rows("packing", ab_packing(LAYER * args.layers + [(49152, 576)], rows, args.reps)))

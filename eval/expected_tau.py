@@ -37,6 +37,7 @@ if not __package__ and (Path(__file__).resolve().parents[1] / "graft_block").is_
 import torch  # noqa: E402
 
 from graft_block import Drafter, load_target  # noqa: E402
+from graft_block.engine import set_threads  # noqa: E402
 from graft_block.errors import ConfigError, run_command  # noqa: E402
 from graft_block.eval import presets, report  # noqa: E402
 from graft_block.eval.methods import load_method_files, lookup  # noqa: E402
@@ -423,8 +424,7 @@ def main(argv=None) -> None:
     if args.cuts < 1 or args.answer_tokens < 5:
         raise ConfigError(f"--cuts must be >= 1 and --answer-tokens >= 5 (a cut keeps one answer token before it and "
                           f"four after), got {args.cuts} and {args.answer_tokens}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     if args.contexts < 1:
         raise ConfigError(f"--contexts must be >= 1, got {args.contexts}")
     try:

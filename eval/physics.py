@@ -24,7 +24,7 @@ import time
 import graft_block  # noqa: F401 - first: it sets the BLAS thread policy before numpy loads
 import torch
 
-from graft_block.engine import STREAM_BYTES, device_name, kernel_weight, linear, torch_threads
+from graft_block.engine import STREAM_BYTES, device_name, kernel_weight, linear, set_threads, torch_threads
 from graft_block.errors import ConfigError, run_command
 from graft_block.eval import machine, measure
 
@@ -348,8 +348,7 @@ def main(argv=None, target=None) -> dict:
     sizes = sizes_of(args.sizes)
     if args.reps < 1:
         raise ConfigError(f"--reps must be >= 1 (timed reps per sweep, their median reported), got {args.reps}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     if target is None:
         from graft_block import load_target
 

@@ -553,6 +553,15 @@ def kernel_weight(w: torch.Tensor, kernel: str, rows: int | None = None):
     return None
 
 
+def set_threads(n: int | None) -> None:
+    """A command's ``--threads``: torch's CPU threads (None: torch's choice); 0 or fewer is refused, not ignored."""
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"--threads must be >= 1 (leave it out for torch's choice), got {n!r}")
+    torch.set_num_threads(n)
+
+
 @contextmanager
 def torch_threads(n: int | None):
     """Torch on ``n`` threads inside the block (None: unchanged). OpenBLAS runs the products on its own threads,

@@ -32,6 +32,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .engine import set_threads
 from .errors import ConfigError, check_options, run_command
 from .sampling import SamplingConfig, sampling_options
 from .train_data import (RESERVED_PROMPTS, answer_batch, data_root, first_turn_ids, forward_cache, is_reserved,
@@ -412,8 +413,7 @@ def main(argv=None):
         return
     from .target import load_target
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     if (args.prompts or args.save_prompts) and args.split != "train":
         raise ConfigError("--prompts / --save-prompts files hold train prompts only: generate the calibration split "
                           "on a machine with the ShareGPT wheel")

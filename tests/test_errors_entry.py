@@ -252,3 +252,19 @@ def test_an_empty_cache_variable_is_unset_not_the_current_folder(monkeypatch):
     assert graft_block.cache_root() == Path.home() / ".cache" / "graft_block"
     monkeypatch.setenv("GRAFT_BLOCK_CACHE", "/x/c")
     assert graft_block.cache_root() == Path("/x/c")
+
+
+@pytest.mark.parametrize("module, args", [("graft_block.eval.physics", []), ("graft_block.eval.expected_tau", []),
+                                          ("graft_block.eval.bench_skinny", []),
+                                          ("graft_block.onpolicy", ["--out", "o"]),
+                                          ("graft_block.drafters.dspark.calibrate", ["folder", "--data", "d"])])
+@pytest.mark.parametrize("threads", ["0", "-2"])
+def test_every_threads_flag_refuses_zero_or_fewer(module, args, threads, monkeypatch, tmp_path):
+    # torch's own set_num_threads(0) error named no flag, and `if args.threads:` quietly ignored a 0
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    before = torch.get_num_threads()
+    with pytest.raises(ConfigError, match="--threads must be >= 1"):
+        importlib.import_module(module).main([*args, "--threads", threads])
+    assert torch.get_num_threads() == before

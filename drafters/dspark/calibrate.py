@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from graft_block.engine import set_threads
 from graft_block.errors import ConfigError, check_options, run_command
 from graft_block.tree.schedule import (apply_temperatures, calibrate_temperatures, expected_calibration_error,
                                        prefix_ece)
@@ -214,8 +215,7 @@ def main(argv=None) -> None:
     check_options(ap, args, (("--holdout", args.holdout >= 2, ">= 2 (half fits, half reports)"),
                              ("--min-rows", args.min_rows >= 1, ">= 1"),
                              ("--sampled-at", args.sampled_at >= 0, ">= 0")))
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     rep = calibrate(args.folder, args.data, args.holdout, write=not args.dry_run, min_rows=args.min_rows,
                     sampled_at=args.sampled_at)
     print(json.dumps(rep, indent=1))
