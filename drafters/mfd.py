@@ -147,6 +147,11 @@ def load_checkpoint(folder, device=None, dtype=None) -> tuple[MFDModel, dict]:
         base = D.load_checkpoint(folder, device=device, dtype=dtype)
         return MFDModel.from_dflash(base, num_modes=1), {"num_modes": 1, "score": "best_mode", "mode_rows": "all"}
     K = int(tensors["mode_embed"].shape[0])
+    stray = sorted(set(mcfg) - {"num_modes", "score", "mode_rows"})
+    if stray:  # a misspelt key would be ignored without a word
+        raise ConfigError(f"{folder}: mfd_config keys {stray} are unknown; known: num_modes, score, mode_rows")
+    if "num_modes" in mcfg and not is_count(mcfg["num_modes"], 1):
+        raise ConfigError(f"{folder}: mfd_config.num_modes must be an integer >= 1, got {mcfg['num_modes']!r}")
     if mcfg.get("num_modes", K) != K:
         raise ConfigError(f"{folder}: mfd_config.num_modes {mcfg['num_modes']} != mode_embed rows {K}")
     vocab = tensors.pop("draft_vocab", None)

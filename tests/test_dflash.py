@@ -525,6 +525,18 @@ def test_a_string_block_size_in_config_json_is_refused_in_both_spellings_of_the_
         Drafter.from_config(str(tmp_path / "ck"), target=tiny_qwen3)
 
 
+def test_config_values_transformers_or_rope_would_refuse_are_named(tmp_path, tiny_qwen3):
+    # a negative or text RoPE base gave NaN rotations or a bare ValueError; transformers' own checks (layer_types
+    # against num_hidden_layers, a text eps) raised its dataclass errors, which name no file
+    for i, (key, value, words) in enumerate((("rope_theta", -1, "rope_theta must be a number > 0.*got -1"),
+                                             ("rope_theta", "1e6", "rope_theta must be a number > 0.*'1e6'"),
+                                             ("layer_types", ["full_attention"], "transformers refuses.*layer_types"),
+                                             ("rms_norm_eps", "x", "transformers refuses it.*rms_norm_eps"))):
+        folder = _zlab_folder(tmp_path / str(i), tiny_qwen3, extra={key: value})
+        with pytest.raises(ConfigError, match=f"{i}/config.json: {words}"):
+            Drafter.from_config(str(folder), target=tiny_qwen3)
+
+
 def test_denoise_steps_lossless(tiny_qwen3):
     pytest.importorskip("diffusers")
     ref = _hf_greedy(tiny_qwen3, PROMPT, 24)

@@ -663,6 +663,19 @@ def test_bad_dspark_folders_fail_clearly(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="draft_temperatures must be positive"):
         Drafter.from_config(str(folder), target=target)
+    cfg["dflash_config"]["draft_temperatures"] = "hot"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="draft_temperatures must be a list of 6 positive numbers.*'hot'"):
+        Drafter.from_config(str(folder), target=target)
+    del cfg["dflash_config"]["draft_temperatures"]
+    # a string flag would read as true (bool("false")), a string rank as a bare ValueError: both are named
+    for key, value, words in (("enable_confidence_head", "false", "enable_confidence_head must be true or false"),
+                              ("confidence_head_with_markov", 1, "confidence_head_with_markov must be true or"),
+                              ("markov_rank", "8", "markov_rank must be an int >= 0.*'8'")):
+        (folder / "config.json").write_text(json.dumps({**cfg, "dflash_config": {**cfg["dflash_config"],
+                                                                                 key: value}}))
+        with pytest.raises(ConfigError, match=words):
+            Drafter.from_config(str(folder), target=target)
     with pytest.raises(ConfigError, match="at most 7 nodes"):
         _drafter(target, proposal="chain", budget=8)
     assert _drafter(target, proposal="chain", budget=8, alignment="deepspec").budget == 8

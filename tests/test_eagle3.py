@@ -149,6 +149,11 @@ def test_from_config_and_layer_override(tmp_path, tiny_llama):
     save_head(head, tmp_path, extra_config={"type": "eagle3", "drafter_defaults": {"budget": 9, "depth": 2}})
     dr = Drafter.from_config(str(tmp_path), target=tiny_llama)
     assert isinstance(dr, Eagle3Drafter) and dr.budget == 9 and dr.depth == 2
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "drafter_defaults": {"bugdet": 9}}))
+    with pytest.raises(ConfigError, match="drafter_defaults keys \\['bugdet'\\] are not eagle3 options"):
+        Drafter.from_config(str(tmp_path), target=tiny_llama)  # was a bare TypeError from __init__
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert dr.feature_layers == (2, 2, 1)  # inputs of layers 2, N//2, N-3 for N=4
     dr = Drafter.from_config({"type": "eagle3", "checkpoint": str(tmp_path), "budget": 5, "top_k": 3}, tiny_llama)
     assert dr.budget == 5 and dr.top_k == 3

@@ -243,6 +243,12 @@ def test_checkpoint_round_trip_and_config(tmp_path, tiny_qwen3):
     d3.prefill(st)
     with torch.no_grad():
         assert torch.allclose(d3.mode_logits(st), d.mode_logits(st)[:2], atol=1e-5)
+    # a misspelt mfd_config key, or a count in quotes, is named instead of ignored or compared as text
+    for mcfg, words in (({**cfg["mfd_config"], "num_mode": 3}, "keys \\['num_mode'\\] are unknown"),
+                        ({**cfg["mfd_config"], "num_modes": "3"}, "num_modes must be an integer >= 1, got '3'")):
+        (tmp_path / "ck" / "config.json").write_text(json.dumps({**cfg, "mfd_config": mcfg}))
+        with pytest.raises(ConfigError, match=words):
+            Drafter.from_config(str(tmp_path / "ck"), target=tiny_qwen3)
 
 
 def test_folder_without_type_loads_as_mfd(tmp_path, tiny_qwen3):

@@ -7,6 +7,7 @@ config loads into the model the reference builds from it: ``rope_theta`` 1e4, ``
 from __future__ import annotations
 
 import json
+import math
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
@@ -136,10 +137,13 @@ def read_config(folder: str | Path) -> dict:
     return read_config_json(resolve_checkpoint(folder, "DFlash-family"), "DFlash-family checkpoint")
 
 
-def rope_parameters(raw: dict) -> dict:
+def rope_parameters(raw: dict, where: str = "config.json") -> dict:
     """The draft's RoPE parameters from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``
     (z-lab's transformers 4 configs); an absent theta is the reference's default, not the Qwen3 targets' 1e6."""
-    theta = float(raw.get("rope_theta", DEFAULT_ROPE_THETA))
+    theta = raw.get("rope_theta", DEFAULT_ROPE_THETA)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+        raise ConfigError(f"{where}: rope_theta must be a number > 0 (the RoPE base, e.g. 10000.0), got {theta!r}")
+    theta = float(theta)
     rope = dict(raw.get("rope_parameters") or {})
     if rope:
         rope.setdefault("rope_type", "default")
@@ -195,7 +199,12 @@ def model_from_config(raw: dict, draft_vocab: torch.Tensor | None = None, cls=DF
     kw.setdefault("intermediate_size", 3 * int(raw["hidden_size"]))
     kw.setdefault("num_key_value_heads", raw["num_attention_heads"])
     window = {k: raw[k] for k in WINDOW_KEYS if k in raw}  # as written: null must not become 4096
-    cfg = Qwen3Config(**kw, **window, rope_parameters=rope_parameters(raw), tie_word_embeddings=False)
+    rope = rope_parameters(raw, where)
+    try:
+        cfg = Qwen3Config(**kw, **window, rope_parameters=rope, tie_word_embeddings=False)
+    except Exception as exc:  # transformers' own validation (strict dataclass fields, layer_types vs layers)
+        raise ConfigError(f"{where}: transformers refuses it as the drafter's Qwen3 config ({type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:300]}); fix that key") from exc
     check_reference_features(raw, cfg)
     return cls(cfg, block_size, layer_ids, mask_id, num_target, draft_vocab, **model_kw)
 

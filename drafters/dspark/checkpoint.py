@@ -54,8 +54,13 @@ def dspark_options(raw: dict, where: str = "config.json") -> dict:
     rank = src.get("markov_rank", raw.get("markov_rank"))
     if rank is None:
         raise ConfigError(f"{where} lacks 'markov_rank' (DSpark configs carry it; 0 = no Markov head)")
-    conf = bool(src.get("enable_confidence_head", raw.get("enable_confidence_head", False)))
+    if isinstance(rank, bool) or not isinstance(rank, int):  # int("x") would raise a bare ValueError below
+        raise ConfigError(f"{where}: markov_rank must be an int >= 0 (0 = no Markov head), got {rank!r}")
+    conf = src.get("enable_confidence_head", raw.get("enable_confidence_head", False))
     with_markov = src.get("confidence_head_with_markov", raw.get("confidence_head_with_markov"))
+    for key, value in (("enable_confidence_head", conf), ("confidence_head_with_markov", with_markov)):
+        if value is not None and not isinstance(value, bool):  # bool("false") is True: a string would flip it
+            raise ConfigError(f"{where}: {key} must be true or false, got {value!r}")
     if conf and with_markov is None:
         raise ConfigError(f"{where} enables the confidence head but lacks 'confidence_head_with_markov'")
     alignment = src.get("block_alignment", raw.get("block_alignment"))
@@ -75,7 +80,7 @@ def dspark_options(raw: dict, where: str = "config.json") -> dict:
     first = src.get("markov_first_draft", True)  # absent in DeepSpec's folders: they bias every draft
     if not isinstance(first, bool):
         raise ConfigError(f"{where}: markov_first_draft must be true or false, got {first!r}")
-    return {"markov_rank": int(rank), "markov_head_type": src.get("markov_head_type", "vanilla"),
+    return {"markov_rank": rank, "markov_head_type": src.get("markov_head_type", "vanilla"),
             "confidence_head": conf, "confidence_with_markov": bool(with_markov) if conf else False,
             "alignment": alignment, "markov_first_draft": first}
 
@@ -87,9 +92,12 @@ def model_from_dspark_config(raw: dict, draft_vocab: torch.Tensor | None = None,
         temps = (raw.get("dflash_config") or {}).get(key)
         if temps is None:
             continue
-        if not isinstance(temps, list) or len(temps) != model.num_drafts:
-            raise ConfigError(f"{where}: {key} has {len(temps) if isinstance(temps, list) else temps!r} entries, the "
-                              f"block drafts {model.num_drafts} (one temperature per draft position)")
+        if not isinstance(temps, list):
+            raise ConfigError(f"{where}: {key} must be a list of {model.num_drafts} positive numbers (one temperature "
+                              f"per draft position), got {temps!r}")
+        if len(temps) != model.num_drafts:
+            raise ConfigError(f"{where}: {key} has {len(temps)} entries, the block drafts {model.num_drafts} (one "
+                              "temperature per draft position)")
         if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in temps):
             raise ConfigError(f"{where}: {key} must be positive numbers, got {temps}")
         setattr(model, key, torch.tensor([float(t) for t in temps]))

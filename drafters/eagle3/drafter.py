@@ -113,6 +113,11 @@ class Eagle3Drafter(Drafter):
         # are model settings only (HF configs may hold e.g. a generation top_k); ours are honoured as before.
         ours = "type" in saved
         kwargs = dict(saved.get("drafter_defaults", {}))
+        stray = sorted(k for k in kwargs if k not in DRAFTER_KEYS or k == "checkpoint")
+        if stray:  # a typo here would reach __init__ as a bare TypeError
+            known = ", ".join(k for k in DRAFTER_KEYS if k != "checkpoint")
+            raise ConfigError(f"{folder / 'config.json' if folder else 'config.json'}: drafter_defaults keys {stray} "
+                              f"are not eagle3 options; known: {known}")
         kwargs.update({k: v for k, v in cfg.items() if k in DRAFTER_KEYS and (ours or k not in from_file)})
         if folder is not None:
             kwargs["checkpoint"] = folder
