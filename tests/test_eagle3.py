@@ -157,6 +157,9 @@ def test_from_config_and_layer_override(tmp_path, tiny_llama):
     assert dr.feature_layers == (2, 2, 1)  # inputs of layers 2, N//2, N-3 for N=4
     dr = Drafter.from_config({"type": "eagle3", "checkpoint": str(tmp_path), "budget": 5, "top_k": 3}, tiny_llama)
     assert dr.budget == 5 and dr.top_k == 3
+    for layers in ("1,2,3", [1, "2", 3], [1, -2, 3]):  # "1,2,3" was a bare ValueError from int(",")
+        with pytest.raises(ConfigError, match="feature_layers must be a list of 3 HF hidden_states indices"):
+            Drafter.from_config({"type": "eagle3", "checkpoint": str(tmp_path), "feature_layers": layers}, tiny_llama)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}  # SpecForge ids = output of layer i
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -11,8 +11,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from graft_block.drafter import (Drafter, check_budget, keys_from_file, read_config_json, register, resolve_checkpoint,
-                                 shared_checkpoint)
+from graft_block.drafter import (Drafter, check_budget, is_count, keys_from_file, read_config_json, register,
+                                 resolve_checkpoint, shared_checkpoint)
 from graft_block.engine import drafter_kernel
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree, root_only
@@ -73,6 +73,9 @@ class Eagle3Drafter(Drafter):
         if feature_layers is None:
             ids = head.cfg.aux_layer_ids
             feature_layers = [i + 1 for i in ids] if ids is not None else default_feature_layers(target.num_layers)
+        if not isinstance(feature_layers, (list, tuple)) or not all(is_count(i, 0) for i in feature_layers):
+            raise ConfigError(f"feature_layers must be a list of 3 HF hidden_states indices (ints >= 0), got "
+                              f"{feature_layers!r}")
         self.feature_layers = tuple(int(i) for i in feature_layers)
         if len(self.feature_layers) != 3:
             raise ConfigError(f"EAGLE-3 fuses exactly 3 target layers, got feature_layers={self.feature_layers}")
