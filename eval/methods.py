@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from graft_block import Drafter, SpeculativeDecoder
+from graft_block.drafter import is_count
 from graft_block.errors import ConfigError
 
 from . import presets
@@ -104,7 +105,10 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
         gcfg = dict(spec["graft"])
         matrix = None
         if gcfg.get("mode", "graft") != "prune" and "matrix" not in gcfg and getattr(drafter, "matrix", None) is None:
-            matrix = warm_matrix(target, int(gcfg.get("k", 8)), int(gcfg.get("warmup_rounds", 5)))
+            for key, least in (("k", 1), ("warmup_rounds", 0)):
+                if not is_count(gcfg.get(key, least), least):
+                    raise ConfigError(f"graft {key} must be an int >= {least}, got {gcfg[key]!r}")
+            matrix = warm_matrix(target, gcfg.get("k", 8), gcfg.get("warmup_rounds", 5))
         graft = Graft.from_config(gcfg, matrix=matrix, target=target, drafter=drafter)
     schedule = make_schedule(spec["schedule"], curve) if spec.get("schedule") else None
     hooks = list(extra_hooks or [])

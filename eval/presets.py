@@ -240,6 +240,12 @@ def check_spec(name: str, spec: dict) -> None:
         raise ConfigError(f"method {name!r}: drafter must be a drafter config (a mapping with 'type'), a bundled "
                           f"drafter's name, a checkpoint folder or a config file, or left out for none; got "
                           f"{drafter!r}")
+    for key, shape in (("graft", "Graft's settings, e.g. {\"mode\": \"tail\"}"),
+                       ("schedule", "the schedule's settings, e.g. {\"stop\": \"best\"}, or true for the defaults")):
+        value = spec.get(key)  # a truthy string or list read as "on", or died in dict()
+        if value not in (None, False) and not isinstance(value, dict) and not (key == "schedule" and value is True):
+            raise ConfigError(f"method {name!r}: {key} must be a mapping ({shape}), or left out for none; got "
+                              f"{value!r}")
     for key, what in (("default_budget", "its budget without --budget"), ("max_budget", "the most it takes")):
         value = spec.get(key, 10)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -166,7 +166,9 @@ def _bench_files(tmp_path):
     for name, text in (("shadow", "name: ar\ndrafter: {type: pld, budget: 3}\n"),
                        ("typo", "name: m\ndrafter: {type: pld}\ngrafts: {mode: graft}\n"),
                        ("half", 'name: m\ndrafter: {type: pld, budget: "{budget}"}\ndefault_budget: 1.5\n'),
-                       ("five", "name: m\ndrafter: 5\n"), ("blank", 'name: m\ndrafter: ""\n')):
+                       ("five", "name: m\ndrafter: 5\n"), ("blank", 'name: m\ndrafter: ""\n'),
+                       ("sched", "name: m\ndrafter: {type: pld}\nschedule: yes please\n"),
+                       ("graft", "name: m\ndrafter: {type: pld}\ngraft: true\n")):
         (tmp_path / f"{name}.yaml").write_text(text)
 
 
@@ -182,6 +184,8 @@ def _bench_files(tmp_path):
     (["--config", "{tmp}/half.yaml", "--methods", "m"], "default_budget must be an int >= 1.*got 1.5"),
     (["--config", "{tmp}/five.yaml", "--methods", "m"], "method 'm': drafter must be a drafter config.*got 5"),
     (["--config", "{tmp}/blank.yaml", "--methods", "m"], "method 'm': drafter must be a drafter config.*got ''"),
+    (["--config", "{tmp}/sched.yaml", "--methods", "m"], "method 'm': schedule must be a mapping.*got 'yes please'"),
+    (["--config", "{tmp}/graft.yaml", "--methods", "m"], "method 'm': graft must be a mapping.*got True"),
     (["--time-limit", "nan"], "--time-limit must be > 0 seconds, got nan"),
     (["--out", "{tmp}/afile"], "{tmp}/afile is a file, not a folder"),
     (["--out", "{tmp}/afile/run"], "{tmp}/afile is a file, not a folder"),
@@ -193,7 +197,8 @@ def _bench_files(tmp_path):
 def test_bench_refuses_what_would_run_wrong_before_the_model_loads(bad, words, tmp_path, refusal):
     """Each ran on without a word: a repeated method shared one turn-2 history (and record key) with its twin, a
     --config 'ar' replaced the baseline of every ratio, 'grafts' ran without Graft, default_budget 1.5 ran at 1,
-    'drafter: 5' was refused only after the target loaded and 'drafter: ""' ran as AR,
+    'drafter: 5' was refused only after the target loaded and 'drafter: ""' ran as AR, a text schedule ran as the
+    default one and 'graft: true' died in dict(),
     an empty --methods/--temperature/--prompts fell back to the suite's, --time-limit nan never fired; --out on a file
     was a FileExistsError, and a --llamacpp folder without the binary a skip after the model loaded (the refusal
     says why: no such path, sources not built, a binary that is not executable)."""
@@ -268,3 +273,10 @@ def test_every_threads_flag_refuses_zero_or_fewer(module, args, threads, monkeyp
     with pytest.raises(ConfigError, match="--threads must be >= 1"):
         importlib.import_module(module).main([*args, "--threads", threads])
     assert torch.get_num_threads() == before
+
+
+def test_graft_matrix_sizes_are_counts(tiny_llama):
+    # int("x") raised a bare ValueError, and int(2.7) warmed a k = 2 matrix without a word
+    for key, value in (("k", "x"), ("k", 2.7), ("k", 0), ("warmup_rounds", -1)):
+        with pytest.raises(ConfigError, match=f"graft {key} must be an int >= [01], got {value!r}"):
+            make_method("m", {"drafter": {"type": "pld"}, "graft": {"mode": "graft", key: value}}, tiny_llama, 4)
