@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from graft_block import Drafter, SpeculativeDecoder
-from graft_block.drafter import is_count
 from graft_block.errors import ConfigError
 
 from . import presets
@@ -100,15 +99,12 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
     drafter = Drafter.from_config(dcfg, target=target) if dcfg else None
     graft = None
     if spec.get("graft"):
-        from graft_block.graft import Graft
+        from graft_block.graft import Graft, matrix_counts
 
         gcfg = dict(spec["graft"])
         matrix = None
         if gcfg.get("mode", "graft") != "prune" and "matrix" not in gcfg and getattr(drafter, "matrix", None) is None:
-            for key, least in (("k", 1), ("warmup_rounds", 0)):
-                if not is_count(gcfg.get(key, least), least):
-                    raise ConfigError(f"graft {key} must be an int >= {least}, got {gcfg[key]!r}")
-            matrix = warm_matrix(target, gcfg.get("k", 8), gcfg.get("warmup_rounds", 5))
+            matrix = warm_matrix(target, *matrix_counts(gcfg))
         graft = Graft.from_config(gcfg, matrix=matrix, target=target, drafter=drafter)
     schedule = make_schedule(spec["schedule"], curve) if spec.get("schedule") else None
     hooks = list(extra_hooks or [])

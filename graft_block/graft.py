@@ -30,7 +30,7 @@ from graft_block.tree import SOURCE_RETRIEVED, Tree, TreeError, merge, root_only
 from graft_block.tree.templates import asymmetric_template, compile_template
 
 from .adjacency import AdjacencyMatrix
-from .drafter import read_config_json, resolve_checkpoint
+from .drafter import is_count, read_config_json, resolve_checkpoint
 from .errors import ConfigError
 from .kernels import expand as expand_template
 from .pruning import (CHECKPOINTS, SIGNALS, fired_stage, normalize_thresholds, path_min_scores, ranked_nodes,
@@ -238,9 +238,9 @@ class Graft:
                                                                    "grid", "max_new_tokens")}
         if drafter is not None and "thresholds" not in cfg:
             cfg.update(saved_calibration(drafter, cfg))
-        k = int(cfg.pop("k", 8))
+        k, warmup_rounds = matrix_counts(cfg)
+        cfg.pop("k", None), cfg.pop("warmup_rounds", None)
         mdtype = cfg.pop("matrix_dtype", "int32")
-        warmup_rounds = int(cfg.pop("warmup_rounds", 5))
         path = cfg.pop("matrix", None)
         if drafter is not None and "budget" not in cfg:
             cfg["budget"] = int(drafter.budget)
@@ -259,6 +259,18 @@ class Graft:
             return cls(matrix=matrix, **cfg)
         except TypeError as exc:
             raise ConfigError(f"bad Graft config: {exc}") from exc
+
+
+def matrix_counts(cfg: dict) -> tuple[int, int]:
+    """A Graft config's new-matrix settings ``(k, warmup_rounds)`` (defaults 8, 5), or a ConfigError: ``int()``
+    turned "x" into a bare ValueError and 2.7 into 2."""
+    out = []
+    for key, default, least in (("k", 8, 1), ("warmup_rounds", 5, 0)):
+        value = cfg.get(key, default)
+        if not is_count(value, least):
+            raise ConfigError(f"graft {key} must be an int >= {least}, got {value!r}")
+        out.append(value)
+    return out[0], out[1]
 
 
 def saved_calibration(drafter, cfg: dict) -> dict:

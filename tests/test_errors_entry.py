@@ -280,3 +280,7 @@ def test_graft_matrix_sizes_are_counts(tiny_llama):
     for key, value in (("k", "x"), ("k", 2.7), ("k", 0), ("warmup_rounds", -1)):
         with pytest.raises(ConfigError, match=f"graft {key} must be an int >= [01], got {value!r}"):
             make_method("m", {"drafter": {"type": "pld"}, "graft": {"mode": "graft", key: value}}, tiny_llama, 4)
+    from graft_block.graft import Graft
+
+    with pytest.raises(ConfigError, match="graft k must be an int >= 1, got 'x'"):
+        Graft.from_config({"mode": "graft", "k": "x"}, target=tiny_llama)  # the API path checks the same
