@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from graft_block import Drafter, SpeculativeDecoder
+from graft_block.drafter import is_count
 from graft_block.errors import ConfigError
 
 from . import presets
@@ -93,7 +94,8 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
         return Method(name, llamacpp_runner(target, spec["llamacpp"]), config=spec)
     dcfg = spec.get("drafter")
     if isinstance(dcfg, dict) and dcfg.get("type") in ("recycling", "pld_matrix") and "matrix" not in dcfg \
-            and dcfg.get("warmup_rounds", 5) == 5:  # the run's shared warm-up, with the drafter's own k and tokens
+            and dcfg.get("warmup_rounds", 5) == 5 and is_count(dcfg.get("k", 8), 1) \
+            and is_count(dcfg.get("warmup_tokens", 64)):  # the run's shared warm-up; bad counts: the drafter's error
         warm = warm_matrix(target, dcfg.get("k", 8), 5, dcfg.get("warmup_tokens", 64))
         dcfg = {**dcfg, "matrix": warm, "warmup_rounds": 0}
     drafter = Drafter.from_config(dcfg, target=target) if dcfg else None

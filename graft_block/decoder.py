@@ -4,6 +4,7 @@ The autoregressive baseline is this same loop with an empty tree (drafter=None).
 """
 from __future__ import annotations
 
+import numbers
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -226,6 +227,8 @@ class SpeculativeDecoder:
         stop_on_eos: bool = True,
     ) -> Result:
         sampling = SamplingConfig(temperature, top_k, top_p)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+            raise ConfigError(f"seed must be an int (or None for 0), got {seed!r}")  # int("3") / int(2.7) took it
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         target = self.target

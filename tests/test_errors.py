@@ -62,6 +62,8 @@ def test_budget_below_one(budget):
     ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
     ({"temperature": 1.0, "top_k": -1}, "top_k must be"),
     ({"max_new_tokens": 0}, "max_new_tokens must be"),
+    ({"temperature": 1.0, "seed": "3"}, "seed must be an int.*'3'"),  # int("3") took it, int(2.7) made it 2
+    ({"temperature": 1.0, "seed": 2.7}, "seed must be an int.*2.7"),
 ])
 def test_bad_sampling_arguments(tiny_llama, kw, msg):
     args = {"max_new_tokens": 4, **kw}

@@ -280,6 +280,9 @@ def test_graft_matrix_sizes_are_counts(tiny_llama):
     for key, value in (("k", "x"), ("k", 2.7), ("k", 0), ("warmup_rounds", -1)):
         with pytest.raises(ConfigError, match=f"graft {key} must be an int >= [01], got {value!r}"):
             make_method("m", {"drafter": {"type": "pld"}, "graft": {"mode": "graft", key: value}}, tiny_llama, 4)
+    for key, value in (("k", "x"), ("warmup_tokens", "x")):  # the bench's shared warm-up took them first
+        with pytest.raises(ConfigError, match=f"{key} .*must be an int >= [01].*got 'x'"):
+            make_method("m", {"drafter": {"type": "recycling", key: value}}, tiny_llama, 4)
     from graft_block.graft import Graft
 
     with pytest.raises(ConfigError, match="graft k must be an int >= 1, got 'x'"):
