@@ -49,6 +49,10 @@ from . import dflash as D
 from .dspark.drafter import candidate_logprobs, candidate_split
 
 MODE_ROWS = ("all", "mask")
+MFD_TRAIN_DEFAULTS = {"num_modes": 4, "mode_rows": "all", "mode_init_scale": 0.5, "mix_loss": "mixture",
+                      "wta_eps": 0.05, "balance": 0.05, "seed": 0, "freeze_backbone": False}
+# every --config key an MFD run reads; others are refused by name (graft_block.training)
+MFD_TRAIN_KEYS = tuple(dict.fromkeys((*D.TRAIN_KEYS, *MFD_TRAIN_DEFAULTS, "score")))
 
 
 class MFDModel(D.DFlashModel):
@@ -403,6 +407,8 @@ class MFDDrafter(D.DFlashDrafter):
         return d
 
     # ---- training plug-in (graft_block.training) --------------------------------------------------------
+    training_keys = MFD_TRAIN_KEYS
+
     @classmethod
     def training_model(cls, target, cfg: dict, init: str | None = None) -> MFDModel:
         return training_model(target, cfg, init)
@@ -417,8 +423,6 @@ class MFDDrafter(D.DFlashDrafter):
 
 
 # ---- training ----------------------------------------------------------------------------------------------
-MFD_TRAIN_DEFAULTS = {"num_modes": 4, "mode_rows": "all", "mode_init_scale": 0.5, "mix_loss": "mixture",
-                      "wta_eps": 0.05, "balance": 0.05, "seed": 0, "freeze_backbone": False}
 
 
 def training_model(target, cfg: dict, init: str | None = None) -> MFDModel:

@@ -141,7 +141,9 @@ def main(argv=None):
             ap.error("--out and --run are required for training")
         from graft_block.drafter import drafter_class
 
-        drafter_class(args.type)  # an unknown type is named, with the known ones
+        from graft_block.training import check_training_keys
+
+        check_training_keys(drafter_class(args.type), args.type, cfg)  # an unknown type or key, before the load
 
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -53,6 +53,15 @@ def epoch_batches(n: int, batch_size: int, epoch: int, seed: int, rank: int = 0,
     return batches[rank:usable:world]
 
 
+def check_training_keys(klass, drafter_type: str, cfg: dict) -> None:
+    """A ConfigError for a --config key the drafter's training never reads (a misspelt "num_anchor" trained with the
+    default without a word); a class without ``training_keys`` is not checked."""
+    known = getattr(klass, "training_keys", None)
+    unknown = sorted(set(cfg) - set(known or cfg))
+    if unknown:
+        raise ConfigError(f"{drafter_type} training reads no config keys {unknown}; it reads: {', '.join(known)}")
+
+
 def init_seed_of(cfg: dict, seed: int) -> int:
     """The seed of a run's initialisation draws (new layers and heads, MFD's mode vectors, EAGLE3's warm-start noise):
     the config's ``"seed"`` when it names one (an explicit choice for the inits; a resumed run keeps its own), else
@@ -243,6 +252,7 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
     rank, world = _dist()
     amp = autocast_context(target.device, autocast)
     cfg = dict(cfg or {})
+    check_training_keys(klass, drafter_type, cfg)
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     state_path = run_dir / "state.pt"

@@ -968,6 +968,14 @@ def test_training_follows_the_configured_alignment(one_thread, tmp_path):
     assert S.DSparkDrafter.training_model(target, {}, str(tmp_path / "ds")).alignment == "deepspec"
     with pytest.raises(ConfigError, match="keeps its alignment"):
         S.DSparkDrafter.training_model(target, {"alignment": "zlab"}, str(tmp_path / "ds"))
+    # --init takes a bundled short name, as DFlash's does (it read "<name>/config.json" relative to the cwd)
+    import graft_block.drafter as registry
+
+    registry._CHECKPOINT_ROOTS.append(tmp_path)
+    try:
+        assert S.DSparkDrafter.training_model(target, {}, "ds").alignment == "deepspec"
+    finally:
+        registry._CHECKPOINT_ROOTS.remove(tmp_path)
 
 
 def test_chunked_anchors_equal_one_packed_forward(one_thread):

@@ -557,3 +557,17 @@ def test_unique_anchors_cover_a_short_span_and_never_repeat_in_a_long_one():
         assert bool(ok[1].all()) and long.unique().numel() == 8 and int(long.min()) >= 3 and int(long.max()) <= 18
         a, ok = D.sample_anchors(plen, lengths, 8, torch.Generator().manual_seed(seed))  # with replacement
         assert bool(ok.all()) and bool(((a >= plen.view(-1, 1)) & (a <= lengths.view(-1, 1) - 2)).all())
+
+
+def test_a_config_key_no_training_reads_is_refused(tmp_path):
+    """A misspelt recipe key ("num_anchor") trained on with the default: every trainable drafter names its keys."""
+    tiny = tiny_target("llama", engine="hf")
+    for kind, typo in (("dflash", "num_anchor"), ("dspark", "markov_rnk"), ("mfd", "num_mode"), ("eagle3", "ttt")):
+        with pytest.raises(ConfigError, match=f"{kind} training reads no config keys \\['{typo}'\\]; it reads: "):
+            T.train(kind, tiny, "no-data", tmp_path / "ck", tmp_path / "run", cfg={typo: 1, "seed": 0})
+    from graft_block.drafter import drafter_class
+
+    for kind in ("dflash", "dspark", "mfd", "eagle3"):  # the loop writes these two into cfg: a resume reads them
+        assert {"seed", "draft_vocab"} <= set(drafter_class(kind).training_keys)
+    for kind in ("dflash", "dspark", "mfd"):  # one block recipe: its keys reach every block drafter
+        assert set(D.RECIPE_KEYS) <= set(drafter_class(kind).training_keys)

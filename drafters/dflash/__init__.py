@@ -26,6 +26,7 @@ from .model import DFlashAttention, DFlashLayer, DFlashModel, build_target_layer
 from .training import (
     RECIPE_KEYS,
     TRAIN_DEFAULTS,
+    TRAIN_KEYS,
     block_attention_mask,
     block_loss_opts,
     block_metrics,
@@ -47,9 +48,9 @@ from .training import (
 
 __all__ = [
     "ARCHITECTURE", "DEFAULT_ROPE_THETA", "DFlashAttention", "DFlashDrafter", "DFlashLayer", "DFlashModel",
-    "RECIPE_KEYS", "SHAPE_KEYS", "TRAIN_DEFAULTS", "apply_rope", "block_attention_mask", "block_loss_opts",
-    "block_metrics", "build_target_layer_ids", "draft_rows", "freeze_backbone", "recipe_loss", "row_objective",
-    "row_weights", "target_l1", "training_blocks",
+    "RECIPE_KEYS", "SHAPE_KEYS", "TRAIN_DEFAULTS", "TRAIN_KEYS", "apply_rope", "block_attention_mask",
+    "block_loss_opts", "block_metrics", "build_target_layer_ids", "draft_rows", "freeze_backbone", "recipe_loss",
+    "row_objective", "row_weights", "target_l1", "training_blocks",
     "check_compatible", "config_dict", "is_dflash_layout", "lm_head", "load_checkpoint", "make_blocks",
     "model_from_config", "new_model", "random_init_block", "read_config", "rope_parameters", "row_losses",
     "sample_anchors",

@@ -288,6 +288,7 @@ class DFlashDrafter(Drafter):
     # ---- training plug-in (graft_block.training) --------------------------------------------------------
     # a subclass with its own recipe (DSpark) swaps in its module and checkpoint writer
     training_module = dflash_training
+    training_keys = dflash_training.TRAIN_KEYS  # graft_block.training refuses any other --config key
     write_checkpoint = staticmethod(save_checkpoint)
 
     @classmethod

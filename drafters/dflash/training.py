@@ -39,6 +39,8 @@ TRAIN_DEFAULTS = {"num_layers": 3, "block_size": 16, "target_layer_ids": None, "
                   # filled in (the training batch's tau_tf then counts a filled row as a miss; held-out evaluation
                   # fills none); 0 = DFlash's one-step recipe
                   "fill_rate": 0.0}
+# every --config key a DFlash run reads ("seed" and "draft_vocab" the loop also sets); others are refused by name
+TRAIN_KEYS = (*TRAIN_DEFAULTS, "seed", "draft_vocab")
 RECIPE_KEYS = ("num_anchors", "unique_anchors", "anchor_chunk", "eval_anchors", "gamma", "ce_weight", "soft_weight",
                "l1_weight", "fill_rate")
 

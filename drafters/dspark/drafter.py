@@ -267,4 +267,5 @@ class DSparkDrafter(DFlashDrafter):
         return d
 
     training_module = dspark_training
+    training_keys = dspark_training.TRAIN_KEYS
     write_checkpoint = staticmethod(save_checkpoint)

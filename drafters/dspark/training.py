@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from graft_block.drafter import resolve_checkpoint
 from graft_block.errors import ConfigError
 
 from ..dflash import training as D
@@ -28,6 +29,7 @@ from .model import DSparkModel, EmbeddingMarkovHead, from_dflash
 TRAIN_DEFAULTS = {"markov_rank": 64, "markov_head_type": "vanilla", "confidence_head": True, "confidence_weight": 1.0,
                   "alignment": "zlab", "freeze_backbone": False, "confidence_label": "tv", "markov_basis": "table",
                   "markov_first_draft": True}
+TRAIN_KEYS = (*D.TRAIN_KEYS, *TRAIN_DEFAULTS)  # DSpark's heads over the DFlash backbone's keys
 MARKOV_BASES = ("table", "embedding")  # W1/W2 as free [V, r] tables (DeepSpec) or E A / E B (EmbeddingMarkovHead)
 CONFIDENCE_LABELS = ("tv", "greedy")  # 1 - TV (DeepSpec; acceptance when sampling) or argmax == target token
 RECIPE_DEFAULTS = {"ce_weight": 0.1, "l1_weight": 0.9, "soft_weight": 0.0, "gamma": 4.0, "num_anchors": 24,
@@ -47,10 +49,8 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
     opts = {**TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in TRAIN_DEFAULTS}}
     arch, stale = None, []
     if init not in (None, "random", "target"):
-        path = Path(init) / "config.json"
-        if not path.exists():
-            raise ConfigError(f"--init {init}: no config.json there (a DSpark or DFlash checkpoint folder)")
-        arch = json.loads(path.read_text()).get("architectures") or []
+        init = str(resolve_checkpoint(init, "DSpark or DFlash"))  # a bundled name too, as --type dflash takes
+        arch = json.loads((Path(init) / "config.json").read_text()).get("architectures") or []
     from_dspark = bool(arch) and "DFlashDraftModel" not in arch  # continue a DSpark folder, heads included
     if from_dspark:
         model = load_checkpoint(init, device=target.device, dtype=torch.float32)

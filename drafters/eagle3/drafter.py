@@ -232,6 +232,9 @@ class Eagle3Drafter(Drafter):
         return tree
 
     # ---- training protocol ----------------------------------------------------------------------------------
+    training_keys = ("draft_vocab", "token_counts", "data", "holdout", "draft_vocab_size", "feature_layers",
+                     "ttt_steps", "warm_layer", "warm_start", "lm_head_scale", "seed")  # others: refused by name
+
     @classmethod
     def training_model(cls, target, cfg: dict, init: str | None = None) -> nn.Module:
         """A trainable head for ``target`` (plugs into graft_block.training.train).
