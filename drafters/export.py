@@ -727,6 +727,10 @@ def _dflash_speculators(src: Source, out: Path, verifier, tokens, dspark: bool, 
                    enable_confidence_head=s["confidence_head"],
                    confidence_head_with_markov=s["confidence_with_markov"])
     default_tokens = s["block_size"] if anchor else s["block_size"] - 1
+    if tokens and tokens > default_tokens:  # one block forward drafts them all: a longer chain has no logits
+        raise ConfigError(f"--speculative-tokens {tokens}: one {cfg['speculators_model_type']} block drafts at most "
+                          f"{default_tokens} tokens (block_size {s['block_size']}"
+                          f"{'' if anchor else ' - 1'}); give {default_tokens} or fewer")
     cfg["speculators_config"] = {"algorithm": cfg["speculators_model_type"],
                                  **_proposal(tokens or default_tokens, verifier)}
     _lost_common(res, s, src, "vLLM", " (speculators has no calibration field)")

@@ -349,6 +349,9 @@ def test_tiny_dspark_deepspec_bf16(tmp_path, tiny_tok):
     got = load_file(str(res.path / "model.safetensors"))
     assert out["sample_from_anchor"] is True and out["confidence_head_with_markov"] is False
     assert out["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4  # the anchor row drafts too
+    with pytest.raises(ConfigError, match="--speculative-tokens 5: one dspark block drafts at most 4 tokens"):
+        ex.export(folder, "speculators", tmp_path / "ds-spec5", speculative_tokens=5)  # no row drafts a fifth
+    assert ex.export(folder, "speculators", tmp_path / "ds-spec3", speculative_tokens=3).path.is_dir()
     assert out["speculators_config"]["verifier"]["name_or_path"] is None
     assert out["transformer_layer_config"]["dtype"] == "bfloat16"
     assert set(got) == set(src)
