@@ -92,10 +92,28 @@ def calibrate(target, drafter, matrix=None, prompts=None, n_prompts: int = 5, ma
             "grid": grid}
 
 
+def saved_config(config_path: str | Path) -> dict:
+    """The JSON object ``--save`` will add its ``"graft"`` key to ({} for a new file), or a ConfigError naming what
+    is wrong; read before calibrating, so a bad path costs no calibration run."""
+    path = Path(config_path)
+    if not path.parent.is_dir():
+        raise ConfigError(f"--save {path}: folder {path.parent} does not exist; create it or save elsewhere")
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--save {path} exists but is not readable JSON ({exc}): repair it or save elsewhere") \
+            from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"--save {path} holds a JSON {type(data).__name__}, not a config object: save elsewhere")
+    return data
+
+
 def save_calibration(config_path: str | Path, calibration: dict) -> None:
     """Store the calibration under the ``"graft"`` key of a drafter config.json (other keys untouched)."""
     path = Path(config_path)
-    data = json.loads(path.read_text()) if path.exists() else {}
+    data = saved_config(path)
     data["graft"] = {k: calibration[k] for k in ("signal", "checkpoints", "thresholds", "quantile", "rule")}
     path.write_text(json.dumps(data, indent=2) + "\n")
 
@@ -116,6 +134,8 @@ def main(argv=None):
     ap.add_argument("--save", help="config.json to store the thresholds in (under the 'graft' key); in the drafter "
                     "checkpoint's own config.json, a Graft built for that drafter applies them")
     args = ap.parse_args(argv)
+    if args.save:
+        saved_config(args.save)
     target = load_target(args.target, device=args.device)
     drafter = Drafter.from_config(args.drafter, target=target)
     matrix = AdjacencyMatrix(target.vocab_size, device=target.device)

@@ -519,6 +519,16 @@ def test_calibrate_picks_thresholds_from_recorded_quantiles(tiny_llama, tmp_path
     save_calibration(pld_cfg, cal)
     pld = Drafter.from_config(str(pld_cfg), target=tiny_llama)
     assert Graft.from_config({"mode": "graft"}, matrix=m, drafter=pld).thresholds == g.thresholds
+    # a --save that cannot take the result is named before the target loads (it failed after the calibration)
+    from graft_block import calibrate as C
+
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "broken.json").write_text("{")
+    for path, words in ((tmp_path / "no" / "c.json", "folder .*no does not exist"),
+                        (tmp_path / "broken.json", "exists but is not readable JSON"),
+                        (tmp_path / "list.json", "holds a JSON list, not a config object")):
+        with pytest.raises(ConfigError, match=words):
+            C.main(["--target", str(tmp_path / "no-model"), "--drafter", "pld", "--save", str(path)])
 
 
 def test_calibrate_measures_every_quantile_from_the_same_matrix(tiny_llama):
