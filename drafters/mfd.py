@@ -423,8 +423,6 @@ class MFDDrafter(D.DFlashDrafter):
 
 
 # ---- training ----------------------------------------------------------------------------------------------
-
-
 def training_model(target, cfg: dict, init: str | None = None) -> MFDModel:
     """``init``: a DFlash checkpoint (the trained default: modes start from it), an MFD checkpoint (continue), or
     None/"random"/"target" (DFlash's fresh inits). DFlash's training options (num_anchors, gamma, soft_weight ...)
