@@ -5,6 +5,7 @@ A drafter only *proposes*: verification, the walk, KV compaction and grafting ar
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -457,6 +458,23 @@ def vocab_maps(ids, vocab: int):
 def is_count(value, minimum: int = 0) -> bool:
     """An int of at least ``minimum``, never a bool (``isinstance(True, int)`` holds: True would pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def check_flag(value, name: str) -> bool:
+    """``value`` if it is a bool, else a ConfigError naming ``name``: ``bool("false")`` is True."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def check_number(value, name: str, low: float = -math.inf, high: float = math.inf, what: str = "") -> float:
+    """``value`` as a float if it is a real number in [low, high] (never a bool or text), else a ConfigError naming
+    ``name``; ``what`` says what the number is (e.g. its scale)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+    if not ok:  # NaN fails both comparisons
+        span = "" if (low, high) == (-math.inf, math.inf) else f" in [{low}, {high}]"
+        raise ConfigError(f"{name} must be a number{span}{f' ({what})' if what else ''}, got {value!r}")
+    return float(value)
 
 
 def check_budget(budget) -> int:

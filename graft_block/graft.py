@@ -30,7 +30,7 @@ from graft_block.tree import SOURCE_RETRIEVED, Tree, TreeError, merge, root_only
 from graft_block.tree.templates import asymmetric_template, compile_template
 
 from .adjacency import AdjacencyMatrix
-from .drafter import is_count, read_config_json, resolve_checkpoint
+from .drafter import check_flag, check_number, is_count, read_config_json, resolve_checkpoint
 from .errors import ConfigError
 from .kernels import expand as expand_template
 from .pruning import (CHECKPOINTS, SIGNALS, fired_stage, normalize_thresholds, path_min_scores, ranked_nodes,
@@ -70,8 +70,16 @@ class Graft:
             raise ConfigError(f"attach must be one of {ATTACH}, got {attach!r}")
         if tail_confidence not in ("marginal", "cumulative"):
             raise ConfigError(f"tail_confidence must be 'marginal' or 'cumulative', got {tail_confidence!r}")
-        if not 0.0 <= fixed_draft_fraction <= 1.0 or not 0.0 <= frontier_share <= 1.0:
-            raise ConfigError("fixed_draft_fraction and frontier_share must lie in [0, 1]")
+        for name, v in (("fixed_draft_fraction", fixed_draft_fraction), ("frontier_share", frontier_share)):
+            check_number(v, name, 0.0, 1.0, "a share of the budget")
+        # the two tails read different scales: a log-prob for a probability (or back) kept every node or none
+        check_number(tail_threshold, "tail_threshold", 0.0, 1.0, "a per-node confidence, a probability")
+        if static_threshold != math.inf:  # inf: swap every draft node
+            check_number(static_threshold, "static_threshold", -math.inf, 0.0, "a log-probability (-3.0 = log 0.05)")
+        for name, v in (("refill", refill), ("update_matrix", update_matrix), ("record_signals", record_signals)):
+            check_flag(v, name)
+        if not isinstance(checkpoints, (list, tuple)) or not all(is_count(c, 0) for c in checkpoints):
+            raise ConfigError(f"checkpoints must be a list of draft depths (ints >= 0), got {checkpoints!r}")
         if matrix is None and mode != "prune":
             raise ConfigError(f"Graft mode {mode!r} retrieves candidates: pass matrix=AdjacencyMatrix(...) "
                               "(only mode='prune' works without one)")
@@ -79,7 +87,13 @@ class Graft:
         self.checkpoints = tuple(sorted(int(c) for c in checkpoints))
         self.signal = signal
         self.thresholds = normalize_thresholds(thresholds, self.checkpoints, signal)
-        allow = {int(k): int(v) for k, v in (draft_allowances or DEFAULT_DRAFT_ALLOWANCES).items()}
+        allow = {}
+        for k, v in (draft_allowances or DEFAULT_DRAFT_ALLOWANCES).items():
+            depth = int(k) if isinstance(k, str) and k.isdecimal() else k  # JSON keys are text
+            if not is_count(depth, 0) or not is_count(v, 0):
+                raise ConfigError(f"draft_allowances maps checkpoint depths to draft nodes kept (ints >= 0), got "
+                                  f"{k!r}: {v!r}")
+            allow[depth] = v
         missing = [c for c in self.checkpoints if c not in allow]
         if missing:
             raise ConfigError(f"draft_allowances lacks checkpoints {missing}; give one allowance per checkpoint")
@@ -99,7 +113,7 @@ class Graft:
         self.attach, self.frontier_share = attach, float(frontier_share)
         self.tail_threshold, self.tail_confidence = float(tail_threshold), tail_confidence
         self.static_threshold = float(static_threshold)
-        self.refill, self.update_matrix = bool(refill), bool(update_matrix)
+        self.refill, self.update_matrix = refill, update_matrix
         # One best-first list serves every stage: a stage with retrieval allowance B uses its first B paths, and
         # the rest are spares for slots freed by de-duplication.
         spare = budget + budget // 2 + 8
@@ -117,7 +131,7 @@ class Graft:
                                   f"holds k={self.matrix_k} successors per row (ranks 0..{self.matrix_k - 1}): its "
                                   f"higher-rank paths would never fill a slot; drop them or build the matrix with a "
                                   f"larger k")
-        self.record_signals = bool(record_signals)
+        self.record_signals = record_signals
         self.signal_log: dict[int, list[float]] = {c: [] for c in self.checkpoints}
         self.stats = {"rounds": 0, "stage_counts": Counter(), "draft_nodes": 0, "retrieved_nodes": 0,
                       "retrieved_accepted": 0, "rounds_with_retrieved_hit": 0, "accepted": 0}
@@ -287,8 +301,8 @@ def saved_calibration(drafter, cfg: dict) -> dict:
     cal = {k: saved[k] for k in ("signal", "checkpoints", "thresholds") if k in saved}
     if "signal" in cfg and cfg["signal"] != cal.get("signal", "mass"):
         return {}
-    if "checkpoints" in cfg and sorted(int(c) for c in cfg["checkpoints"]) != \
-            sorted(int(c) for c in cal.get("checkpoints", CHECKPOINTS)):
+    if "checkpoints" in cfg and sorted(map(str, cfg["checkpoints"])) != \
+            sorted(map(str, cal.get("checkpoints", CHECKPOINTS))):  # str: a malformed list is Graft's to name
         return {}
     return cal
 

@@ -17,6 +17,7 @@ import torch
 
 from graft_block.tree import SOURCE_DRAFT, Tree
 
+from .drafter import check_number
 from .errors import ConfigError
 
 CHECKPOINTS = (0, 1, 5)
@@ -55,7 +56,17 @@ def fired_stage(signals: dict[int, float], thresholds: dict[int, float]) -> int 
 def normalize_thresholds(thresholds, checkpoints: Sequence[int], kind: str) -> dict[int, float]:
     """Accept {int|str: float} (JSON keys are strings); fill missing checkpoints from the placeholders."""
     out = {}
-    given = {int(k): float(v) for k, v in (thresholds or {}).items()}
+    if thresholds is not None and not isinstance(thresholds, dict):
+        raise ConfigError(f"thresholds must map checkpoint depths to log-probabilities, got {thresholds!r}")
+    given = {}
+    for k, v in (thresholds or {}).items():
+        depth = int(k) if isinstance(k, str) and k.lstrip("-").isdecimal() else k  # JSON keys are text
+        if isinstance(depth, bool) or not isinstance(depth, int):
+            raise ConfigError(f"thresholds key {k!r} is not a checkpoint depth (an int)")
+        # a probability here (0.5) would sit above every log-prob signal and fire the stage every round; +inf is
+        # the explicit "always"
+        given[depth] = v if v == math.inf else check_number(v, f"thresholds[{k!r}]", -math.inf, 0.0,
+                                                            "a log-probability of the signal, or inf: always fire")
     unknown = set(given) - set(int(c) for c in checkpoints)
     if unknown:
         raise ConfigError(f"thresholds given for checkpoints {sorted(unknown)} that are not in checkpoints "

@@ -336,7 +336,8 @@ def test_greedy_identity_graft_over_planted(arch, request):
 
     m = AdjacencyMatrix(target.vocab_size, 8)
     configs = [dict(mode="graft", thresholds={0: -2.0, 1: -2.0, 5: -3.0}), dict(mode="graft", attach="both"),
-               dict(mode="fixed"), dict(mode="tail", tail_threshold=0.5), dict(mode="static", static_threshold=1.0),
+               dict(mode="fixed"), dict(mode="tail", tail_threshold=0.5),
+               dict(mode="static", static_threshold=math.inf),
                dict(mode="retrieve_only"), dict(mode="prune", thresholds=force_stage(1))]
     retrieved_accepted = 0
     for i, prompt in enumerate(_prompts(10, target.vocab_size)):
@@ -801,3 +802,24 @@ def test_saved_calibration_for_other_checkpoints_is_not_applied():
     assert g.checkpoints == (0, 1)
     assert g.thresholds == {0: DEFAULT_THRESHOLDS["mass"][0], 1: DEFAULT_THRESHOLDS["mass"][1]}
     assert Graft.from_config({}, matrix=random_matrix(0), drafter=drafter).thresholds == {0: -0.1, 1: -0.2, 5: -0.3}
+
+
+@pytest.mark.parametrize("key, value, words", [
+    # a probability where a log-probability goes fired the stage (or swapped every node) every round, silently
+    ("thresholds", {"0": 0.5}, r"thresholds\['0'\] must be a number in \[-inf, 0.0\]"),
+    ("static_threshold", 0.05, "static_threshold must be a number in \\[-inf, 0.0\\] \\(a log-probability"),
+    # and a log-probability where a probability goes kept every tail node, so the tail never grafted
+    ("tail_threshold", -1.2, "tail_threshold must be a number in \\[0.0, 1.0\\] \\(a per-node confidence"),
+    ("thresholds", {"0": "x"}, r"thresholds\['0'\] must be a number"),  # float("x"): a bare ValueError
+    ("fixed_draft_fraction", "0.5", "fixed_draft_fraction must be a number in \\[0.0, 1.0\\]"),
+    ("update_matrix", "false", "update_matrix must be true or false, got 'false'"),  # bool("false") is True
+    ("refill", 0, "refill must be true or false"),
+    ("checkpoints", [0, 1.5], "checkpoints must be a list of draft depths"),  # int(1.5) made it 1
+    ("draft_allowances", {"0": 8, "1": 2.5, "5": 40}, "draft_allowances maps checkpoint depths"),
+])
+def test_graft_settings_of_the_wrong_scale_or_type_are_named(key, value, words):
+    m = AdjacencyMatrix(64, 4)
+    with pytest.raises(ConfigError, match=words):
+        Graft.from_config({"mode": "graft", "budget": 8, key: value}, matrix=m)
+    Graft.from_config({"mode": "graft", "budget": 8, "thresholds": {"0": -math.inf, "1": math.inf, "5": -1.0},
+                       "static_threshold": math.inf}, matrix=m)  # the infinities stay: never / always
