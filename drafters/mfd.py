@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graft_block.drafter import (is_count, read_weights, register, reject_unknown_options, resolve_checkpoint,
-                                 shared_checkpoint)
+from graft_block.drafter import (check_flag, is_count, read_weights, register, reject_unknown_options,
+                                 resolve_checkpoint, shared_checkpoint)
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree
 from graft_block.tree.ddtree import topk_logprobs
@@ -433,13 +433,18 @@ def training_model(target, cfg: dict, init: str | None = None) -> MFDModel:
     is_mfd = init not in (None, "random", "target") and D.read_config(init).get("type") == "mfd"
     if is_mfd:
         model, _ = load_checkpoint(init, device=target.device, dtype=torch.float32)
+        D.training.check_continued(model, cfg, init, {"num_modes": lambda m: m.num_modes,
+                                                      "mode_rows": lambda m: m.mode_rows},
+                                   init_only=("init_layers", "passthrough", "mode_init_scale"))
         train_opts = None
     else:
         # the seed is also the backbone's: a new one draws its weights from it
         base = D.training_model(target, {k: v for k, v in cfg.items() if k not in MFD_TRAIN_DEFAULTS or k == "seed"},
                                 init)
         train_opts = base.train_opts
-        model = MFDModel.from_dflash(base, int(opts["num_modes"]), opts["mode_rows"])
+        if not is_count(opts["num_modes"], 1):  # int() made true a K = 1 control
+            raise ConfigError(f"num_modes must be an int >= 1, got {opts['num_modes']!r}")
+        model = MFDModel.from_dflash(base, opts["num_modes"], opts["mode_rows"])
         with torch.no_grad():
             mask_e = target.embed(torch.tensor([model.mask_token_id], device=target.device))[0]
         model.break_symmetry(mask_e, float(opts["mode_init_scale"]), int(opts["seed"]))
@@ -447,7 +452,7 @@ def training_model(target, cfg: dict, init: str | None = None) -> MFDModel:
         train_opts = D.block_loss_opts(cfg, model.block_size)
     D.check_compatible(model, target)
     model.mode_embed.requires_grad_(model.num_modes > 1)  # K = 1 control: exactly DFlash + the same extra training
-    if opts["freeze_backbone"]:  # the modes only: their control is the backbone itself
+    if check_flag(opts["freeze_backbone"], "freeze_backbone"):  # the modes only: their control is the backbone itself
         D.freeze_backbone(model, ("mode_embed", "mode_gate.") if model.num_modes > 1 else ())
     model.train_opts = {**train_opts, "mix_loss": opts["mix_loss"], "wta_eps": float(opts["wta_eps"]),
                         "balance": float(opts["balance"])}

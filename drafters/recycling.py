@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from graft_block.adjacency import AdjacencyMatrix
-from graft_block.drafter import Drafter, check_budget, is_count, register
+from graft_block.drafter import Drafter, check_budget, check_flag, is_count, register
 from graft_block.errors import ConfigError
 from graft_block.tree import SOURCE_RETRIEVED, Tree, TreeError, chain, merge
 from graft_block.kernels import expand as expand_template
@@ -80,7 +80,7 @@ class RecyclingDrafter(Drafter):
         self.matrix = matrix
         self.template_name = template if isinstance(template, str) or template is None else "custom"
         # the matrix this drafter reads has matrix.k columns (self.k when it builds its own)
-        self.template = build_template(template, self.budget, depth, width, bool(fill),
+        self.template = build_template(template, self.budget, depth, width, check_flag(fill, "fill"),
                                        self.k if matrix is None else matrix.k)
         self.stats = {"rounds": 0, "retrieved_nodes": 0, "retrieved_accepted": 0, "rounds_with_retrieved_hit": 0}
         if target is not None:

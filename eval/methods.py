@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from graft_block import Drafter, SpeculativeDecoder
-from graft_block.drafter import is_count
+from graft_block.drafter import check_flag, is_count
 from graft_block.errors import ConfigError
 
 from . import presets
@@ -85,7 +85,7 @@ def make_method(name: str, spec: dict, target, budget: int | None, chimeric: boo
     spec = dict(spec)
     extra_hooks = list(extra_hooks or []) + list(spec.pop("hooks", None) or [])  # objects: not deep-copied
     spec = presets.prepare(name, spec, budget)
-    chimeric = chimeric or bool(spec.pop("chimeric", False))
+    chimeric = chimeric or check_flag(spec.pop("chimeric", False), f"method {name!r}: chimeric")
     if spec.get("hf") is not None:
         return Method(name, hf_runner(target, spec["hf"]), config=spec)
     if spec.get("llamacpp") is not None:  # llama.cpp peer: ConfigError (a skip) without a build

@@ -1,6 +1,7 @@
 """The shared training recipe: batched greedy and sampled data generation, the generic loop (loss goes down, resume),
 and a trained DFlash drafter that saves, loads and reproduces its logits."""
 import json
+import re
 
 import pytest
 import torch
@@ -571,3 +572,42 @@ def test_a_config_key_no_training_reads_is_refused(tmp_path):
         assert {"seed", "draft_vocab"} <= set(drafter_class(kind).training_keys)
     for kind in ("dflash", "dspark", "mfd"):  # one block recipe: its keys reach every block drafter
         assert set(D.RECIPE_KEYS) <= set(drafter_class(kind).training_keys)
+
+
+def test_a_continued_model_keeps_its_architecture(tmp_path):
+    """--init FOLDER --config '{"block_size": 8}' trained the folder's block of 16 without a word; the same key with
+    the folder's own value is fine, and a new model's init-only keys beside a folder are a warning."""
+    tiny = tiny_target("llama", engine="hf")
+    D.save_checkpoint(D.new_model(tiny, 1, 6, [0, 2], 100), tmp_path / "ck", dtype=torch.float32,
+                      extra={"type": "dflash"})
+    ck = str(tmp_path / "ck")
+    assert D.training_model(tiny, {"block_size": 6, "num_layers": 1}, ck).block_size == 6
+    for key, value in (("block_size", 8), ("num_layers", 2), ("target_layer_ids", [1, 2]), ("mask_token_id", 7)):
+        asked = re.escape(repr(value))
+        with pytest.raises(ConfigError, match=rf"--init .*ck has {key} .* asks for {asked}: a continued model"):
+            D.training_model(tiny, {key: value}, ck)
+    with pytest.warns(UserWarning, match=r"\['init_layers'\] shape a new model's first weights and are ignored"):
+        D.training_model(tiny, {"init_layers": [0]}, ck)
+    from graft_block.drafters.dspark import training as DS
+
+    with pytest.raises(ConfigError, match="has markov_rank 4 and the config asks for 8"):
+        DS.training_model(tiny, {"markov_rank": 8}, _continued_dspark(tiny, tmp_path))
+
+
+def _continued_dspark(tiny, tmp_path) -> str:
+    from graft_block.drafters.dspark import DSparkDrafter
+
+    model = DSparkDrafter.training_model(tiny, {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 100,
+                                               "block_size": 6, "markov_rank": 4}, "random")
+    DSparkDrafter.save_trained(model, tmp_path / "ds", {})
+    return str(tmp_path / "ds")
+
+
+@pytest.mark.parametrize("key, value", [("unique_anchors", "false"), ("freeze_backbone", "no")])
+def test_training_switches_are_booleans(key, value):
+    """bool("false") is True: a quoted switch trained the opposite way."""
+    from graft_block.drafters.dspark import training as DS
+
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 100, "block_size": 6, key: value}
+    with pytest.raises(ConfigError, match=f"{key} must be true or false, got {value!r}"):
+        DS.training_model(tiny_target("llama", engine="hf"), cfg, "random")

@@ -15,10 +15,12 @@ DSpark adds its Markov and confidence heads (``drafters/dspark/training.py``), M
 """
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
 
+from graft_block.drafter import check_flag
 from graft_block.errors import ConfigError
 
 from .checkpoint import check_compatible, load_checkpoint, new_model
@@ -83,6 +85,25 @@ def warm_start(model: DFlashModel, target, layers: Sequence[int], passthrough: i
     model.norm.weight.copy_(base.norm.weight)
 
 
+def check_continued(model, cfg: dict, init: str, keys: dict | None = None, init_only=()) -> None:
+    """A model continued from ``init`` keeps what that folder built: a config key (``ARCHITECTURE_KEYS`` plus
+    ``keys``: name -> reader) asking for another value is a ConfigError, and an ``init_only`` key (one that shapes a
+    new model's first weights) a warning that it is ignored, so neither trains on without a word."""
+    for key, read in {**ARCHITECTURE_KEYS, **(keys or {})}.items():
+        if key in cfg and cfg[key] != read(model):
+            raise ConfigError(f"--init {init} has {key} {read(model)!r} and the config asks for {cfg[key]!r}: a "
+                              "continued model keeps its architecture; drop the key, or start from 'target' or "
+                              "'random'")
+    ignored = sorted(k for k in init_only if k in cfg)
+    if ignored:
+        warnings.warn(f"--init {init}: {ignored} shape a new model's first weights and are ignored when continuing "
+                      "a checkpoint", stacklevel=2)
+
+
+ARCHITECTURE_KEYS = {"num_layers": lambda m: len(m.layers), "block_size": lambda m: m.block_size,
+                     "target_layer_ids": lambda m: list(m.target_layer_ids), "mask_token_id": lambda m: m.mask_token_id}
+
+
 def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:
     """``init``: None/"random", "target" (warm start from the target's last ``num_layers`` decoder layers, or
     ``cfg["init_layers"]``), or a DFlash checkpoint folder (continue training it). A new model's random weights
@@ -92,11 +113,15 @@ def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:
     vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long).sort().values
     if init not in (None, "random", "target"):
         model = load_checkpoint(init, device=target.device, dtype=torch.float32)
+        check_continued(model, cfg, init, init_only=("init_layers", "passthrough"))
         if model.draft_vocab is not None:  # a checkpoint's vocabulary only grows: its ids stay, cfg's are added
             own = model.draft_vocab.cpu()
             vocab = own if vocab is None else torch.unique(torch.cat([own, vocab]))
             cfg["draft_vocab"] = vocab.tolist()  # the run state keeps cfg: a resume rebuilds this vocabulary
     else:
+        if init != "target" and any(k in cfg for k in ("init_layers", "passthrough")):
+            warnings.warn("init_layers and passthrough copy the target's layers: they apply with --init target only",
+                          stacklevel=2)
         ids = opts["target_layer_ids"] or build_target_layer_ids(target.num_layers, 3)
         mask = opts["mask_token_id"] if opts["mask_token_id"] is not None else target.vocab_size - 1
         model = new_model(target, opts["num_layers"], opts["block_size"], ids, mask, draft_vocab=vocab,
@@ -147,7 +172,7 @@ def block_loss_opts(cfg: dict, block_size: int, defaults: dict | None = None) ->
                           f"value, got {gamma!r}")
     return {**opts, "gamma": float(gamma), "soft_weight": float(opts["soft_weight"]),
             "ce_weight": float(opts["ce_weight"]), "l1_weight": float(opts["l1_weight"]),
-            "unique_anchors": bool(opts["unique_anchors"])}
+            "unique_anchors": check_flag(opts["unique_anchors"], "unique_anchors")}
 
 
 def block_attention_mask(anchors: torch.Tensor, ctx_len: int, B: int, dtype) -> torch.Tensor:

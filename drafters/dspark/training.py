@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from graft_block.drafter import resolve_checkpoint
+from graft_block.drafter import check_flag, is_count, resolve_checkpoint
 from graft_block.errors import ConfigError
 
 from ..dflash import training as D
@@ -54,6 +54,9 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
     from_dspark = bool(arch) and "DFlashDraftModel" not in arch  # continue a DSpark folder, heads included
     if from_dspark:
         model = load_checkpoint(init, device=target.device, dtype=torch.float32)
+        D.check_continued(model, cfg, init, {"markov_rank": lambda m: m.markov_rank,
+                                             "confidence_head": lambda m: m.confidence_head is not None},
+                          init_only=("init_layers", "passthrough"))
         if "markov_head_type" in cfg and cfg["markov_head_type"] != model.markov_head_type:
             raise ConfigError(f"--init {init} has a {model.markov_head_type!r} Markov head and the config asks for "
                               f"{cfg['markov_head_type']!r}: start from a DFlash folder for a new head type")
@@ -66,7 +69,10 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
         stale = reset_calibration(model)
     else:
         base = D.training_model(target, cfg, init)
-        model = from_dflash(base, markov_rank=int(opts["markov_rank"]), confidence_head=bool(opts["confidence_head"]),
+        if not is_count(opts["markov_rank"]):  # int() made "64" 64 and 64.9 64
+            raise ConfigError(f"markov_rank must be an int >= 0 (0 = no Markov head), got {opts['markov_rank']!r}")
+        model = from_dflash(base, markov_rank=opts["markov_rank"],
+                            confidence_head=check_flag(opts["confidence_head"], "confidence_head"),
                             alignment=str(opts["alignment"]), seed=int(cfg.get("seed", 0)),
                             markov_head_type=opts["markov_head_type"])
     if not isinstance(opts["markov_first_draft"], bool):
@@ -91,7 +97,8 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
         raise ConfigError(f"confidence_label must be one of {CONFIDENCE_LABELS} ('tv': 1 - TV to the target, the "
                           f"acceptance when sampling; 'greedy': the draft's argmax is the target's token), got "
                           f"{opts['confidence_label']!r}")
-    if opts["freeze_backbone"]:  # heads only: the drafts start and stay the backbone's, plus the Markov bias
+    # heads only: the drafts start and stay the backbone's, plus the Markov bias
+    if check_flag(opts["freeze_backbone"], "freeze_backbone"):
         D.freeze_backbone(model, ("markov_head.", "confidence_head."))
     # whatever trains, the saved folder is uncalibrated: its config.json says so until calibrate.py runs
     model.config_notes = {"calibration": calibration_note(init, stale)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -244,10 +245,18 @@ def widen_draft_vocab(head: Eagle3Head, target, add_ids: torch.Tensor) -> Eagle3
     return wide
 
 
+NEW_HEAD_KEYS = ("token_counts", "data", "holdout", "draft_vocab_size", "feature_layers", "warm_layer", "warm_start",
+                 "lm_head_scale")  # read only when a head is built, not when one is continued
+
+
 def training_head(target, cfg: dict, init: str | None = None) -> Eagle3Head:
     """A trainable head for ``target`` (``Eagle3Drafter.training_model``; see its docstring for ``cfg``)."""
     if init not in (None, "target", "random"):
         head = load_head(resolve_checkpoint(init, "eagle3"), target)
+        ignored = sorted(k for k in NEW_HEAD_KEYS if k in cfg)
+        if ignored:  # e.g. lm_head_scale beside --init in earlier runs' commands: it changed nothing
+            warnings.warn(f"--init {init}: {ignored} shape a new head and are ignored when continuing a checkpoint",
+                          stacklevel=2)
         if cfg.get("draft_vocab") is not None:
             head = widen_draft_vocab(head, target, torch.as_tensor(cfg["draft_vocab"], dtype=torch.long))
             # the run state keeps cfg: a resume (no init) rebuilds exactly this vocabulary
