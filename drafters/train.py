@@ -132,7 +132,19 @@ def main(argv=None):
                              ("--epochs", args.epochs > 0, "> 0"), ("--warmup", 0 <= args.warmup < 1, "in [0, 1)"),
                              ("--eval-every", args.eval_every >= 1, ">= 1"),
                              ("--minutes", args.minutes is None or args.minutes > 0, "> 0"),
-                             ("--threads", args.threads >= 1, ">= 1")))
+                             ("--threads", args.threads >= 1, ">= 1"),
+                             # each of these was taken silently (0 = all prompts, -1 = all shards but one, ...)
+                             ("--gen-batch", args.gen_batch >= 1, ">= 1"), ("--holdout", args.holdout >= 0, ">= 0"),
+                             ("--num-prompts", args.num_prompts >= 1, ">= 1"),
+                             ("--gen-shards", args.gen_shards is None or args.gen_shards >= 1, ">= 1"),
+                             ("--limit", args.limit is None or args.limit >= 1, ">= 1"),
+                             ("--draft-vocab", args.draft_vocab is None or args.draft_vocab >= 1, ">= 1")))
+    try:
+        layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    except ValueError:
+        layers = [-1]
+    if layers is not None and min(layers) < 0:
+        ap.error(f"--layers takes comma-separated HF hidden_states indices (ints >= 0), got {args.layers!r}")
     if args.generate and args.autocast and not args.from_onpolicy:
         ap.error("--autocast with --generate applies to --from-onpolicy caches only (generation stays in the "
                  "target's dtype)")
@@ -152,7 +164,6 @@ def main(argv=None):
     from graft_block.training import train
 
     target = load_target(args.target, device=args.device, dtype=args.dtype)
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     gen_limit = None if args.gen_minutes is None else args.gen_minutes * 60
     if args.generate and args.from_onpolicy:
         from graft_block.onpolicy import training_cache

@@ -12,7 +12,7 @@ import torch
 from .adjacency import AdjacencyMatrix
 from .decoder import SpeculativeDecoder
 from .drafter import Drafter
-from .errors import ConfigError, run_command
+from .errors import ConfigError, check_options, run_command
 from .graft import Graft
 from .pruning import CHECKPOINTS, SIGNALS
 from .target import load_target
@@ -134,6 +134,11 @@ def main(argv=None):
     ap.add_argument("--save", help="config.json to store the thresholds in (under the 'graft' key); in the drafter "
                     "checkpoint's own config.json, a Graft built for that drafter applies them")
     args = ap.parse_args(argv)
+    # named now, not after the target, the drafter, the warm-up and the recording pass (or under internal names)
+    check_options(ap, args, (("--prompts", args.prompts >= 1, ">= 1"),
+                             ("--max-new-tokens", args.max_new_tokens >= 1, ">= 1"),
+                             ("--warmup-rounds", args.warmup_rounds >= 0, ">= 0"),
+                             ("--quantiles", all(0 <= q < 1 for q in args.quantiles), "fractions in [0, 1)")))
     if args.save:
         saved_config(args.save)
     target = load_target(args.target, device=args.device)

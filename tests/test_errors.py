@@ -202,6 +202,14 @@ def test_sampling_on_gpu_style_generator_is_explicit(tiny_llama):
                                         (["--warmup", "1"], "--warmup must be in [0, 1), got 1.0"),
                                         (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
                                         (["--type", "nothing"], "unknown drafter type 'nothing'"),
+                                        # taken silently, or a bare error after the load, until 2026-12-08
+                                        (["--gen-batch", "0"], "--gen-batch must be >= 1, got 0"),
+                                        (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+                                        (["--draft-vocab", "-5"], "--draft-vocab must be >= 1, got -5"),
+                                        (["--holdout", "-5"], "--holdout must be >= 0, got -5"),
+                                        (["--limit", "-1"], "--limit must be >= 1, got -1"),
+                                        (["--layers", "2,x"], "--layers takes comma-separated HF hidden_states"),
+                                        (["--config", '{"num_anchor": 8}'], "reads no config keys ['num_anchor']"),
                                         (["--generate", "--top-p", "0"], "top_p must be in"),
                                         (["--out", ""], "--out and --run are required")])
 def test_bad_training_options_fail_before_the_target_loads(bad, words, refusal):
@@ -541,3 +549,15 @@ def test_a_checkpoint_type_or_graft_entry_of_the_wrong_kind_is_named(cfg, words)
 def test_a_saved_calibration_still_rides_on_the_drafter():
     cal = {"signal": "mass", "checkpoints": [0], "thresholds": {"0": -1.0}}
     assert Drafter.from_config({"type": "pld", "graft": cal}).graft_calibration == cal
+
+
+@pytest.mark.parametrize("bad, words", [(["--quantiles", "5", "10"], "--quantiles must be fractions in [0, 1)"),
+                                        (["--prompts", "0"], "--prompts must be >= 1, got 0"),
+                                        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+                                        (["--warmup-rounds", "-1"], "--warmup-rounds must be >= 0, got -1")])
+def test_bad_calibrate_options_fail_before_the_target_loads(bad, words, refusal, monkeypatch):
+    """Percent quantiles were refused only after the load, the warm-up and the recording pass."""
+    from graft_block import calibrate as C
+
+    monkeypatch.setattr(C, "load_target", lambda *a, **k: pytest.fail("the target loaded before the check"))
+    assert words in refusal(C.main, ["--drafter", "pld", *bad])
