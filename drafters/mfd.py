@@ -32,13 +32,14 @@ accepted length of mode 0 and of the best mode per block (oracle), and mode 0's 
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graft_block.drafter import (check_flag, is_count, read_weights, register, reject_unknown_options,
+from graft_block.drafter import (check_flag, check_number, is_count, read_weights, register, reject_unknown_options,
                                  resolve_checkpoint, shared_checkpoint)
 from graft_block.errors import ConfigError
 from graft_block.tree import Tree
@@ -430,6 +431,10 @@ def training_model(target, cfg: dict, init: str | None = None) -> MFDModel:
     opts = {**MFD_TRAIN_DEFAULTS, **{k: v for k, v in cfg.items() if k in MFD_TRAIN_DEFAULTS}}
     if opts["mix_loss"] not in ("mixture", "wta"):
         raise ConfigError(f"mix_loss must be 'mixture' or 'wta', got {opts['mix_loss']!r}")
+    if cfg.get("score", "best_mode") not in SCORES:  # save_trained writes it: a typo would load nowhere
+        raise ConfigError(f"score must be one of {SCORES}, got {cfg['score']!r}")
+    for key, low, high in (("wta_eps", 0.0, 1.0), ("balance", 0.0, math.inf), ("mode_init_scale", 0.0, math.inf)):
+        check_number(opts[key], key, low, high)  # wta_eps > 1 gave the winner a negative weight
     is_mfd = init not in (None, "random", "target") and D.read_config(init).get("type") == "mfd"
     if is_mfd:
         model, _ = load_checkpoint(init, device=target.device, dtype=torch.float32)

@@ -611,3 +611,20 @@ def test_training_switches_are_booleans(key, value):
     cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 100, "block_size": 6, key: value}
     with pytest.raises(ConfigError, match=f"{key} must be true or false, got {value!r}"):
         DS.training_model(tiny_target("llama", engine="hf"), cfg, "random")
+
+
+@pytest.mark.parametrize("kind, key, value, words", [
+    ("mfd", "score", "mixture", "score must be one of"),  # saved into config.json, refused only when loaded
+    ("mfd", "wta_eps", 1.5, r"wta_eps must be a number in \[0.0, 1.0\]"),  # the winner's weight 1 - eps < 0
+    ("mfd", "balance", "0.05", "balance must be a number"),
+    ("dspark", "confidence_weight", -1.0, "confidence_weight must be a number in"),
+    ("eagle3", "ttt_steps", 0, "ttt_steps must be an int >= 1"),  # died in the first backward
+])
+def test_training_numbers_are_checked_before_a_step(kind, key, value, words):
+    from graft_block.drafter import drafter_class
+
+    cfg = {"num_layers": 1, "target_layer_ids": [0, 2], "mask_token_id": 100, "block_size": 6, "seed": 0}
+    if kind == "eagle3":
+        cfg = {"token_counts": torch.ones(128), "draft_vocab_size": 32, "seed": 0}
+    with pytest.raises(ConfigError, match=words):
+        drafter_class(kind).training_model(tiny_target("llama", engine="hf"), {**cfg, key: value}, "random")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from graft_block.drafter import check_flag, is_count, resolve_checkpoint
+from graft_block.drafter import check_flag, check_number, is_count, resolve_checkpoint
 from graft_block.errors import ConfigError
 
 from ..dflash import training as D
@@ -103,7 +103,7 @@ def training_model(target, cfg: dict, init: str | None = None) -> DSparkModel:
     # whatever trains, the saved folder is uncalibrated: its config.json says so until calibrate.py runs
     model.config_notes = {"calibration": calibration_note(init, stale)}
     model.train_opts = {**D.block_loss_opts(cfg, model.block_size, RECIPE_DEFAULTS),
-                        "confidence_weight": float(opts["confidence_weight"]),
+                        "confidence_weight": check_number(opts["confidence_weight"], "confidence_weight", 0.0),
                         "confidence_label": opts["confidence_label"]}
     return model.to(target.device)
 

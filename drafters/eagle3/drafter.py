@@ -233,7 +233,8 @@ class Eagle3Drafter(Drafter):
 
     # ---- training protocol ----------------------------------------------------------------------------------
     training_keys = ("draft_vocab", "token_counts", "data", "holdout", "draft_vocab_size", "feature_layers",
-                     "ttt_steps", "warm_layer", "warm_start", "lm_head_scale", "seed")  # others: refused by name
+                     "ttt_steps", "warm_layer", "warm_start", "lm_head_scale", "seed",
+                     "budget", "depth", "top_k")  # the last three: the saved folder's drafter_defaults
 
     @classmethod
     def training_model(cls, target, cfg: dict, init: str | None = None) -> nn.Module:

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from graft_block.drafter import resolve_checkpoint, vocab_maps
+from graft_block.drafter import is_count, resolve_checkpoint, vocab_maps
 from graft_block.errors import ConfigError
 
 from .checkpoint import build_draft_vocab, load_head
@@ -288,7 +288,9 @@ def training_head(target, cfg: dict, init: str | None = None) -> Eagle3Head:
                        lm_head_scale=float(cfg.get("lm_head_scale", 0.2)))
     ids = head.cfg.aux_layer_ids
     head.feature_layers = [i + 1 for i in ids] if ids is not None else list(default_feature_layers(target.num_layers))
-    head.ttt_steps = int(cfg.get("ttt_steps", 7))
+    if not is_count(cfg.get("ttt_steps", 7), 1):  # 0 died in the first backward, 2.5 became 2
+        raise ConfigError(f"ttt_steps must be an int >= 1 (draft steps trained per position), got {cfg['ttt_steps']!r}")
+    head.ttt_steps = cfg.get("ttt_steps", 7)
     head = head.to(target.device).float().train()
     for p in head.parameters():
         p.requires_grad_(True)
