@@ -266,6 +266,9 @@ def train(drafter_type: str, target, data: str, out_dir: str | Path, run_dir: st
         for part in data.split(","):
             check_target(target, part.strip())
             recs += read(part.strip(), kinds)[:limit or None]
+        if kinds and not recs:  # a misspelt kind read nothing, and the holdout split then took the blame
+            have = sorted({r["kind"] for part in data.split(",") for r in read(part.strip())})
+            raise ConfigError(f"--kinds {','.join(kinds)}: {data} holds no such shards; its kinds: {', '.join(have)}")
     else:
         recs, meta = load_records(data, None, limit)
     if where is not None:

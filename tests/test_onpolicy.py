@@ -68,6 +68,10 @@ def test_errors_name_the_problem(tmp_path, target):
     with pytest.raises(ConfigError, match="samples > 1 only with temperature > 0"):
         OP.generate(target, tmp_path, 0, 4, samples=2, prompts=prompts())
     OP.generate(target, tmp_path, 0, 4, chunk=4, max_new=6, prompts=prompts(), log=lambda *_: None)
+    from graft_block import training as T
+
+    with pytest.raises(ConfigError, match="--kinds gredy: .* holds no such shards; its kinds: greedy"):
+        T.train("dflash", target, str(tmp_path), tmp_path / "ck", tmp_path / "run", online=True, kinds=["gredy"])
     with pytest.raises(ConfigError, match="max_new=6, not 9"):
         OP.generate(target, tmp_path, 4, 4, chunk=4, max_new=9, prompts=prompts())
     other = tiny_target("llama", vocab_size=96, seed=1)
