@@ -240,6 +240,13 @@ def check_spec(name: str, spec: dict) -> None:
         raise ConfigError(f"method {name!r}: drafter must be a drafter config (a mapping with 'type'), a bundled "
                           f"drafter's name, a checkpoint folder or a config file, or left out for none; got "
                           f"{drafter!r}")
+    hf = spec.get("hf")
+    owned = ("max_new_tokens", "attention_mask", "do_sample", "temperature", "top_k", "top_p", "streamer", "inputs")
+    if hf is not None and (not isinstance(hf, dict) or set(hf) & set(owned)):
+        # the harness sets these per prompt: a clash was a bare TypeError at the first prompt, or silently overridden
+        raise ConfigError(f"method {name!r}: hf must be a mapping of extra HF generate arguments (e.g. "
+                          f"{{\"prompt_lookup_num_tokens\": 10}}) without {', '.join(owned)}, which the run sets "
+                          f"(--max-new-tokens, --temperature, ...); got {hf!r}")
     for key, shape in (("graft", "Graft's settings, e.g. {\"mode\": \"tail\"}"),
                        ("schedule", "the schedule's settings, e.g. {\"stop\": \"best\"}, or true for the defaults")):
         value = spec.get(key)  # a truthy string or list read as "on", or died in dict()

@@ -168,7 +168,8 @@ def _bench_files(tmp_path):
                        ("half", 'name: m\ndrafter: {type: pld, budget: "{budget}"}\ndefault_budget: 1.5\n'),
                        ("five", "name: m\ndrafter: 5\n"), ("blank", 'name: m\ndrafter: ""\n'),
                        ("sched", "name: m\ndrafter: {type: pld}\nschedule: yes please\n"),
-                       ("graft", "name: m\ndrafter: {type: pld}\ngraft: true\n")):
+                       ("graft", "name: m\ndrafter: {type: pld}\ngraft: true\n"),
+                       ("hfclash", "name: m\nhf: {max_new_tokens: 5}\n")):
         (tmp_path / f"{name}.yaml").write_text(text)
 
 
@@ -186,6 +187,7 @@ def _bench_files(tmp_path):
     (["--config", "{tmp}/blank.yaml", "--methods", "m"], "method 'm': drafter must be a drafter config.*got ''"),
     (["--config", "{tmp}/sched.yaml", "--methods", "m"], "method 'm': schedule must be a mapping.*got 'yes please'"),
     (["--config", "{tmp}/graft.yaml", "--methods", "m"], "method 'm': graft must be a mapping.*got True"),
+    (["--config", "{tmp}/hfclash.yaml", "--methods", "m"], "method .m.: hf must be a mapping .* without max_new"),
     (["--time-limit", "nan"], "--time-limit must be > 0 seconds, got nan"),
     (["--out", "{tmp}/afile"], "{tmp}/afile is a file, not a folder"),
     (["--out", "{tmp}/afile/run"], "{tmp}/afile is a file, not a folder"),
