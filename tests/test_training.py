@@ -628,3 +628,16 @@ def test_training_numbers_are_checked_before_a_step(kind, key, value, words):
         cfg = {"token_counts": torch.ones(128), "draft_vocab_size": 32, "seed": 0}
     with pytest.raises(ConfigError, match=words):
         drafter_class(kind).training_model(tiny_target("llama", engine="hf"), {**cfg, key: value}, "random")
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("target_layer_ids", [], "target_layer_ids must be a non-empty list"),  # fell back to the default layers
+    ("target_layer_ids", [0, 9], r"decoder-layer ids \(0..3\)"),
+    ("init_layers", [-1], "init_layers must be a non-empty list"),  # counted from the end
+    ("mask_token_id", 16.7, "mask_token_id must be a token id"),  # int() made it 16
+    ("passthrough", 3, r"passthrough indexes target_layer_ids \(-3..2\)"),  # wrapped round to feature 0
+    ("block_size", "16", "block_size must be an int >= 2"),
+])
+def test_a_new_models_keys_are_taken_as_written(key, value, words):
+    with pytest.raises(ConfigError, match=words):
+        D.training_model(tiny_target("llama", engine="hf"), {"num_layers": 1, key: value}, "target")

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from graft_block.drafter import check_flag
+from graft_block.drafter import check_flag, is_count
 from graft_block.errors import ConfigError
 
 from .checkpoint import check_compatible, load_checkpoint, new_model
@@ -100,6 +100,28 @@ def check_continued(model, cfg: dict, init: str, keys: dict | None = None, init_
                       "a checkpoint", stacklevel=2)
 
 
+def check_new_model_keys(opts: dict, target) -> None:
+    """A new model's keys as written, or a ConfigError: int() took 16.7 for 16, [] fell back to the default layers,
+    a negative layer counted from the end and passthrough wrapped around its features."""
+    n = target.num_layers
+    for key, value in (("num_layers", opts["num_layers"]), ("block_size", opts["block_size"])):
+        if not is_count(value, 1 if key == "num_layers" else 2):
+            raise ConfigError(f"{key} must be an int >= {1 if key == 'num_layers' else 2}, got {value!r}")
+    for key in ("target_layer_ids", "init_layers"):
+        ids = opts[key]
+        if ids is not None and (not isinstance(ids, list) or not ids or not all(is_count(i) and i < n for i in ids)):
+            raise ConfigError(f"{key} must be a non-empty list of the target's decoder-layer ids (0..{n - 1}), or "
+                              f"null for the default, got {ids!r}")
+    if opts["mask_token_id"] is not None and not (is_count(opts["mask_token_id"])
+                                                  and opts["mask_token_id"] < target.vocab_size):
+        raise ConfigError(f"mask_token_id must be a token id in 0..{target.vocab_size - 1}, got "
+                          f"{opts['mask_token_id']!r}")
+    feats = len(opts["target_layer_ids"] or [0, 0, 0])
+    p = opts["passthrough"]
+    if isinstance(p, bool) or not isinstance(p, int) or not -feats <= p < feats:
+        raise ConfigError(f"passthrough indexes target_layer_ids (-{feats}..{feats - 1}), got {p!r}")
+
+
 ARCHITECTURE_KEYS = {"num_layers": lambda m: len(m.layers), "block_size": lambda m: m.block_size,
                      "target_layer_ids": lambda m: list(m.target_layer_ids), "mask_token_id": lambda m: m.mask_token_id}
 
@@ -122,7 +144,9 @@ def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:
         if init != "target" and any(k in cfg for k in ("init_layers", "passthrough")):
             warnings.warn("init_layers and passthrough copy the target's layers: they apply with --init target only",
                           stacklevel=2)
-        ids = opts["target_layer_ids"] or build_target_layer_ids(target.num_layers, 3)
+        check_new_model_keys(opts, target)
+        ids = opts["target_layer_ids"] if opts["target_layer_ids"] is not None else \
+            build_target_layer_ids(target.num_layers, 3)
         mask = opts["mask_token_id"] if opts["mask_token_id"] is not None else target.vocab_size - 1
         model = new_model(target, opts["num_layers"], opts["block_size"], ids, mask, draft_vocab=vocab,
                           seed=int(cfg.get("seed", 0)))  # the run's seed (graft_block.training.init_seed_of)
