@@ -46,11 +46,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graft_block.drafter import (bundled_checkpoint, bundled_checkpoints, detect_type, offset_vocab_ids,
-                                 read_weights, vocab_maps)
+from graft_block.drafter import (bundled_checkpoint, bundled_checkpoints, check_flag, check_number, detect_type,
+                                 offset_vocab_ids, read_weights, vocab_maps)
 from graft_block.errors import ConfigError, run_command
 
-from .dflash.checkpoint import from_speculators, model_from_config
+from .dflash.checkpoint import config_int, from_speculators, model_from_config
 from .dspark.checkpoint import dspark_options, model_from_dspark_config
 from .eagle3.checkpoint import _normalise_keys
 from .eagle3.model import Eagle3Config, Eagle3Head
@@ -187,21 +187,26 @@ def dflash_spec(src: Source) -> tuple[dict, dict]:
         raise ConfigError(f"{src.folder}/config.json lacks {', '.join(missing)} (needed to export a {src.kind} "
                           "drafter; target_layer_ids sit in dflash_config)")
     tensors = {(k[6:] if k.startswith("model.") else k): v for k, v in src.tensors.items()}
-    H, heads = int(s["hidden_size"]), int(s["num_attention_heads"])
+    where = f"{src.folder}/config.json"  # as the loader reads them: int("16") / bool("false") wrote another model
+
+    def count(key, value, least=1):
+        return config_int(value, key, where, least)
+
+    H, heads = count("hidden_size", s["hidden_size"]), count("num_attention_heads", s["num_attention_heads"])
     qn = tensors.get("layers.0.self_attn.q_norm.weight")
-    hd = int(raw.get("head_dim") or (qn.shape[0] if qn is not None else H // heads))
-    s.update(head_dim=hd, num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
-             intermediate_size=int(raw.get("intermediate_size", 3 * H)),
-             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-             hidden_act=raw.get("hidden_act", "silu"), attention_bias=bool(raw.get("attention_bias", False)),
-             rope_theta=_rope_theta(raw, f"{src.folder}/config.json"), block_size=int(s["block_size"]),
-             mask_token_id=int(s["mask_token_id"]))
+    hd = count("head_dim", raw.get("head_dim") or (qn.shape[0] if qn is not None else H // heads))
+    s.update(head_dim=hd, num_key_value_heads=count("num_key_value_heads", raw.get("num_key_value_heads", heads)),
+             intermediate_size=count("intermediate_size", raw.get("intermediate_size", 3 * H)),
+             rms_norm_eps=check_number(raw.get("rms_norm_eps", 1e-6), f"{where}: rms_norm_eps", 0.0),
+             max_position_embeddings=count("max_position_embeddings", raw.get("max_position_embeddings", 32768)),
+             hidden_act=raw.get("hidden_act", "silu"),
+             attention_bias=check_flag(raw.get("attention_bias", False), f"{where}: attention_bias"),
+             rope_theta=_rope_theta(raw, where), block_size=count("block_size", s["block_size"], 2),
+             mask_token_id=count("mask_token_id", s["mask_token_id"], 0))
     if s["hidden_act"] != "silu":
         raise ConfigError(f"{src.folder}: hidden_act {s['hidden_act']!r}; the DFlash drafters here use silu")
     if any(t != "full_attention" for t in raw.get("layer_types") or []):
         raise ConfigError(f"{src.folder}: sliding-window draft layers ({raw['layer_types']}) are not exported")
-    where = f"{src.folder}/config.json"
     if src.kind == "dspark":
         opts = dspark_options(raw, where)
         if opts["markov_rank"] and opts["markov_head_type"] != "vanilla":

@@ -736,6 +736,14 @@ def test_refusals_name_the_fix(tmp_path, tiny_tok, smol_tok):
     (broken / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="'yarn' RoPE scaling"):
         ex.export(broken, "speculators", tmp_path / "x-spec")
+    del cfg["rope_scaling"]
+    # the export read these with int() / bool(): "false" wrote a model with attention biases, 4.5 a block of 4
+    for key, value, words in (("attention_bias", "false", "attention_bias must be true or false"),
+                              ("block_size", 4.5, "block_size must be an integer >= 2"),
+                              ("intermediate_size", "96", "intermediate_size must be an integer >= 1")):
+        (broken / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ConfigError, match=f"x/config.json: {words}.*got {value!r}"):
+            ex.export(broken, "speculators", tmp_path / "x-spec")
     e3 = tiny_eagle3_speculators(tmp_path / "e3")
     cfg = json.loads((e3 / "config.json").read_text())
     cfg["transformer_layer_config"]["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
