@@ -188,7 +188,7 @@ def _child_runner(target, folder: str, kwargs: dict, timeout: float = CHILD_TIME
 
 
 def _runner(target, kwargs: dict):
-    sync = target.synchronize
+    sync = target.synchronize  # the arguments set here per prompt: presets.HF_RUN_ARGS, refused in kwargs
 
     def run(ids, max_new_tokens, temperature, seed, top_k=0, top_p=1.0):
         inp = ids.view(1, -1).to(target.device)

@@ -228,6 +228,10 @@ METHOD_KEYS = ("drafter", "graft", "schedule", "hf", "llamacpp", "default_budget
                "about")
 
 
+# the HF generate arguments peers._runner sets per prompt (an hf peer's own may not repeat them)
+HF_RUN_ARGS = ("max_new_tokens", "attention_mask", "do_sample", "temperature", "top_k", "top_p", "streamer", "inputs")
+
+
 def check_spec(name: str, spec: dict) -> None:
     """ConfigError for a method key nobody reads (a misspelt "graft" ran the method without Graft), a default
     budget that is no int >= 1 (1.5 was truncated to 1, "8" failed deep in int()), or a drafter of no usable type."""
@@ -241,11 +245,10 @@ def check_spec(name: str, spec: dict) -> None:
                           f"drafter's name, a checkpoint folder or a config file, or left out for none; got "
                           f"{drafter!r}")
     hf = spec.get("hf")
-    owned = ("max_new_tokens", "attention_mask", "do_sample", "temperature", "top_k", "top_p", "streamer", "inputs")
-    if hf is not None and (not isinstance(hf, dict) or set(hf) & set(owned)):
+    if hf is not None and (not isinstance(hf, dict) or set(hf) & set(HF_RUN_ARGS)):
         # the harness sets these per prompt: a clash was a bare TypeError at the first prompt, or silently overridden
         raise ConfigError(f"method {name!r}: hf must be a mapping of extra HF generate arguments (e.g. "
-                          f"{{\"prompt_lookup_num_tokens\": 10}}) without {', '.join(owned)}, which the run sets "
+                          f"{{\"prompt_lookup_num_tokens\": 10}}) without {', '.join(HF_RUN_ARGS)}, which the run sets "
                           f"(--max-new-tokens, --temperature, ...); got {hf!r}")
     for key, shape in (("graft", "Graft's settings, e.g. {\"mode\": \"tail\"}"),
                        ("schedule", "the schedule's settings, e.g. {\"stop\": \"best\"}, or true for the defaults")):

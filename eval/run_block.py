@@ -36,7 +36,7 @@ import graft_block  # noqa: E402,F401 - first: it sets the BLAS thread policy be
 import torch  # noqa: E402
 
 from graft_block import skinny  # noqa: E402
-from graft_block.engine import trim_heap  # noqa: E402
+from graft_block.engine import check_threads, set_threads, trim_heap  # noqa: E402
 from graft_block.errors import ConfigError, MethodUnavailable, run_command  # noqa: E402
 from graft_block.sampling import sampling_options  # noqa: E402
 from graft_block.eval import llamacpp, machine, measure, peers, physics, presets, report  # noqa: E402
@@ -175,8 +175,7 @@ def check_flags(args) -> None:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.warmup_tokens < 0:
         raise ConfigError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {args.warmup_tokens}")
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads must be >= 1 (leave it out for torch's choice), got {args.threads}")
+    check_threads(args.threads)
     if args.pilot_prompts < 1:
         raise ConfigError(f"--pilot-prompts must be >= 1 (the prompts --budget auto's pilots decode), got "
                           f"{args.pilot_prompts}")
@@ -330,8 +329,7 @@ def main(argv=None, methods: dict | None = None, target=None, prog: str | None =
     prompts, set_info, max_new, temps = pre["prompts"], pre["set_info"], pre["max_new"], pre["temps"]
     llamacpp.set_build(args.llamacpp)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     for s in set_info:
         if rank == 0 and s["used"] < s["of"] and args.limit is None:
             print(f"[prompts] {s['set']}: {s['used']} of {s['of']} prompts (--limit {limit}, the {args.suite} "

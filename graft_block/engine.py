@@ -553,13 +553,17 @@ def kernel_weight(w: torch.Tensor, kernel: str, rows: int | None = None):
     return None
 
 
-def set_threads(n: int | None) -> None:
-    """A command's ``--threads``: torch's CPU threads (None: torch's choice); 0 or fewer is refused, not ignored."""
-    if n is None:
-        return
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+def check_threads(n: int | None) -> None:
+    """A command's ``--threads`` (None: torch's choice); 0 or fewer is refused, not ignored."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ConfigError(f"--threads must be >= 1 (leave it out for torch's choice), got {n!r}")
-    torch.set_num_threads(n)
+
+
+def set_threads(n: int | None) -> None:
+    """``check_threads``, then torch's CPU threads set to ``n`` (None: left as they are)."""
+    check_threads(n)
+    if n is not None:
+        torch.set_num_threads(n)
 
 
 @contextmanager

@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from graft_block.tree import SOURCE_RETRIEVED, Tree, TreeError, merge, root_only
+from graft_block.tree.schedule import integer_key
 from graft_block.tree.templates import asymmetric_template, compile_template
 
 from .adjacency import AdjacencyMatrix
@@ -89,8 +90,8 @@ class Graft:
         self.thresholds = normalize_thresholds(thresholds, self.checkpoints, signal)
         allow = {}
         for k, v in (draft_allowances or DEFAULT_DRAFT_ALLOWANCES).items():
-            depth = int(k) if isinstance(k, str) and k.isdecimal() else k  # JSON keys are text
-            if not is_count(depth, 0) or not is_count(v, 0):
+            depth = integer_key(k)  # JSON keys are text
+            if depth is None or depth < 0 or not is_count(v, 0):
                 raise ConfigError(f"draft_allowances maps checkpoint depths to draft nodes kept (ints >= 0), got "
                                   f"{k!r}: {v!r}")
             allow[depth] = v
@@ -253,7 +254,8 @@ class Graft:
         if drafter is not None and "thresholds" not in cfg:
             cfg.update(saved_calibration(drafter, cfg))
         k, warmup_rounds = matrix_counts(cfg)
-        cfg.pop("k", None), cfg.pop("warmup_rounds", None)
+        for key in ("k", "warmup_rounds"):
+            cfg.pop(key, None)
         mdtype = cfg.pop("matrix_dtype", "int32")
         path = cfg.pop("matrix", None)
         if drafter is not None and "budget" not in cfg:
@@ -278,13 +280,11 @@ class Graft:
 def matrix_counts(cfg: dict) -> tuple[int, int]:
     """A Graft config's new-matrix settings ``(k, warmup_rounds)`` (defaults 8, 5), or a ConfigError: ``int()``
     turned "x" into a bare ValueError and 2.7 into 2."""
-    out = []
-    for key, default, least in (("k", 8, 1), ("warmup_rounds", 5, 0)):
-        value = cfg.get(key, default)
+    k, rounds = cfg.get("k", 8), cfg.get("warmup_rounds", 5)
+    for key, value, least in (("k", k, 1), ("warmup_rounds", rounds, 0)):
         if not is_count(value, least):
             raise ConfigError(f"graft {key} must be an int >= {least}, got {value!r}")
-        out.append(value)
-    return out[0], out[1]
+    return k, rounds
 
 
 def saved_calibration(drafter, cfg: dict) -> dict:

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from graft_block.tree import SOURCE_DRAFT, Tree
+from graft_block.tree.schedule import integer_key
 
 from .drafter import check_number
 from .errors import ConfigError
@@ -60,8 +61,8 @@ def normalize_thresholds(thresholds, checkpoints: Sequence[int], kind: str) -> d
         raise ConfigError(f"thresholds must map checkpoint depths to log-probabilities, got {thresholds!r}")
     given = {}
     for k, v in (thresholds or {}).items():
-        depth = int(k) if isinstance(k, str) and k.lstrip("-").isdecimal() else k  # JSON keys are text
-        if isinstance(depth, bool) or not isinstance(depth, int):
+        depth = integer_key(k)  # JSON keys are text
+        if depth is None:
             raise ConfigError(f"thresholds key {k!r} is not a checkpoint depth (an int)")
         # a probability here (0.5) would sit above every log-prob signal and fire the stage every round; +inf is
         # the explicit "always"

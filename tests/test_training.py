@@ -636,7 +636,7 @@ def test_training_numbers_are_checked_before_a_step(kind, key, value, words):
     ("init_layers", [-1], "init_layers must be a non-empty list"),  # counted from the end
     ("mask_token_id", 16.7, "mask_token_id must be a token id"),  # int() made it 16
     ("passthrough", 3, r"passthrough indexes target_layer_ids \(-3..2\)"),  # wrapped round to feature 0
-    ("block_size", "16", "block_size must be an int >= 2"),
+    ("block_size", "16", "--config: block_size must be an integer >= 2, got .16."),
 ])
 def test_a_new_models_keys_are_taken_as_written(key, value, words):
     with pytest.raises(ConfigError, match=words):

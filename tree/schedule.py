@@ -40,7 +40,7 @@ def _curve_points(curve: Mapping) -> list[tuple[int, float]]:
                         "(the harness's measure.verify_cost_curve output)")
     pts: dict[int, float] = {}
     for k, v in table.items():
-        size = _curve_size(k)
+        size = integer_key(k)
         if size is None or size < 1:
             raise TreeError(f"verify-cost curve entry {k!r}: {v!r}: sizes must be integers >= 1 (positions "
                             "verified); fix or drop that entry, or measure the curve again")
@@ -57,8 +57,9 @@ def _curve_points(curve: Mapping) -> list[tuple[int, float]]:
     return sorted(pts.items())
 
 
-def _curve_size(key) -> int | None:
-    """A curve key as a node count: an int, an integral float or a string of digits (JSON keys); else None."""
+def integer_key(key) -> int | None:
+    """A mapping key as an int (a curve's node count, a Graft checkpoint depth): an int, an integral float or a
+    string of digits (JSON keys); else None."""
     if isinstance(key, bool):
         return None
     if isinstance(key, numbers.Integral):

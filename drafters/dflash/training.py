@@ -23,7 +23,7 @@ import torch
 from graft_block.drafter import check_flag, is_count
 from graft_block.errors import ConfigError
 
-from .checkpoint import check_compatible, load_checkpoint, new_model
+from .checkpoint import check_compatible, config_int, load_checkpoint, new_model
 from .model import DFlashModel, build_target_layer_ids
 
 TRAIN_DEFAULTS = {"num_layers": 3, "block_size": 16, "target_layer_ids": None, "mask_token_id": None,
@@ -85,6 +85,10 @@ def warm_start(model: DFlashModel, target, layers: Sequence[int], passthrough: i
     model.norm.weight.copy_(base.norm.weight)
 
 
+ARCHITECTURE_KEYS = {"num_layers": lambda m: len(m.layers), "block_size": lambda m: m.block_size,
+                     "target_layer_ids": lambda m: list(m.target_layer_ids), "mask_token_id": lambda m: m.mask_token_id}
+
+
 def check_continued(model, cfg: dict, init: str, keys: dict | None = None, init_only=()) -> None:
     """A model continued from ``init`` keeps what that folder built: a config key (``ARCHITECTURE_KEYS`` plus
     ``keys``: name -> reader) asking for another value is a ConfigError, and an ``init_only`` key (one that shapes a
@@ -104,9 +108,8 @@ def check_new_model_keys(opts: dict, target) -> None:
     """A new model's keys as written, or a ConfigError: int() took 16.7 for 16, [] fell back to the default layers,
     a negative layer counted from the end and passthrough wrapped around its features."""
     n = target.num_layers
-    for key, value in (("num_layers", opts["num_layers"]), ("block_size", opts["block_size"])):
-        if not is_count(value, 1 if key == "num_layers" else 2):
-            raise ConfigError(f"{key} must be an int >= {1 if key == 'num_layers' else 2}, got {value!r}")
+    config_int(opts["num_layers"], "num_layers", "--config", 1)
+    config_int(opts["block_size"], "block_size", "--config", 2)
     for key in ("target_layer_ids", "init_layers"):
         ids = opts[key]
         if ids is not None and (not isinstance(ids, list) or not ids or not all(is_count(i) and i < n for i in ids)):
@@ -116,14 +119,10 @@ def check_new_model_keys(opts: dict, target) -> None:
                                                   and opts["mask_token_id"] < target.vocab_size):
         raise ConfigError(f"mask_token_id must be a token id in 0..{target.vocab_size - 1}, got "
                           f"{opts['mask_token_id']!r}")
-    feats = len(opts["target_layer_ids"] or [0, 0, 0])
+    feats = 3 if opts["target_layer_ids"] is None else len(opts["target_layer_ids"])  # the default layers: 3
     p = opts["passthrough"]
     if isinstance(p, bool) or not isinstance(p, int) or not -feats <= p < feats:
         raise ConfigError(f"passthrough indexes target_layer_ids (-{feats}..{feats - 1}), got {p!r}")
-
-
-ARCHITECTURE_KEYS = {"num_layers": lambda m: len(m.layers), "block_size": lambda m: m.block_size,
-                     "target_layer_ids": lambda m: list(m.target_layer_ids), "mask_token_id": lambda m: m.mask_token_id}
 
 
 def training_model(target, cfg: dict, init: str | None = None) -> DFlashModel:

@@ -28,7 +28,7 @@ from .checkpoint import (
     save_head,
 )
 from .model import Eagle3Head, default_feature_layers, prefix_mask
-from .training import training_head, ttt_loss
+from .training import NEW_HEAD_KEYS, training_head, ttt_loss
 
 DRAFTER_KEYS = ("checkpoint", "budget", "depth", "top_k", "feature_layers")
 
@@ -232,9 +232,8 @@ class Eagle3Drafter(Drafter):
         return tree
 
     # ---- training protocol ----------------------------------------------------------------------------------
-    training_keys = ("draft_vocab", "token_counts", "data", "holdout", "draft_vocab_size", "feature_layers",
-                     "ttt_steps", "warm_layer", "warm_start", "lm_head_scale", "seed",
-                     "budget", "depth", "top_k")  # the last three: the saved folder's drafter_defaults
+    # a new head's keys, then every run's; budget / depth / top_k become the saved folder's drafter_defaults
+    training_keys = (*NEW_HEAD_KEYS, "draft_vocab", "ttt_steps", "seed", "budget", "depth", "top_k")
 
     @classmethod
     def training_model(cls, target, cfg: dict, init: str | None = None) -> nn.Module:
